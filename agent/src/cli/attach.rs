@@ -1,0 +1,169 @@
+//! `nccltrace attach --pid PID`: join running ranks, trace, write every output.
+
+use std::io::IsTerminal as _;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use crate::pipeline::Aggregator;
+use crate::profile::Profile;
+use crate::record::{Meta, Writer};
+use crate::source::{self, Sink};
+use crate::{Error, host};
+
+#[derive(Debug, clap::Args)]
+pub struct AttachArgs {
+    /// Process ids of the ranks (comma-separated, or repeat the flag).
+    #[arg(long, short, required = true, value_delimiter = ',')]
+    pid: Vec<u32>,
+    /// Folder for the outputs (refused if it exists, unless --force).
+    #[arg(long, short, default_value = "nccltrace-out")]
+    out: PathBuf,
+    /// Stop after this long (500ms, 30s, 2m); default: until the targets exit or Ctrl-C.
+    #[arg(long, short)]
+    duration: Option<String>,
+    /// Probe preset: default, minimal, full, or a TOML file.
+    #[arg(long, default_value = "default")]
+    profile: String,
+    /// Write into --out even if it exists.
+    #[arg(long)]
+    force: bool,
+}
+
+/// Validated attach settings.
+struct Settings {
+    pids: Vec<u32>,
+    out: PathBuf,
+    duration: Option<Duration>,
+    profile: Profile,
+}
+
+impl AttachArgs {
+    fn validate(self) -> Result<Settings, Error> {
+        let duration = self.duration.as_deref().map(super::parse_duration).transpose()?;
+        let profile = Profile::load(&self.profile)?;
+        let mut pids = self.pid;
+        pids.sort_unstable();
+        pids.dedup();
+        if let Some(zero) = pids.iter().find(|p| **p == 0) {
+            return Err(Error::InvalidArgument {
+                what: "pid",
+                value: zero.to_string(),
+                expected: "a process id above 0",
+            });
+        }
+        let out = super::prepare_output(&self.out, self.force)?;
+        Ok(Settings { pids, out, duration, profile })
+    }
+}
+
+/// Writes each record to the recording and folds it into the summary.
+struct LiveSink {
+    writer: Writer,
+    agg: Aggregator,
+    nccl_calls: u64,
+    records: u64,
+    status: bool,
+    last: (Instant, u64),
+}
+
+impl Sink for LiveSink {
+    fn record(&mut self, bytes: &[u8]) -> Result<(), Error> {
+        self.writer.kernel(bytes)?;
+        self.records += 1;
+        if let Ok(crate::event::Event::Call(c)) = self.agg.push_raw(bytes) {
+            self.nccl_calls += u64::from(c.func.library() == crate::event::Library::Nccl);
+        }
+        Ok(())
+    }
+
+    fn tick(&mut self, lost: u64) {
+        if lost > 0 && !self.status {
+            eprintln!("nccltrace: warning: {lost} events lost so far (ring buffer full)");
+        }
+        if !self.status {
+            return;
+        }
+        let (at, before) = self.last;
+        let rate = (self.records - before) as f64 / at.elapsed().as_secs_f64().max(1e-3);
+        self.last = (Instant::now(), self.records);
+        eprint!(
+            "\rnccltrace: {rate:>9.0} events/s  {:>8} NCCL calls  {lost:>6} lost ",
+            self.nccl_calls
+        );
+    }
+}
+
+pub fn run(args: AttachArgs) -> Result<(), Error> {
+    let settings = args.validate()?;
+    let host = host::Host::live();
+    let targets = settings
+        .pids
+        .iter()
+        .map(|pid| source::discover(&host, *pid))
+        .collect::<Result<Vec<_>, _>>()?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(Error::Runtime)?;
+    runtime.block_on(trace(settings, &targets))
+}
+
+async fn trace(settings: Settings, targets: &[source::Target]) -> Result<(), Error> {
+    let mut attached = source::attach(targets, &settings.profile)?;
+    for t in &attached.header.targets {
+        eprintln!(
+            "nccltrace: attached to pid {} ({}) in {} ms: {} probes; NCCL {}; CUDA {}; profile {}",
+            t.pid,
+            t.comm,
+            attached.attach_time.as_millis(),
+            t.probes.len(),
+            t.nccl_library.as_deref().unwrap_or("-"),
+            t.cuda_library.as_deref().unwrap_or("not mapped"),
+            settings.profile.name,
+        );
+    }
+    let rec_path = settings.out.join("recording.nctr");
+    if rec_path.exists() {
+        std::fs::remove_file(&rec_path)
+            .map_err(|source| Error::Output { path: rec_path.clone(), source })?;
+    }
+    let writer = Writer::create(&rec_path, &attached.header)?;
+    let mut sink = LiveSink {
+        writer,
+        agg: Aggregator::new(attached.header.clone()),
+        nccl_calls: 0,
+        records: 0,
+        status: std::io::stderr().is_terminal(),
+        last: (Instant::now(), 0),
+    };
+    let outcome = attached.run(settings.duration, &mut sink).await;
+    attached.disarm();
+    let (lost_by_kind, counters) = attached.counters();
+    let reason = match &outcome {
+        Ok(r) => r.to_string(),
+        Err(e) => format!("stopped by an error: {e}"),
+    };
+    if sink.status {
+        eprintln!();
+    }
+    let end = Meta::End {
+        end_monotonic_ns: attached
+            .stopped_ns
+            .unwrap_or_else(|| host::clock_ns(libc::CLOCK_MONOTONIC)),
+        reason,
+        lost_by_kind,
+        counters,
+    };
+    // Whatever happened above, keep what was collected: close the recording and write the
+    // summary before reporting the error.
+    let write_end = sink.writer.meta(&end).and_then(|()| sink.writer.finish());
+    sink.agg.meta(end);
+    let summary = sink.agg.finish();
+    crate::pipeline::write_outputs(&settings.out, &summary, &mut std::io::stdout().lock())
+        .map_err(|source| Error::Output { path: settings.out.clone(), source })?;
+    eprintln!("nccltrace: outputs in {}; detaching probes", settings.out.display());
+    attached.detach();
+    outcome?;
+    write_end?;
+    Ok(())
+}

@@ -1,0 +1,98 @@
+//! The command line: clap types stop here and become validated settings.
+
+mod attach;
+mod report;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+
+use crate::Error;
+
+/// eBPF tracing and profiling agent for distributed training: where each step's time went.
+#[derive(Debug, Parser)]
+#[command(name = "nccltrace", version, about)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Attach to running ranks and trace until they exit, --duration passes, or Ctrl-C.
+    Attach(attach::AttachArgs),
+    /// Rebuild every output from a recording, without root.
+    Report(report::ReportArgs),
+}
+
+impl Cli {
+    /// Runs the chosen subcommand.
+    pub fn run(self) -> Result<(), Error> {
+        match self.command {
+            Command::Attach(args) => attach::run(args),
+            Command::Report(args) => report::run(args),
+        }
+    }
+}
+
+/// Parses durations such as `30s`, `500ms`, `2m`, `1h` or a bare number of seconds.
+pub fn parse_duration(text: &str) -> Result<Duration, Error> {
+    let invalid = || Error::InvalidArgument {
+        what: "duration",
+        value: text.to_owned(),
+        expected: "a number with a unit: 500ms, 30s, 2m, 1h",
+    };
+    let t = text.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let value: f64 = num.parse().map_err(|_| invalid())?;
+    let secs = match unit.trim() {
+        "" | "s" => value,
+        "ms" => value / 1e3,
+        "us" => value / 1e6,
+        "m" | "min" => value * 60.0,
+        "h" => value * 3600.0,
+        _ => return Err(invalid()),
+    };
+    if !secs.is_finite() || secs <= 0.0 || secs > 1e9 {
+        return Err(invalid());
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+/// Creates the output folder: refused when it exists unless `force`.
+pub fn prepare_output(dir: &Path, force: bool) -> Result<PathBuf, Error> {
+    if dir.exists() && !force {
+        return Err(Error::OutputExists { path: dir.to_owned() });
+    }
+    std::fs::create_dir_all(dir)
+        .map_err(|source| Error::Output { path: dir.to_owned(), source })?;
+    Ok(dir.to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    /// clap's own consistency checks on the command line.
+    #[test]
+    fn cli_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    /// Durations with units; nonsense is refused with the expected forms named.
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("30s").unwrap(), Duration::from_secs(30));
+        assert_eq!(parse_duration("500ms").unwrap(), Duration::from_millis(500));
+        assert_eq!(parse_duration("2m").unwrap(), Duration::from_secs(120));
+        assert_eq!(parse_duration("1.5").unwrap(), Duration::from_millis(1500));
+        for bad in ["", "abc", "-1s", "0", "5 parsecs"] {
+            let err = parse_duration(bad).unwrap_err();
+            assert!(err.to_string().contains("500ms"), "{bad}: {err}");
+            assert_eq!(err.exit_code(), 2);
+        }
+    }
+}

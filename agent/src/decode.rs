@@ -1,0 +1,262 @@
+//! Decode stage: raw kernel records (as the ring buffer and the recording hold them) into
+//! the event model. Pure; the only place that knows the record layouts and the NCCL ABI.
+
+use nccltrace_common::{
+    CallEvent, FaultEvent, Header, MigrateEvent, NumaTaskEvent, PageMigrationEvent,
+    SwitchEvent, TaskEvent, WakeupEvent, kind, numa_task, switch_flags,
+};
+
+use crate::event::{Call, Event, Func, NumaTaskKind, Task, datatype_size};
+
+/// A record that cannot be decoded.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum DecodeError {
+    #[error("record of {len} bytes is shorter than its {what} ({expected} bytes)")]
+    TooShort { what: &'static str, len: usize, expected: usize },
+    #[error("unknown record kind {kind}")]
+    UnknownKind { kind: u16 },
+    #[error("unknown traced function id {id}")]
+    UnknownFunc { id: u32 },
+}
+
+fn read<T: Copy>(bytes: &[u8], what: &'static str) -> Result<T, DecodeError> {
+    let expected = size_of::<T>();
+    if bytes.len() < expected {
+        return Err(DecodeError::TooShort { what, len: bytes.len(), expected });
+    }
+    // SAFETY: length checked; T is a #[repr(C)] integer-only record from nccltrace-common,
+    // valid for any bit pattern; read_unaligned because ring-buffer slices are 8-aligned
+    // but recording buffers need not be.
+    Ok(unsafe { bytes.as_ptr().cast::<T>().read_unaligned() })
+}
+
+/// The record's kind, from its header.
+pub fn record_kind(bytes: &[u8]) -> Result<u16, DecodeError> {
+    Ok(read::<Header>(bytes, "header")?.kind)
+}
+
+fn task(h: &Header) -> Task {
+    Task { tgid: h.tgid, tid: h.tid, cpu: h.cpu }
+}
+
+/// Decodes one raw record.
+pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
+    let h = read::<Header>(bytes, "header")?;
+    let t = task(&h);
+    Ok(match h.kind {
+        kind::CALL => Event::Call(decode_call(&read::<CallEvent>(bytes, "call record")?)?),
+        kind::SWITCH => {
+            let e = read::<SwitchEvent>(bytes, "sched_switch record")?;
+            Event::Switch {
+                ts_ns: h.ts_ns,
+                task: t,
+                prev_tid: e.prev_tid,
+                next_tid: e.next_tid,
+                next_tgid: e.next_tgid,
+                prev_state: e.prev_state,
+                prev_is_target: e.flags & switch_flags::PREV_TARGET != 0,
+                next_is_target: e.flags & switch_flags::NEXT_TARGET != 0,
+            }
+        }
+        kind::WAKEUP => {
+            let e = read::<WakeupEvent>(bytes, "sched_wakeup record")?;
+            Event::Wakeup {
+                ts_ns: h.ts_ns,
+                task: t,
+                waker_tid: e.waker_tid,
+                waker_tgid: e.waker_tgid,
+                target_cpu: e.target_cpu as i32,
+            }
+        }
+        kind::MIGRATE => {
+            let e = read::<MigrateEvent>(bytes, "sched_migrate_task record")?;
+            Event::Migrate {
+                ts_ns: h.ts_ns,
+                task: t,
+                orig_cpu: e.orig_cpu as i32,
+                dest_cpu: e.dest_cpu as i32,
+            }
+        }
+        kind::FORK => {
+            let e = read::<TaskEvent>(bytes, "fork record")?;
+            Event::Fork { ts_ns: h.ts_ns, task: t, child_tid: e.child_tid }
+        }
+        kind::EXIT => {
+            let e = read::<TaskEvent>(bytes, "exit record")?;
+            Event::Exit { ts_ns: h.ts_ns, task: t, group_dead: e.group_dead != 0 }
+        }
+        kind::FAULT => {
+            let e = read::<FaultEvent>(bytes, "page fault record")?;
+            Event::Fault {
+                ts_ns: h.ts_ns,
+                task: t,
+                address: e.address,
+                ip: e.ip,
+                error_code: e.error_code,
+            }
+        }
+        kind::PAGE_MIGRATION => {
+            let e = read::<PageMigrationEvent>(bytes, "page migration record")?;
+            Event::PageMigration {
+                ts_ns: h.ts_ns,
+                task: t,
+                succeeded: e.succeeded,
+                failed: e.failed,
+                mode: e.mode,
+                reason: e.reason,
+            }
+        }
+        kind::NUMA_TASK => {
+            let e = read::<NumaTaskEvent>(bytes, "NUMA task record")?;
+            let kind = match e.subkind {
+                numa_task::SWAP => NumaTaskKind::Swap,
+                numa_task::STICK => NumaTaskKind::Stick,
+                _ => NumaTaskKind::Move,
+            };
+            Event::NumaTask {
+                ts_ns: h.ts_ns,
+                task: t,
+                kind,
+                src_cpu: e.src_cpu,
+                src_nid: e.src_nid,
+                dst_cpu: e.dst_cpu,
+                dst_nid: e.dst_nid,
+            }
+        }
+        other => return Err(DecodeError::UnknownKind { kind: other }),
+    })
+}
+
+/// Interprets a call's raw arguments by the NCCL / CUDA driver ABI (nccl.h, cuda.h).
+fn decode_call(e: &CallEvent) -> Result<Call, DecodeError> {
+    let func = Func::from_id(e.func).ok_or(DecodeError::UnknownFunc { id: e.func })?;
+    let a = &e.args;
+    let mut call = Call {
+        task: task(&e.hdr),
+        func,
+        start_ns: e.start_ns,
+        end_ns: e.hdr.ts_ns,
+        ret: e.ret,
+        count: None,
+        datatype: None,
+        bytes: None,
+        redop: None,
+        peer: None,
+        comm: None,
+        stream: None,
+        new_comm: None,
+        rank: None,
+        nranks: None,
+    };
+    // (count, datatype, redop, peer/root, comm, stream) argument positions per function.
+    let layout: Option<(usize, usize, Option<usize>, Option<usize>, usize, usize)> = match func {
+        Func::AllReduce | Func::ReduceScatter => Some((2, 3, Some(4), None, 5, 6)),
+        Func::AllGather | Func::AlltoAll => Some((2, 3, None, None, 4, 5)),
+        Func::Broadcast | Func::Gather | Func::Scatter => Some((2, 3, None, Some(4), 5, 6)),
+        Func::Bcast | Func::Send | Func::Recv => Some((1, 2, None, Some(3), 4, 5)),
+        Func::Reduce => Some((2, 3, Some(4), Some(5), 6, 7)),
+        _ => None,
+    };
+    if let Some((count, dtype, redop, peer, comm, stream)) = layout {
+        let datatype = a[dtype] as u32;
+        call.count = Some(a[count]);
+        call.datatype = Some(datatype);
+        call.bytes = datatype_size(datatype).map(|size| a[count].saturating_mul(size));
+        call.redop = redop.map(|i| a[i] as u32);
+        call.peer = peer.map(|i| a[i] as i32);
+        call.comm = Some(a[comm]);
+        call.stream = Some(a[stream]);
+    }
+    match func {
+        Func::CommInitRank | Func::CommInitRankConfig => {
+            call.nranks = Some(a[1] as i32);
+            call.rank = Some(a[2] as i32);
+            call.new_comm = Some(e.out);
+        }
+        Func::CommInitAll => {
+            call.nranks = Some(a[1] as i32);
+            call.new_comm = Some(e.out);
+        }
+        Func::CommSplit => {
+            call.comm = Some(a[0]);
+            call.new_comm = Some(e.out);
+        }
+        Func::CommDestroy | Func::CommAbort => call.comm = Some(a[0]),
+        Func::CuStreamSynchronize | Func::CuStreamSynchronizePtsz => call.stream = Some(a[0]),
+        _ => {}
+    }
+    Ok(call)
+}
+
+/// The bytes of a record, as the ring buffer delivers them. Used by tests and benchmarks
+/// to build records without the kernel.
+#[must_use]
+pub fn as_bytes<T: Copy>(record: &T) -> Vec<u8> {
+    // SAFETY: T is one of the #[repr(C)] integer-only records with explicit padding.
+    unsafe { std::slice::from_raw_parts(std::ptr::from_ref(record).cast::<u8>(), size_of::<T>()) }
+        .to_vec()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nccltrace_common::func;
+
+    fn call_record(func_id: u32, args: [u64; 8]) -> CallEvent {
+        CallEvent {
+            hdr: Header { ts_ns: 2_000, tgid: 10, tid: 11, kind: kind::CALL, cpu: 1, _pad: 0 },
+            start_ns: 1_500,
+            func: func_id,
+            ret: 0,
+            args,
+            out: 0xabc,
+        }
+    }
+
+    /// ncclAllReduce's count × float32 size gives bytes; comm and stream come from the
+    /// 6th and 7th arguments (the 7th read from the stack by the kernel program).
+    #[test]
+    fn all_reduce_arguments() {
+        let rec = call_record(func::NCCL_ALL_REDUCE, [1, 2, 1000, 7, 0, 0x77, 0x88, 0]);
+        let Event::Call(c) = decode(&as_bytes(&rec)).unwrap() else { panic!("not a call") };
+        assert_eq!(c.func, Func::AllReduce);
+        assert_eq!(c.bytes, Some(4000));
+        assert_eq!(c.redop, Some(0));
+        assert_eq!((c.comm, c.stream), (Some(0x77), Some(0x88)));
+        assert_eq!(c.duration_ns(), 500);
+    }
+
+    /// ncclReduce has eight arguments: root 6th, comm 7th, stream 8th.
+    #[test]
+    fn reduce_reads_eight_arguments() {
+        let rec = call_record(func::NCCL_REDUCE, [1, 2, 10, 8, 2, 3, 0x70, 0x80]);
+        let Event::Call(c) = decode(&as_bytes(&rec)).unwrap() else { panic!("not a call") };
+        assert_eq!(c.bytes, Some(80));
+        assert_eq!(c.peer, Some(3));
+        assert_eq!((c.comm, c.stream), (Some(0x70), Some(0x80)));
+    }
+
+    /// ncclCommInitRank passes the 128-byte ncclUniqueId in memory, so rank is the third
+    /// register argument; the new handle is read through the out pointer.
+    #[test]
+    fn comm_init_rank() {
+        let rec = call_record(func::NCCL_COMM_INIT_RANK, [0x1000, 8, 3, 0, 0, 0, 0, 0]);
+        let Event::Call(c) = decode(&as_bytes(&rec)).unwrap() else { panic!("not a call") };
+        assert_eq!((c.nranks, c.rank, c.new_comm), (Some(8), Some(3), Some(0xabc)));
+    }
+
+    /// Truncated and unknown records are errors, not panics.
+    #[test]
+    fn bad_records() {
+        assert!(matches!(decode(&[0u8; 10]), Err(DecodeError::TooShort { .. })));
+        let mut rec = call_record(999, [0; 8]);
+        assert_eq!(
+            decode(&as_bytes(&rec)),
+            Err(DecodeError::UnknownFunc { id: 999 })
+        );
+        rec.hdr.kind = 77;
+        assert_eq!(decode(&as_bytes(&rec)), Err(DecodeError::UnknownKind { kind: 77 }));
+        let short = &as_bytes(&call_record(func::NCCL_SEND, [0; 8]))[..60];
+        assert!(matches!(decode(short), Err(DecodeError::TooShort { .. })));
+    }
+}

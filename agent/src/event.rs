@@ -1,0 +1,287 @@
+//! The user-side event model: what every stage after `decode` reads. Plain data, no kernel
+//! types; NCCL and CUDA arguments already interpreted.
+
+use serde::Serialize;
+
+/// A traced library function, named as users know it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub enum Func {
+    AllReduce,
+    AllGather,
+    ReduceScatter,
+    Broadcast,
+    Bcast,
+    Reduce,
+    AlltoAll,
+    Gather,
+    Scatter,
+    Send,
+    Recv,
+    GroupStart,
+    GroupEnd,
+    CommInitRank,
+    CommInitRankConfig,
+    CommInitAll,
+    CommSplit,
+    CommDestroy,
+    CommAbort,
+    CuStreamSynchronize,
+    CuStreamSynchronizePtsz,
+    CuEventSynchronize,
+    CuCtxSynchronize,
+}
+
+/// Which library a function lives in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Library {
+    Nccl,
+    Cuda,
+}
+
+impl Func {
+    /// Every traced function with its id (the BPF cookie) and the symbols that define it,
+    /// strong name first. NCCL exports `pnccl*` and weak `nccl*` aliases at one address.
+    pub const ALL: [(Func, u32, &'static [&'static str]); 23] = {
+        use nccltrace_common::func as f;
+        [
+            (Func::AllReduce, f::NCCL_ALL_REDUCE, &["pncclAllReduce", "ncclAllReduce"]),
+            (Func::AllGather, f::NCCL_ALL_GATHER, &["pncclAllGather", "ncclAllGather"]),
+            (Func::ReduceScatter, f::NCCL_REDUCE_SCATTER, &["pncclReduceScatter", "ncclReduceScatter"]),
+            (Func::Broadcast, f::NCCL_BROADCAST, &["pncclBroadcast", "ncclBroadcast"]),
+            (Func::Bcast, f::NCCL_BCAST, &["pncclBcast", "ncclBcast"]),
+            (Func::Reduce, f::NCCL_REDUCE, &["pncclReduce", "ncclReduce"]),
+            (Func::AlltoAll, f::NCCL_ALLTOALL, &["pncclAlltoAll", "ncclAlltoAll"]),
+            (Func::Gather, f::NCCL_GATHER, &["pncclGather", "ncclGather"]),
+            (Func::Scatter, f::NCCL_SCATTER, &["pncclScatter", "ncclScatter"]),
+            (Func::Send, f::NCCL_SEND, &["pncclSend", "ncclSend"]),
+            (Func::Recv, f::NCCL_RECV, &["pncclRecv", "ncclRecv"]),
+            (Func::GroupStart, f::NCCL_GROUP_START, &["pncclGroupStart", "ncclGroupStart"]),
+            (Func::GroupEnd, f::NCCL_GROUP_END, &["pncclGroupEnd", "ncclGroupEnd"]),
+            (Func::CommInitRank, f::NCCL_COMM_INIT_RANK, &["pncclCommInitRank", "ncclCommInitRank"]),
+            (Func::CommInitRankConfig, f::NCCL_COMM_INIT_RANK_CONFIG, &["pncclCommInitRankConfig", "ncclCommInitRankConfig"]),
+            (Func::CommInitAll, f::NCCL_COMM_INIT_ALL, &["pncclCommInitAll", "ncclCommInitAll"]),
+            (Func::CommSplit, f::NCCL_COMM_SPLIT, &["pncclCommSplit", "ncclCommSplit"]),
+            (Func::CommDestroy, f::NCCL_COMM_DESTROY, &["pncclCommDestroy", "ncclCommDestroy"]),
+            (Func::CommAbort, f::NCCL_COMM_ABORT, &["pncclCommAbort", "ncclCommAbort"]),
+            (Func::CuStreamSynchronize, f::CU_STREAM_SYNCHRONIZE, &["cuStreamSynchronize"]),
+            (Func::CuStreamSynchronizePtsz, f::CU_STREAM_SYNCHRONIZE_PTSZ, &["cuStreamSynchronize_ptsz"]),
+            (Func::CuEventSynchronize, f::CU_EVENT_SYNCHRONIZE, &["cuEventSynchronize"]),
+            (Func::CuCtxSynchronize, f::CU_CTX_SYNCHRONIZE, &["cuCtxSynchronize"]),
+        ]
+    };
+
+    /// The function with this id, if the id is known.
+    #[must_use]
+    pub fn from_id(id: u32) -> Option<Func> {
+        Self::ALL.iter().find(|(_, i, _)| *i == id).map(|(f, _, _)| *f)
+    }
+
+    /// The id used as BPF cookie and in recordings.
+    #[must_use]
+    pub fn id(self) -> u32 {
+        Self::ALL.iter().find(|(f, _, _)| *f == self).map_or(0, |(_, i, _)| *i)
+    }
+
+    /// Symbols that define this function, strong name first.
+    #[must_use]
+    pub fn symbols(self) -> &'static [&'static str] {
+        Self::ALL.iter().find(|(f, _, _)| *f == self).map_or(&[], |(_, _, s)| s)
+    }
+
+    #[must_use]
+    pub fn library(self) -> Library {
+        if self.id() >= nccltrace_common::func::FIRST_CUDA { Library::Cuda } else { Library::Nccl }
+    }
+
+    /// The name used in outputs: NCCL functions without their `nccl` prefix, CUDA ones as
+    /// the driver spells them.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        let strong = self.symbols()[0];
+        match self.library() {
+            Library::Nccl => &strong["pnccl".len()..],
+            Library::Cuda => strong,
+        }
+    }
+
+    /// Collectives and point-to-point calls that move data.
+    #[must_use]
+    pub fn is_collective(self) -> bool {
+        matches!(
+            self,
+            Func::AllReduce
+                | Func::AllGather
+                | Func::ReduceScatter
+                | Func::Broadcast
+                | Func::Bcast
+                | Func::Reduce
+                | Func::AlltoAll
+                | Func::Gather
+                | Func::Scatter
+                | Func::Send
+                | Func::Recv
+        )
+    }
+}
+
+/// NCCL's `ncclDataType_t`, with element sizes.
+#[must_use]
+pub fn datatype_size(datatype: u32) -> Option<u64> {
+    // nccl.h: Int8/Char=0, Uint8=1, Int32=2, Uint32=3, Int64=4, Uint64=5, Float16=6,
+    // Float32=7, Float64=8, Bfloat16=9, Float8e4m3=10, Float8e5m2=11.
+    Some(match datatype {
+        0 | 1 | 10 | 11 => 1,
+        6 | 9 => 2,
+        2 | 3 | 7 => 4,
+        4 | 5 | 8 => 8,
+        _ => return None,
+    })
+}
+
+/// NCCL's `ncclDataType_t` name.
+#[must_use]
+pub fn datatype_name(datatype: u32) -> &'static str {
+    match datatype {
+        0 => "int8",
+        1 => "uint8",
+        2 => "int32",
+        3 => "uint32",
+        4 => "int64",
+        5 => "uint64",
+        6 => "float16",
+        7 => "float32",
+        8 => "float64",
+        9 => "bfloat16",
+        10 => "float8e4m3",
+        11 => "float8e5m2",
+        _ => "unknown",
+    }
+}
+
+/// NCCL's `ncclRedOp_t` name.
+#[must_use]
+pub fn redop_name(op: u32) -> &'static str {
+    match op {
+        0 => "sum",
+        1 => "prod",
+        2 => "max",
+        3 => "min",
+        4 => "avg",
+        _ => "custom",
+    }
+}
+
+/// Who an event is about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize)]
+pub struct Task {
+    pub tgid: u32,
+    pub tid: u32,
+    pub cpu: u16,
+}
+
+/// A traced call, with entry and exit times and its interpreted arguments.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Call {
+    pub task: Task,
+    pub func: Func,
+    pub start_ns: u64,
+    pub end_ns: u64,
+    pub ret: i32,
+    /// Elements (`count`, `sendcount` or `recvcount` as the API names it).
+    pub count: Option<u64>,
+    pub datatype: Option<u32>,
+    /// `count` × element size: the bytes one rank contributes.
+    pub bytes: Option<u64>,
+    pub redop: Option<u32>,
+    /// Root of a rooted collective, or peer of send/recv.
+    pub peer: Option<i32>,
+    pub comm: Option<u64>,
+    pub stream: Option<u64>,
+    /// The communicator a CommInit*/CommSplit call created.
+    pub new_comm: Option<u64>,
+    /// Rank and size given to CommInitRank*.
+    pub rank: Option<i32>,
+    pub nranks: Option<i32>,
+}
+
+impl Call {
+    #[must_use]
+    pub fn duration_ns(&self) -> u64 {
+        self.end_ns.saturating_sub(self.start_ns)
+    }
+}
+
+/// Everything the kernel programs report, decoded.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub enum Event {
+    Call(Call),
+    Switch {
+        ts_ns: u64,
+        task: Task,
+        prev_tid: u32,
+        next_tid: u32,
+        next_tgid: u32,
+        prev_state: i64,
+        prev_is_target: bool,
+        next_is_target: bool,
+    },
+    Wakeup { ts_ns: u64, task: Task, waker_tid: u32, waker_tgid: u32, target_cpu: i32 },
+    Migrate { ts_ns: u64, task: Task, orig_cpu: i32, dest_cpu: i32 },
+    Fork { ts_ns: u64, task: Task, child_tid: u32 },
+    Exit { ts_ns: u64, task: Task, group_dead: bool },
+    Fault { ts_ns: u64, task: Task, address: u64, ip: u64, error_code: u64 },
+    PageMigration { ts_ns: u64, task: Task, succeeded: u64, failed: u64, mode: u32, reason: u32 },
+    NumaTask {
+        ts_ns: u64,
+        task: Task,
+        kind: NumaTaskKind,
+        src_cpu: i32,
+        src_nid: i32,
+        dst_cpu: i32,
+        dst_nid: i32,
+    },
+}
+
+/// What a NUMA-balancing tracepoint said.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum NumaTaskKind {
+    Move,
+    Swap,
+    Stick,
+}
+
+impl Event {
+    /// When it happened (a call: when it returned), CLOCK_MONOTONIC ns.
+    #[must_use]
+    pub fn ts_ns(&self) -> u64 {
+        match self {
+            Event::Call(c) => c.end_ns,
+            Event::Switch { ts_ns, .. }
+            | Event::Wakeup { ts_ns, .. }
+            | Event::Migrate { ts_ns, .. }
+            | Event::Fork { ts_ns, .. }
+            | Event::Exit { ts_ns, .. }
+            | Event::Fault { ts_ns, .. }
+            | Event::PageMigration { ts_ns, .. }
+            | Event::NumaTask { ts_ns, .. } => *ts_ns,
+        }
+    }
+
+    /// The kernel record kind this came from (the index of `lost_by_kind`).
+    #[must_use]
+    pub fn kind_name(kind: u16) -> &'static str {
+        use nccltrace_common::kind as k;
+        match kind {
+            k::CALL => "call",
+            k::SWITCH => "sched_switch",
+            k::WAKEUP => "sched_wakeup",
+            k::MIGRATE => "sched_migrate_task",
+            k::FORK => "sched_process_fork",
+            k::EXIT => "sched_process_exit",
+            k::FAULT => "page_fault_user",
+            k::PAGE_MIGRATION => "mm_migrate_pages",
+            k::NUMA_TASK => "numa_task",
+            _ => "unknown",
+        }
+    }
+}

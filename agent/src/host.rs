@@ -1,0 +1,185 @@
+//! Facts about the host and its processes, read from `proc/` and `sys/` under a root (the
+//! live host is `/`; a capture made by `snapshot` is any folder).
+
+use std::path::{Path, PathBuf};
+
+/// A place to read `proc/` and `sys/` from.
+#[derive(Clone, Debug)]
+pub struct Host {
+    root: PathBuf,
+}
+
+impl Default for Host {
+    fn default() -> Self {
+        Host { root: PathBuf::from("/") }
+    }
+}
+
+/// Parses a kernel CPU list such as `0-3,8,10-11`.
+#[must_use]
+pub fn parse_cpu_list(text: &str) -> Vec<u32> {
+    let mut cpus = Vec::new();
+    for part in text.trim().split(',').filter(|p| !p.is_empty()) {
+        match part.split_once('-') {
+            Some((a, b)) => {
+                if let (Ok(a), Ok(b)) = (a.parse::<u32>(), b.parse::<u32>()) {
+                    cpus.extend(a..=b.min(a.saturating_add(65_535)));
+                }
+            }
+            None => cpus.extend(part.parse::<u32>().ok()),
+        }
+    }
+    cpus
+}
+
+impl Host {
+    /// The live host.
+    #[must_use]
+    pub fn live() -> Host {
+        Host::default()
+    }
+
+    /// A captured tree.
+    #[must_use]
+    pub fn at(root: &Path) -> Host {
+        Host { root: root.to_owned() }
+    }
+
+    /// Path of `rel` (such as `proc/1/maps`) under this root.
+    #[must_use]
+    pub fn path(&self, rel: &str) -> PathBuf {
+        self.root.join(rel)
+    }
+
+    fn read(&self, rel: &str) -> Option<String> {
+        std::fs::read_to_string(self.path(rel)).ok()
+    }
+
+    /// `/proc/PID` exists and is not a zombie.
+    #[must_use]
+    pub fn process_alive(&self, pid: u32) -> bool {
+        let Some(stat) = self.read(&format!("proc/{pid}/stat")) else { return false };
+        // The state follows the parenthesised comm, which may itself hold ')'.
+        let state = stat.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next());
+        !matches!(state, Some('Z' | 'X') | None)
+    }
+
+    /// The process name.
+    #[must_use]
+    pub fn comm(&self, pid: u32) -> String {
+        self.read(&format!("proc/{pid}/comm")).map(|s| s.trim().to_owned()).unwrap_or_default()
+    }
+
+    /// The command line, split at NULs.
+    #[must_use]
+    pub fn cmdline(&self, pid: u32) -> Vec<String> {
+        self.read(&format!("proc/{pid}/cmdline"))
+            .map(|s| s.split('\0').filter(|a| !a.is_empty()).map(str::to_owned).collect())
+            .unwrap_or_default()
+    }
+
+    /// Thread ids of a process.
+    #[must_use]
+    pub fn threads(&self, pid: u32) -> Vec<u32> {
+        let Ok(dir) = std::fs::read_dir(self.path(&format!("proc/{pid}/task"))) else {
+            return Vec::new();
+        };
+        let mut tids: Vec<u32> =
+            dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok()).collect();
+        tids.sort_unstable();
+        tids
+    }
+
+    /// NUMA node of each CPU, indexed by CPU number; -1 where unknown. One node with every
+    /// online CPU when the kernel has no NUMA nodes.
+    #[must_use]
+    pub fn cpu_nodes(&self) -> Vec<i32> {
+        let online = self.read("sys/devices/system/cpu/online").map(|s| parse_cpu_list(&s));
+        let ncpu = online.as_ref().and_then(|c| c.iter().max()).map_or(0, |m| *m as usize + 1);
+        let mut nodes = vec![-1; ncpu];
+        let Ok(dir) = std::fs::read_dir(self.path("sys/devices/system/node")) else {
+            return vec![0; ncpu];
+        };
+        for entry in dir.flatten() {
+            let name = entry.file_name();
+            let Some(node) = name.to_str().and_then(|n| n.strip_prefix("node")) else { continue };
+            let Ok(node) = node.parse::<i32>() else { continue };
+            let Ok(list) = std::fs::read_to_string(entry.path().join("cpulist")) else {
+                continue;
+            };
+            for cpu in parse_cpu_list(&list) {
+                let cpu = cpu as usize;
+                if cpu >= nodes.len() {
+                    nodes.resize(cpu + 1, -1);
+                }
+                nodes[cpu] = node;
+            }
+        }
+        nodes
+    }
+}
+
+/// The running kernel's release and the host name.
+#[must_use]
+pub fn uname() -> (String, String) {
+    // SAFETY: utsname is plain data; uname fills it.
+    let mut u: libc::utsname = unsafe { std::mem::zeroed() };
+    // SAFETY: u is a valid, writable utsname.
+    if unsafe { libc::uname(&raw mut u) } != 0 {
+        return (String::new(), String::new());
+    }
+    let field = |f: &[libc::c_char]| {
+        let bytes: Vec<u8> = f.iter().take_while(|c| **c != 0).map(|c| *c as u8).collect();
+        String::from_utf8_lossy(&bytes).into_owned()
+    };
+    (field(&u.release), field(&u.nodename))
+}
+
+/// Reads a clock in nanoseconds.
+#[must_use]
+pub fn clock_ns(clock: libc::clockid_t) -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: ts is valid and writable.
+    unsafe { libc::clock_gettime(clock, &raw mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// CPU lists as the kernel writes them.
+    #[test]
+    fn cpu_lists() {
+        assert_eq!(parse_cpu_list("0-3,8,10-11\n"), vec![0, 1, 2, 3, 8, 10, 11]);
+        assert_eq!(parse_cpu_list(""), Vec::<u32>::new());
+        assert_eq!(parse_cpu_list("x,2"), vec![2]);
+    }
+
+    /// A captured tree: nodes, threads, comm and zombie detection come from files.
+    #[test]
+    fn captured_tree() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        let mk = |rel: &str, text: &str| {
+            let p = root.join(rel);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(p, text).unwrap();
+        };
+        mk("sys/devices/system/cpu/online", "0-3\n");
+        mk("sys/devices/system/node/node0/cpulist", "0-1\n");
+        mk("sys/devices/system/node/node1/cpulist", "2-3\n");
+        mk("proc/42/stat", "42 (py (x)) S 1 2 3");
+        mk("proc/43/stat", "43 (dead) Z 1 2 3");
+        mk("proc/42/comm", "python3\n");
+        mk("proc/42/task/42/stat", "");
+        mk("proc/42/task/50/stat", "");
+        let host = Host::at(root);
+        assert_eq!(host.cpu_nodes(), vec![0, 0, 1, 1]);
+        assert!(host.process_alive(42));
+        assert!(!host.process_alive(43));
+        assert!(!host.process_alive(44));
+        assert_eq!(host.comm(42), "python3");
+        assert_eq!(host.threads(42), vec![42, 50]);
+    }
+}

@@ -1,0 +1,54 @@
+//! nccltrace: an eBPF tracing and profiling agent for distributed training.
+//!
+//! Pipeline: `source` (kernel, root) → `decode` → `record` → `pipeline` (aggregate) →
+//! `render`. Everything after `source` is pure and runs the same on a live run and on
+//! `nccltrace report`.
+
+pub mod cli;
+pub mod decode;
+pub mod event;
+pub mod host;
+pub mod pipeline;
+pub mod profile;
+pub mod record;
+pub mod render;
+pub mod source;
+
+use std::path::PathBuf;
+
+/// Every error the binary can report, by layer.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Source(#[from] source::SourceError),
+    #[error(transparent)]
+    Record(#[from] record::RecordError),
+    #[error(transparent)]
+    Profile(#[from] profile::ProfileError),
+    #[error("output folder {path} already exists: choose another --out or pass --force")]
+    OutputExists { path: PathBuf },
+    #[error("cannot write output {path}: {source}")]
+    Output {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("invalid {what} {value:?}: {expected}")]
+    InvalidArgument { what: &'static str, value: String, expected: &'static str },
+    #[error("cannot start the async runtime: {0}")]
+    Runtime(#[source] std::io::Error),
+}
+
+impl Error {
+    /// The process exit code: 2 for bad input the user can fix, 1 for runtime failures.
+    #[must_use]
+    pub fn exit_code(&self) -> u8 {
+        let bad_input = match self {
+            Error::Source(e) => e.is_bad_input(),
+            Error::Record(e) => e.is_bad_input(),
+            Error::Profile(_) | Error::OutputExists { .. } | Error::InvalidArgument { .. } => true,
+            Error::Output { .. } | Error::Runtime(_) => false,
+        };
+        if bad_input { 2 } else { 1 }
+    }
+}

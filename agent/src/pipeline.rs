@@ -1,0 +1,288 @@
+//! The stages after `source`, the same live and replayed: raw records → decode →
+//! aggregate → render. `attach` feeds it from the ring buffer, `report` from a recording.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io;
+use std::path::Path;
+
+use serde::Serialize;
+
+use crate::decode::{self, DecodeError};
+use crate::event::{Event, Func, Library};
+use crate::record::{self, Header, Meta, Reader, Record};
+
+/// Per-NCCL-function totals.
+#[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
+pub struct OpStats {
+    pub calls: u64,
+    pub bytes: u64,
+    /// Time inside the call (NCCL calls are asynchronous: this is enqueue time, not the
+    /// collective's duration).
+    pub enqueue_ns: u64,
+    pub errors: u64,
+}
+
+/// NCCL totals.
+#[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
+pub struct NcclStats {
+    pub calls: u64,
+    pub bytes: u64,
+    pub errors: u64,
+    pub by_op: BTreeMap<String, OpStats>,
+}
+
+/// Per-CUDA-sync-function totals.
+#[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
+pub struct SyncStats {
+    pub calls: u64,
+    pub wait_ns: u64,
+}
+
+/// CUDA driver synchronisation totals: where the host really waits.
+#[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
+pub struct CudaSyncStats {
+    pub calls: u64,
+    pub wait_ns: u64,
+    pub by_func: BTreeMap<String, SyncStats>,
+}
+
+/// Scheduler totals over the target threads.
+#[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
+pub struct SchedStats {
+    pub threads_seen: u64,
+    pub switches_out: u64,
+    pub involuntary_switches: u64,
+    pub wakeups: u64,
+    pub migrations: u64,
+    pub forks: u64,
+    pub thread_exits: u64,
+}
+
+/// Memory totals.
+#[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
+pub struct MemoryStats {
+    pub page_faults: u64,
+    pub pages_migrated: u64,
+    pub page_migrations_failed: u64,
+    pub numa_task_events: u64,
+}
+
+/// A target as the summary lists it.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct TargetSummary {
+    pub pid: u32,
+    pub comm: String,
+    pub nccl_library: Option<String>,
+    pub cuda_library: Option<String>,
+    pub probes: usize,
+}
+
+/// `summary.json`.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct Summary {
+    pub duration_ns: u64,
+    pub start_unix_ns: u64,
+    pub stop_reason: Option<String>,
+    pub targets: Vec<TargetSummary>,
+    pub nccl: NcclStats,
+    pub cuda_sync: CudaSyncStats,
+    pub sched: SchedStats,
+    pub memory: MemoryStats,
+    pub events: u64,
+    pub undecodable_records: u64,
+    pub lost_events: u64,
+    pub lost_by_kind: BTreeMap<String, u64>,
+    pub counters: BTreeMap<String, u64>,
+    /// Set when the recording ended without its closing record (the agent was killed, or
+    /// the file was cut): the numbers cover what was recorded.
+    pub incomplete: Option<String>,
+}
+
+/// Folds events into the summary.
+pub struct Aggregator {
+    header: Header,
+    events: u64,
+    undecodable: u64,
+    last_ts: u64,
+    nccl: BTreeMap<Func, OpStats>,
+    cuda: BTreeMap<Func, SyncStats>,
+    sched: SchedStats,
+    memory: MemoryStats,
+    threads: BTreeSet<u32>,
+    end: Option<Meta>,
+    incomplete: Option<String>,
+}
+
+impl Aggregator {
+    #[must_use]
+    pub fn new(header: Header) -> Aggregator {
+        Aggregator {
+            header,
+            events: 0,
+            undecodable: 0,
+            last_ts: 0,
+            nccl: BTreeMap::new(),
+            cuda: BTreeMap::new(),
+            sched: SchedStats::default(),
+            memory: MemoryStats::default(),
+            threads: BTreeSet::new(),
+            end: None,
+            incomplete: None,
+        }
+    }
+
+    /// Decodes and adds one raw kernel record; undecodable ones are counted, not fatal.
+    pub fn push_raw(&mut self, bytes: &[u8]) -> Result<Event, DecodeError> {
+        match decode::decode(bytes) {
+            Ok(event) => {
+                self.push(&event);
+                Ok(event)
+            }
+            Err(e) => {
+                self.undecodable += 1;
+                Err(e)
+            }
+        }
+    }
+
+    /// Adds one event.
+    pub fn push(&mut self, event: &Event) {
+        self.events += 1;
+        self.last_ts = self.last_ts.max(event.ts_ns());
+        match event {
+            Event::Call(call) => match call.func.library() {
+                Library::Nccl => {
+                    let s = self.nccl.entry(call.func).or_default();
+                    s.calls += 1;
+                    s.bytes += call.bytes.unwrap_or(0);
+                    s.enqueue_ns += call.duration_ns();
+                    s.errors += u64::from(call.ret != 0);
+                    self.threads.insert(call.task.tid);
+                }
+                Library::Cuda => {
+                    let s = self.cuda.entry(call.func).or_default();
+                    s.calls += 1;
+                    s.wait_ns += call.duration_ns();
+                }
+            },
+            Event::Switch { task, prev_is_target, prev_state, .. } => {
+                self.threads.insert(task.tid);
+                if *prev_is_target {
+                    self.sched.switches_out += 1;
+                    self.sched.involuntary_switches += u64::from(*prev_state == 0);
+                }
+            }
+            Event::Wakeup { .. } => self.sched.wakeups += 1,
+            Event::Migrate { .. } => self.sched.migrations += 1,
+            Event::Fork { .. } => self.sched.forks += 1,
+            Event::Exit { .. } => self.sched.thread_exits += 1,
+            Event::Fault { .. } => self.memory.page_faults += 1,
+            Event::PageMigration { succeeded, failed, .. } => {
+                self.memory.pages_migrated += succeeded;
+                self.memory.page_migrations_failed += failed;
+            }
+            Event::NumaTask { .. } => self.memory.numa_task_events += 1,
+        }
+    }
+
+    /// Adds agent metadata.
+    pub fn meta(&mut self, meta: Meta) {
+        self.end = Some(meta);
+    }
+
+    /// Marks the input as cut short (a damaged recording), with the reason.
+    pub fn incomplete(&mut self, why: String) {
+        self.incomplete = Some(why);
+    }
+
+    /// The summary of everything pushed.
+    #[must_use]
+    pub fn finish(self) -> Summary {
+        let start = self.header.clock.monotonic_ns;
+        let (end_ns, stop_reason, lost_by_kind, counters) = match self.end {
+            Some(Meta::End { end_monotonic_ns, reason, lost_by_kind, counters }) => {
+                (end_monotonic_ns, Some(reason), lost_by_kind, counters)
+            }
+            None => (self.last_ts, None, BTreeMap::new(), BTreeMap::new()),
+        };
+        let incomplete = self.incomplete.or_else(|| {
+            stop_reason.is_none().then(|| {
+                "the recording has no closing record (the agent did not finish writing it): \
+                 lost-event counts are unknown"
+                    .to_owned()
+            })
+        });
+        let mut nccl = NcclStats::default();
+        for (func, s) in self.nccl {
+            nccl.calls += s.calls;
+            nccl.bytes += s.bytes;
+            nccl.errors += s.errors;
+            nccl.by_op.insert(func.name().to_owned(), s);
+        }
+        let mut cuda_sync = CudaSyncStats::default();
+        for (func, s) in self.cuda {
+            cuda_sync.calls += s.calls;
+            cuda_sync.wait_ns += s.wait_ns;
+            cuda_sync.by_func.insert(func.name().to_owned(), s);
+        }
+        let mut sched = self.sched;
+        sched.threads_seen = self.threads.len() as u64;
+        let targets = self
+            .header
+            .targets
+            .iter()
+            .map(|t| TargetSummary {
+                pid: t.pid,
+                comm: t.comm.clone(),
+                nccl_library: t.nccl_library.clone(),
+                cuda_library: t.cuda_library.clone(),
+                probes: t.probes.len(),
+            })
+            .collect();
+        Summary {
+            duration_ns: end_ns.saturating_sub(start),
+            start_unix_ns: self.header.clock.realtime_ns,
+            stop_reason,
+            targets,
+            nccl,
+            cuda_sync,
+            sched,
+            memory: self.memory,
+            events: self.events,
+            undecodable_records: self.undecodable,
+            lost_events: lost_by_kind.values().sum(),
+            lost_by_kind,
+            counters,
+            incomplete,
+        }
+    }
+}
+
+/// Replays a recording through the pipeline. A damaged tail is reported on stderr and
+/// the complete records before it are kept.
+pub fn replay(path: &Path) -> Result<Summary, record::RecordError> {
+    let mut reader = Reader::open(path)?;
+    let mut agg = Aggregator::new(reader.header.clone());
+    loop {
+        match reader.next_record() {
+            Ok(Some(Record::Kernel(bytes))) => {
+                let _ = agg.push_raw(&bytes);
+            }
+            Ok(Some(Record::Meta(meta))) => agg.meta(meta),
+            Ok(None) => break,
+            Err(e) => {
+                eprintln!("nccltrace: warning: {e}; keeping the complete records before it");
+                agg.incomplete(e.to_string());
+                break;
+            }
+        }
+    }
+    Ok(agg.finish())
+}
+
+/// Writes every output of this stage into `dir` and the summary in words to `text`.
+pub fn write_outputs(dir: &Path, summary: &Summary, text: &mut impl io::Write) -> io::Result<()> {
+    let mut json = std::fs::File::create(dir.join("summary.json"))?;
+    crate::render::summary::write_json(summary, &mut json)?;
+    crate::render::summary::write_text(summary, text)
+}

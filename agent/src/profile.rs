@@ -1,0 +1,144 @@
+//! Profiles: `profiles/*.toml` presets saying which probes to attach and how large the
+//! buffers are. The shipped ones are compiled in, so an installed binary has them.
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+/// The profiles shipped with nccltrace, by name.
+pub const SHIPPED: [(&str, &str); 3] = [
+    ("default", include_str!("../../profiles/default.toml")),
+    ("minimal", include_str!("../../profiles/minimal.toml")),
+    ("full", include_str!("../../profiles/full.toml")),
+];
+
+/// Which probes to attach.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+#[allow(clippy::struct_excessive_bools)] // one switch per probe family, as the TOML has them
+pub struct Probes {
+    /// uprobes on the NCCL API.
+    pub nccl: bool,
+    /// uprobes on the CUDA driver's synchronisation calls.
+    pub cuda_sync: bool,
+    /// sched_switch, sched_wakeup, sched_migrate_task, fork and exit.
+    pub sched: bool,
+    /// exceptions:page_fault_user.
+    pub page_faults: bool,
+    /// migrate:mm_migrate_pages and sched_{move,swap,stick}_numa.
+    pub numa: bool,
+}
+
+/// Buffer sizes.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct Buffers {
+    /// Ring buffer size in MiB (rounded up to a power of two).
+    pub ring_buffer_mib: u32,
+}
+
+/// A parsed profile.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct Profile {
+    #[serde(skip)]
+    pub name: String,
+    pub description: String,
+    pub probes: Probes,
+    pub buffers: Buffers,
+}
+
+/// A profile that cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ProfileError {
+    #[error(
+        "no profile named {name:?} and no such file: use one of default, minimal, full, \
+         or the path of a TOML file"
+    )]
+    NotFound { name: String },
+    #[error("cannot read profile {path}: {source}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("profile {name} is not valid: {source}")]
+    Parse {
+        name: String,
+        #[source]
+        source: Box<toml::de::Error>,
+    },
+    #[error("profile {name}: ring_buffer_mib must be between 1 and 1024, found {value}")]
+    RingBufferSize { name: String, value: u32 },
+}
+
+impl Profile {
+    /// Parses a profile's TOML text.
+    pub fn parse(name: &str, text: &str) -> Result<Profile, ProfileError> {
+        let mut profile: Profile = toml::from_str(text).map_err(|source| ProfileError::Parse {
+            name: name.to_owned(),
+            source: Box::new(source),
+        })?;
+        profile.name = name.to_owned();
+        let mib = profile.buffers.ring_buffer_mib;
+        if !(1..=1024).contains(&mib) {
+            return Err(ProfileError::RingBufferSize { name: name.to_owned(), value: mib });
+        }
+        Ok(profile)
+    }
+
+    /// A shipped profile by name, or a TOML file by path.
+    pub fn load(name_or_path: &str) -> Result<Profile, ProfileError> {
+        if let Some((name, text)) = SHIPPED.iter().find(|(n, _)| *n == name_or_path) {
+            return Profile::parse(name, text);
+        }
+        let path = Path::new(name_or_path);
+        if !path.exists() {
+            return Err(ProfileError::NotFound { name: name_or_path.to_owned() });
+        }
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| ProfileError::Read { path: path.to_owned(), source })?;
+        Profile::parse(&path.display().to_string(), &text)
+    }
+
+    /// Ring buffer size in bytes: a power of two, as the kernel requires.
+    #[must_use]
+    pub fn ring_buffer_bytes(&self) -> u32 {
+        (self.buffers.ring_buffer_mib << 20).next_power_of_two()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every shipped profile parses, and `minimal` leaves out what it says it does.
+    #[test]
+    fn shipped_profiles_load() {
+        for (name, _) in SHIPPED {
+            let p = Profile::load(name).unwrap();
+            assert_eq!(p.name, name);
+            assert!(p.probes.nccl, "{name} traces NCCL");
+        }
+        let min = Profile::load("minimal").unwrap();
+        assert!(!min.probes.page_faults && !min.probes.cuda_sync && min.probes.sched);
+    }
+
+    /// Profiles from a file; typos and unknown names get errors naming the problem.
+    #[test]
+    fn profile_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("p.toml");
+        std::fs::write(&path, SHIPPED[0].1.replace("numa = true", "numa = true\nnuma2 = 1"))
+            .unwrap();
+        let err = Profile::load(path.to_str().unwrap()).unwrap_err();
+        assert!(err.to_string().contains("numa2"), "{err}");
+        let err = Profile::load("nope").unwrap_err();
+        assert!(matches!(err, ProfileError::NotFound { .. }));
+        std::fs::write(&path, SHIPPED[0].1.replace("16", "0")).unwrap();
+        assert!(matches!(
+            Profile::load(path.to_str().unwrap()),
+            Err(ProfileError::RingBufferSize { .. })
+        ));
+    }
+}

@@ -1,0 +1,386 @@
+//! Record stage: `recording.nctr`, written live and read back by `nccltrace report`.
+//!
+//! Layout (little-endian):
+//! ```text
+//! magic "NCCLTRC\0" | u32 format version | u32 header length | u32 header CRC-32 | header (JSON)
+//! then records: u32 payload length | u32 payload CRC-32 | payload
+//! payload: u8 type (1 = kernel record as the ring buffer gave it, 2 = agent metadata JSON) | body
+//! ```
+//! Raw kernel records go in unchanged so `report` runs the very decoder the live run used.
+//! A truncated or damaged file is detected by the lengths and checksums.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{self, BufReader, BufWriter, Read, Write};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+pub const MAGIC: &[u8; 8] = b"NCCLTRC\0";
+pub const FORMAT_VERSION: u32 = 1;
+/// Records larger than this are taken as damage, not allocated.
+const MAX_RECORD: u32 = 1 << 20;
+const MAX_HEADER: u32 = 64 << 20;
+
+const TYPE_KERNEL: u8 = 1;
+const TYPE_META: u8 = 2;
+
+/// Failures reading or writing a recording.
+#[derive(Debug, thiserror::Error)]
+pub enum RecordError {
+    #[error("cannot read {path}: {source}")]
+    Open {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("writing the recording failed: {0}")]
+    Write(#[source] io::Error),
+    #[error("{path} is empty: expected a recording made by `nccltrace attach`")]
+    Empty { path: PathBuf },
+    #[error("{path} is not an nccltrace recording: expected the magic \"NCCLTRC\" at offset 0")]
+    Foreign { path: PathBuf },
+    #[error(
+        "{path} has format version {version}; this nccltrace reads version {FORMAT_VERSION}: \
+         use the nccltrace that made it"
+    )]
+    Version { path: PathBuf, version: u32 },
+    #[error("{path} is damaged at offset {offset}: expected {expected}")]
+    Damaged { path: PathBuf, offset: u64, expected: String },
+}
+
+impl RecordError {
+    /// Whether the problem is the input the user gave (exit code 2).
+    #[must_use]
+    pub fn is_bad_input(&self) -> bool {
+        !matches!(self, RecordError::Write(_))
+    }
+}
+
+/// Monotonic ↔ wall clock reference taken at attach.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ClockRef {
+    pub monotonic_ns: u64,
+    pub realtime_ns: u64,
+}
+
+/// One attached probe, as the recording remembers it.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ProbeInfo {
+    pub func: String,
+    pub symbol: String,
+    pub library: String,
+    pub file_offset: u64,
+}
+
+/// A traced process.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct TargetInfo {
+    pub pid: u32,
+    pub comm: String,
+    pub cmdline: Vec<String>,
+    pub nccl_library: Option<String>,
+    pub cuda_library: Option<String>,
+    pub probes: Vec<ProbeInfo>,
+    /// The target's executable and library mappings, kept so later stages can symbolize
+    /// after the target has exited.
+    #[serde(default)]
+    pub maps: Vec<String>,
+}
+
+/// What a recording starts with.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Header {
+    pub format_version: u32,
+    pub agent_version: String,
+    pub kernel_release: String,
+    pub hostname: String,
+    pub clock: ClockRef,
+    /// NUMA node of each CPU, indexed by CPU number (-1: unknown).
+    pub cpu_nodes: Vec<i32>,
+    pub profile: String,
+    pub targets: Vec<TargetInfo>,
+}
+
+/// Agent metadata records.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Meta {
+    /// Written last: why the run stopped and what was lost.
+    End {
+        end_monotonic_ns: u64,
+        reason: String,
+        lost_by_kind: BTreeMap<String, u64>,
+        counters: BTreeMap<String, u64>,
+    },
+}
+
+/// One record read back.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Record {
+    Kernel(Vec<u8>),
+    Meta(Meta),
+}
+
+/// Writes a recording as the run goes.
+pub struct Writer {
+    out: BufWriter<File>,
+    records: u64,
+}
+
+impl Writer {
+    /// Creates `path` (which must not exist) and writes the header.
+    pub fn create(path: &Path, header: &Header) -> Result<Writer, RecordError> {
+        let file = File::options().write(true).create_new(true).open(path).map_err(|source| {
+            RecordError::Open { path: path.to_owned(), source }
+        })?;
+        let mut out = BufWriter::with_capacity(1 << 20, file);
+        let json = serde_json::to_vec(header).map_err(|e| RecordError::Write(e.into()))?;
+        out.write_all(MAGIC).map_err(RecordError::Write)?;
+        out.write_all(&FORMAT_VERSION.to_le_bytes()).map_err(RecordError::Write)?;
+        out.write_all(&(json.len() as u32).to_le_bytes()).map_err(RecordError::Write)?;
+        out.write_all(&crc32fast::hash(&json).to_le_bytes()).map_err(RecordError::Write)?;
+        out.write_all(&json).map_err(RecordError::Write)?;
+        Ok(Writer { out, records: 0 })
+    }
+
+    fn write(&mut self, kind: u8, body: &[u8]) -> Result<(), RecordError> {
+        let mut hasher = crc32fast::Hasher::new();
+        hasher.update(&[kind]);
+        hasher.update(body);
+        let len = (body.len() + 1) as u32;
+        self.out.write_all(&len.to_le_bytes()).map_err(RecordError::Write)?;
+        self.out.write_all(&hasher.finalize().to_le_bytes()).map_err(RecordError::Write)?;
+        self.out.write_all(&[kind]).map_err(RecordError::Write)?;
+        self.out.write_all(body).map_err(RecordError::Write)?;
+        self.records += 1;
+        Ok(())
+    }
+
+    /// Appends a kernel record exactly as received.
+    pub fn kernel(&mut self, bytes: &[u8]) -> Result<(), RecordError> {
+        self.write(TYPE_KERNEL, bytes)
+    }
+
+    /// Appends agent metadata.
+    pub fn meta(&mut self, meta: &Meta) -> Result<(), RecordError> {
+        let json = serde_json::to_vec(meta).map_err(|e| RecordError::Write(e.into()))?;
+        self.write(TYPE_META, &json)
+    }
+
+    /// Records written so far.
+    #[must_use]
+    pub fn records(&self) -> u64 {
+        self.records
+    }
+
+    /// Flushes everything to disk.
+    pub fn finish(mut self) -> Result<(), RecordError> {
+        self.out.flush().map_err(RecordError::Write)?;
+        self.out.get_ref().sync_data().map_err(RecordError::Write)
+    }
+}
+
+/// Reads a recording back.
+pub struct Reader<R> {
+    input: R,
+    path: PathBuf,
+    offset: u64,
+    pub header: Header,
+}
+
+impl Reader<BufReader<File>> {
+    /// Opens `path` and reads its header.
+    pub fn open(path: &Path) -> Result<Self, RecordError> {
+        let file = File::open(path)
+            .map_err(|source| RecordError::Open { path: path.to_owned(), source })?;
+        Reader::new(BufReader::with_capacity(1 << 20, file), path)
+    }
+}
+
+/// Reads up to `buf.len()` bytes; returns how many were there (short at end of file).
+fn read_full(input: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
+    let mut filled = 0;
+    while filled < buf.len() {
+        match input.read(&mut buf[filled..]) {
+            Ok(0) => break,
+            Ok(n) => filled += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(filled)
+}
+
+impl<R: Read> Reader<R> {
+    /// Reads the header from `input`; `path` is only used in messages.
+    pub fn new(mut input: R, path: &Path) -> Result<Self, RecordError> {
+        let open_err = |source| RecordError::Open { path: path.to_owned(), source };
+        let damaged = |offset: u64, expected: &str| RecordError::Damaged {
+            path: path.to_owned(),
+            offset,
+            expected: expected.to_owned(),
+        };
+        let mut fixed = [0u8; 20];
+        let got = read_full(&mut input, &mut fixed).map_err(open_err)?;
+        if got == 0 {
+            return Err(RecordError::Empty { path: path.to_owned() });
+        }
+        if got < 8 || &fixed[..8] != MAGIC {
+            return Err(RecordError::Foreign { path: path.to_owned() });
+        }
+        if got < 20 {
+            return Err(damaged(got as u64, "a 20-byte file header (file is truncated)"));
+        }
+        let version = u32::from_le_bytes(fixed[8..12].try_into().unwrap_or_default());
+        if version != FORMAT_VERSION {
+            return Err(RecordError::Version { path: path.to_owned(), version });
+        }
+        let len = u32::from_le_bytes(fixed[12..16].try_into().unwrap_or_default());
+        let crc = u32::from_le_bytes(fixed[16..20].try_into().unwrap_or_default());
+        if len > MAX_HEADER {
+            return Err(damaged(12, "a header length below 64 MiB"));
+        }
+        let mut json = vec![0u8; len as usize];
+        if read_full(&mut input, &mut json).map_err(open_err)? < json.len() {
+            return Err(damaged(20, &format!("a {len}-byte header (file is truncated)")));
+        }
+        if crc32fast::hash(&json) != crc {
+            return Err(damaged(20, "a header matching its checksum"));
+        }
+        let header: Header = serde_json::from_slice(&json)
+            .map_err(|e| damaged(20, &format!("a valid JSON header ({e})")))?;
+        Ok(Reader { input, path: path.to_owned(), offset: 20 + u64::from(len), header })
+    }
+
+    /// The next record; `Ok(None)` at a clean end of file.
+    pub fn next_record(&mut self) -> Result<Option<Record>, RecordError> {
+        let start = self.offset;
+        let damaged = |expected: String| RecordError::Damaged {
+            path: self.path.clone(),
+            offset: start,
+            expected,
+        };
+        let mut prefix = [0u8; 8];
+        let got = read_full(&mut self.input, &mut prefix)
+            .map_err(|source| RecordError::Open { path: self.path.clone(), source })?;
+        if got == 0 {
+            return Ok(None);
+        }
+        if got < 8 {
+            return Err(damaged("an 8-byte record prefix (file is truncated)".into()));
+        }
+        let len = u32::from_le_bytes(prefix[..4].try_into().unwrap_or_default());
+        let crc = u32::from_le_bytes(prefix[4..].try_into().unwrap_or_default());
+        if len == 0 || len > MAX_RECORD {
+            return Err(damaged(format!("a record length between 1 and {MAX_RECORD}, found {len}")));
+        }
+        let mut payload = vec![0u8; len as usize];
+        let got = read_full(&mut self.input, &mut payload)
+            .map_err(|source| RecordError::Open { path: self.path.clone(), source })?;
+        if got < payload.len() {
+            return Err(damaged(format!("a {len}-byte record, found {got} (file is truncated)")));
+        }
+        if crc32fast::hash(&payload) != crc {
+            return Err(damaged("a record matching its checksum".into()));
+        }
+        self.offset += 8 + u64::from(len);
+        let body = payload.split_off(1);
+        match payload[0] {
+            TYPE_KERNEL => Ok(Some(Record::Kernel(body))),
+            TYPE_META => serde_json::from_slice(&body)
+                .map(|m| Some(Record::Meta(m)))
+                .map_err(|e| damaged(format!("valid metadata JSON ({e})"))),
+            other => Err(damaged(format!("record type 1 or 2, found {other}"))),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header() -> Header {
+        Header {
+            format_version: FORMAT_VERSION,
+            kernel_release: "6.18".into(),
+            cpu_nodes: vec![0, 0],
+            targets: vec![TargetInfo { pid: 7, comm: "trainer".into(), ..Default::default() }],
+            ..Default::default()
+        }
+    }
+
+    fn write_sample(dir: &Path) -> PathBuf {
+        let path = dir.join("r.nctr");
+        let mut w = Writer::create(&path, &header()).unwrap();
+        w.kernel(&[1, 2, 3]).unwrap();
+        w.kernel(&[4; 100]).unwrap();
+        w.meta(&Meta::End {
+            end_monotonic_ns: 5,
+            reason: "target exited".into(),
+            lost_by_kind: BTreeMap::new(),
+            counters: BTreeMap::new(),
+        })
+        .unwrap();
+        w.finish().unwrap();
+        path
+    }
+
+    fn read_all(path: &Path) -> Result<Vec<Record>, RecordError> {
+        let mut r = Reader::open(path)?;
+        let mut out = Vec::new();
+        while let Some(rec) = r.next_record()? {
+            out.push(rec);
+        }
+        Ok(out)
+    }
+
+    /// What is written comes back identical, header and records.
+    #[test]
+    fn round_trip() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = write_sample(dir.path());
+        assert_eq!(Reader::open(&path).unwrap().header, header());
+        let recs = read_all(&path).unwrap();
+        assert_eq!(recs.len(), 3);
+        assert_eq!(recs[0], Record::Kernel(vec![1, 2, 3]));
+        assert!(matches!(recs[2], Record::Meta(Meta::End { .. })));
+    }
+
+    /// Truncation anywhere is reported with an offset; the records before it still read.
+    #[test]
+    fn truncated_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = write_sample(dir.path());
+        let full = std::fs::read(&path).unwrap();
+        for cut in [full.len() - 1, full.len() - 60, 30, 19, 5] {
+            std::fs::write(&path, &full[..cut]).unwrap();
+            match read_all(&path) {
+                Err(RecordError::Damaged { .. } | RecordError::Foreign { .. }) => {}
+                other => panic!("cut at {cut}: {other:?}"),
+            }
+        }
+        std::fs::write(&path, &full[..full.len() - 1]).unwrap();
+        let mut r = Reader::open(&path).unwrap();
+        assert!(r.next_record().unwrap().is_some());
+        assert!(r.next_record().unwrap().is_some());
+        let err = r.next_record().unwrap_err();
+        assert!(err.to_string().contains("offset"), "{err}");
+    }
+
+    /// A flipped byte in a record fails its checksum; empty and foreign files are named.
+    #[test]
+    fn damaged_empty_foreign() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = write_sample(dir.path());
+        let mut bytes = std::fs::read(&path).unwrap();
+        let n = bytes.len();
+        bytes[n - 10] ^= 0xff;
+        std::fs::write(&path, &bytes).unwrap();
+        assert!(matches!(read_all(&path), Err(RecordError::Damaged { .. })));
+        std::fs::write(&path, b"").unwrap();
+        assert!(matches!(read_all(&path), Err(RecordError::Empty { .. })));
+        std::fs::write(&path, b"{\"not\": \"a recording\"}").unwrap();
+        assert!(matches!(read_all(&path), Err(RecordError::Foreign { .. })));
+    }
+}

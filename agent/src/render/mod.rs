@@ -1,0 +1,2 @@
+//! Render stage: one module per output format, each writing to any `impl Write`.
+pub mod summary;

@@ -1,0 +1,74 @@
+//! `summary.json` and the same summary in words.
+
+use std::io::{self, Write};
+
+use crate::pipeline::Summary;
+
+/// Writes `summary.json`.
+pub fn write_json(summary: &Summary, out: &mut impl Write) -> io::Result<()> {
+    serde_json::to_writer_pretty(&mut *out, summary)?;
+    writeln!(out)
+}
+
+fn ms(ns: u64) -> String {
+    format!("{:.3} ms", ns as f64 / 1e6)
+}
+
+/// Writes the summary for a terminal.
+pub fn write_text(s: &Summary, out: &mut impl Write) -> io::Result<()> {
+    writeln!(out, "nccltrace summary: {} traced", ms(s.duration_ns))?;
+    if let Some(reason) = &s.stop_reason {
+        writeln!(out, "  stopped: {reason}")?;
+    }
+    for t in &s.targets {
+        writeln!(
+            out,
+            "  target pid {} ({}): NCCL {}, CUDA {}, {} probes",
+            t.pid,
+            t.comm,
+            t.nccl_library.as_deref().unwrap_or("not found"),
+            t.cuda_library.as_deref().unwrap_or("not found"),
+            t.probes
+        )?;
+    }
+    writeln!(
+        out,
+        "NCCL: {} calls, {} bytes, {} errors",
+        s.nccl.calls, s.nccl.bytes, s.nccl.errors
+    )?;
+    for (op, o) in &s.nccl.by_op {
+        writeln!(
+            out,
+            "  {op:<20} {:>8} calls {:>14} bytes  enqueue {}",
+            o.calls,
+            o.bytes,
+            ms(o.enqueue_ns)
+        )?;
+    }
+    writeln!(out, "CUDA sync: {} calls, waited {}", s.cuda_sync.calls, ms(s.cuda_sync.wait_ns))?;
+    for (f, c) in &s.cuda_sync.by_func {
+        writeln!(out, "  {f:<26} {:>8} calls  waited {}", c.calls, ms(c.wait_ns))?;
+    }
+    writeln!(
+        out,
+        "Scheduler: {} threads, {} switches out ({} involuntary), {} wakeups, {} migrations",
+        s.sched.threads_seen,
+        s.sched.switches_out,
+        s.sched.involuntary_switches,
+        s.sched.wakeups,
+        s.sched.migrations
+    )?;
+    writeln!(
+        out,
+        "Memory: {} page faults, {} pages migrated",
+        s.memory.page_faults, s.memory.pages_migrated
+    )?;
+    writeln!(out, "Events: {} recorded, {} lost", s.events, s.lost_events)?;
+    for (kind, n) in s.lost_by_kind.iter().filter(|(_, n)| **n > 0) {
+        writeln!(out, "  lost {kind}: {n}")?;
+    }
+    if let Some(why) = &s.incomplete {
+        writeln!(out, "Incomplete: {why}")?;
+    }
+    Ok(())
+}

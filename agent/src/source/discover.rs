@@ -1,0 +1,281 @@
+//! Finding NCCL and the CUDA driver in a target: its memory maps, then the ELF symbols of
+//! each mapped object, read through a memory map of the file (the PyPI libnccl.so.2 is
+//! ~473 MB; only its symbol tables are touched).
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use object::{Object, ObjectSection, ObjectSymbol, SectionIndex};
+
+use crate::event::{Func, Library};
+
+/// One line of `/proc/PID/maps`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MapEntry {
+    pub start: u64,
+    pub end: u64,
+    pub perms: String,
+    pub offset: u64,
+    pub inode: u64,
+    pub path: Option<String>,
+}
+
+/// Parses `/proc/PID/maps`; malformed lines are skipped.
+#[must_use]
+pub fn parse_maps(text: &str) -> Vec<MapEntry> {
+    text.lines().filter_map(parse_maps_line).collect()
+}
+
+fn parse_maps_line(line: &str) -> Option<MapEntry> {
+    let mut fields = line.splitn(6, ' ');
+    let range = fields.next()?;
+    let perms = fields.next()?;
+    let offset = fields.next()?;
+    let _dev = fields.next()?;
+    let inode = fields.next()?;
+    let path = fields.next().map(str::trim).filter(|p| !p.is_empty()).map(str::to_owned);
+    let (start, end) = range.split_once('-')?;
+    Some(MapEntry {
+        start: u64::from_str_radix(start, 16).ok()?,
+        end: u64::from_str_radix(end, 16).ok()?,
+        perms: perms.to_owned(),
+        offset: u64::from_str_radix(offset, 16).ok()?,
+        inode: inode.parse().ok()?,
+        path,
+    })
+}
+
+/// Files mapped by a process, each once, in map order: regular paths only (no
+/// `[vdso]`, no deleted files, no devices).
+#[must_use]
+pub fn mapped_files(maps: &[MapEntry]) -> Vec<String> {
+    let mut seen = std::collections::BTreeSet::new();
+    maps.iter()
+        .filter(|m| m.inode != 0)
+        .filter_map(|m| m.path.as_deref())
+        .filter(|p| p.starts_with('/') && !p.ends_with(" (deleted)") && !p.starts_with("/dev/"))
+        .filter(|p| seen.insert(p.to_string()))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Failure reading an object file's symbols.
+#[derive(Debug, thiserror::Error)]
+pub enum SymbolError {
+    #[error("cannot open {path}: {source}")]
+    Open {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path} is not an ELF object: {source}")]
+    Parse {
+        path: PathBuf,
+        #[source]
+        source: object::Error,
+    },
+}
+
+/// A symbol found in an object, with the file offset a uprobe needs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Resolved {
+    pub symbol: String,
+    pub address: u64,
+    pub file_offset: u64,
+}
+
+/// Which symbol tables to search.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tables {
+    /// `.dynsym` only: small, and where a shared library's API lives.
+    Dynamic,
+    /// `.dynsym` and `.symtab`: also finds NCCL linked statically and hidden.
+    All,
+}
+
+/// Resolves `names` in the ELF file at `path`, reading it through a memory map.
+pub fn resolve(
+    path: &Path,
+    names: &[&str],
+    tables: Tables,
+) -> Result<BTreeMap<String, Resolved>, SymbolError> {
+    let file =
+        File::open(path).map_err(|source| SymbolError::Open { path: path.to_owned(), source })?;
+    // SAFETY: the mapping is read-only and private; a library replaced under us would at
+    // worst give wrong symbols, which the kernel then refuses to probe.
+    let map = unsafe { memmap2::Mmap::map(&file) }
+        .map_err(|source| SymbolError::Open { path: path.to_owned(), source })?;
+    let obj = object::File::parse(&*map)
+        .map_err(|source| SymbolError::Parse { path: path.to_owned(), source })?;
+    let mut found = BTreeMap::new();
+    let mut visit = |sym: object::Symbol<'_, '_>| {
+        if sym.is_undefined() || sym.kind() != object::SymbolKind::Text {
+            return;
+        }
+        let Ok(name) = sym.name() else { return };
+        if !names.contains(&name) || found.contains_key(name) {
+            return;
+        }
+        let Some(index) = sym.section_index() else { return };
+        if let Some(file_offset) = file_offset(&obj, index, sym.address()) {
+            found.insert(
+                name.to_owned(),
+                Resolved { symbol: name.to_owned(), address: sym.address(), file_offset },
+            );
+        }
+    };
+    obj.dynamic_symbols().for_each(&mut visit);
+    if tables == Tables::All {
+        obj.symbols().for_each(&mut visit);
+    }
+    Ok(found)
+}
+
+/// `address - section address + section file offset`: what the kernel's uprobe wants.
+fn file_offset(obj: &object::File<'_>, index: SectionIndex, address: u64) -> Option<u64> {
+    let section = obj.section_by_index(index).ok()?;
+    let (offset, _) = section.file_range()?;
+    address.checked_sub(section.address())?.checked_add(offset)
+}
+
+/// One probe to attach: a function at an offset of a library.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProbeSite {
+    pub func: Func,
+    pub symbol: String,
+    pub file_offset: u64,
+}
+
+/// A library found in the target, with the probe sites it defines.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FoundLibrary {
+    /// The path as the target sees it.
+    pub path: String,
+    /// The path from here (through `/proc/PID/root`).
+    pub host_path: PathBuf,
+    pub sites: Vec<ProbeSite>,
+}
+
+/// Probe sites for `library`'s functions, one per address: `ncclX` is a weak alias of
+/// `pnccl X`, and probing both would count every call twice.
+#[must_use]
+pub fn probe_sites(symbols: &BTreeMap<String, Resolved>, library: Library) -> Vec<ProbeSite> {
+    let mut sites: Vec<ProbeSite> = Vec::new();
+    for (func, _, names) in Func::ALL.iter().filter(|(f, _, _)| f.library() == library) {
+        let Some(resolved) = names.iter().find_map(|n| symbols.get(*n)) else { continue };
+        if sites.iter().any(|s| s.file_offset == resolved.file_offset) {
+            continue;
+        }
+        sites.push(ProbeSite {
+            func: *func,
+            symbol: resolved.symbol.clone(),
+            file_offset: resolved.file_offset,
+        });
+    }
+    sites
+}
+
+/// The symbol that marks a library as NCCL, or as the CUDA driver.
+fn marker(library: Library) -> &'static [&'static str] {
+    match library {
+        Library::Nccl => &["ncclAllReduce", "pncclAllReduce"],
+        Library::Cuda => &["cuStreamSynchronize"],
+    }
+}
+
+fn all_symbols(library: Library) -> Vec<&'static str> {
+    Func::ALL
+        .iter()
+        .filter(|(f, _, _)| f.library() == library)
+        .flat_map(|(_, _, names)| names.iter().copied())
+        .collect()
+}
+
+/// Finds the object defining `library`'s marker symbol among `files` (paths as the target
+/// sees them, read under `root`), by symbol, not by file name: NCCL may be linked into
+/// another library. Dynamic symbol tables first, then full ones.
+#[must_use]
+pub fn find_library(root: &Path, files: &[String], library: Library) -> Option<FoundLibrary> {
+    for tables in [Tables::Dynamic, Tables::All] {
+        for path in files {
+            let host_path = root.join(path.trim_start_matches('/'));
+            let Ok(found) = resolve(&host_path, marker(library), tables) else { continue };
+            if found.is_empty() {
+                continue;
+            }
+            let Ok(symbols) = resolve(&host_path, &all_symbols(library), tables) else {
+                continue;
+            };
+            return Some(FoundLibrary {
+                path: path.clone(),
+                host_path,
+                sites: probe_sites(&symbols, library),
+            });
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Lines of a real maps file, including anonymous, special and deleted mappings.
+    #[test]
+    fn parses_maps() {
+        let text = "\
+55d0c0a00000-55d0c0a01000 r--p 00000000 08:01 1234 /usr/bin/python3.12
+7f1e00000000-7f1e00100000 r-xp 00010000 08:01 5678     /opt/lib/libnccl.so.2
+7f1e00100000-7f1e00200000 rw-p 00000000 00:00 0
+7f1e00200000-7f1e00300000 r-xp 00000000 08:01 99 /tmp/x (deleted)
+7fff00000000-7fff00001000 r-xp 00000000 00:00 0                          [vdso]
+7f1e00400000-7f1e00500000 rw-s 00000000 00:05 77 /dev/nvidia0
+garbage line
+";
+        let maps = parse_maps(text);
+        assert_eq!(maps.len(), 6);
+        assert_eq!(maps[1].offset, 0x10000);
+        assert_eq!(maps[1].path.as_deref(), Some("/opt/lib/libnccl.so.2"));
+        assert_eq!(maps[2].path, None);
+        assert_eq!(
+            mapped_files(&maps),
+            vec!["/usr/bin/python3.12".to_owned(), "/opt/lib/libnccl.so.2".to_owned()]
+        );
+    }
+
+    /// Symbols of this very test binary resolve to file offsets inside the file, and a
+    /// missing file or a non-ELF file gives an error, not a panic.
+    #[test]
+    fn resolves_own_symbols() {
+        let exe = std::env::current_exe().unwrap();
+        let found = resolve(&exe, &["main"], Tables::All).unwrap();
+        let main = &found["main"];
+        assert!(main.file_offset < std::fs::metadata(&exe).unwrap().len());
+        assert!(resolve(Path::new("/nonexistent"), &["x"], Tables::All).is_err());
+        let dir = tempfile::tempdir().unwrap();
+        let junk = dir.path().join("junk.so");
+        std::fs::write(&junk, b"not an elf file at all").unwrap();
+        assert!(matches!(
+            resolve(&junk, &["x"], Tables::All),
+            Err(SymbolError::Parse { .. })
+        ));
+    }
+
+    /// Strong and weak names at one address give one probe site, under the strong name.
+    #[test]
+    fn one_site_per_address() {
+        let mut symbols = BTreeMap::new();
+        for (name, off) in [("pncclAllReduce", 0x100), ("ncclAllReduce", 0x100), ("ncclSend", 0x200)]
+        {
+            symbols.insert(
+                name.to_owned(),
+                Resolved { symbol: name.to_owned(), address: off, file_offset: off },
+            );
+        }
+        let sites = probe_sites(&symbols, Library::Nccl);
+        assert_eq!(sites.len(), 2);
+        assert_eq!(sites[0].symbol, "pncclAllReduce");
+        assert_eq!(sites[1].func, Func::Send);
+    }
+}

@@ -1,0 +1,508 @@
+//! Source stage, the only one that needs root: find the libraries, load the kernel
+//! programs, attach them, drain the ring buffer, detach.
+
+pub mod discover;
+pub mod tracefs;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use aya::maps::{HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf};
+use aya::programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope};
+use aya::programs::trace_point::TracePointLink;
+use aya::programs::uprobe::UProbeLink;
+use aya::programs::{ProgramError, TracePoint, UProbe};
+use aya::{Ebpf, EbpfLoader};
+use nccltrace_common::{counter, kind};
+use tokio::io::unix::AsyncFd;
+
+use crate::event::{Event, Library};
+use crate::host::{self, Host};
+use crate::profile::Profile;
+use crate::record::{ClockRef, FORMAT_VERSION, Header, ProbeInfo, TargetInfo};
+use discover::FoundLibrary;
+
+/// The compiled kernel programs, embedded at build time.
+static PROGRAMS: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/nccltrace"));
+
+/// What can go wrong in the source stage.
+#[derive(Debug, thiserror::Error)]
+pub enum SourceError {
+    #[error("no process with pid {pid}: check the pid with `ps`")]
+    NoSuchProcess { pid: u32 },
+    #[error(
+        "pid {pid} ({comm}) has not loaded NCCL: no mapped object defines ncclAllReduce. \
+         Attach once the job has initialised NCCL"
+    )]
+    NoNccl { pid: u32, comm: String },
+    #[error(
+        "not permitted to load eBPF programs ({source}): run nccltrace as root, or grant it \
+         CAP_BPF, CAP_PERFMON and CAP_SYS_ADMIN"
+    )]
+    Permission {
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    #[error("loading the eBPF object failed: {0}")]
+    Load(#[source] Box<aya::EbpfError>),
+    #[error(
+        "the kernel ({kernel}) rejected program {program}: {source}\nIf the verifier output above \
+         names a helper or map type, this kernel is too old for nccltrace"
+    )]
+    Verifier {
+        program: String,
+        kernel: String,
+        #[source]
+        source: Box<ProgramError>,
+    },
+    #[error("attaching {program} to {target} failed: {source}")]
+    Attach {
+        program: String,
+        target: String,
+        #[source]
+        source: Box<ProgramError>,
+    },
+    #[error("eBPF map {name}: {source}")]
+    Map {
+        name: &'static str,
+        #[source]
+        source: Box<aya::maps::MapError>,
+    },
+    #[error("the embedded eBPF object has no program {name}: rebuild nccltrace")]
+    MissingProgram { name: String },
+    #[error(transparent)]
+    Tracefs(#[from] tracefs::TracefsError),
+    #[error("reading the ring buffer failed: {0}")]
+    Drain(#[source] std::io::Error),
+}
+
+impl SourceError {
+    /// Whether the user can fix it by changing the command (exit code 2).
+    #[must_use]
+    pub fn is_bad_input(&self) -> bool {
+        matches!(self, SourceError::NoSuchProcess { .. } | SourceError::NoNccl { .. })
+    }
+}
+
+fn is_eperm(err: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur = Some(err);
+    while let Some(e) = cur {
+        if let Some(io) = e.downcast_ref::<std::io::Error>() {
+            if io.raw_os_error() == Some(libc::EPERM) {
+                return true;
+            }
+        }
+        cur = e.source();
+    }
+    false
+}
+
+fn program_error(program: &str, target: &str, e: ProgramError) -> SourceError {
+    if is_eperm(&e) {
+        return SourceError::Permission { source: Box::new(e) };
+    }
+    match e {
+        ProgramError::LoadError { .. } => SourceError::Verifier {
+            program: program.to_owned(),
+            kernel: host::uname().0,
+            source: Box::new(e),
+        },
+        e => SourceError::Attach {
+            program: program.to_owned(),
+            target: target.to_owned(),
+            source: Box::new(e),
+        },
+    }
+}
+
+fn map_error(name: &'static str) -> impl Fn(aya::maps::MapError) -> SourceError {
+    move |e| SourceError::Map { name, source: Box::new(e) }
+}
+
+/// A target as discovered, before attaching.
+#[derive(Clone, Debug)]
+pub struct Target {
+    pub pid: u32,
+    pub comm: String,
+    pub nccl: FoundLibrary,
+    pub cuda: Option<FoundLibrary>,
+    pub maps: Vec<String>,
+}
+
+/// Finds NCCL (and the CUDA driver) in `pid`, through `/proc/PID/root`.
+pub fn discover(host: &Host, pid: u32) -> Result<Target, SourceError> {
+    let maps_text = std::fs::read_to_string(host.path(&format!("proc/{pid}/maps")))
+        .map_err(|_| SourceError::NoSuchProcess { pid })?;
+    let maps = discover::parse_maps(&maps_text);
+    let files = discover::mapped_files(&maps);
+    let root = host.path(&format!("proc/{pid}/root"));
+    let comm = host.comm(pid);
+    let nccl = discover::find_library(&root, &files, Library::Nccl)
+        .ok_or_else(|| SourceError::NoNccl { pid, comm: comm.clone() })?;
+    let cuda = discover::find_library(&root, &files, Library::Cuda);
+    Ok(Target { pid, comm, nccl, cuda, maps: files })
+}
+
+/// An attachment we own, so detaching can be done in parallel.
+enum Link {
+    // Held only to be dropped: dropping detaches.
+    #[allow(dead_code)]
+    Uprobe(UProbeLink),
+    #[allow(dead_code)]
+    Tracepoint(TracePointLink),
+}
+
+/// Loaded and attached programs, with the maps user space reads.
+pub struct Attached {
+    ebpf: Option<Ebpf>,
+    links: Vec<Link>,
+    targets: BpfHashMap<MapData, u32, u32>,
+    /// CLOCK_MONOTONIC when tracing stopped (the programs were disarmed).
+    pub stopped_ns: Option<u64>,
+    ring: AsyncFd<RingBuf<MapData>>,
+    counters: PerCpuArray<MapData, u64>,
+    pub header: Header,
+    pub pids: Vec<u32>,
+    /// How long loading and attaching took.
+    pub attach_time: Duration,
+}
+
+/// Loads the programs and attaches everything `profile` asks for to `targets`.
+/// Must run inside a tokio runtime (the ring buffer is registered with it).
+pub fn attach(targets: &[Target], profile: &Profile) -> Result<Attached, SourceError> {
+    let started = Instant::now();
+    let host = Host::live();
+    let tracefs_root = tracefs::ensure_mounted()?;
+    let (offsets, available) = tracefs::offsets(&tracefs_root)?;
+
+    let mut loader = EbpfLoader::new();
+    loader.override_global("OFFSETS", &offsets, true);
+    loader.map_max_entries("EVENTS", profile.ring_buffer_bytes());
+    let mut ebpf = loader.load(PROGRAMS).map_err(|e| {
+        if is_eperm(&e) {
+            SourceError::Permission { source: Box::new(e) }
+        } else {
+            SourceError::Load(Box::new(e))
+        }
+    })?;
+
+    let mut map_targets: BpfHashMap<MapData, u32, u32> =
+        BpfHashMap::try_from(ebpf.take_map("TARGETS").ok_or_else(|| missing_map("TARGETS"))?)
+            .map_err(map_error("TARGETS"))?;
+    for t in targets {
+        map_targets.insert(t.pid, 1, 0).map_err(map_error("TARGETS"))?;
+    }
+    {
+        let mut threads: BpfHashMap<_, u32, u32> =
+            BpfHashMap::try_from(ebpf.map_mut("THREADS").ok_or_else(|| missing_map("THREADS"))?)
+            .map_err(map_error("THREADS"))?;
+        for t in targets {
+            for tid in host.threads(t.pid) {
+                threads.insert(tid, t.pid, 0).map_err(map_error("THREADS"))?;
+            }
+        }
+    }
+
+    let mut links = Vec::new();
+    let mut infos = Vec::new();
+    for t in targets {
+        let mut probes = Vec::new();
+        let mut libs: Vec<&FoundLibrary> = Vec::new();
+        if profile.probes.nccl {
+            libs.push(&t.nccl);
+        }
+        if profile.probes.cuda_sync {
+            libs.extend(t.cuda.iter());
+        }
+        for lib in &libs {
+            for site in &lib.sites {
+                probes.push(ProbeInfo {
+                    func: site.func.name().to_owned(),
+                    symbol: site.symbol.clone(),
+                    library: lib.path.clone(),
+                    file_offset: site.file_offset,
+                });
+            }
+        }
+        infos.push((t, libs, probes));
+    }
+
+    // One probe per (file, offset), whatever the number of targets: ranks share their
+    // libraries, the kernel filters by TARGETS, and every uprobe costs a grace period to
+    // detach.
+    let mut unique: Vec<(u64, u64, &FoundLibrary)> = Vec::new();
+    for (_, libs, _) in &infos {
+        for lib in libs {
+            let id = std::fs::metadata(&lib.host_path)
+                .map(|m| (std::os::unix::fs::MetadataExt::dev(&m), std::os::unix::fs::MetadataExt::ino(&m)))
+                .unwrap_or((0, 0));
+            if id == (0, 0) || !unique.iter().any(|(d, i, _)| (*d, *i) == id) {
+                unique.push((id.0, id.1, lib));
+            }
+        }
+    }
+    for program in ["uprobe_lib_call", "uretprobe_lib_call"] {
+        let prog: &mut UProbe = ebpf
+            .program_mut(program)
+            .ok_or_else(|| missing_program(program))?
+            .try_into()
+            .map_err(|e| program_error(program, "-", e))?;
+        prog.load().map_err(|e| program_error(program, "-", e))?;
+        for (_, _, lib) in &unique {
+            for site in &lib.sites {
+                let point = UProbeAttachPoint {
+                    location: UProbeAttachLocation::AbsoluteOffset(site.file_offset),
+                    cookie: Some(u64::from(site.func.id())),
+                };
+                let place = format!("{}:{}", lib.path, site.symbol);
+                let id = prog
+                    .attach(point, &lib.host_path, UProbeScope::AllProcesses)
+                    .map_err(|e| program_error(program, &place, e))?;
+                let link = prog.take_link(id).map_err(|e| program_error(program, &place, e))?;
+                links.push(Link::Uprobe(link));
+            }
+        }
+    }
+
+    for (category, event) in tracefs::TRACEPOINTS {
+        let wanted = match event {
+            "page_fault_user" => profile.probes.page_faults,
+            "mm_migrate_pages" | "sched_move_numa" | "sched_swap_numa" | "sched_stick_numa" => {
+                profile.probes.numa
+            }
+            // Fork and exit keep the thread table right whatever the profile says.
+            "sched_process_fork" | "sched_process_exit" => true,
+            _ => profile.probes.sched,
+        };
+        if !wanted || !available.contains(&event) {
+            continue;
+        }
+        let name = format!("tracepoint_{event}");
+        let prog: &mut TracePoint = ebpf
+            .program_mut(&name)
+            .ok_or_else(|| missing_program(&name))?
+            .try_into()
+            .map_err(|e| program_error(&name, "-", e))?;
+        prog.load().map_err(|e| program_error(&name, "-", e))?;
+        let place = format!("{category}:{event}");
+        let id = prog.attach(category, event).map_err(|e| program_error(&name, &place, e))?;
+        let link = prog.take_link(id).map_err(|e| program_error(&name, &place, e))?;
+        links.push(Link::Tracepoint(link));
+    }
+
+    let ring = RingBuf::try_from(ebpf.take_map("EVENTS").ok_or_else(|| missing_map("EVENTS"))?)
+        .map_err(map_error("EVENTS"))?;
+    // SAFETY: the RingBuf owns its map fd, which stays open and unchanged until the
+    // AsyncFd (which owns the RingBuf) is dropped.
+    let ring = unsafe { AsyncFd::register_with_interest(ring, tokio::io::Interest::READABLE) }
+        .map_err(|e| SourceError::Drain(e.into()))?;
+    let counters =
+        PerCpuArray::try_from(ebpf.take_map("COUNTERS").ok_or_else(|| missing_map("COUNTERS"))?)
+            .map_err(map_error("COUNTERS"))?;
+
+    let (kernel_release, hostname) = host::uname();
+    let header = Header {
+        format_version: FORMAT_VERSION,
+        agent_version: env!("CARGO_PKG_VERSION").to_owned(),
+        kernel_release,
+        hostname,
+        clock: ClockRef {
+            monotonic_ns: host::clock_ns(libc::CLOCK_MONOTONIC),
+            realtime_ns: host::clock_ns(libc::CLOCK_REALTIME),
+        },
+        cpu_nodes: host.cpu_nodes(),
+        profile: profile.name.clone(),
+        targets: infos
+            .into_iter()
+            .map(|(t, _, probes)| TargetInfo {
+                pid: t.pid,
+                comm: t.comm.clone(),
+                cmdline: host.cmdline(t.pid),
+                nccl_library: Some(t.nccl.path.clone()),
+                cuda_library: t.cuda.as_ref().map(|c| c.path.clone()),
+                probes,
+                maps: t.maps.clone(),
+            })
+            .collect(),
+    };
+    Ok(Attached {
+        ebpf: Some(ebpf),
+        links,
+        targets: map_targets,
+        stopped_ns: None,
+        ring,
+        counters,
+        header,
+        pids: targets.iter().map(|t| t.pid).collect(),
+        attach_time: started.elapsed(),
+    })
+}
+
+fn missing_program(name: &str) -> SourceError {
+    SourceError::MissingProgram { name: name.to_owned() }
+}
+
+fn missing_map(name: &'static str) -> SourceError {
+    SourceError::Map {
+        name,
+        source: Box::new(aya::maps::MapError::InvalidName { name: name.into() }),
+    }
+}
+
+/// Why draining stopped.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StopReason {
+    TargetsExited,
+    Duration,
+    Signal(&'static str),
+}
+
+impl std::fmt::Display for StopReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StopReason::TargetsExited => write!(f, "every target exited"),
+            StopReason::Duration => write!(f, "--duration elapsed"),
+            StopReason::Signal(name) => write!(f, "{name} received"),
+        }
+    }
+}
+
+/// Receives every raw record as it is drained.
+pub trait Sink {
+    /// One raw kernel record. An error stops the run (the outputs already written stay).
+    fn record(&mut self, bytes: &[u8]) -> Result<(), crate::Error>;
+    /// Called about once a second with the lost-record total so far.
+    fn tick(&mut self, lost: u64);
+}
+
+impl Attached {
+    /// Lost records by kind name, and the other counters by name, summed over CPUs.
+    pub fn counters(&self) -> (BTreeMap<String, u64>, BTreeMap<String, u64>) {
+        let mut lost = BTreeMap::new();
+        let mut other = BTreeMap::new();
+        for index in 0..counter::COUNT {
+            let Ok(values) = self.counters.get(&index, 0) else { continue };
+            let total: u64 = values.iter().sum();
+            if index < kind::COUNT as u32 {
+                if index > 0 {
+                    lost.insert(Event::kind_name(index as u16).to_owned(), total);
+                }
+                continue;
+            }
+            let name = match index {
+                counter::UNPAIRED_RETURN => "unpaired_returns",
+                counter::PENDING_FULL => "pending_map_full",
+                counter::THREADS_FULL => "thread_map_full",
+                counter::READ_FAILED => "argument_reads_failed",
+                _ => continue,
+            };
+            other.insert(name.to_owned(), total);
+        }
+        (lost, other)
+    }
+
+    /// Drains at most `budget` records (`usize::MAX`: everything there).
+    fn drain_ready(&mut self, sink: &mut impl Sink, budget: usize) -> Result<usize, crate::Error> {
+        let mut n = 0;
+        let ring = self.ring.get_mut();
+        while n < budget {
+            let Some(item) = ring.next() else { break };
+            sink.record(&item)?;
+            n += 1;
+        }
+        Ok(n)
+    }
+
+    /// Drains until every target has exited, `duration` passes, or a signal arrives;
+    /// then detaches every program and drains what is left.
+    pub async fn run(
+        &mut self,
+        duration: Option<Duration>,
+        sink: &mut impl Sink,
+    ) -> Result<StopReason, crate::Error> {
+        use tokio::signal::unix::{SignalKind, signal};
+        // Records handled between checks of the stop conditions: a producer faster than
+        // the drain must not keep the loop from seeing Ctrl-C or the deadline.
+        const BUDGET: usize = 16_384;
+        let sig = |kind| signal(kind).map_err(|e| crate::Error::Source(SourceError::Drain(e)));
+        let mut sigint = sig(SignalKind::interrupt())?;
+        let mut sigterm = sig(SignalKind::terminate())?;
+        let mut sighup = sig(SignalKind::hangup())?;
+        let deadline = duration.map(|d| tokio::time::Instant::now() + d);
+        let mut poll = tokio::time::interval(Duration::from_millis(100));
+        let host = Host::live();
+        let mut last_tick = Instant::now();
+        let mut more = true;
+        let reason = loop {
+            if more {
+                more = self.drain_ready(sink, BUDGET)? == BUDGET;
+            }
+            tokio::select! {
+                biased;
+                _ = sigint.recv() => break StopReason::Signal("SIGINT"),
+                _ = sigterm.recv() => break StopReason::Signal("SIGTERM"),
+                _ = sighup.recv() => break StopReason::Signal("SIGHUP"),
+                () = async {
+                    match deadline {
+                        Some(d) => tokio::time::sleep_until(d).await,
+                        None => std::future::pending().await,
+                    }
+                } => break StopReason::Duration,
+                _ = poll.tick() => {
+                    if self.pids.iter().all(|p| !host.process_alive(*p)) {
+                        break StopReason::TargetsExited;
+                    }
+                    if last_tick.elapsed() >= Duration::from_secs(1) {
+                        last_tick = Instant::now();
+                        let lost = self.counters().0.values().sum();
+                        sink.tick(lost);
+                    }
+                    more = true;
+                }
+                // The kernel only signals readiness once the consumer has caught up, so
+                // with records left over the loop goes round again without waiting.
+                () = tokio::task::yield_now(), if more => {}
+                guard = self.ring.readable_mut(), if !more => {
+                    let mut guard = guard.map_err(|e| crate::Error::Source(SourceError::Drain(e)))?;
+                    guard.clear_ready();
+                    more = true;
+                }
+            }
+        };
+        self.disarm();
+        self.drain_ready(sink, usize::MAX)?;
+        Ok(reason)
+    }
+
+    /// Stops tracing at once: the programs stay attached but, with no target left in
+    /// `TARGETS`, emit nothing. Detaching takes seconds (see `detach`), so outputs are
+    /// written between the two.
+    pub fn disarm(&mut self) {
+        if self.stopped_ns.is_some() {
+            return;
+        }
+        for pid in &self.pids {
+            let _ = self.targets.remove(pid);
+        }
+        self.stopped_ns = Some(host::clock_ns(libc::CLOCK_MONOTONIC));
+    }
+
+    /// Detaches and unloads every program (the maps user space holds stay readable).
+    pub fn detach(&mut self) {
+        // Each detach waits for an RCU grace period (~70-130 ms measured on these
+        // kernels): one after the other, 50 probes took 4.5 s. In parallel they share
+        // grace periods.
+        let links = std::mem::take(&mut self.links);
+        let threads = links.len().clamp(1, 64);
+        let mut groups: Vec<Vec<Link>> = (0..threads).map(|_| Vec::new()).collect();
+        for (i, link) in links.into_iter().enumerate() {
+            groups[i % threads].push(link);
+        }
+        std::thread::scope(|scope| {
+            for group in groups {
+                scope.spawn(move || drop(group));
+            }
+        });
+        self.ebpf = None;
+    }
+}

@@ -1,0 +1,314 @@
+//! Shared definitions: every record the kernel programs emit, the ids they use and the
+//! settings user space hands them before load. Both sides compile this one crate, so an
+//! event is defined exactly once.
+//!
+//! Rules: `#[repr(C)]`, no `bool`, explicit padding, a size assertion per type; ids are
+//! append-only so old recordings stay readable.
+#![no_std]
+
+/// Event kinds, the first field every record carries (`Header::kind`). Append-only.
+pub mod kind {
+    /// A traced library call (NCCL or CUDA), entry and exit paired in the kernel.
+    pub const CALL: u16 = 1;
+    /// `sched:sched_switch` where the previous or next task belongs to a target.
+    pub const SWITCH: u16 = 2;
+    /// `sched:sched_wakeup` of a target thread.
+    pub const WAKEUP: u16 = 3;
+    /// `sched:sched_migrate_task` of a target thread.
+    pub const MIGRATE: u16 = 4;
+    /// `sched:sched_process_fork` from a target.
+    pub const FORK: u16 = 5;
+    /// `sched:sched_process_exit` of a target thread.
+    pub const EXIT: u16 = 6;
+    /// `exceptions:page_fault_user` in a target thread.
+    pub const FAULT: u16 = 7;
+    /// `migrate:mm_migrate_pages` run in a target thread's context.
+    pub const PAGE_MIGRATION: u16 = 8;
+    /// `sched:sched_{move,swap,stick}_numa` involving a target.
+    pub const NUMA_TASK: u16 = 9;
+    /// One past the largest kind: the size of per-kind tables.
+    pub const COUNT: usize = 10;
+}
+
+/// Indices into the per-CPU `COUNTERS` array. Ids below `kind::COUNT` count events of that
+/// kind lost because the ring buffer was full. Append-only.
+pub mod counter {
+    /// A uretprobe found no matching entry (attached mid-call, or the pending map was full).
+    pub const UNPAIRED_RETURN: u32 = 16;
+    /// The pending-call map was full at entry.
+    pub const PENDING_FULL: u32 = 17;
+    /// The target-thread map was full when a new thread appeared.
+    pub const THREADS_FULL: u32 = 18;
+    /// Reading a call's stack arguments or out-pointer failed.
+    pub const READ_FAILED: u32 = 19;
+    /// Size of the array.
+    pub const COUNT: u32 = 32;
+}
+
+/// Subkinds of [`NumaTaskEvent`].
+pub mod numa_task {
+    /// `sched_move_numa`: a task moved to another node.
+    pub const MOVE: u32 = 1;
+    /// `sched_swap_numa`: two tasks swapped nodes.
+    pub const SWAP: u32 = 2;
+    /// `sched_stick_numa`: a preferred-node move that did not happen.
+    pub const STICK: u32 = 3;
+}
+
+/// The traced library functions. A probe's BPF cookie is its function id. Append-only.
+pub mod func {
+    pub const NCCL_ALL_REDUCE: u32 = 1;
+    pub const NCCL_ALL_GATHER: u32 = 2;
+    pub const NCCL_REDUCE_SCATTER: u32 = 3;
+    pub const NCCL_BROADCAST: u32 = 4;
+    pub const NCCL_BCAST: u32 = 5;
+    pub const NCCL_REDUCE: u32 = 6;
+    pub const NCCL_ALLTOALL: u32 = 7;
+    pub const NCCL_GATHER: u32 = 8;
+    pub const NCCL_SCATTER: u32 = 9;
+    pub const NCCL_SEND: u32 = 10;
+    pub const NCCL_RECV: u32 = 11;
+    pub const NCCL_GROUP_START: u32 = 12;
+    pub const NCCL_GROUP_END: u32 = 13;
+    pub const NCCL_COMM_INIT_RANK: u32 = 14;
+    pub const NCCL_COMM_INIT_RANK_CONFIG: u32 = 15;
+    pub const NCCL_COMM_INIT_ALL: u32 = 16;
+    pub const NCCL_COMM_SPLIT: u32 = 17;
+    pub const NCCL_COMM_DESTROY: u32 = 18;
+    pub const NCCL_COMM_ABORT: u32 = 19;
+    pub const CU_STREAM_SYNCHRONIZE: u32 = 64;
+    pub const CU_STREAM_SYNCHRONIZE_PTSZ: u32 = 65;
+    pub const CU_EVENT_SYNCHRONIZE: u32 = 66;
+    pub const CU_CTX_SYNCHRONIZE: u32 = 67;
+    /// First CUDA id: ids at or above this are CUDA driver calls.
+    pub const FIRST_CUDA: u32 = 64;
+
+    /// How many arguments the function takes, counting a by-value `ncclUniqueId` as none
+    /// since the x86-64 ABI passes it in memory without using a register.
+    #[must_use]
+    pub const fn nargs(id: u32) -> u32 {
+        match id {
+            NCCL_REDUCE => 8,
+            NCCL_ALL_REDUCE | NCCL_REDUCE_SCATTER | NCCL_BROADCAST | NCCL_GATHER
+            | NCCL_SCATTER => 7,
+            NCCL_ALL_GATHER | NCCL_BCAST | NCCL_ALLTOALL | NCCL_SEND | NCCL_RECV => 6,
+            NCCL_COMM_SPLIT => 5,
+            NCCL_COMM_INIT_RANK_CONFIG => 4,
+            NCCL_COMM_INIT_RANK | NCCL_COMM_INIT_ALL => 3,
+            NCCL_COMM_DESTROY | NCCL_COMM_ABORT | CU_STREAM_SYNCHRONIZE
+            | CU_STREAM_SYNCHRONIZE_PTSZ | CU_EVENT_SYNCHRONIZE => 1,
+            _ => 0,
+        }
+    }
+
+    /// The argument that points at a communicator the call writes (`ncclComm_t*`), read at
+    /// return so the new handle is known.
+    #[must_use]
+    pub const fn out_comm_arg(id: u32) -> Option<usize> {
+        match id {
+            NCCL_COMM_INIT_RANK | NCCL_COMM_INIT_RANK_CONFIG | NCCL_COMM_INIT_ALL => Some(0),
+            NCCL_COMM_SPLIT => Some(3),
+            _ => None,
+        }
+    }
+}
+
+/// Maximum arguments captured per call (six in registers, two from the stack).
+pub const MAX_ARGS: usize = 8;
+
+/// The start of every record.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Header {
+    /// `bpf_ktime_get_ns` (CLOCK_MONOTONIC) when the record was made.
+    pub ts_ns: u64,
+    /// Thread group of the task the record is about.
+    pub tgid: u32,
+    /// Thread the record is about.
+    pub tid: u32,
+    /// One of [`kind`].
+    pub kind: u16,
+    /// CPU the program ran on.
+    pub cpu: u16,
+    pub _pad: u32,
+}
+const _: () = assert!(core::mem::size_of::<Header>() == 24);
+
+/// A library call. `hdr.ts_ns` is the return time.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CallEvent {
+    pub hdr: Header,
+    /// Entry time.
+    pub start_ns: u64,
+    /// One of [`func`].
+    pub func: u32,
+    /// Return value (ncclResult_t / CUresult).
+    pub ret: i32,
+    /// Raw arguments in ABI order; `func::nargs` says how many are meaningful.
+    pub args: [u64; MAX_ARGS],
+    /// For calls that create a communicator: the handle written through the out pointer.
+    pub out: u64,
+}
+const _: () = assert!(core::mem::size_of::<CallEvent>() == 112);
+
+/// What a uprobe remembers until the matching uretprobe fires.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PendingCall {
+    pub start_ns: u64,
+    pub args: [u64; MAX_ARGS],
+}
+const _: () = assert!(core::mem::size_of::<PendingCall>() == 72);
+
+/// Flags of [`SwitchEvent`].
+pub mod switch_flags {
+    /// The task switched out belongs to a target.
+    pub const PREV_TARGET: u32 = 1;
+    /// The task switched in belongs to a target.
+    pub const NEXT_TARGET: u32 = 2;
+}
+
+/// A context switch touching a target thread. `hdr.tid`/`hdr.tgid` are the task switched
+/// out when it is a target, else the task switched in.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SwitchEvent {
+    pub hdr: Header,
+    pub prev_tid: u32,
+    pub next_tid: u32,
+    /// `prev_state` as the tracepoint gives it (0: preempted while runnable).
+    pub prev_state: i64,
+    /// Thread group of the next task, when it is a target (else 0).
+    pub next_tgid: u32,
+    /// [`switch_flags`].
+    pub flags: u32,
+}
+const _: () = assert!(core::mem::size_of::<SwitchEvent>() == 48);
+
+/// A target thread woken. `hdr` is the woken thread; the waker is `waker_tid`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WakeupEvent {
+    pub hdr: Header,
+    pub waker_tid: u32,
+    pub waker_tgid: u32,
+    pub target_cpu: u32,
+    pub _pad: u32,
+}
+const _: () = assert!(core::mem::size_of::<WakeupEvent>() == 40);
+
+/// A target thread moved between CPUs. `hdr` is the migrated thread.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MigrateEvent {
+    pub hdr: Header,
+    pub orig_cpu: u32,
+    pub dest_cpu: u32,
+}
+const _: () = assert!(core::mem::size_of::<MigrateEvent>() == 32);
+
+/// A new task created by a target (`hdr` is the parent) or a target thread exiting
+/// (`hdr` is the thread).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TaskEvent {
+    pub hdr: Header,
+    /// Fork: the child's tid. Exit: 0.
+    pub child_tid: u32,
+    /// Exit: nonzero when the whole thread group is dead. Fork: 0.
+    pub group_dead: u32,
+}
+const _: () = assert!(core::mem::size_of::<TaskEvent>() == 32);
+
+/// A user page fault in a target thread.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FaultEvent {
+    pub hdr: Header,
+    pub address: u64,
+    pub ip: u64,
+    pub error_code: u64,
+}
+const _: () = assert!(core::mem::size_of::<FaultEvent>() == 48);
+
+/// Pages migrated between nodes in a target thread's context (NUMA balancing, mbind...).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PageMigrationEvent {
+    pub hdr: Header,
+    pub succeeded: u64,
+    pub failed: u64,
+    pub mode: u32,
+    pub reason: u32,
+}
+const _: () = assert!(core::mem::size_of::<PageMigrationEvent>() == 48);
+
+/// A NUMA-balancing decision about a target task.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NumaTaskEvent {
+    pub hdr: Header,
+    /// One of [`numa_task`].
+    pub subkind: u32,
+    pub src_tid: u32,
+    pub src_tgid: u32,
+    pub src_cpu: i32,
+    pub src_nid: i32,
+    pub dst_tid: u32,
+    pub dst_tgid: u32,
+    pub dst_cpu: i32,
+    pub dst_nid: i32,
+    pub _pad: u32,
+}
+const _: () = assert!(core::mem::size_of::<NumaTaskEvent>() == 64);
+
+/// Field offsets of the tracepoints, read from tracefs `format` files by user space and
+/// set as a read-only global before load: they differ between kernels (for example
+/// `sched_migrate_task.comm` became `__data_loc`, shifting every field after it).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TpOffsets {
+    pub switch_prev_pid: u32,
+    pub switch_prev_state: u32,
+    pub switch_next_pid: u32,
+    pub wakeup_pid: u32,
+    pub wakeup_target_cpu: u32,
+    pub migrate_pid: u32,
+    pub migrate_orig_cpu: u32,
+    pub migrate_dest_cpu: u32,
+    pub fork_child_pid: u32,
+    pub exit_group_dead: u32,
+    pub fault_address: u32,
+    pub fault_ip: u32,
+    pub fault_error_code: u32,
+    pub pages_succeeded: u32,
+    pub pages_failed: u32,
+    pub pages_mode: u32,
+    pub pages_reason: u32,
+    pub move_pid: u32,
+    pub move_tgid: u32,
+    pub move_src_cpu: u32,
+    pub move_src_nid: u32,
+    pub move_dst_cpu: u32,
+    pub move_dst_nid: u32,
+    /// `sched_swap_numa` and `sched_stick_numa` share one layout.
+    pub swap_src_pid: u32,
+    pub swap_src_tgid: u32,
+    pub swap_src_cpu: u32,
+    pub swap_src_nid: u32,
+    pub swap_dst_pid: u32,
+    pub swap_dst_tgid: u32,
+    pub swap_dst_cpu: u32,
+    pub swap_dst_nid: u32,
+    pub _pad: u32,
+}
+const _: () = assert!(core::mem::size_of::<TpOffsets>() == 128);
+
+#[cfg(feature = "user")]
+mod pod {
+    // SAFETY: every type here is #[repr(C)], made only of integers, with explicit padding,
+    // so any bit pattern is valid.
+    unsafe impl aya::Pod for super::TpOffsets {}
+    unsafe impl aya::Pod for super::PendingCall {}
+}

@@ -1,0 +1,482 @@
+//! Kernel programs: uprobes on NCCL and CUDA calls, scheduler and memory tracepoints.
+//!
+//! Thin by design: each program filters to the target thread groups, captures and submits
+//! one record. Errors and drops only bump `COUNTERS`; user space pairs nothing and
+//! interprets everything.
+#![no_std]
+#![no_main]
+
+use aya_ebpf::{
+    EbpfContext,
+    helpers::{
+        bpf_get_attach_cookie, bpf_get_current_pid_tgid, bpf_get_smp_processor_id,
+        bpf_ktime_get_ns, bpf_probe_read_user,
+    },
+    macros::{map, tracepoint, uprobe, uretprobe},
+    maps::{HashMap, PerCpuArray, RingBuf},
+    programs::{ProbeContext, RetProbeContext, TracePointContext},
+};
+use aya_log_ebpf::warn;
+use nccltrace_common::{
+    CallEvent, FaultEvent, Header, MAX_ARGS, MigrateEvent, NumaTaskEvent, PageMigrationEvent,
+    PendingCall, SwitchEvent, TaskEvent, TpOffsets, WakeupEvent, counter, func, kind, numa_task,
+    switch_flags,
+};
+
+/// Every record, in one ring buffer (sized by user space at load).
+#[map]
+static EVENTS: RingBuf = RingBuf::with_byte_size(8 << 20, 0);
+
+/// Drops and errors, indexed by [`counter`] (and by [`kind`] for lost records).
+#[map]
+static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(counter::COUNT, 0);
+
+/// Target thread groups (tgid → flags), filled by user space before attach.
+#[map]
+static TARGETS: HashMap<u32, u32> = HashMap::with_max_entries(1024, 0);
+
+/// Threads of the targets (tid → tgid): lets scheduler events about a task that is not
+/// `current` (the next task of a switch, a wakee) be filtered without reading task_struct.
+#[map]
+static THREADS: HashMap<u32, u32> = HashMap::with_max_entries(65536, 0);
+
+/// Calls in flight, keyed by `tid << 32 | function id`.
+#[map]
+static PENDING: HashMap<u64, PendingCall> = HashMap::with_max_entries(16384, 0);
+
+/// Tracepoint field offsets for this kernel, set by user space before load.
+#[unsafe(no_mangle)]
+static OFFSETS: TpOffsets = TpOffsets {
+    switch_prev_pid: 0,
+    switch_prev_state: 0,
+    switch_next_pid: 0,
+    wakeup_pid: 0,
+    wakeup_target_cpu: 0,
+    migrate_pid: 0,
+    migrate_orig_cpu: 0,
+    migrate_dest_cpu: 0,
+    fork_child_pid: 0,
+    exit_group_dead: 0,
+    fault_address: 0,
+    fault_ip: 0,
+    fault_error_code: 0,
+    pages_succeeded: 0,
+    pages_failed: 0,
+    pages_mode: 0,
+    pages_reason: 0,
+    move_pid: 0,
+    move_tgid: 0,
+    move_src_cpu: 0,
+    move_src_nid: 0,
+    move_dst_cpu: 0,
+    move_dst_nid: 0,
+    swap_src_pid: 0,
+    swap_src_tgid: 0,
+    swap_src_cpu: 0,
+    swap_src_nid: 0,
+    swap_dst_pid: 0,
+    swap_dst_tgid: 0,
+    swap_dst_cpu: 0,
+    swap_dst_nid: 0,
+    _pad: 0,
+};
+
+macro_rules! offset {
+    ($field:ident) => {
+        // SAFETY: a plain read of a read-only global; volatile so the loader's value is used
+        // instead of the zero compiled in.
+        unsafe { core::ptr::read_volatile(&raw const OFFSETS.$field) as usize }
+    };
+}
+
+#[inline(always)]
+fn bump(index: u32) {
+    if let Some(slot) = COUNTERS.get_ptr_mut(index) {
+        // SAFETY: per-CPU slot, no other writer on this CPU while the program runs.
+        unsafe { *slot += 1 };
+    }
+}
+
+#[inline(always)]
+fn is_target(tgid: u32) -> bool {
+    // SAFETY: the value is not kept past this call.
+    unsafe { TARGETS.get(&tgid) }.is_some()
+}
+
+#[inline(always)]
+fn target_of_thread(tid: u32) -> Option<u32> {
+    // SAFETY: copied out at once.
+    unsafe { THREADS.get(&tid) }.copied()
+}
+
+#[inline(always)]
+fn header(kind: u16, tgid: u32, tid: u32) -> Header {
+    Header {
+        // SAFETY: helpers without preconditions.
+        ts_ns: unsafe { bpf_ktime_get_ns() },
+        tgid,
+        tid,
+        kind,
+        cpu: unsafe { bpf_get_smp_processor_id() } as u16,
+        _pad: 0,
+    }
+}
+
+/// Submits `value` as one record, counting it lost under `kind` when the buffer is full.
+#[inline(always)]
+fn emit<T: 'static>(kind: u16, value: T) {
+    match EVENTS.reserve::<T>(0) {
+        Some(mut entry) => {
+            entry.write(value);
+            entry.submit(0);
+        }
+        None => bump(u32::from(kind)),
+    }
+}
+
+#[inline(always)]
+fn current() -> (u32, u32) {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    ((pid_tgid >> 32) as u32, pid_tgid as u32)
+}
+
+#[inline(always)]
+fn read_tp<T>(ctx: &TracePointContext, offset: usize) -> Option<T> {
+    // SAFETY: the offset comes from this kernel's format file for this tracepoint.
+    unsafe { ctx.read_at::<T>(offset) }.ok()
+}
+
+/// Entry of a traced library call: remember the time and the arguments.
+#[uprobe]
+pub fn uprobe_lib_call(ctx: ProbeContext) -> u32 {
+    let (tgid, tid) = current();
+    if !is_target(tgid) {
+        return 0;
+    }
+    // SAFETY: the cookie is the function id user space attached with.
+    let func_id = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } as u32;
+    // SAFETY: regs is the probe's own register snapshot.
+    let regs = unsafe { &*ctx.regs };
+    let mut pending = PendingCall {
+        start_ns: unsafe { bpf_ktime_get_ns() },
+        args: [regs.rdi, regs.rsi, regs.rdx, regs.rcx, regs.r8, regs.r9, 0, 0],
+    };
+    if func::nargs(func_id) > 6 {
+        // The seventh and eighth arguments sit above the return address.
+        let stack = (regs.rsp + 8) as *const [u64; MAX_ARGS - 6];
+        // SAFETY: bpf_probe_read_user checks the address.
+        match unsafe { bpf_probe_read_user(stack) } {
+            Ok(extra) => {
+                pending.args[6] = extra[0];
+                pending.args[7] = extra[1];
+            }
+            Err(_) => bump(counter::READ_FAILED),
+        }
+    }
+    let key = (u64::from(tid) << 32) | u64::from(func_id);
+    if PENDING.insert(&key, &pending, 0).is_err() {
+        bump(counter::PENDING_FULL);
+        warn!(&ctx, "nccltrace: pending-call map full");
+    }
+    0
+}
+
+/// Return of a traced library call: pair with the entry and emit one record.
+#[uretprobe]
+pub fn uretprobe_lib_call(ctx: RetProbeContext) -> u32 {
+    let (tgid, tid) = current();
+    if !is_target(tgid) {
+        return 0;
+    }
+    // SAFETY: as in the entry program.
+    let func_id = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } as u32;
+    let key = (u64::from(tid) << 32) | u64::from(func_id);
+    // SAFETY: copied out before the entry is removed.
+    let Some(pending) = (unsafe { PENDING.get(&key) }).copied() else {
+        bump(counter::UNPAIRED_RETURN);
+        return 0;
+    };
+    let _ = PENDING.remove(&key);
+    let ret: i64 = ctx.ret();
+    let mut out = 0u64;
+    if let Some(index) = func::out_comm_arg(func_id) {
+        let ptr = pending.args[index & (MAX_ARGS - 1)] as *const u64;
+        // SAFETY: bpf_probe_read_user checks the address.
+        match unsafe { bpf_probe_read_user(ptr) } {
+            Ok(value) => out = value,
+            Err(_) => bump(counter::READ_FAILED),
+        }
+    }
+    match EVENTS.reserve::<CallEvent>(0) {
+        Some(mut entry) => {
+            entry.write(CallEvent {
+                hdr: header(kind::CALL, tgid, tid),
+                start_ns: pending.start_ns,
+                func: func_id,
+                ret: ret as i32,
+                args: pending.args,
+                out,
+            });
+            entry.submit(0);
+        }
+        None => bump(u32::from(kind::CALL)),
+    }
+    0
+}
+
+#[tracepoint]
+pub fn tracepoint_sched_switch(ctx: TracePointContext) -> u32 {
+    let (cur_tgid, _) = current();
+    let (Some(prev_pid), Some(next_pid), Some(prev_state)) = (
+        read_tp::<i32>(&ctx, offset!(switch_prev_pid)),
+        read_tp::<i32>(&ctx, offset!(switch_next_pid)),
+        read_tp::<i64>(&ctx, offset!(switch_prev_state)),
+    ) else {
+        return 0;
+    };
+    let (prev_tid, next_tid) = (prev_pid as u32, next_pid as u32);
+    let mut flags = 0;
+    // The previous task is `current`, so its thread group is known without a lookup.
+    if is_target(cur_tgid) {
+        flags |= switch_flags::PREV_TARGET;
+        if target_of_thread(prev_tid).is_none()
+            && THREADS.insert(&prev_tid, &cur_tgid, 0).is_err()
+        {
+            bump(counter::THREADS_FULL);
+        }
+    } else if target_of_thread(prev_tid).is_some() {
+        // A child process that fork() registered tentatively: it is not a target thread.
+        let _ = THREADS.remove(&prev_tid);
+    }
+    let next_tgid = target_of_thread(next_tid).unwrap_or(0);
+    if next_tgid != 0 {
+        flags |= switch_flags::NEXT_TARGET;
+    }
+    if flags == 0 {
+        return 0;
+    }
+    let (tgid, tid) = if flags & switch_flags::PREV_TARGET != 0 {
+        (cur_tgid, prev_tid)
+    } else {
+        (next_tgid, next_tid)
+    };
+    emit(
+        kind::SWITCH,
+        SwitchEvent {
+            hdr: header(kind::SWITCH, tgid, tid),
+            prev_tid,
+            next_tid,
+            prev_state,
+            next_tgid,
+            flags,
+        },
+    );
+    0
+}
+
+#[tracepoint]
+pub fn tracepoint_sched_wakeup(ctx: TracePointContext) -> u32 {
+    let Some(pid) = read_tp::<i32>(&ctx, offset!(wakeup_pid)) else {
+        return 0;
+    };
+    let tid = pid as u32;
+    let Some(tgid) = target_of_thread(tid) else {
+        return 0;
+    };
+    let (waker_tgid, waker_tid) = current();
+    let target_cpu = read_tp::<i32>(&ctx, offset!(wakeup_target_cpu)).unwrap_or(-1);
+    emit(
+        kind::WAKEUP,
+        WakeupEvent {
+            hdr: header(kind::WAKEUP, tgid, tid),
+            waker_tid,
+            waker_tgid,
+            target_cpu: target_cpu as u32,
+            _pad: 0,
+        },
+    );
+    0
+}
+
+#[tracepoint]
+pub fn tracepoint_sched_migrate_task(ctx: TracePointContext) -> u32 {
+    let Some(pid) = read_tp::<i32>(&ctx, offset!(migrate_pid)) else {
+        return 0;
+    };
+    let tid = pid as u32;
+    let Some(tgid) = target_of_thread(tid) else {
+        return 0;
+    };
+    let orig_cpu = read_tp::<i32>(&ctx, offset!(migrate_orig_cpu)).unwrap_or(-1);
+    let dest_cpu = read_tp::<i32>(&ctx, offset!(migrate_dest_cpu)).unwrap_or(-1);
+    emit(
+        kind::MIGRATE,
+        MigrateEvent {
+            hdr: header(kind::MIGRATE, tgid, tid),
+            orig_cpu: orig_cpu as u32,
+            dest_cpu: dest_cpu as u32,
+        },
+    );
+    0
+}
+
+#[tracepoint]
+pub fn tracepoint_sched_process_fork(ctx: TracePointContext) -> u32 {
+    let (tgid, tid) = current();
+    if !is_target(tgid) {
+        return 0;
+    }
+    let Some(child) = read_tp::<i32>(&ctx, offset!(fork_child_pid)) else {
+        return 0;
+    };
+    let child_tid = child as u32;
+    // Tentative: a new thread stays; a new process is dropped at its first switch-out.
+    if THREADS.insert(&child_tid, &tgid, 0).is_err() {
+        bump(counter::THREADS_FULL);
+    }
+    emit(
+        kind::FORK,
+        TaskEvent {
+            hdr: header(kind::FORK, tgid, tid),
+            child_tid,
+            group_dead: 0,
+        },
+    );
+    0
+}
+
+#[tracepoint]
+pub fn tracepoint_sched_process_exit(ctx: TracePointContext) -> u32 {
+    let (tgid, tid) = current();
+    if !is_target(tgid) {
+        return 0;
+    }
+    let group_dead = read_tp::<u8>(&ctx, offset!(exit_group_dead)).unwrap_or(0);
+    let _ = THREADS.remove(&tid);
+    emit(
+        kind::EXIT,
+        TaskEvent {
+            hdr: header(kind::EXIT, tgid, tid),
+            child_tid: 0,
+            group_dead: u32::from(group_dead),
+        },
+    );
+    0
+}
+
+#[tracepoint]
+pub fn tracepoint_page_fault_user(ctx: TracePointContext) -> u32 {
+    let (tgid, tid) = current();
+    if !is_target(tgid) {
+        return 0;
+    }
+    emit(
+        kind::FAULT,
+        FaultEvent {
+            hdr: header(kind::FAULT, tgid, tid),
+            address: read_tp::<u64>(&ctx, offset!(fault_address)).unwrap_or(0),
+            ip: read_tp::<u64>(&ctx, offset!(fault_ip)).unwrap_or(0),
+            error_code: read_tp::<u64>(&ctx, offset!(fault_error_code)).unwrap_or(0),
+        },
+    );
+    0
+}
+
+#[tracepoint]
+pub fn tracepoint_mm_migrate_pages(ctx: TracePointContext) -> u32 {
+    let (tgid, tid) = current();
+    if !is_target(tgid) {
+        return 0;
+    }
+    emit(
+        kind::PAGE_MIGRATION,
+        PageMigrationEvent {
+            hdr: header(kind::PAGE_MIGRATION, tgid, tid),
+            succeeded: read_tp::<u64>(&ctx, offset!(pages_succeeded)).unwrap_or(0),
+            failed: read_tp::<u64>(&ctx, offset!(pages_failed)).unwrap_or(0),
+            mode: read_tp::<u32>(&ctx, offset!(pages_mode)).unwrap_or(0),
+            reason: read_tp::<u32>(&ctx, offset!(pages_reason)).unwrap_or(0),
+        },
+    );
+    0
+}
+
+#[tracepoint]
+pub fn tracepoint_sched_move_numa(ctx: TracePointContext) -> u32 {
+    let Some(tgid) = read_tp::<u32>(&ctx, offset!(move_tgid)) else {
+        return 0;
+    };
+    if !is_target(tgid) {
+        return 0;
+    }
+    let tid = read_tp::<u32>(&ctx, offset!(move_pid)).unwrap_or(0);
+    emit(
+        kind::NUMA_TASK,
+        NumaTaskEvent {
+            hdr: header(kind::NUMA_TASK, tgid, tid),
+            subkind: numa_task::MOVE,
+            src_tid: tid,
+            src_tgid: tgid,
+            src_cpu: read_tp::<i32>(&ctx, offset!(move_src_cpu)).unwrap_or(-1),
+            src_nid: read_tp::<i32>(&ctx, offset!(move_src_nid)).unwrap_or(-1),
+            dst_tid: tid,
+            dst_tgid: tgid,
+            dst_cpu: read_tp::<i32>(&ctx, offset!(move_dst_cpu)).unwrap_or(-1),
+            dst_nid: read_tp::<i32>(&ctx, offset!(move_dst_nid)).unwrap_or(-1),
+            _pad: 0,
+        },
+    );
+    0
+}
+
+/// `sched_swap_numa` and `sched_stick_numa` share their layout.
+#[inline(always)]
+fn swap_or_stick(ctx: &TracePointContext, subkind: u32) {
+    let src_tgid = read_tp::<u32>(ctx, offset!(swap_src_tgid)).unwrap_or(0);
+    let dst_tgid = read_tp::<u32>(ctx, offset!(swap_dst_tgid)).unwrap_or(0);
+    let (tgid, tid) = if is_target(src_tgid) {
+        (src_tgid, read_tp::<u32>(ctx, offset!(swap_src_pid)).unwrap_or(0))
+    } else if is_target(dst_tgid) {
+        (dst_tgid, read_tp::<u32>(ctx, offset!(swap_dst_pid)).unwrap_or(0))
+    } else {
+        return;
+    };
+    emit(
+        kind::NUMA_TASK,
+        NumaTaskEvent {
+            hdr: header(kind::NUMA_TASK, tgid, tid),
+            subkind,
+            src_tid: read_tp::<u32>(ctx, offset!(swap_src_pid)).unwrap_or(0),
+            src_tgid,
+            src_cpu: read_tp::<i32>(ctx, offset!(swap_src_cpu)).unwrap_or(-1),
+            src_nid: read_tp::<i32>(ctx, offset!(swap_src_nid)).unwrap_or(-1),
+            dst_tid: read_tp::<u32>(ctx, offset!(swap_dst_pid)).unwrap_or(0),
+            dst_tgid,
+            dst_cpu: read_tp::<i32>(ctx, offset!(swap_dst_cpu)).unwrap_or(-1),
+            dst_nid: read_tp::<i32>(ctx, offset!(swap_dst_nid)).unwrap_or(-1),
+            _pad: 0,
+        },
+    );
+}
+
+#[tracepoint]
+pub fn tracepoint_sched_swap_numa(ctx: TracePointContext) -> u32 {
+    swap_or_stick(&ctx, numa_task::SWAP);
+    0
+}
+
+#[tracepoint]
+pub fn tracepoint_sched_stick_numa(ctx: TracePointContext) -> u32 {
+    swap_or_stick(&ctx, numa_task::STICK);
+    0
+}
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    loop {}
+}
+
+#[unsafe(link_section = "license")]
+#[unsafe(no_mangle)]
+static LICENSE: [u8; 13] = *b"Dual MIT/GPL\0";

@@ -1,0 +1,342 @@
+//! Privileged integration tests: the real agent binary loads and attaches its eBPF
+//! programs to fixture processes built from C source, and its outputs are compared with
+//! what the processes say they did. Run as root (`cargo xtask test`), one at a time.
+
+use std::io::{BufRead as _, BufReader, Lines};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStderr, ChildStdout, Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// Privileged tests share the kernel's probes and the CPUs: one at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+fn fixtures() -> PathBuf {
+    if let Some(dir) = std::env::var_os("NCCLTRACE_FIXTURES") {
+        return PathBuf::from(dir);
+    }
+    let out = workspace().join("target/fixtures");
+    let status = Command::new("make")
+        .arg("-s")
+        .arg("-C")
+        .arg(workspace().join("tests/fixtures"))
+        .arg(format!("OUT={}", out.display()))
+        .status()
+        .expect("make");
+    assert!(status.success(), "building the C fixtures failed");
+    out
+}
+
+fn agent() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_nccltrace"))
+}
+
+fn require_root() {
+    let uid = unsafe { libc::geteuid() };
+    assert_eq!(uid, 0, "these tests load eBPF programs for real: run them as root (cargo xtask test)");
+}
+
+/// A fixture process that waits for a go-file before doing its work.
+struct Target {
+    child: Child,
+    stdout: Lines<BufReader<ChildStdout>>,
+    go: PathBuf,
+}
+
+impl Target {
+    fn spawn(program: &Path, args: &[&str], env: &[(&str, &str)], dir: &Path) -> Target {
+        let go = dir.join("go");
+        let mut cmd = Command::new(program);
+        cmd.args(args).stdout(Stdio::piped());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().expect("spawn fixture");
+        let mut stdout = BufReader::new(child.stdout.take().unwrap()).lines();
+        let first = stdout.next().expect("fixture output").unwrap();
+        assert!(first.contains("ready"), "fixture said {first}");
+        Target { child, stdout, go }
+    }
+
+    fn release(&self) {
+        std::fs::write(&self.go, b"").unwrap();
+    }
+
+    /// The last JSON line the fixture printed, after it exits.
+    fn finish(mut self) -> Value {
+        let last = self.stdout.by_ref().map_while(Result::ok).last().unwrap_or_default();
+        assert!(self.child.wait().unwrap().success());
+        serde_json::from_str(&last).unwrap_or_else(|e| panic!("fixture printed {last:?}: {e}"))
+    }
+}
+
+/// A running `nccltrace attach`, after it said it attached.
+struct Agent {
+    child: Child,
+    stderr: Lines<BufReader<ChildStderr>>,
+    out: PathBuf,
+}
+
+impl Agent {
+    fn attach(pid: u32, out: &Path, extra: &[&str]) -> Agent {
+        let mut child = agent()
+            .args(["attach", "--pid", &pid.to_string(), "--out"])
+            .arg(out)
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn nccltrace");
+        let mut stderr = BufReader::new(child.stderr.take().unwrap()).lines();
+        let started = Instant::now();
+        loop {
+            let line = stderr.next().expect("nccltrace exited before attaching").unwrap();
+            if line.contains("attached to pid") {
+                break;
+            }
+            assert!(!line.contains("error"), "nccltrace: {line}");
+            assert!(started.elapsed() < Duration::from_secs(60), "attach took over 60 s");
+        }
+        Agent { child, stderr, out: out.to_owned() }
+    }
+
+    /// Waits (at most `limit`) for the agent to exit by itself; returns its summary.
+    fn wait(mut self, limit: Duration) -> (i32, Value, String) {
+        let started = Instant::now();
+        let status = loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                break status;
+            }
+            if started.elapsed() > limit {
+                let _ = self.child.kill();
+                panic!("nccltrace did not exit within {limit:?}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let stderr: Vec<String> = self.stderr.map_while(Result::ok).collect();
+        let summary = std::fs::read_to_string(self.out.join("summary.json"))
+            .unwrap_or_else(|e| panic!("no summary.json ({e}); stderr: {stderr:?}"));
+        (status.code().unwrap_or(-1), serde_json::from_str(&summary).unwrap(), stderr.join("\n"))
+    }
+}
+
+fn no_programs_left() {
+    let out = Command::new("bpftool").args(["prog", "show"]).output().expect("bpftool");
+    let text = String::from_utf8_lossy(&out.stdout);
+    for name in ["uprobe_lib_call", "uretprobe_lib_c", "tracepoint_sche", "tracepoint_page"] {
+        assert!(!text.contains(name), "program {name} still loaded after exit:\n{text}");
+    }
+}
+
+/// Trains `steps` steps with the stand-in NCCL and CUDA, attached from the first step.
+fn traced_trainer(steps: u32, env: &[(&str, &str)]) -> (Value, Value, PathBuf, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let go = dir.path().join("go");
+    let steps_s = steps.to_string();
+    let trainer = Target::spawn(
+        &fixtures().join("trainer"),
+        &["--steps", &steps_s, "--compute-us", "500", "--go-file", go.to_str().unwrap()],
+        env,
+        dir.path(),
+    );
+    let out = dir.path().join("out");
+    let agent = Agent::attach(trainer.child.id(), &out, &[]);
+    trainer.release();
+    let truth = trainer.finish();
+    let (code, summary, stderr) = agent.wait(Duration::from_secs(60));
+    assert_eq!(code, 0, "nccltrace failed: {stderr}");
+    (truth["total"].clone(), summary, out, dir)
+}
+
+/// Every collective counted exactly (calls and bytes per op), every sync call counted,
+/// no events lost, and the agent exits by itself when the trainer does. Asynchronous
+/// collectives: the host waits in cuStreamSynchronize.
+#[test]
+fn counts_every_call_of_the_trainer() {
+    let _serial = SERIAL.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    require_root();
+    let (truth, summary, out, _dir) = traced_trainer(25, &[("FAKE_NCCL_US", "300")]);
+    for (op, calls) in truth["calls"].as_object().unwrap() {
+        assert_eq!(summary["nccl"]["by_op"][op]["calls"], *calls, "{op} calls");
+        assert_eq!(summary["nccl"]["by_op"][op]["bytes"], truth["bytes"][op], "{op} bytes");
+    }
+    let syncs = &summary["cuda_sync"]["by_func"];
+    assert_eq!(syncs["cuStreamSynchronize"]["calls"], truth["syncs"]["cuStreamSynchronize"]);
+    assert_eq!(syncs["cuCtxSynchronize"]["calls"], truth["syncs"]["cuCtxSynchronize"]);
+    // 10 collectives × 300 µs enqueued per step, waited for in the stream sync.
+    let waited = syncs["cuStreamSynchronize"]["wait_ns"].as_u64().unwrap();
+    assert!(waited >= 25 * 10 * 300_000 * 8 / 10, "sync waited only {waited} ns");
+    assert_eq!(summary["lost_events"], 0);
+    assert_eq!(summary["stop_reason"], "every target exited");
+    assert_eq!(summary["nccl"]["errors"], 0);
+    // 64 fresh pages a step, each a fault.
+    assert!(summary["memory"]["page_faults"].as_u64().unwrap() >= 25 * 64);
+    if std::thread::available_parallelism().map_or(1, usize::from) > 1 {
+        assert!(summary["sched"]["migrations"].as_u64().unwrap() >= 1);
+    }
+    assert!(out.join("recording.nctr").is_file());
+    no_programs_left();
+}
+
+/// `report` on the recording rebuilds the same summary, without the target.
+#[test]
+fn report_rebuilds_the_summary() {
+    let _serial = SERIAL.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    require_root();
+    let (_, live, out, dir) = traced_trainer(5, &[]);
+    let again = dir.path().join("again");
+    let status = agent()
+        .arg("report")
+        .arg(out.join("recording.nctr"))
+        .arg("--out")
+        .arg(&again)
+        .stdout(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let replayed: Value =
+        serde_json::from_str(&std::fs::read_to_string(again.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(live, replayed);
+}
+
+/// Host-blocking collectives: the time is inside the NCCL call itself (enqueue_ns), and
+/// a spinning sync (FAKE_CUDA_SPIN) is still measured as sync wait.
+#[test]
+fn blocking_collectives_and_spinning_syncs() {
+    let _serial = SERIAL.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    require_root();
+    let (truth, summary, _, _dir) = traced_trainer(
+        5,
+        &[("FAKE_NCCL_BLOCKING", "1"), ("FAKE_NCCL_US", "1000"), ("FAKE_CUDA_SPIN", "1")],
+    );
+    let ar = &summary["nccl"]["by_op"]["AllReduce"];
+    assert_eq!(ar["calls"], truth["calls"]["AllReduce"]);
+    let enqueue = ar["enqueue_ns"].as_u64().unwrap();
+    assert!(enqueue >= 20 * 1_000_000, "AllReduce blocked only {enqueue} ns in 20 calls");
+}
+
+/// The real libnccl.so.2 of the nvidia-nccl-cu12 wheel (~473 MB, symbols resolved by
+/// mapping it): exactly N ncclAllReduce calls counted, each returning ncclInvalidArgument.
+#[test]
+fn counts_calls_into_the_real_libnccl() {
+    let _serial = SERIAL.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    require_root();
+    let lib = std::env::var_os("NCCLTRACE_REAL_NCCL").map(PathBuf::from).expect(
+        "NCCLTRACE_REAL_NCCL is not set: run `cargo xtask test`, which downloads the \
+         nvidia-nccl-cu12 wheel once and points this test at its libnccl.so.2",
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let go = dir.path().join("go");
+    let n = 2000;
+    let caller = Target::spawn(
+        &fixtures().join("nccl_caller"),
+        &[lib.to_str().unwrap(), &n.to_string(), go.to_str().unwrap()],
+        &[],
+        dir.path(),
+    );
+    let out = dir.path().join("out");
+    let agent = Agent::attach(caller.child.id(), &out, &["--profile", "minimal"]);
+    caller.release();
+    let truth = caller.finish();
+    assert_eq!(truth["invalid_argument"], n);
+    let (code, summary, stderr) = agent.wait(Duration::from_secs(60));
+    assert_eq!(code, 0, "{stderr}");
+    let ar = &summary["nccl"]["by_op"]["AllReduce"];
+    assert_eq!(ar["calls"], n, "{summary:#}");
+    assert_eq!(ar["errors"], n);
+    assert_eq!(summary["nccl"]["calls"], n);
+    assert_eq!(summary["lost_events"], 0);
+    no_programs_left();
+}
+
+/// `--duration` stops a run whose target keeps going; the outputs are written and the
+/// exit code is 0.
+#[test]
+fn duration_stops_the_run() {
+    let _serial = SERIAL.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    require_root();
+    let dir = tempfile::tempdir().unwrap();
+    let go = dir.path().join("go");
+    let trainer = Target::spawn(
+        &fixtures().join("trainer"),
+        &["--steps", "100000", "--compute-us", "200", "--go-file", go.to_str().unwrap()],
+        &[],
+        dir.path(),
+    );
+    trainer.release();
+    let out = dir.path().join("out");
+    let agent = Agent::attach(trainer.child.id(), &out, &["--duration", "1s"]);
+    let (code, summary, stderr) = agent.wait(Duration::from_secs(30));
+    let mut trainer = trainer;
+    let _ = trainer.child.kill();
+    let _ = trainer.child.wait();
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(summary["stop_reason"], "--duration elapsed");
+    assert!(summary["nccl"]["calls"].as_u64().unwrap() > 0);
+    let d = summary["duration_ns"].as_u64().unwrap();
+    assert!((900_000_000..5_000_000_000).contains(&d), "duration {d}");
+    no_programs_left();
+}
+
+/// SIGINT to the agent: it detaches, writes its outputs and exits 0.
+#[test]
+fn sigint_detaches_and_writes_outputs() {
+    let _serial = SERIAL.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    require_root();
+    let dir = tempfile::tempdir().unwrap();
+    let go = dir.path().join("go");
+    let trainer = Target::spawn(
+        &fixtures().join("trainer"),
+        &["--steps", "100000", "--compute-us", "200", "--go-file", go.to_str().unwrap()],
+        &[],
+        dir.path(),
+    );
+    trainer.release();
+    let out = dir.path().join("out");
+    let agent = Agent::attach(trainer.child.id(), &out, &[]);
+    std::thread::sleep(Duration::from_millis(500));
+    unsafe { libc::kill(agent.child.id() as i32, libc::SIGINT) };
+    let (code, summary, stderr) = agent.wait(Duration::from_secs(30));
+    let mut trainer = trainer;
+    let _ = trainer.child.kill();
+    let _ = trainer.child.wait();
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(summary["stop_reason"], "SIGINT received");
+    no_programs_left();
+}
+
+/// Bad input: exit code 2 and a message naming the problem and the fix.
+#[test]
+fn bad_input_exits_2() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (vec!["attach".into(), "--pid".into(), "999999999".into(), "--out".into(), dir.path().join("a").display().to_string()], "no process with pid"),
+        (vec!["attach".into(), "--pid".into(), std::process::id().to_string(), "--out".into(), dir.path().join("b").display().to_string()], "has not loaded NCCL"),
+        (vec!["attach".into(), "--pid".into(), "1".into(), "--duration".into(), "soon".into()], "invalid duration"),
+        (vec!["attach".into(), "--pid".into(), "1".into(), "--profile".into(), "nope".into()], "no profile named"),
+        (vec!["report".into(), "/etc/hostname".into(), "--out".into(), dir.path().join("c").display().to_string()], "not an nccltrace recording"),
+        (vec!["report".into(), "/nonexistent.nctr".into(), "--out".into(), dir.path().join("d").display().to_string()], "cannot read"),
+    ];
+    for (args, expected) in cases {
+        let out = agent().args(&args).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(expected), "{args:?}: {stderr}");
+    }
+    // An existing output folder is refused without --force.
+    let existing = dir.path().join("exists");
+    std::fs::create_dir(&existing).unwrap();
+    let out = agent()
+        .args(["attach", "--pid", "1", "--out"])
+        .arg(&existing)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--force"));
+}

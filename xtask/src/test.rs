@@ -1,0 +1,25 @@
+//! `cargo xtask test`: every test, the privileged ones for real.
+
+use std::path::Path;
+use std::process::Command;
+
+use anyhow::bail;
+
+pub fn run(root: &Path, args: &[String]) -> anyhow::Result<()> {
+    if !super::setup::is_root() {
+        bail!(
+            "the eBPF tests load and attach programs for real and need root: \
+             run `sudo -E cargo xtask test`"
+        );
+    }
+    let real_nccl = super::setup::real_nccl()?;
+    let fixtures = super::build_fixtures(root)?;
+    super::run(
+        Command::new("cargo")
+            .current_dir(root)
+            .args(["test", "--workspace", "--exclude", "nccltrace-ebpf"])
+            .args(args)
+            .env("NCCLTRACE_FIXTURES", &fixtures)
+            .env("NCCLTRACE_REAL_NCCL", &real_nccl),
+    )
+}
