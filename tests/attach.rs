@@ -14,7 +14,10 @@ use serde_json::Value;
 static SERIAL: Mutex<()> = Mutex::new(());
 
 fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
 }
 
 fn fixtures() -> PathBuf {
@@ -39,7 +42,10 @@ fn agent() -> Command {
 
 fn require_root() {
     let uid = unsafe { libc::geteuid() };
-    assert_eq!(uid, 0, "these tests load eBPF programs for real: run them as root (cargo xtask test)");
+    assert_eq!(
+        uid, 0,
+        "these tests load eBPF programs for real: run them as root (cargo xtask test)"
+    );
 }
 
 /// A fixture process that waits for a go-file before doing its work.
@@ -70,7 +76,12 @@ impl Target {
 
     /// The last JSON line the fixture printed, after it exits.
     fn finish(mut self) -> Value {
-        let last = self.stdout.by_ref().map_while(Result::ok).last().unwrap_or_default();
+        let last = self
+            .stdout
+            .by_ref()
+            .map_while(Result::ok)
+            .last()
+            .unwrap_or_default();
         assert!(self.child.wait().unwrap().success());
         serde_json::from_str(&last).unwrap_or_else(|e| panic!("fixture printed {last:?}: {e}"))
     }
@@ -96,14 +107,24 @@ impl Agent {
         let mut stderr = BufReader::new(child.stderr.take().unwrap()).lines();
         let started = Instant::now();
         loop {
-            let line = stderr.next().expect("nccltrace exited before attaching").unwrap();
+            let line = stderr
+                .next()
+                .expect("nccltrace exited before attaching")
+                .unwrap();
             if line.contains("attached to pid") {
                 break;
             }
             assert!(!line.contains("error"), "nccltrace: {line}");
-            assert!(started.elapsed() < Duration::from_secs(60), "attach took over 60 s");
+            assert!(
+                started.elapsed() < Duration::from_secs(60),
+                "attach took over 60 s"
+            );
         }
-        Agent { child, stderr, out: out.to_owned() }
+        Agent {
+            child,
+            stderr,
+            out: out.to_owned(),
+        }
     }
 
     /// Waits (at most `limit`) for the agent to exit by itself; returns its summary.
@@ -122,15 +143,30 @@ impl Agent {
         let stderr: Vec<String> = self.stderr.map_while(Result::ok).collect();
         let summary = std::fs::read_to_string(self.out.join("summary.json"))
             .unwrap_or_else(|e| panic!("no summary.json ({e}); stderr: {stderr:?}"));
-        (status.code().unwrap_or(-1), serde_json::from_str(&summary).unwrap(), stderr.join("\n"))
+        (
+            status.code().unwrap_or(-1),
+            serde_json::from_str(&summary).unwrap(),
+            stderr.join("\n"),
+        )
     }
 }
 
 fn no_programs_left() {
-    let out = Command::new("bpftool").args(["prog", "show"]).output().expect("bpftool");
+    let out = Command::new("bpftool")
+        .args(["prog", "show"])
+        .output()
+        .expect("bpftool");
     let text = String::from_utf8_lossy(&out.stdout);
-    for name in ["uprobe_lib_call", "uretprobe_lib_c", "tracepoint_sche", "tracepoint_page"] {
-        assert!(!text.contains(name), "program {name} still loaded after exit:\n{text}");
+    for name in [
+        "uprobe_lib_call",
+        "uretprobe_lib_c",
+        "tracepoint_sche",
+        "tracepoint_page",
+    ] {
+        assert!(
+            !text.contains(name),
+            "program {name} still loaded after exit:\n{text}"
+        );
     }
 }
 
@@ -141,7 +177,14 @@ fn traced_trainer(steps: u32, env: &[(&str, &str)]) -> (Value, Value, PathBuf, t
     let steps_s = steps.to_string();
     let trainer = Target::spawn(
         &fixtures().join("trainer"),
-        &["--steps", &steps_s, "--compute-us", "500", "--go-file", go.to_str().unwrap()],
+        &[
+            "--steps",
+            &steps_s,
+            "--compute-us",
+            "500",
+            "--go-file",
+            go.to_str().unwrap(),
+        ],
         env,
         dir.path(),
     );
@@ -159,19 +202,33 @@ fn traced_trainer(steps: u32, env: &[(&str, &str)]) -> (Value, Value, PathBuf, t
 /// collectives: the host waits in cuStreamSynchronize.
 #[test]
 fn counts_every_call_of_the_trainer() {
-    let _serial = SERIAL.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let _serial = SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     require_root();
     let (truth, summary, out, _dir) = traced_trainer(25, &[("FAKE_NCCL_US", "300")]);
     for (op, calls) in truth["calls"].as_object().unwrap() {
         assert_eq!(summary["nccl"]["by_op"][op]["calls"], *calls, "{op} calls");
-        assert_eq!(summary["nccl"]["by_op"][op]["bytes"], truth["bytes"][op], "{op} bytes");
+        assert_eq!(
+            summary["nccl"]["by_op"][op]["bytes"], truth["bytes"][op],
+            "{op} bytes"
+        );
     }
     let syncs = &summary["cuda_sync"]["by_func"];
-    assert_eq!(syncs["cuStreamSynchronize"]["calls"], truth["syncs"]["cuStreamSynchronize"]);
-    assert_eq!(syncs["cuCtxSynchronize"]["calls"], truth["syncs"]["cuCtxSynchronize"]);
+    assert_eq!(
+        syncs["cuStreamSynchronize"]["calls"],
+        truth["syncs"]["cuStreamSynchronize"]
+    );
+    assert_eq!(
+        syncs["cuCtxSynchronize"]["calls"],
+        truth["syncs"]["cuCtxSynchronize"]
+    );
     // 10 collectives × 300 µs enqueued per step, waited for in the stream sync.
     let waited = syncs["cuStreamSynchronize"]["wait_ns"].as_u64().unwrap();
-    assert!(waited >= 25 * 10 * 300_000 * 8 / 10, "sync waited only {waited} ns");
+    assert!(
+        waited >= 25 * 10 * 300_000 * 8 / 10,
+        "sync waited only {waited} ns"
+    );
     assert_eq!(summary["lost_events"], 0);
     assert_eq!(summary["stop_reason"], "every target exited");
     assert_eq!(summary["nccl"]["errors"], 0);
@@ -187,7 +244,9 @@ fn counts_every_call_of_the_trainer() {
 /// `report` on the recording rebuilds the same summary, without the target.
 #[test]
 fn report_rebuilds_the_summary() {
-    let _serial = SERIAL.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let _serial = SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     require_root();
     let (_, live, out, dir) = traced_trainer(5, &[]);
     let again = dir.path().join("again");
@@ -201,7 +260,8 @@ fn report_rebuilds_the_summary() {
         .unwrap();
     assert!(status.success());
     let replayed: Value =
-        serde_json::from_str(&std::fs::read_to_string(again.join("summary.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(again.join("summary.json")).unwrap())
+            .unwrap();
     assert_eq!(live, replayed);
 }
 
@@ -209,28 +269,41 @@ fn report_rebuilds_the_summary() {
 /// a spinning sync (FAKE_CUDA_SPIN) is still measured as sync wait.
 #[test]
 fn blocking_collectives_and_spinning_syncs() {
-    let _serial = SERIAL.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let _serial = SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     require_root();
     let (truth, summary, _, _dir) = traced_trainer(
         5,
-        &[("FAKE_NCCL_BLOCKING", "1"), ("FAKE_NCCL_US", "1000"), ("FAKE_CUDA_SPIN", "1")],
+        &[
+            ("FAKE_NCCL_BLOCKING", "1"),
+            ("FAKE_NCCL_US", "1000"),
+            ("FAKE_CUDA_SPIN", "1"),
+        ],
     );
     let ar = &summary["nccl"]["by_op"]["AllReduce"];
     assert_eq!(ar["calls"], truth["calls"]["AllReduce"]);
     let enqueue = ar["enqueue_ns"].as_u64().unwrap();
-    assert!(enqueue >= 20 * 1_000_000, "AllReduce blocked only {enqueue} ns in 20 calls");
+    assert!(
+        enqueue >= 20 * 1_000_000,
+        "AllReduce blocked only {enqueue} ns in 20 calls"
+    );
 }
 
 /// The real libnccl.so.2 of the nvidia-nccl-cu12 wheel (~473 MB, symbols resolved by
 /// mapping it): exactly N ncclAllReduce calls counted, each returning ncclInvalidArgument.
 #[test]
 fn counts_calls_into_the_real_libnccl() {
-    let _serial = SERIAL.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let _serial = SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     require_root();
-    let lib = std::env::var_os("NCCLTRACE_REAL_NCCL").map(PathBuf::from).expect(
-        "NCCLTRACE_REAL_NCCL is not set: run `cargo xtask test`, which downloads the \
+    let lib = std::env::var_os("NCCLTRACE_REAL_NCCL")
+        .map(PathBuf::from)
+        .expect(
+            "NCCLTRACE_REAL_NCCL is not set: run `cargo xtask test`, which downloads the \
          nvidia-nccl-cu12 wheel once and points this test at its libnccl.so.2",
-    );
+        );
     let dir = tempfile::tempdir().unwrap();
     let go = dir.path().join("go");
     let n = 2000;
@@ -259,13 +332,22 @@ fn counts_calls_into_the_real_libnccl() {
 /// exit code is 0.
 #[test]
 fn duration_stops_the_run() {
-    let _serial = SERIAL.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let _serial = SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     require_root();
     let dir = tempfile::tempdir().unwrap();
     let go = dir.path().join("go");
     let trainer = Target::spawn(
         &fixtures().join("trainer"),
-        &["--steps", "100000", "--compute-us", "200", "--go-file", go.to_str().unwrap()],
+        &[
+            "--steps",
+            "100000",
+            "--compute-us",
+            "200",
+            "--go-file",
+            go.to_str().unwrap(),
+        ],
         &[],
         dir.path(),
     );
@@ -287,13 +369,22 @@ fn duration_stops_the_run() {
 /// SIGINT to the agent: it detaches, writes its outputs and exits 0.
 #[test]
 fn sigint_detaches_and_writes_outputs() {
-    let _serial = SERIAL.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let _serial = SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     require_root();
     let dir = tempfile::tempdir().unwrap();
     let go = dir.path().join("go");
     let trainer = Target::spawn(
         &fixtures().join("trainer"),
-        &["--steps", "100000", "--compute-us", "200", "--go-file", go.to_str().unwrap()],
+        &[
+            "--steps",
+            "100000",
+            "--compute-us",
+            "200",
+            "--go-file",
+            go.to_str().unwrap(),
+        ],
         &[],
         dir.path(),
     );
@@ -316,12 +407,64 @@ fn sigint_detaches_and_writes_outputs() {
 fn bad_input_exits_2() {
     let dir = tempfile::tempdir().unwrap();
     let cases: Vec<(Vec<String>, &str)> = vec![
-        (vec!["attach".into(), "--pid".into(), "999999999".into(), "--out".into(), dir.path().join("a").display().to_string()], "no process with pid"),
-        (vec!["attach".into(), "--pid".into(), std::process::id().to_string(), "--out".into(), dir.path().join("b").display().to_string()], "has not loaded NCCL"),
-        (vec!["attach".into(), "--pid".into(), "1".into(), "--duration".into(), "soon".into()], "invalid duration"),
-        (vec!["attach".into(), "--pid".into(), "1".into(), "--profile".into(), "nope".into()], "no profile named"),
-        (vec!["report".into(), "/etc/hostname".into(), "--out".into(), dir.path().join("c").display().to_string()], "not an nccltrace recording"),
-        (vec!["report".into(), "/nonexistent.nctr".into(), "--out".into(), dir.path().join("d").display().to_string()], "cannot read"),
+        (
+            vec![
+                "attach".into(),
+                "--pid".into(),
+                "999999999".into(),
+                "--out".into(),
+                dir.path().join("a").display().to_string(),
+            ],
+            "no process with pid",
+        ),
+        (
+            vec![
+                "attach".into(),
+                "--pid".into(),
+                std::process::id().to_string(),
+                "--out".into(),
+                dir.path().join("b").display().to_string(),
+            ],
+            "has not loaded NCCL",
+        ),
+        (
+            vec![
+                "attach".into(),
+                "--pid".into(),
+                "1".into(),
+                "--duration".into(),
+                "soon".into(),
+            ],
+            "invalid duration",
+        ),
+        (
+            vec![
+                "attach".into(),
+                "--pid".into(),
+                "1".into(),
+                "--profile".into(),
+                "nope".into(),
+            ],
+            "no profile named",
+        ),
+        (
+            vec![
+                "report".into(),
+                "/etc/hostname".into(),
+                "--out".into(),
+                dir.path().join("c").display().to_string(),
+            ],
+            "not an nccltrace recording",
+        ),
+        (
+            vec![
+                "report".into(),
+                "/nonexistent.nctr".into(),
+                "--out".into(),
+                dir.path().join("d").display().to_string(),
+            ],
+            "cannot read",
+        ),
     ];
     for (args, expected) in cases {
         let out = agent().args(&args).output().unwrap();

@@ -2,8 +2,8 @@
 //! the event model. Pure; the only place that knows the record layouts and the NCCL ABI.
 
 use nccltrace_common::{
-    CallEvent, FaultEvent, Header, MigrateEvent, NumaTaskEvent, PageMigrationEvent,
-    SwitchEvent, TaskEvent, WakeupEvent, kind, numa_task, switch_flags,
+    CallEvent, FaultEvent, Header, MigrateEvent, NumaTaskEvent, PageMigrationEvent, SwitchEvent,
+    TaskEvent, WakeupEvent, kind, numa_task, switch_flags,
 };
 
 use crate::event::{Call, Event, Func, NumaTaskKind, Task, datatype_size};
@@ -12,7 +12,11 @@ use crate::event::{Call, Event, Func, NumaTaskKind, Task, datatype_size};
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum DecodeError {
     #[error("record of {len} bytes is shorter than its {what} ({expected} bytes)")]
-    TooShort { what: &'static str, len: usize, expected: usize },
+    TooShort {
+        what: &'static str,
+        len: usize,
+        expected: usize,
+    },
     #[error("unknown record kind {kind}")]
     UnknownKind { kind: u16 },
     #[error("unknown traced function id {id}")]
@@ -22,7 +26,11 @@ pub enum DecodeError {
 fn read<T: Copy>(bytes: &[u8], what: &'static str) -> Result<T, DecodeError> {
     let expected = size_of::<T>();
     if bytes.len() < expected {
-        return Err(DecodeError::TooShort { what, len: bytes.len(), expected });
+        return Err(DecodeError::TooShort {
+            what,
+            len: bytes.len(),
+            expected,
+        });
     }
     // SAFETY: length checked; T is a #[repr(C)] integer-only record from nccltrace-common,
     // valid for any bit pattern; read_unaligned because ring-buffer slices are 8-aligned
@@ -36,7 +44,11 @@ pub fn record_kind(bytes: &[u8]) -> Result<u16, DecodeError> {
 }
 
 fn task(h: &Header) -> Task {
-    Task { tgid: h.tgid, tid: h.tid, cpu: h.cpu }
+    Task {
+        tgid: h.tgid,
+        tid: h.tid,
+        cpu: h.cpu,
+    }
 }
 
 /// Decodes one raw record.
@@ -79,11 +91,19 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
         }
         kind::FORK => {
             let e = read::<TaskEvent>(bytes, "fork record")?;
-            Event::Fork { ts_ns: h.ts_ns, task: t, child_tid: e.child_tid }
+            Event::Fork {
+                ts_ns: h.ts_ns,
+                task: t,
+                child_tid: e.child_tid,
+            }
         }
         kind::EXIT => {
             let e = read::<TaskEvent>(bytes, "exit record")?;
-            Event::Exit { ts_ns: h.ts_ns, task: t, group_dead: e.group_dead != 0 }
+            Event::Exit {
+                ts_ns: h.ts_ns,
+                task: t,
+                group_dead: e.group_dead != 0,
+            }
         }
         kind::FAULT => {
             let e = read::<FaultEvent>(bytes, "page fault record")?;
@@ -127,6 +147,10 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
     })
 }
 
+/// Argument positions of a data-moving call: (count, datatype, redop, peer/root, comm,
+/// stream).
+type ArgLayout = (usize, usize, Option<usize>, Option<usize>, usize, usize);
+
 /// Interprets a call's raw arguments by the NCCL / CUDA driver ABI (nccl.h, cuda.h).
 fn decode_call(e: &CallEvent) -> Result<Call, DecodeError> {
     let func = Func::from_id(e.func).ok_or(DecodeError::UnknownFunc { id: e.func })?;
@@ -148,8 +172,7 @@ fn decode_call(e: &CallEvent) -> Result<Call, DecodeError> {
         rank: None,
         nranks: None,
     };
-    // (count, datatype, redop, peer/root, comm, stream) argument positions per function.
-    let layout: Option<(usize, usize, Option<usize>, Option<usize>, usize, usize)> = match func {
+    let layout: Option<ArgLayout> = match func {
         Func::AllReduce | Func::ReduceScatter => Some((2, 3, Some(4), None, 5, 6)),
         Func::AllGather | Func::AlltoAll => Some((2, 3, None, None, 4, 5)),
         Func::Broadcast | Func::Gather | Func::Scatter => Some((2, 3, None, Some(4), 5, 6)),
@@ -204,7 +227,14 @@ mod tests {
 
     fn call_record(func_id: u32, args: [u64; 8]) -> CallEvent {
         CallEvent {
-            hdr: Header { ts_ns: 2_000, tgid: 10, tid: 11, kind: kind::CALL, cpu: 1, _pad: 0 },
+            hdr: Header {
+                ts_ns: 2_000,
+                tgid: 10,
+                tid: 11,
+                kind: kind::CALL,
+                cpu: 1,
+                _pad: 0,
+            },
             start_ns: 1_500,
             func: func_id,
             ret: 0,
@@ -218,7 +248,9 @@ mod tests {
     #[test]
     fn all_reduce_arguments() {
         let rec = call_record(func::NCCL_ALL_REDUCE, [1, 2, 1000, 7, 0, 0x77, 0x88, 0]);
-        let Event::Call(c) = decode(&as_bytes(&rec)).unwrap() else { panic!("not a call") };
+        let Event::Call(c) = decode(&as_bytes(&rec)).unwrap() else {
+            panic!("not a call")
+        };
         assert_eq!(c.func, Func::AllReduce);
         assert_eq!(c.bytes, Some(4000));
         assert_eq!(c.redop, Some(0));
@@ -230,7 +262,9 @@ mod tests {
     #[test]
     fn reduce_reads_eight_arguments() {
         let rec = call_record(func::NCCL_REDUCE, [1, 2, 10, 8, 2, 3, 0x70, 0x80]);
-        let Event::Call(c) = decode(&as_bytes(&rec)).unwrap() else { panic!("not a call") };
+        let Event::Call(c) = decode(&as_bytes(&rec)).unwrap() else {
+            panic!("not a call")
+        };
         assert_eq!(c.bytes, Some(80));
         assert_eq!(c.peer, Some(3));
         assert_eq!((c.comm, c.stream), (Some(0x70), Some(0x80)));
@@ -241,21 +275,32 @@ mod tests {
     #[test]
     fn comm_init_rank() {
         let rec = call_record(func::NCCL_COMM_INIT_RANK, [0x1000, 8, 3, 0, 0, 0, 0, 0]);
-        let Event::Call(c) = decode(&as_bytes(&rec)).unwrap() else { panic!("not a call") };
-        assert_eq!((c.nranks, c.rank, c.new_comm), (Some(8), Some(3), Some(0xabc)));
+        let Event::Call(c) = decode(&as_bytes(&rec)).unwrap() else {
+            panic!("not a call")
+        };
+        assert_eq!(
+            (c.nranks, c.rank, c.new_comm),
+            (Some(8), Some(3), Some(0xabc))
+        );
     }
 
     /// Truncated and unknown records are errors, not panics.
     #[test]
     fn bad_records() {
-        assert!(matches!(decode(&[0u8; 10]), Err(DecodeError::TooShort { .. })));
+        assert!(matches!(
+            decode(&[0u8; 10]),
+            Err(DecodeError::TooShort { .. })
+        ));
         let mut rec = call_record(999, [0; 8]);
         assert_eq!(
             decode(&as_bytes(&rec)),
             Err(DecodeError::UnknownFunc { id: 999 })
         );
         rec.hdr.kind = 77;
-        assert_eq!(decode(&as_bytes(&rec)), Err(DecodeError::UnknownKind { kind: 77 }));
+        assert_eq!(
+            decode(&as_bytes(&rec)),
+            Err(DecodeError::UnknownKind { kind: 77 })
+        );
         let short = &as_bytes(&call_record(func::NCCL_SEND, [0; 8]))[..60];
         assert!(matches!(decode(short), Err(DecodeError::TooShort { .. })));
     }

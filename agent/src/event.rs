@@ -44,53 +44,138 @@ impl Func {
     pub const ALL: [(Func, u32, &'static [&'static str]); 23] = {
         use nccltrace_common::func as f;
         [
-            (Func::AllReduce, f::NCCL_ALL_REDUCE, &["pncclAllReduce", "ncclAllReduce"]),
-            (Func::AllGather, f::NCCL_ALL_GATHER, &["pncclAllGather", "ncclAllGather"]),
-            (Func::ReduceScatter, f::NCCL_REDUCE_SCATTER, &["pncclReduceScatter", "ncclReduceScatter"]),
-            (Func::Broadcast, f::NCCL_BROADCAST, &["pncclBroadcast", "ncclBroadcast"]),
+            (
+                Func::AllReduce,
+                f::NCCL_ALL_REDUCE,
+                &["pncclAllReduce", "ncclAllReduce"],
+            ),
+            (
+                Func::AllGather,
+                f::NCCL_ALL_GATHER,
+                &["pncclAllGather", "ncclAllGather"],
+            ),
+            (
+                Func::ReduceScatter,
+                f::NCCL_REDUCE_SCATTER,
+                &["pncclReduceScatter", "ncclReduceScatter"],
+            ),
+            (
+                Func::Broadcast,
+                f::NCCL_BROADCAST,
+                &["pncclBroadcast", "ncclBroadcast"],
+            ),
             (Func::Bcast, f::NCCL_BCAST, &["pncclBcast", "ncclBcast"]),
             (Func::Reduce, f::NCCL_REDUCE, &["pncclReduce", "ncclReduce"]),
-            (Func::AlltoAll, f::NCCL_ALLTOALL, &["pncclAlltoAll", "ncclAlltoAll"]),
+            (
+                Func::AlltoAll,
+                f::NCCL_ALLTOALL,
+                &["pncclAlltoAll", "ncclAlltoAll"],
+            ),
             (Func::Gather, f::NCCL_GATHER, &["pncclGather", "ncclGather"]),
-            (Func::Scatter, f::NCCL_SCATTER, &["pncclScatter", "ncclScatter"]),
+            (
+                Func::Scatter,
+                f::NCCL_SCATTER,
+                &["pncclScatter", "ncclScatter"],
+            ),
             (Func::Send, f::NCCL_SEND, &["pncclSend", "ncclSend"]),
             (Func::Recv, f::NCCL_RECV, &["pncclRecv", "ncclRecv"]),
-            (Func::GroupStart, f::NCCL_GROUP_START, &["pncclGroupStart", "ncclGroupStart"]),
-            (Func::GroupEnd, f::NCCL_GROUP_END, &["pncclGroupEnd", "ncclGroupEnd"]),
-            (Func::CommInitRank, f::NCCL_COMM_INIT_RANK, &["pncclCommInitRank", "ncclCommInitRank"]),
-            (Func::CommInitRankConfig, f::NCCL_COMM_INIT_RANK_CONFIG, &["pncclCommInitRankConfig", "ncclCommInitRankConfig"]),
-            (Func::CommInitAll, f::NCCL_COMM_INIT_ALL, &["pncclCommInitAll", "ncclCommInitAll"]),
-            (Func::CommSplit, f::NCCL_COMM_SPLIT, &["pncclCommSplit", "ncclCommSplit"]),
-            (Func::CommDestroy, f::NCCL_COMM_DESTROY, &["pncclCommDestroy", "ncclCommDestroy"]),
-            (Func::CommAbort, f::NCCL_COMM_ABORT, &["pncclCommAbort", "ncclCommAbort"]),
-            (Func::CuStreamSynchronize, f::CU_STREAM_SYNCHRONIZE, &["cuStreamSynchronize"]),
-            (Func::CuStreamSynchronizePtsz, f::CU_STREAM_SYNCHRONIZE_PTSZ, &["cuStreamSynchronize_ptsz"]),
-            (Func::CuEventSynchronize, f::CU_EVENT_SYNCHRONIZE, &["cuEventSynchronize"]),
-            (Func::CuCtxSynchronize, f::CU_CTX_SYNCHRONIZE, &["cuCtxSynchronize"]),
+            (
+                Func::GroupStart,
+                f::NCCL_GROUP_START,
+                &["pncclGroupStart", "ncclGroupStart"],
+            ),
+            (
+                Func::GroupEnd,
+                f::NCCL_GROUP_END,
+                &["pncclGroupEnd", "ncclGroupEnd"],
+            ),
+            (
+                Func::CommInitRank,
+                f::NCCL_COMM_INIT_RANK,
+                &["pncclCommInitRank", "ncclCommInitRank"],
+            ),
+            (
+                Func::CommInitRankConfig,
+                f::NCCL_COMM_INIT_RANK_CONFIG,
+                &["pncclCommInitRankConfig", "ncclCommInitRankConfig"],
+            ),
+            (
+                Func::CommInitAll,
+                f::NCCL_COMM_INIT_ALL,
+                &["pncclCommInitAll", "ncclCommInitAll"],
+            ),
+            (
+                Func::CommSplit,
+                f::NCCL_COMM_SPLIT,
+                &["pncclCommSplit", "ncclCommSplit"],
+            ),
+            (
+                Func::CommDestroy,
+                f::NCCL_COMM_DESTROY,
+                &["pncclCommDestroy", "ncclCommDestroy"],
+            ),
+            (
+                Func::CommAbort,
+                f::NCCL_COMM_ABORT,
+                &["pncclCommAbort", "ncclCommAbort"],
+            ),
+            (
+                Func::CuStreamSynchronize,
+                f::CU_STREAM_SYNCHRONIZE,
+                &["cuStreamSynchronize"],
+            ),
+            (
+                Func::CuStreamSynchronizePtsz,
+                f::CU_STREAM_SYNCHRONIZE_PTSZ,
+                &["cuStreamSynchronize_ptsz"],
+            ),
+            (
+                Func::CuEventSynchronize,
+                f::CU_EVENT_SYNCHRONIZE,
+                &["cuEventSynchronize"],
+            ),
+            (
+                Func::CuCtxSynchronize,
+                f::CU_CTX_SYNCHRONIZE,
+                &["cuCtxSynchronize"],
+            ),
         ]
     };
 
     /// The function with this id, if the id is known.
     #[must_use]
     pub fn from_id(id: u32) -> Option<Func> {
-        Self::ALL.iter().find(|(_, i, _)| *i == id).map(|(f, _, _)| *f)
+        Self::ALL
+            .iter()
+            .find(|(_, i, _)| *i == id)
+            .map(|(f, _, _)| *f)
     }
 
     /// The id used as BPF cookie and in recordings.
     #[must_use]
     pub fn id(self) -> u32 {
-        Self::ALL.iter().find(|(f, _, _)| *f == self).map_or(0, |(_, i, _)| *i)
+        Self::ALL
+            .iter()
+            .find(|(f, _, _)| *f == self)
+            .map_or(0, |(_, i, _)| *i)
     }
 
     /// Symbols that define this function, strong name first.
     #[must_use]
     pub fn symbols(self) -> &'static [&'static str] {
-        Self::ALL.iter().find(|(f, _, _)| *f == self).map_or(&[], |(_, _, s)| s)
+        Self::ALL
+            .iter()
+            .find(|(f, _, _)| *f == self)
+            .map_or(&[], |(_, _, s)| s)
     }
 
     #[must_use]
     pub fn library(self) -> Library {
-        if self.id() >= nccltrace_common::func::FIRST_CUDA { Library::Cuda } else { Library::Nccl }
+        if self.id() >= nccltrace_common::func::FIRST_CUDA {
+            Library::Cuda
+        } else {
+            Library::Nccl
+        }
     }
 
     /// The name used in outputs: NCCL functions without their `nccl` prefix, CUDA ones as
@@ -225,12 +310,44 @@ pub enum Event {
         prev_is_target: bool,
         next_is_target: bool,
     },
-    Wakeup { ts_ns: u64, task: Task, waker_tid: u32, waker_tgid: u32, target_cpu: i32 },
-    Migrate { ts_ns: u64, task: Task, orig_cpu: i32, dest_cpu: i32 },
-    Fork { ts_ns: u64, task: Task, child_tid: u32 },
-    Exit { ts_ns: u64, task: Task, group_dead: bool },
-    Fault { ts_ns: u64, task: Task, address: u64, ip: u64, error_code: u64 },
-    PageMigration { ts_ns: u64, task: Task, succeeded: u64, failed: u64, mode: u32, reason: u32 },
+    Wakeup {
+        ts_ns: u64,
+        task: Task,
+        waker_tid: u32,
+        waker_tgid: u32,
+        target_cpu: i32,
+    },
+    Migrate {
+        ts_ns: u64,
+        task: Task,
+        orig_cpu: i32,
+        dest_cpu: i32,
+    },
+    Fork {
+        ts_ns: u64,
+        task: Task,
+        child_tid: u32,
+    },
+    Exit {
+        ts_ns: u64,
+        task: Task,
+        group_dead: bool,
+    },
+    Fault {
+        ts_ns: u64,
+        task: Task,
+        address: u64,
+        ip: u64,
+        error_code: u64,
+    },
+    PageMigration {
+        ts_ns: u64,
+        task: Task,
+        succeeded: u64,
+        failed: u64,
+        mode: u32,
+        reason: u32,
+    },
     NumaTask {
         ts_ns: u64,
         task: Task,

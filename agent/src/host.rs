@@ -11,7 +11,9 @@ pub struct Host {
 
 impl Default for Host {
     fn default() -> Self {
-        Host { root: PathBuf::from("/") }
+        Host {
+            root: PathBuf::from("/"),
+        }
     }
 }
 
@@ -42,7 +44,9 @@ impl Host {
     /// A captured tree.
     #[must_use]
     pub fn at(root: &Path) -> Host {
-        Host { root: root.to_owned() }
+        Host {
+            root: root.to_owned(),
+        }
     }
 
     /// Path of `rel` (such as `proc/1/maps`) under this root.
@@ -58,23 +62,34 @@ impl Host {
     /// `/proc/PID` exists and is not a zombie.
     #[must_use]
     pub fn process_alive(&self, pid: u32) -> bool {
-        let Some(stat) = self.read(&format!("proc/{pid}/stat")) else { return false };
+        let Some(stat) = self.read(&format!("proc/{pid}/stat")) else {
+            return false;
+        };
         // The state follows the parenthesised comm, which may itself hold ')'.
-        let state = stat.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next());
+        let state = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.trim_start().chars().next());
         !matches!(state, Some('Z' | 'X') | None)
     }
 
     /// The process name.
     #[must_use]
     pub fn comm(&self, pid: u32) -> String {
-        self.read(&format!("proc/{pid}/comm")).map(|s| s.trim().to_owned()).unwrap_or_default()
+        self.read(&format!("proc/{pid}/comm"))
+            .map(|s| s.trim().to_owned())
+            .unwrap_or_default()
     }
 
     /// The command line, split at NULs.
     #[must_use]
     pub fn cmdline(&self, pid: u32) -> Vec<String> {
         self.read(&format!("proc/{pid}/cmdline"))
-            .map(|s| s.split('\0').filter(|a| !a.is_empty()).map(str::to_owned).collect())
+            .map(|s| {
+                s.split('\0')
+                    .filter(|a| !a.is_empty())
+                    .map(str::to_owned)
+                    .collect()
+            })
             .unwrap_or_default()
     }
 
@@ -84,8 +99,9 @@ impl Host {
         let Ok(dir) = std::fs::read_dir(self.path(&format!("proc/{pid}/task"))) else {
             return Vec::new();
         };
-        let mut tids: Vec<u32> =
-            dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok()).collect();
+        let mut tids: Vec<u32> = dir
+            .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+            .collect();
         tids.sort_unstable();
         tids
     }
@@ -94,16 +110,25 @@ impl Host {
     /// online CPU when the kernel has no NUMA nodes.
     #[must_use]
     pub fn cpu_nodes(&self) -> Vec<i32> {
-        let online = self.read("sys/devices/system/cpu/online").map(|s| parse_cpu_list(&s));
-        let ncpu = online.as_ref().and_then(|c| c.iter().max()).map_or(0, |m| *m as usize + 1);
+        let online = self
+            .read("sys/devices/system/cpu/online")
+            .map(|s| parse_cpu_list(&s));
+        let ncpu = online
+            .as_ref()
+            .and_then(|c| c.iter().max())
+            .map_or(0, |m| *m as usize + 1);
         let mut nodes = vec![-1; ncpu];
         let Ok(dir) = std::fs::read_dir(self.path("sys/devices/system/node")) else {
             return vec![0; ncpu];
         };
         for entry in dir.flatten() {
             let name = entry.file_name();
-            let Some(node) = name.to_str().and_then(|n| n.strip_prefix("node")) else { continue };
-            let Ok(node) = node.parse::<i32>() else { continue };
+            let Some(node) = name.to_str().and_then(|n| n.strip_prefix("node")) else {
+                continue;
+            };
+            let Ok(node) = node.parse::<i32>() else {
+                continue;
+            };
             let Ok(list) = std::fs::read_to_string(entry.path().join("cpulist")) else {
                 continue;
             };
@@ -129,7 +154,11 @@ pub fn uname() -> (String, String) {
         return (String::new(), String::new());
     }
     let field = |f: &[libc::c_char]| {
-        let bytes: Vec<u8> = f.iter().take_while(|c| **c != 0).map(|c| *c as u8).collect();
+        let bytes: Vec<u8> = f
+            .iter()
+            .take_while(|c| **c != 0)
+            .map(|c| *c as u8)
+            .collect();
         String::from_utf8_lossy(&bytes).into_owned()
     };
     (field(&u.release), field(&u.nodename))
@@ -138,7 +167,10 @@ pub fn uname() -> (String, String) {
 /// Reads a clock in nanoseconds.
 #[must_use]
 pub fn clock_ns(clock: libc::clockid_t) -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
     // SAFETY: ts is valid and writable.
     unsafe { libc::clock_gettime(clock, &raw mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64

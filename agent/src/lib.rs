@@ -34,7 +34,11 @@ pub enum Error {
         source: std::io::Error,
     },
     #[error("invalid {what} {value:?}: {expected}")]
-    InvalidArgument { what: &'static str, value: String, expected: &'static str },
+    InvalidArgument {
+        what: &'static str,
+        value: String,
+        expected: &'static str,
+    },
     #[error("cannot start the async runtime: {0}")]
     Runtime(#[source] std::io::Error),
 }

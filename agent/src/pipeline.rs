@@ -165,7 +165,12 @@ impl Aggregator {
                     s.wait_ns += call.duration_ns();
                 }
             },
-            Event::Switch { task, prev_is_target, prev_state, .. } => {
+            Event::Switch {
+                task,
+                prev_is_target,
+                prev_state,
+                ..
+            } => {
                 self.threads.insert(task.tid);
                 if *prev_is_target {
                     self.sched.switches_out += 1;
@@ -177,7 +182,9 @@ impl Aggregator {
             Event::Fork { .. } => self.sched.forks += 1,
             Event::Exit { .. } => self.sched.thread_exits += 1,
             Event::Fault { .. } => self.memory.page_faults += 1,
-            Event::PageMigration { succeeded, failed, .. } => {
+            Event::PageMigration {
+                succeeded, failed, ..
+            } => {
                 self.memory.pages_migrated += succeeded;
                 self.memory.page_migrations_failed += failed;
             }
@@ -200,9 +207,12 @@ impl Aggregator {
     pub fn finish(self) -> Summary {
         let start = self.header.clock.monotonic_ns;
         let (end_ns, stop_reason, lost_by_kind, counters) = match self.end {
-            Some(Meta::End { end_monotonic_ns, reason, lost_by_kind, counters }) => {
-                (end_monotonic_ns, Some(reason), lost_by_kind, counters)
-            }
+            Some(Meta::End {
+                end_monotonic_ns,
+                reason,
+                lost_by_kind,
+                counters,
+            }) => (end_monotonic_ns, Some(reason), lost_by_kind, counters),
             None => (self.last_ts, None, BTreeMap::new(), BTreeMap::new()),
         };
         let incomplete = self.incomplete.or_else(|| {

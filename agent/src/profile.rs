@@ -79,10 +79,13 @@ impl Profile {
             name: name.to_owned(),
             source: Box::new(source),
         })?;
-        profile.name = name.to_owned();
+        name.clone_into(&mut profile.name);
         let mib = profile.buffers.ring_buffer_mib;
         if !(1..=1024).contains(&mib) {
-            return Err(ProfileError::RingBufferSize { name: name.to_owned(), value: mib });
+            return Err(ProfileError::RingBufferSize {
+                name: name.to_owned(),
+                value: mib,
+            });
         }
         Ok(profile)
     }
@@ -94,10 +97,14 @@ impl Profile {
         }
         let path = Path::new(name_or_path);
         if !path.exists() {
-            return Err(ProfileError::NotFound { name: name_or_path.to_owned() });
+            return Err(ProfileError::NotFound {
+                name: name_or_path.to_owned(),
+            });
         }
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| ProfileError::Read { path: path.to_owned(), source })?;
+        let text = std::fs::read_to_string(path).map_err(|source| ProfileError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
         Profile::parse(&path.display().to_string(), &text)
     }
 
@@ -129,8 +136,13 @@ mod tests {
     fn profile_errors() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("p.toml");
-        std::fs::write(&path, SHIPPED[0].1.replace("numa = true", "numa = true\nnuma2 = 1"))
-            .unwrap();
+        std::fs::write(
+            &path,
+            SHIPPED[0]
+                .1
+                .replace("numa = true", "numa = true\nnuma2 = 1"),
+        )
+        .unwrap();
         let err = Profile::load(path.to_str().unwrap()).unwrap_err();
         assert!(err.to_string().contains("numa2"), "{err}");
         let err = Profile::load("nope").unwrap_err();

@@ -46,7 +46,11 @@ pub enum RecordError {
     )]
     Version { path: PathBuf, version: u32 },
     #[error("{path} is damaged at offset {offset}: expected {expected}")]
-    Damaged { path: PathBuf, offset: u64, expected: String },
+    Damaged {
+        path: PathBuf,
+        offset: u64,
+        expected: String,
+    },
 }
 
 impl RecordError {
@@ -131,15 +135,23 @@ pub struct Writer {
 impl Writer {
     /// Creates `path` (which must not exist) and writes the header.
     pub fn create(path: &Path, header: &Header) -> Result<Writer, RecordError> {
-        let file = File::options().write(true).create_new(true).open(path).map_err(|source| {
-            RecordError::Open { path: path.to_owned(), source }
-        })?;
+        let file = File::options()
+            .write(true)
+            .create_new(true)
+            .open(path)
+            .map_err(|source| RecordError::Open {
+                path: path.to_owned(),
+                source,
+            })?;
         let mut out = BufWriter::with_capacity(1 << 20, file);
         let json = serde_json::to_vec(header).map_err(|e| RecordError::Write(e.into()))?;
         out.write_all(MAGIC).map_err(RecordError::Write)?;
-        out.write_all(&FORMAT_VERSION.to_le_bytes()).map_err(RecordError::Write)?;
-        out.write_all(&(json.len() as u32).to_le_bytes()).map_err(RecordError::Write)?;
-        out.write_all(&crc32fast::hash(&json).to_le_bytes()).map_err(RecordError::Write)?;
+        out.write_all(&FORMAT_VERSION.to_le_bytes())
+            .map_err(RecordError::Write)?;
+        out.write_all(&(json.len() as u32).to_le_bytes())
+            .map_err(RecordError::Write)?;
+        out.write_all(&crc32fast::hash(&json).to_le_bytes())
+            .map_err(RecordError::Write)?;
         out.write_all(&json).map_err(RecordError::Write)?;
         Ok(Writer { out, records: 0 })
     }
@@ -149,8 +161,12 @@ impl Writer {
         hasher.update(&[kind]);
         hasher.update(body);
         let len = (body.len() + 1) as u32;
-        self.out.write_all(&len.to_le_bytes()).map_err(RecordError::Write)?;
-        self.out.write_all(&hasher.finalize().to_le_bytes()).map_err(RecordError::Write)?;
+        self.out
+            .write_all(&len.to_le_bytes())
+            .map_err(RecordError::Write)?;
+        self.out
+            .write_all(&hasher.finalize().to_le_bytes())
+            .map_err(RecordError::Write)?;
         self.out.write_all(&[kind]).map_err(RecordError::Write)?;
         self.out.write_all(body).map_err(RecordError::Write)?;
         self.records += 1;
@@ -192,8 +208,10 @@ pub struct Reader<R> {
 impl Reader<BufReader<File>> {
     /// Opens `path` and reads its header.
     pub fn open(path: &Path) -> Result<Self, RecordError> {
-        let file = File::open(path)
-            .map_err(|source| RecordError::Open { path: path.to_owned(), source })?;
+        let file = File::open(path).map_err(|source| RecordError::Open {
+            path: path.to_owned(),
+            source,
+        })?;
         Reader::new(BufReader::with_capacity(1 << 20, file), path)
     }
 }
@@ -215,7 +233,10 @@ fn read_full(input: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
 impl<R: Read> Reader<R> {
     /// Reads the header from `input`; `path` is only used in messages.
     pub fn new(mut input: R, path: &Path) -> Result<Self, RecordError> {
-        let open_err = |source| RecordError::Open { path: path.to_owned(), source };
+        let open_err = |source| RecordError::Open {
+            path: path.to_owned(),
+            source,
+        };
         let damaged = |offset: u64, expected: &str| RecordError::Damaged {
             path: path.to_owned(),
             offset,
@@ -224,17 +245,27 @@ impl<R: Read> Reader<R> {
         let mut fixed = [0u8; 20];
         let got = read_full(&mut input, &mut fixed).map_err(open_err)?;
         if got == 0 {
-            return Err(RecordError::Empty { path: path.to_owned() });
+            return Err(RecordError::Empty {
+                path: path.to_owned(),
+            });
         }
         if got < 8 || &fixed[..8] != MAGIC {
-            return Err(RecordError::Foreign { path: path.to_owned() });
+            return Err(RecordError::Foreign {
+                path: path.to_owned(),
+            });
         }
         if got < 20 {
-            return Err(damaged(got as u64, "a 20-byte file header (file is truncated)"));
+            return Err(damaged(
+                got as u64,
+                "a 20-byte file header (file is truncated)",
+            ));
         }
         let version = u32::from_le_bytes(fixed[8..12].try_into().unwrap_or_default());
         if version != FORMAT_VERSION {
-            return Err(RecordError::Version { path: path.to_owned(), version });
+            return Err(RecordError::Version {
+                path: path.to_owned(),
+                version,
+            });
         }
         let len = u32::from_le_bytes(fixed[12..16].try_into().unwrap_or_default());
         let crc = u32::from_le_bytes(fixed[16..20].try_into().unwrap_or_default());
@@ -243,14 +274,22 @@ impl<R: Read> Reader<R> {
         }
         let mut json = vec![0u8; len as usize];
         if read_full(&mut input, &mut json).map_err(open_err)? < json.len() {
-            return Err(damaged(20, &format!("a {len}-byte header (file is truncated)")));
+            return Err(damaged(
+                20,
+                &format!("a {len}-byte header (file is truncated)"),
+            ));
         }
         if crc32fast::hash(&json) != crc {
             return Err(damaged(20, "a header matching its checksum"));
         }
         let header: Header = serde_json::from_slice(&json)
             .map_err(|e| damaged(20, &format!("a valid JSON header ({e})")))?;
-        Ok(Reader { input, path: path.to_owned(), offset: 20 + u64::from(len), header })
+        Ok(Reader {
+            input,
+            path: path.to_owned(),
+            offset: 20 + u64::from(len),
+            header,
+        })
     }
 
     /// The next record; `Ok(None)` at a clean end of file.
@@ -262,24 +301,34 @@ impl<R: Read> Reader<R> {
             expected,
         };
         let mut prefix = [0u8; 8];
-        let got = read_full(&mut self.input, &mut prefix)
-            .map_err(|source| RecordError::Open { path: self.path.clone(), source })?;
+        let got = read_full(&mut self.input, &mut prefix).map_err(|source| RecordError::Open {
+            path: self.path.clone(),
+            source,
+        })?;
         if got == 0 {
             return Ok(None);
         }
         if got < 8 {
-            return Err(damaged("an 8-byte record prefix (file is truncated)".into()));
+            return Err(damaged(
+                "an 8-byte record prefix (file is truncated)".into(),
+            ));
         }
         let len = u32::from_le_bytes(prefix[..4].try_into().unwrap_or_default());
         let crc = u32::from_le_bytes(prefix[4..].try_into().unwrap_or_default());
         if len == 0 || len > MAX_RECORD {
-            return Err(damaged(format!("a record length between 1 and {MAX_RECORD}, found {len}")));
+            return Err(damaged(format!(
+                "a record length between 1 and {MAX_RECORD}, found {len}"
+            )));
         }
         let mut payload = vec![0u8; len as usize];
-        let got = read_full(&mut self.input, &mut payload)
-            .map_err(|source| RecordError::Open { path: self.path.clone(), source })?;
+        let got = read_full(&mut self.input, &mut payload).map_err(|source| RecordError::Open {
+            path: self.path.clone(),
+            source,
+        })?;
         if got < payload.len() {
-            return Err(damaged(format!("a {len}-byte record, found {got} (file is truncated)")));
+            return Err(damaged(format!(
+                "a {len}-byte record, found {got} (file is truncated)"
+            )));
         }
         if crc32fast::hash(&payload) != crc {
             return Err(damaged("a record matching its checksum".into()));
@@ -305,7 +354,11 @@ mod tests {
             format_version: FORMAT_VERSION,
             kernel_release: "6.18".into(),
             cpu_nodes: vec![0, 0],
-            targets: vec![TargetInfo { pid: 7, comm: "trainer".into(), ..Default::default() }],
+            targets: vec![TargetInfo {
+                pid: 7,
+                comm: "trainer".into(),
+                ..Default::default()
+            }],
             ..Default::default()
         }
     }

@@ -13,7 +13,12 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
         bail!("nccltrace loads eBPF programs and needs root: run `sudo -E cargo xtask demo`");
     }
     let fixtures = super::build_fixtures(root)?;
-    super::run(Command::new("cargo").current_dir(root).args(["build", "--release", "-p", "nccltrace"]))?;
+    super::run(Command::new("cargo").current_dir(root).args([
+        "build",
+        "--release",
+        "-p",
+        "nccltrace",
+    ]))?;
     let agent = root.join("target/release/nccltrace");
     let out = root.join("target/demo");
     let go = fixtures.join("demo.go");
@@ -29,7 +34,11 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
     let mut lines = BufReader::new(trainer.stdout.take().context("trainer stdout")?).lines();
     lines.next().context("the trainer printed nothing")??;
 
-    eprintln!("demo: nccltrace attach --pid {} --out {}", trainer.id(), out.display());
+    eprintln!(
+        "demo: nccltrace attach --pid {} --out {}",
+        trainer.id(),
+        out.display()
+    );
     let mut agent = Command::new(&agent)
         .args(["attach", "--force", "--pid"])
         .arg(trainer.id().to_string())
@@ -41,7 +50,9 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
     let mut agent_err = BufReader::new(agent.stderr.take().context("agent stderr")?).lines();
     let started = Instant::now();
     loop {
-        let Some(line) = agent_err.next() else { bail!("nccltrace exited before attaching") };
+        let Some(line) = agent_err.next() else {
+            bail!("nccltrace exited before attaching")
+        };
         let line = line?;
         eprintln!("{line}");
         if line.contains("attached to pid") {
@@ -52,7 +63,10 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
         }
     }
     std::fs::write(&go, b"").context("releasing the trainer")?;
-    let truth = lines.map_while(Result::ok).find(|l| l.contains("\"total\"")).unwrap_or_default();
+    let truth = lines
+        .map_while(Result::ok)
+        .find(|l| l.contains("\"total\""))
+        .unwrap_or_default();
     trainer.wait()?;
     for line in agent_err.map_while(Result::ok) {
         eprintln!("{line}");

@@ -45,12 +45,16 @@ fn main() -> anyhow::Result<()> {
 
 /// The workspace root (the parent of this crate).
 fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().map_or_else(|| PathBuf::from("."), Path::to_path_buf)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
 }
 
 /// Runs a command, failing with its command line when it fails.
 fn run(cmd: &mut Command) -> anyhow::Result<()> {
-    let status = cmd.status().with_context(|| format!("cannot start {cmd:?}"))?;
+    let status = cmd
+        .status()
+        .with_context(|| format!("cannot start {cmd:?}"))?;
     if !status.success() {
         bail!("{cmd:?} failed: {status}");
     }

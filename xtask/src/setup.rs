@@ -14,7 +14,9 @@ fn say(what: &str, status: &str) {
 }
 
 fn output(cmd: &mut Command) -> String {
-    cmd.output().map(|o| String::from_utf8_lossy(&o.stdout).into_owned()).unwrap_or_default()
+    cmd.output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default()
 }
 
 fn home() -> PathBuf {
@@ -33,20 +35,44 @@ fn nightly() -> anyhow::Result<()> {
         say("rustup nightly toolchain", "present");
     } else {
         say("rustup nightly toolchain", "installing");
-        super::run(Command::new("rustup").args(["toolchain", "install", "nightly", "--profile", "minimal"]))?;
+        super::run(Command::new("rustup").args([
+            "toolchain",
+            "install",
+            "nightly",
+            "--profile",
+            "minimal",
+        ]))?;
     }
-    let components =
-        output(Command::new("rustup").args(["component", "list", "--installed", "--toolchain", "nightly"]));
+    let components = output(Command::new("rustup").args([
+        "component",
+        "list",
+        "--installed",
+        "--toolchain",
+        "nightly",
+    ]));
     if components.lines().any(|l| l.starts_with("rust-src")) {
         say("rust-src for nightly", "present");
     } else {
         say("rust-src for nightly", "installing");
-        super::run(Command::new("rustup").args(["component", "add", "rust-src", "--toolchain", "nightly"]))?;
+        super::run(Command::new("rustup").args([
+            "component",
+            "add",
+            "rust-src",
+            "--toolchain",
+            "nightly",
+        ]))?;
     }
     Ok(())
 }
 
-const APT_PACKAGES: [&str; 6] = ["llvm-22-dev", "libpolly-22-dev", "clang", "make", "bpftool", "gcc"];
+const APT_PACKAGES: [&str; 6] = [
+    "llvm-22-dev",
+    "libpolly-22-dev",
+    "clang",
+    "make",
+    "bpftool",
+    "gcc",
+];
 
 fn apt() -> anyhow::Result<()> {
     let missing: Vec<&str> = APT_PACKAGES
@@ -61,7 +87,10 @@ fn apt() -> anyhow::Result<()> {
         say("Debian packages (LLVM 22, clang, bpftool)", "present");
         return Ok(());
     }
-    say("Debian packages", &format!("installing {}", missing.join(" ")));
+    say(
+        "Debian packages",
+        &format!("installing {}", missing.join(" ")),
+    );
     super::run(Command::new("apt-get").arg("update").arg("-q"))?;
     super::run(
         Command::new("apt-get")
@@ -72,16 +101,32 @@ fn apt() -> anyhow::Result<()> {
 }
 
 fn bpf_linker() -> anyhow::Result<()> {
-    let have = Command::new("bpf-linker").arg("--version").output().is_ok_and(|o| o.status.success());
+    let have = Command::new("bpf-linker")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
     if have {
         say("bpf-linker", "present");
         return Ok(());
     }
-    say("bpf-linker (LLVM 22)", "building with cargo install (a few minutes)");
-    let path = format!("/usr/lib/llvm-22/bin:{}", std::env::var("PATH").unwrap_or_default());
+    say(
+        "bpf-linker (LLVM 22)",
+        "building with cargo install (a few minutes)",
+    );
+    let path = format!(
+        "/usr/lib/llvm-22/bin:{}",
+        std::env::var("PATH").unwrap_or_default()
+    );
     super::run(
         Command::new("cargo")
-            .args(["install", "bpf-linker", "--locked", "--no-default-features", "--features", "llvm-22"])
+            .args([
+                "install",
+                "bpf-linker",
+                "--locked",
+                "--no-default-features",
+                "--features",
+                "llvm-22",
+            ])
             .env("PATH", path),
     )
 }
@@ -92,7 +137,10 @@ fn tracefs() -> anyhow::Result<()> {
         return Ok(());
     }
     if !is_root() {
-        say("tracefs", "not mounted (nccltrace mounts it when run as root)");
+        say(
+            "tracefs",
+            "not mounted (nccltrace mounts it when run as root)",
+        );
         return Ok(());
     }
     say("tracefs", "mounting at /sys/kernel/tracing");
@@ -115,31 +163,64 @@ pub fn real_nccl() -> anyhow::Result<PathBuf> {
     let wheels = cache_dir().join("wheels");
     std::fs::create_dir_all(&wheels).with_context(|| format!("creating {}", wheels.display()))?;
     let find_wheel = || -> Option<PathBuf> {
-        std::fs::read_dir(&wheels).ok()?.flatten().map(|e| e.path()).find(|p| {
-            p.file_name().and_then(|n| n.to_str()).is_some_and(|n| {
-                n.starts_with(&format!("nvidia_nccl_cu12-{REAL_NCCL_VERSION}-")) && n.ends_with(".whl")
+        std::fs::read_dir(&wheels)
+            .ok()?
+            .flatten()
+            .map(|e| e.path())
+            .find(|p| {
+                p.file_name().and_then(|n| n.to_str()).is_some_and(|n| {
+                    n.starts_with(&format!("nvidia_nccl_cu12-{REAL_NCCL_VERSION}-"))
+                        && Path::new(n)
+                            .extension()
+                            .is_some_and(|e| e.eq_ignore_ascii_case("whl"))
+                })
             })
-        })
     };
     if find_wheel().is_none() {
-        say(&format!("nvidia-nccl-cu12=={REAL_NCCL_VERSION} wheel"), "downloading (~300 MB, once)");
+        say(
+            &format!("nvidia-nccl-cu12=={REAL_NCCL_VERSION} wheel"),
+            "downloading (~300 MB, once)",
+        );
         super::run(
             Command::new("python3")
-                .args(["-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:"])
-                .args(["--platform", "manylinux_2_18_x86_64", "--platform", "manylinux2014_x86_64"])
+                .args([
+                    "-m",
+                    "pip",
+                    "download",
+                    "-q",
+                    "--no-deps",
+                    "--only-binary=:all:",
+                ])
+                .args([
+                    "--platform",
+                    "manylinux_2_18_x86_64",
+                    "--platform",
+                    "manylinux2014_x86_64",
+                ])
                 .args(["--python-version", "3.12", "-d"])
                 .arg(&wheels)
                 .arg(format!("nvidia-nccl-cu12=={REAL_NCCL_VERSION}")),
         )?;
     }
-    let Some(wheel) = find_wheel() else { bail!("no nvidia-nccl-cu12 wheel in {}", wheels.display()) };
-    say("extracting libnccl.so.2 from the wheel", &wheel.display().to_string());
+    let Some(wheel) = find_wheel() else {
+        bail!("no nvidia-nccl-cu12 wheel in {}", wheels.display())
+    };
+    say(
+        "extracting libnccl.so.2 from the wheel",
+        &wheel.display().to_string(),
+    );
     std::fs::create_dir_all(&dir)?;
     let script = "import sys, zipfile\n\
         z = zipfile.ZipFile(sys.argv[1])\n\
         name = next(n for n in z.namelist() if n.endswith('/lib/libnccl.so.2'))\n\
         open(sys.argv[2] + '.part', 'wb').write(z.read(name))\n";
-    super::run(Command::new("python3").arg("-c").arg(script).arg(&wheel).arg(&lib))?;
+    super::run(
+        Command::new("python3")
+            .arg("-c")
+            .arg(script)
+            .arg(&wheel)
+            .arg(&lib),
+    )?;
     std::fs::rename(lib.with_extension("2.part"), &lib)
         .or_else(|_| std::fs::rename(format!("{}.part", lib.display()), &lib))
         .context("moving libnccl.so.2 into place")?;

@@ -12,6 +12,22 @@ pub fn run(root: &Path, args: &[String]) -> anyhow::Result<()> {
              run `sudo -E cargo xtask test`"
         );
     }
+    super::run(
+        Command::new("cargo")
+            .current_dir(root)
+            .args(["fmt", "--all", "--check"]),
+    )?;
+    super::run(Command::new("cargo").current_dir(root).args([
+        "clippy",
+        "--workspace",
+        "--exclude",
+        "nccltrace-ebpf",
+        "--all-targets",
+        "--quiet",
+        "--",
+        "-D",
+        "warnings",
+    ]))?;
     let real_nccl = super::setup::real_nccl()?;
     let fixtures = super::build_fixtures(root)?;
     super::run(

@@ -39,7 +39,11 @@ struct Settings {
 
 impl AttachArgs {
     fn validate(self) -> Result<Settings, Error> {
-        let duration = self.duration.as_deref().map(super::parse_duration).transpose()?;
+        let duration = self
+            .duration
+            .as_deref()
+            .map(super::parse_duration)
+            .transpose()?;
         let profile = Profile::load(&self.profile)?;
         let mut pids = self.pid;
         pids.sort_unstable();
@@ -52,7 +56,12 @@ impl AttachArgs {
             });
         }
         let out = super::prepare_output(&self.out, self.force)?;
-        Ok(Settings { pids, out, duration, profile })
+        Ok(Settings {
+            pids,
+            out,
+            duration,
+            profile,
+        })
     }
 }
 
@@ -124,8 +133,10 @@ async fn trace(settings: Settings, targets: &[source::Target]) -> Result<(), Err
     }
     let rec_path = settings.out.join("recording.nctr");
     if rec_path.exists() {
-        std::fs::remove_file(&rec_path)
-            .map_err(|source| Error::Output { path: rec_path.clone(), source })?;
+        std::fs::remove_file(&rec_path).map_err(|source| Error::Output {
+            path: rec_path.clone(),
+            source,
+        })?;
     }
     let writer = Writer::create(&rec_path, &attached.header)?;
     let mut sink = LiveSink {
@@ -160,8 +171,14 @@ async fn trace(settings: Settings, targets: &[source::Target]) -> Result<(), Err
     sink.agg.meta(end);
     let summary = sink.agg.finish();
     crate::pipeline::write_outputs(&settings.out, &summary, &mut std::io::stdout().lock())
-        .map_err(|source| Error::Output { path: settings.out.clone(), source })?;
-    eprintln!("nccltrace: outputs in {}; detaching probes", settings.out.display());
+        .map_err(|source| Error::Output {
+            path: settings.out.clone(),
+            source,
+        })?;
+    eprintln!(
+        "nccltrace: outputs in {}; detaching probes",
+        settings.out.display()
+    );
     attached.detach();
     outcome?;
     write_end?;

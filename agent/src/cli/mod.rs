@@ -44,7 +44,9 @@ pub fn parse_duration(text: &str) -> Result<Duration, Error> {
         expected: "a number with a unit: 500ms, 30s, 2m, 1h",
     };
     let t = text.trim();
-    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
     let value: f64 = num.parse().map_err(|_| invalid())?;
     let secs = match unit.trim() {
@@ -64,10 +66,14 @@ pub fn parse_duration(text: &str) -> Result<Duration, Error> {
 /// Creates the output folder: refused when it exists unless `force`.
 pub fn prepare_output(dir: &Path, force: bool) -> Result<PathBuf, Error> {
     if dir.exists() && !force {
-        return Err(Error::OutputExists { path: dir.to_owned() });
+        return Err(Error::OutputExists {
+            path: dir.to_owned(),
+        });
     }
-    std::fs::create_dir_all(dir)
-        .map_err(|source| Error::Output { path: dir.to_owned(), source })?;
+    std::fs::create_dir_all(dir).map_err(|source| Error::Output {
+        path: dir.to_owned(),
+        source,
+    })?;
     Ok(dir.to_owned())
 }
 

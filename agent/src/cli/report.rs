@@ -16,9 +16,14 @@ pub struct ReportArgs {
     force: bool,
 }
 
+#[allow(clippy::needless_pass_by_value)] // the parsed arguments end here
 pub fn run(args: ReportArgs) -> Result<(), Error> {
     let summary = crate::pipeline::replay(&args.recording)?;
     let out = super::prepare_output(&args.out, args.force)?;
-    crate::pipeline::write_outputs(&out, &summary, &mut std::io::stdout().lock())
-        .map_err(|source| Error::Output { path: out.clone(), source })
+    crate::pipeline::write_outputs(&out, &summary, &mut std::io::stdout().lock()).map_err(
+        |source| Error::Output {
+            path: out.clone(),
+            source,
+        },
+    )
 }

@@ -45,9 +45,19 @@ pub fn write_text(s: &Summary, out: &mut impl Write) -> io::Result<()> {
             ms(o.enqueue_ns)
         )?;
     }
-    writeln!(out, "CUDA sync: {} calls, waited {}", s.cuda_sync.calls, ms(s.cuda_sync.wait_ns))?;
+    writeln!(
+        out,
+        "CUDA sync: {} calls, waited {}",
+        s.cuda_sync.calls,
+        ms(s.cuda_sync.wait_ns)
+    )?;
     for (f, c) in &s.cuda_sync.by_func {
-        writeln!(out, "  {f:<26} {:>8} calls  waited {}", c.calls, ms(c.wait_ns))?;
+        writeln!(
+            out,
+            "  {f:<26} {:>8} calls  waited {}",
+            c.calls,
+            ms(c.wait_ns)
+        )?;
     }
     writeln!(
         out,

@@ -34,7 +34,11 @@ fn parse_maps_line(line: &str) -> Option<MapEntry> {
     let offset = fields.next()?;
     let _dev = fields.next()?;
     let inode = fields.next()?;
-    let path = fields.next().map(str::trim).filter(|p| !p.is_empty()).map(str::to_owned);
+    let path = fields
+        .next()
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+        .map(str::to_owned);
     let (start, end) = range.split_once('-')?;
     Some(MapEntry {
         start: u64::from_str_radix(start, 16).ok()?,
@@ -100,14 +104,20 @@ pub fn resolve(
     names: &[&str],
     tables: Tables,
 ) -> Result<BTreeMap<String, Resolved>, SymbolError> {
-    let file =
-        File::open(path).map_err(|source| SymbolError::Open { path: path.to_owned(), source })?;
+    let file = File::open(path).map_err(|source| SymbolError::Open {
+        path: path.to_owned(),
+        source,
+    })?;
     // SAFETY: the mapping is read-only and private; a library replaced under us would at
     // worst give wrong symbols, which the kernel then refuses to probe.
-    let map = unsafe { memmap2::Mmap::map(&file) }
-        .map_err(|source| SymbolError::Open { path: path.to_owned(), source })?;
-    let obj = object::File::parse(&*map)
-        .map_err(|source| SymbolError::Parse { path: path.to_owned(), source })?;
+    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|source| SymbolError::Open {
+        path: path.to_owned(),
+        source,
+    })?;
+    let obj = object::File::parse(&*map).map_err(|source| SymbolError::Parse {
+        path: path.to_owned(),
+        source,
+    })?;
     let mut found = BTreeMap::new();
     let mut visit = |sym: object::Symbol<'_, '_>| {
         if sym.is_undefined() || sym.kind() != object::SymbolKind::Text {
@@ -117,11 +127,17 @@ pub fn resolve(
         if !names.contains(&name) || found.contains_key(name) {
             return;
         }
-        let Some(index) = sym.section_index() else { return };
+        let Some(index) = sym.section_index() else {
+            return;
+        };
         if let Some(file_offset) = file_offset(&obj, index, sym.address()) {
             found.insert(
                 name.to_owned(),
-                Resolved { symbol: name.to_owned(), address: sym.address(), file_offset },
+                Resolved {
+                    symbol: name.to_owned(),
+                    address: sym.address(),
+                    file_offset,
+                },
             );
         }
     };
@@ -163,7 +179,9 @@ pub struct FoundLibrary {
 pub fn probe_sites(symbols: &BTreeMap<String, Resolved>, library: Library) -> Vec<ProbeSite> {
     let mut sites: Vec<ProbeSite> = Vec::new();
     for (func, _, names) in Func::ALL.iter().filter(|(f, _, _)| f.library() == library) {
-        let Some(resolved) = names.iter().find_map(|n| symbols.get(*n)) else { continue };
+        let Some(resolved) = names.iter().find_map(|n| symbols.get(*n)) else {
+            continue;
+        };
         if sites.iter().any(|s| s.file_offset == resolved.file_offset) {
             continue;
         }
@@ -200,7 +218,9 @@ pub fn find_library(root: &Path, files: &[String], library: Library) -> Option<F
     for tables in [Tables::Dynamic, Tables::All] {
         for path in files {
             let host_path = root.join(path.trim_start_matches('/'));
-            let Ok(found) = resolve(&host_path, marker(library), tables) else { continue };
+            let Ok(found) = resolve(&host_path, marker(library), tables) else {
+                continue;
+            };
             if found.is_empty() {
                 continue;
             }
@@ -240,7 +260,10 @@ garbage line
         assert_eq!(maps[2].path, None);
         assert_eq!(
             mapped_files(&maps),
-            vec!["/usr/bin/python3.12".to_owned(), "/opt/lib/libnccl.so.2".to_owned()]
+            vec![
+                "/usr/bin/python3.12".to_owned(),
+                "/opt/lib/libnccl.so.2".to_owned()
+            ]
         );
     }
 
@@ -266,11 +289,18 @@ garbage line
     #[test]
     fn one_site_per_address() {
         let mut symbols = BTreeMap::new();
-        for (name, off) in [("pncclAllReduce", 0x100), ("ncclAllReduce", 0x100), ("ncclSend", 0x200)]
-        {
+        for (name, off) in [
+            ("pncclAllReduce", 0x100),
+            ("ncclAllReduce", 0x100),
+            ("ncclSend", 0x200),
+        ] {
             symbols.insert(
                 name.to_owned(),
-                Resolved { symbol: name.to_owned(), address: off, file_offset: off },
+                Resolved {
+                    symbol: name.to_owned(),
+                    address: off,
+                    file_offset: off,
+                },
             );
         }
         let sites = probe_sites(&symbols, Library::Nccl);

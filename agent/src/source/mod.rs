@@ -5,12 +5,13 @@ pub mod discover;
 pub mod tracefs;
 
 use std::collections::BTreeMap;
+use std::os::unix::fs::MetadataExt as _;
 use std::time::{Duration, Instant};
 
 use aya::maps::{HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf};
-use aya::programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope};
 use aya::programs::trace_point::TracePointLink;
 use aya::programs::uprobe::UProbeLink;
+use aya::programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope};
 use aya::programs::{ProgramError, TracePoint, UProbe};
 use aya::{Ebpf, EbpfLoader};
 use nccltrace_common::{counter, kind};
@@ -80,17 +81,20 @@ impl SourceError {
     /// Whether the user can fix it by changing the command (exit code 2).
     #[must_use]
     pub fn is_bad_input(&self) -> bool {
-        matches!(self, SourceError::NoSuchProcess { .. } | SourceError::NoNccl { .. })
+        matches!(
+            self,
+            SourceError::NoSuchProcess { .. } | SourceError::NoNccl { .. }
+        )
     }
 }
 
 fn is_eperm(err: &(dyn std::error::Error + 'static)) -> bool {
     let mut cur = Some(err);
     while let Some(e) = cur {
-        if let Some(io) = e.downcast_ref::<std::io::Error>() {
-            if io.raw_os_error() == Some(libc::EPERM) {
-                return true;
-            }
+        if let Some(io) = e.downcast_ref::<std::io::Error>()
+            && io.raw_os_error() == Some(libc::EPERM)
+        {
+            return true;
         }
         cur = e.source();
     }
@@ -99,7 +103,9 @@ fn is_eperm(err: &(dyn std::error::Error + 'static)) -> bool {
 
 fn program_error(program: &str, target: &str, e: ProgramError) -> SourceError {
     if is_eperm(&e) {
-        return SourceError::Permission { source: Box::new(e) };
+        return SourceError::Permission {
+            source: Box::new(e),
+        };
     }
     match e {
         ProgramError::LoadError { .. } => SourceError::Verifier {
@@ -116,7 +122,10 @@ fn program_error(program: &str, target: &str, e: ProgramError) -> SourceError {
 }
 
 fn map_error(name: &'static str) -> impl Fn(aya::maps::MapError) -> SourceError {
-    move |e| SourceError::Map { name, source: Box::new(e) }
+    move |e| SourceError::Map {
+        name,
+        source: Box::new(e),
+    }
 }
 
 /// A target as discovered, before attaching.
@@ -137,10 +146,20 @@ pub fn discover(host: &Host, pid: u32) -> Result<Target, SourceError> {
     let files = discover::mapped_files(&maps);
     let root = host.path(&format!("proc/{pid}/root"));
     let comm = host.comm(pid);
-    let nccl = discover::find_library(&root, &files, Library::Nccl)
-        .ok_or_else(|| SourceError::NoNccl { pid, comm: comm.clone() })?;
+    let nccl = discover::find_library(&root, &files, Library::Nccl).ok_or_else(|| {
+        SourceError::NoNccl {
+            pid,
+            comm: comm.clone(),
+        }
+    })?;
     let cuda = discover::find_library(&root, &files, Library::Cuda);
-    Ok(Target { pid, comm, nccl, cuda, maps: files })
+    Ok(Target {
+        pid,
+        comm,
+        nccl,
+        cuda,
+        maps: files,
+    })
 }
 
 /// An attachment we own, so detaching can be done in parallel.
@@ -156,6 +175,8 @@ enum Link {
 pub struct Attached {
     ebpf: Option<Ebpf>,
     links: Vec<Link>,
+    /// Rare diagnostics from the programs (aya-log), flushed to the `log` crate.
+    logger: Option<aya_log::EbpfLogger<&'static dyn log::Log>>,
     targets: BpfHashMap<MapData, u32, u32>,
     /// CLOCK_MONOTONIC when tracing stopped (the programs were disarmed).
     pub stopped_ns: Option<u64>,
@@ -168,6 +189,7 @@ pub struct Attached {
 }
 
 /// Loads the programs and attaches everything `profile` asks for to `targets`.
+#[allow(clippy::too_many_lines)] // one straight sequence: load, fill maps, attach, take maps
 /// Must run inside a tokio runtime (the ring buffer is registered with it).
 pub fn attach(targets: &[Target], profile: &Profile) -> Result<Attached, SourceError> {
     let started = Instant::now();
@@ -180,25 +202,42 @@ pub fn attach(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
     loader.map_max_entries("EVENTS", profile.ring_buffer_bytes());
     let mut ebpf = loader.load(PROGRAMS).map_err(|e| {
         if is_eperm(&e) {
-            SourceError::Permission { source: Box::new(e) }
+            SourceError::Permission {
+                source: Box::new(e),
+            }
         } else {
             SourceError::Load(Box::new(e))
         }
     })?;
 
-    let mut map_targets: BpfHashMap<MapData, u32, u32> =
-        BpfHashMap::try_from(ebpf.take_map("TARGETS").ok_or_else(|| missing_map("TARGETS"))?)
-            .map_err(map_error("TARGETS"))?;
+    let logger = match aya_log::EbpfLogger::init(&mut ebpf) {
+        Ok(logger) => Some(logger),
+        Err(e) => {
+            log::warn!("eBPF diagnostics unavailable: {e}");
+            None
+        }
+    };
+    let mut map_targets: BpfHashMap<MapData, u32, u32> = BpfHashMap::try_from(
+        ebpf.take_map("TARGETS")
+            .ok_or_else(|| missing_map("TARGETS"))?,
+    )
+    .map_err(map_error("TARGETS"))?;
     for t in targets {
-        map_targets.insert(t.pid, 1, 0).map_err(map_error("TARGETS"))?;
+        map_targets
+            .insert(t.pid, 1, 0)
+            .map_err(map_error("TARGETS"))?;
     }
     {
-        let mut threads: BpfHashMap<_, u32, u32> =
-            BpfHashMap::try_from(ebpf.map_mut("THREADS").ok_or_else(|| missing_map("THREADS"))?)
-            .map_err(map_error("THREADS"))?;
+        let mut threads: BpfHashMap<_, u32, u32> = BpfHashMap::try_from(
+            ebpf.map_mut("THREADS")
+                .ok_or_else(|| missing_map("THREADS"))?,
+        )
+        .map_err(map_error("THREADS"))?;
         for t in targets {
             for tid in host.threads(t.pid) {
-                threads.insert(tid, t.pid, 0).map_err(map_error("THREADS"))?;
+                threads
+                    .insert(tid, t.pid, 0)
+                    .map_err(map_error("THREADS"))?;
             }
         }
     }
@@ -233,9 +272,7 @@ pub fn attach(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
     let mut unique: Vec<(u64, u64, &FoundLibrary)> = Vec::new();
     for (_, libs, _) in &infos {
         for lib in libs {
-            let id = std::fs::metadata(&lib.host_path)
-                .map(|m| (std::os::unix::fs::MetadataExt::dev(&m), std::os::unix::fs::MetadataExt::ino(&m)))
-                .unwrap_or((0, 0));
+            let id = std::fs::metadata(&lib.host_path).map_or((0, 0), |m| (m.dev(), m.ino()));
             if id == (0, 0) || !unique.iter().any(|(d, i, _)| (*d, *i) == id) {
                 unique.push((id.0, id.1, lib));
             }
@@ -258,7 +295,9 @@ pub fn attach(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
                 let id = prog
                     .attach(point, &lib.host_path, UProbeScope::AllProcesses)
                     .map_err(|e| program_error(program, &place, e))?;
-                let link = prog.take_link(id).map_err(|e| program_error(program, &place, e))?;
+                let link = prog
+                    .take_link(id)
+                    .map_err(|e| program_error(program, &place, e))?;
                 links.push(Link::Uprobe(link));
             }
         }
@@ -285,20 +324,29 @@ pub fn attach(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
             .map_err(|e| program_error(&name, "-", e))?;
         prog.load().map_err(|e| program_error(&name, "-", e))?;
         let place = format!("{category}:{event}");
-        let id = prog.attach(category, event).map_err(|e| program_error(&name, &place, e))?;
-        let link = prog.take_link(id).map_err(|e| program_error(&name, &place, e))?;
+        let id = prog
+            .attach(category, event)
+            .map_err(|e| program_error(&name, &place, e))?;
+        let link = prog
+            .take_link(id)
+            .map_err(|e| program_error(&name, &place, e))?;
         links.push(Link::Tracepoint(link));
     }
 
-    let ring = RingBuf::try_from(ebpf.take_map("EVENTS").ok_or_else(|| missing_map("EVENTS"))?)
-        .map_err(map_error("EVENTS"))?;
+    let ring = RingBuf::try_from(
+        ebpf.take_map("EVENTS")
+            .ok_or_else(|| missing_map("EVENTS"))?,
+    )
+    .map_err(map_error("EVENTS"))?;
     // SAFETY: the RingBuf owns its map fd, which stays open and unchanged until the
     // AsyncFd (which owns the RingBuf) is dropped.
     let ring = unsafe { AsyncFd::register_with_interest(ring, tokio::io::Interest::READABLE) }
         .map_err(|e| SourceError::Drain(e.into()))?;
-    let counters =
-        PerCpuArray::try_from(ebpf.take_map("COUNTERS").ok_or_else(|| missing_map("COUNTERS"))?)
-            .map_err(map_error("COUNTERS"))?;
+    let counters = PerCpuArray::try_from(
+        ebpf.take_map("COUNTERS")
+            .ok_or_else(|| missing_map("COUNTERS"))?,
+    )
+    .map_err(map_error("COUNTERS"))?;
 
     let (kernel_release, hostname) = host::uname();
     let header = Header {
@@ -328,6 +376,7 @@ pub fn attach(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
     Ok(Attached {
         ebpf: Some(ebpf),
         links,
+        logger,
         targets: map_targets,
         stopped_ns: None,
         ring,
@@ -339,7 +388,9 @@ pub fn attach(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
 }
 
 fn missing_program(name: &str) -> SourceError {
-    SourceError::MissingProgram { name: name.to_owned() }
+    SourceError::MissingProgram {
+        name: name.to_owned(),
+    }
 }
 
 fn missing_map(name: &'static str) -> SourceError {
@@ -377,11 +428,14 @@ pub trait Sink {
 
 impl Attached {
     /// Lost records by kind name, and the other counters by name, summed over CPUs.
+    #[must_use]
     pub fn counters(&self) -> (BTreeMap<String, u64>, BTreeMap<String, u64>) {
         let mut lost = BTreeMap::new();
         let mut other = BTreeMap::new();
         for index in 0..counter::COUNT {
-            let Ok(values) = self.counters.get(&index, 0) else { continue };
+            let Ok(values) = self.counters.get(&index, 0) else {
+                continue;
+            };
             let total: u64 = values.iter().sum();
             if index < kind::COUNT as u32 {
                 if index > 0 {
@@ -449,6 +503,9 @@ impl Attached {
                     }
                 } => break StopReason::Duration,
                 _ = poll.tick() => {
+                    if let Some(logger) = self.logger.as_mut() {
+                        logger.flush();
+                    }
                     if self.pids.iter().all(|p| !host.process_alive(*p)) {
                         break StopReason::TargetsExited;
                     }

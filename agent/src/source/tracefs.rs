@@ -23,7 +23,11 @@ pub enum TracefsError {
         source: std::io::Error,
     },
     #[error("tracepoint {event} has no field {field} in {path}")]
-    Field { event: String, field: String, path: PathBuf },
+    Field {
+        event: String,
+        field: String,
+        path: PathBuf,
+    },
 }
 
 /// Where tracefs is, mounting it at `/sys/kernel/tracing` when it is nowhere.
@@ -36,10 +40,18 @@ pub fn ensure_mounted() -> Result<PathBuf, TracefsError> {
     let target = c"/sys/kernel/tracing";
     // SAFETY: all pointers are valid NUL-terminated strings; data may be null.
     let rc = unsafe {
-        libc::mount(c"tracefs".as_ptr(), target.as_ptr(), c"tracefs".as_ptr(), 0, std::ptr::null())
+        libc::mount(
+            c"tracefs".as_ptr(),
+            target.as_ptr(),
+            c"tracefs".as_ptr(),
+            0,
+            std::ptr::null(),
+        )
     };
     if rc != 0 {
-        return Err(TracefsError::Mount { source: std::io::Error::last_os_error() });
+        return Err(TracefsError::Mount {
+            source: std::io::Error::last_os_error(),
+        });
     }
     Ok(PathBuf::from("/sys/kernel/tracing"))
 }
@@ -55,14 +67,24 @@ pub fn field_offset(format: &str, field: &str) -> Option<u32> {
         if name != field {
             return None;
         }
-        let offset = line.split(';').find_map(|p| p.trim().strip_prefix("offset:"))?;
+        let offset = line
+            .split(';')
+            .find_map(|p| p.trim().strip_prefix("offset:"))?;
         offset.trim().parse().ok()
     })
 }
 
 /// Reads a tracepoint's format file; `None` when this kernel lacks the tracepoint.
-pub fn read_format(root: &Path, category: &str, event: &str) -> Result<Option<String>, TracefsError> {
-    let path = root.join("events").join(category).join(event).join("format");
+pub fn read_format(
+    root: &Path,
+    category: &str,
+    event: &str,
+) -> Result<Option<String>, TracefsError> {
+    let path = root
+        .join("events")
+        .join(category)
+        .join(event)
+        .join("format");
     match std::fs::read_to_string(&path) {
         Ok(text) => Ok(Some(text)),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
@@ -89,12 +111,18 @@ pub fn offsets(root: &Path) -> Result<(TpOffsets, Vec<&'static str>), TracefsErr
     let mut o = TpOffsets::default();
     let mut available = Vec::new();
     for (category, event) in TRACEPOINTS {
-        let Some(format) = read_format(root, category, event)? else { continue };
+        let Some(format) = read_format(root, category, event)? else {
+            continue;
+        };
         let get = |field: &str| {
             field_offset(&format, field).ok_or_else(|| TracefsError::Field {
                 event: event.to_owned(),
                 field: field.to_owned(),
-                path: root.join("events").join(category).join(event).join("format"),
+                path: root
+                    .join("events")
+                    .join(category)
+                    .join(event)
+                    .join("format"),
             })
         };
         match event {
@@ -113,7 +141,9 @@ pub fn offsets(root: &Path) -> Result<(TpOffsets, Vec<&'static str>), TracefsErr
                 o.migrate_dest_cpu = get("dest_cpu")?;
             }
             "sched_process_fork" => o.fork_child_pid = get("child_pid")?,
-            "sched_process_exit" => o.exit_group_dead = field_offset(&format, "group_dead").unwrap_or(0),
+            "sched_process_exit" => {
+                o.exit_group_dead = field_offset(&format, "group_dead").unwrap_or(0)
+            }
             "page_fault_user" => {
                 o.fault_address = get("address")?;
                 o.fault_ip = get("ip")?;

@@ -89,14 +89,18 @@ pub mod func {
     pub const fn nargs(id: u32) -> u32 {
         match id {
             NCCL_REDUCE => 8,
-            NCCL_ALL_REDUCE | NCCL_REDUCE_SCATTER | NCCL_BROADCAST | NCCL_GATHER
-            | NCCL_SCATTER => 7,
+            NCCL_ALL_REDUCE | NCCL_REDUCE_SCATTER | NCCL_BROADCAST | NCCL_GATHER | NCCL_SCATTER => {
+                7
+            }
             NCCL_ALL_GATHER | NCCL_BCAST | NCCL_ALLTOALL | NCCL_SEND | NCCL_RECV => 6,
             NCCL_COMM_SPLIT => 5,
             NCCL_COMM_INIT_RANK_CONFIG => 4,
             NCCL_COMM_INIT_RANK | NCCL_COMM_INIT_ALL => 3,
-            NCCL_COMM_DESTROY | NCCL_COMM_ABORT | CU_STREAM_SYNCHRONIZE
-            | CU_STREAM_SYNCHRONIZE_PTSZ | CU_EVENT_SYNCHRONIZE => 1,
+            NCCL_COMM_DESTROY
+            | NCCL_COMM_ABORT
+            | CU_STREAM_SYNCHRONIZE
+            | CU_STREAM_SYNCHRONIZE_PTSZ
+            | CU_EVENT_SYNCHRONIZE => 1,
             _ => 0,
         }
     }

@@ -159,7 +159,9 @@ pub fn uprobe_lib_call(ctx: ProbeContext) -> u32 {
     let regs = unsafe { &*ctx.regs };
     let mut pending = PendingCall {
         start_ns: unsafe { bpf_ktime_get_ns() },
-        args: [regs.rdi, regs.rsi, regs.rdx, regs.rcx, regs.r8, regs.r9, 0, 0],
+        args: [
+            regs.rdi, regs.rsi, regs.rdx, regs.rcx, regs.r8, regs.r9, 0, 0,
+        ],
     };
     if func::nargs(func_id) > 6 {
         // The seventh and eighth arguments sit above the return address.
@@ -239,8 +241,7 @@ pub fn tracepoint_sched_switch(ctx: TracePointContext) -> u32 {
     // The previous task is `current`, so its thread group is known without a lookup.
     if is_target(cur_tgid) {
         flags |= switch_flags::PREV_TARGET;
-        if target_of_thread(prev_tid).is_none()
-            && THREADS.insert(&prev_tid, &cur_tgid, 0).is_err()
+        if target_of_thread(prev_tid).is_none() && THREADS.insert(&prev_tid, &cur_tgid, 0).is_err()
         {
             bump(counter::THREADS_FULL);
         }
@@ -435,9 +436,15 @@ fn swap_or_stick(ctx: &TracePointContext, subkind: u32) {
     let src_tgid = read_tp::<u32>(ctx, offset!(swap_src_tgid)).unwrap_or(0);
     let dst_tgid = read_tp::<u32>(ctx, offset!(swap_dst_tgid)).unwrap_or(0);
     let (tgid, tid) = if is_target(src_tgid) {
-        (src_tgid, read_tp::<u32>(ctx, offset!(swap_src_pid)).unwrap_or(0))
+        (
+            src_tgid,
+            read_tp::<u32>(ctx, offset!(swap_src_pid)).unwrap_or(0),
+        )
     } else if is_target(dst_tgid) {
-        (dst_tgid, read_tp::<u32>(ctx, offset!(swap_dst_pid)).unwrap_or(0))
+        (
+            dst_tgid,
+            read_tp::<u32>(ctx, offset!(swap_dst_pid)).unwrap_or(0),
+        )
     } else {
         return;
     };
