@@ -172,29 +172,39 @@ fn no_programs_left() {
 
 /// Trains `steps` steps with the stand-in NCCL and CUDA, attached from the first step.
 fn traced_trainer(steps: u32, env: &[(&str, &str)]) -> (Value, Value, PathBuf, tempfile::TempDir) {
+    let (truth, summary, out, dir, _) =
+        traced_trainer_with(steps, env, &["--compute-us", "500"], &[]);
+    (truth, summary, out, dir)
+}
+
+/// As `traced_trainer`, with extra trainer and agent arguments; also returns the
+/// trainer's per-step lines.
+fn traced_trainer_with(
+    steps: u32,
+    env: &[(&str, &str)],
+    trainer_args: &[&str],
+    agent_args: &[&str],
+) -> (Value, Value, PathBuf, tempfile::TempDir, Vec<Value>) {
     let dir = tempfile::tempdir().unwrap();
     let go = dir.path().join("go");
     let steps_s = steps.to_string();
-    let trainer = Target::spawn(
-        &fixtures().join("trainer"),
-        &[
-            "--steps",
-            &steps_s,
-            "--compute-us",
-            "500",
-            "--go-file",
-            go.to_str().unwrap(),
-        ],
-        env,
-        dir.path(),
-    );
+    let mut args = vec!["--steps", &steps_s, "--go-file", go.to_str().unwrap()];
+    args.extend_from_slice(trainer_args);
+    let mut trainer = Target::spawn(&fixtures().join("trainer"), &args, env, dir.path());
     let out = dir.path().join("out");
-    let agent = Agent::attach(trainer.child.id(), &out, &[]);
+    let agent = Agent::attach(trainer.child.id(), &out, agent_args);
     trainer.release();
-    let truth = trainer.finish();
+    let mut lines: Vec<Value> = trainer
+        .stdout
+        .by_ref()
+        .map_while(Result::ok)
+        .map(|l| serde_json::from_str(&l).unwrap())
+        .collect();
+    assert!(trainer.child.wait().unwrap().success());
+    let truth = lines.pop().expect("trainer totals");
     let (code, summary, stderr) = agent.wait(Duration::from_secs(60));
     assert_eq!(code, 0, "nccltrace failed: {stderr}");
-    (truth["total"].clone(), summary, out, dir)
+    (truth["total"].clone(), summary, out, dir, lines)
 }
 
 /// Every collective counted exactly (calls and bytes per op), every sync call counted,
@@ -482,4 +492,100 @@ fn bad_input_exits_2() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--force"));
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Runs the trainer in one mode and compares the per-step breakdown with its own truth:
+/// steps found within ±1, and the medians of `nccl_wait`, `page_fault` and `compute`
+/// (with the scheduler's categories, which the trainer cannot tell apart from its
+/// compute) within 5%.
+fn breakdown_matches_truth(env: &[(&str, &str)]) {
+    let steps = 40;
+    let (_, _, out, _dir, truth) = traced_trainer_with(
+        steps,
+        env,
+        &["--compute-us", "2000", "--fault-pages", "1000"],
+        &["--sample-hz", "20000"],
+    );
+    let report: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("steps.json")).unwrap()).unwrap();
+    assert_eq!(report["method"], "auto");
+    let found = report["steps"].as_array().unwrap();
+    assert!(
+        found.len().abs_diff(steps as usize) <= 1,
+        "{} steps found for {steps}",
+        found.len()
+    );
+    let cat = |c: &Value, k: &str| c[k].as_u64().unwrap();
+    let ours = |f: &dyn Fn(&Value) -> u64| {
+        median(found.iter().map(|s| f(&s["categories"]) as f64).collect())
+    };
+    let theirs = |key: &str| median(truth.iter().map(|s| s[key].as_f64().unwrap()).collect());
+    let checks = [
+        (
+            "nccl_wait",
+            ours(&|c| cat(c, "nccl_wait")),
+            theirs("wait_ns"),
+        ),
+        (
+            "page_fault",
+            ours(&|c| cat(c, "page_fault")),
+            theirs("fault_ns"),
+        ),
+        (
+            "compute",
+            ours(&|c| {
+                cat(c, "compute")
+                    + cat(c, "runqueue")
+                    + cat(c, "cpu_migration")
+                    + cat(c, "other_offcpu")
+            }),
+            theirs("compute_ns"),
+        ),
+    ];
+    let line = format!("{env:?}: {checks:?}");
+    eprintln!("{line}");
+    for (name, ours, truth) in checks {
+        let err = (ours - truth).abs() / truth;
+        assert!(
+            err <= 0.05,
+            "{name}: ours {ours:.0} ns vs truth {truth:.0} ns ({:.1}%); {line}",
+            err * 100.0
+        );
+    }
+}
+
+/// Breakdown accuracy with host-blocking collectives (the wait is inside ncclAllReduce).
+#[test]
+fn breakdown_blocking_collectives() {
+    let _serial = SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    require_root();
+    breakdown_matches_truth(&[("FAKE_NCCL_BLOCKING", "1"), ("FAKE_NCCL_US", "300")]);
+}
+
+/// Breakdown accuracy with asynchronous collectives and a sleeping cuStreamSynchronize.
+#[test]
+fn breakdown_async_sleeping_sync() {
+    let _serial = SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    require_root();
+    breakdown_matches_truth(&[("FAKE_NCCL_US", "300")]);
+}
+
+/// Breakdown accuracy with asynchronous collectives and a sync that spins on the CPU:
+/// the spin is NCCL wait, not compute.
+#[test]
+fn breakdown_async_spinning_sync() {
+    let _serial = SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    require_root();
+    breakdown_matches_truth(&[("FAKE_NCCL_US", "300"), ("FAKE_CUDA_SPIN", "1")]);
 }

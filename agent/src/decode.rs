@@ -2,8 +2,8 @@
 //! the event model. Pure; the only place that knows the record layouts and the NCCL ABI.
 
 use nccltrace_common::{
-    CallEvent, FaultEvent, Header, MigrateEvent, NumaTaskEvent, PageMigrationEvent, SwitchEvent,
-    TaskEvent, WakeupEvent, kind, numa_task, switch_flags,
+    CallEvent, FaultEvent, Header, KSTACK_DEPTH, MigrateEvent, NumaTaskEvent, PageMigrationEvent,
+    SampleEvent, SwitchEvent, TaskEvent, USTACK_DEPTH, WakeupEvent, kind, numa_task, switch_flags,
 };
 
 use crate::event::{Call, Event, Func, NumaTaskKind, Task, datatype_size};
@@ -52,6 +52,7 @@ fn task(h: &Header) -> Task {
 }
 
 /// Decodes one raw record.
+#[allow(clippy::many_single_char_names, clippy::too_many_lines)] // one short arm per kind
 pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
     let h = read::<Header>(bytes, "header")?;
     let t = task(&h);
@@ -141,6 +142,17 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
                 src_nid: e.src_nid,
                 dst_cpu: e.dst_cpu,
                 dst_nid: e.dst_nid,
+            }
+        }
+        kind::SAMPLE => {
+            let e = read::<SampleEvent>(bytes, "sample record")?;
+            let k = (e.kstack_len as usize).min(KSTACK_DEPTH);
+            let u = (e.ustack_len as usize).min(USTACK_DEPTH);
+            Event::Sample {
+                ts_ns: h.ts_ns,
+                task: t,
+                kstack: e.kstack[..k].to_vec(),
+                ustack: e.ustack[..u].to_vec(),
             }
         }
         other => return Err(DecodeError::UnknownKind { kind: other }),

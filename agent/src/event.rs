@@ -357,6 +357,14 @@ pub enum Event {
         dst_cpu: i32,
         dst_nid: i32,
     },
+    /// An on-CPU sample; stacks innermost frame first (kernel empty when the thread was in
+    /// user mode).
+    Sample {
+        ts_ns: u64,
+        task: Task,
+        kstack: Vec<u64>,
+        ustack: Vec<u64>,
+    },
 }
 
 /// What a NUMA-balancing tracepoint said.
@@ -368,6 +376,23 @@ pub enum NumaTaskKind {
 }
 
 impl Event {
+    /// The task it is about.
+    #[must_use]
+    pub fn task(&self) -> Task {
+        match self {
+            Event::Call(c) => c.task,
+            Event::Switch { task, .. }
+            | Event::Wakeup { task, .. }
+            | Event::Migrate { task, .. }
+            | Event::Fork { task, .. }
+            | Event::Exit { task, .. }
+            | Event::Fault { task, .. }
+            | Event::PageMigration { task, .. }
+            | Event::NumaTask { task, .. }
+            | Event::Sample { task, .. } => *task,
+        }
+    }
+
     /// When it happened (a call: when it returned), CLOCK_MONOTONIC ns.
     #[must_use]
     pub fn ts_ns(&self) -> u64 {
@@ -380,7 +405,8 @@ impl Event {
             | Event::Exit { ts_ns, .. }
             | Event::Fault { ts_ns, .. }
             | Event::PageMigration { ts_ns, .. }
-            | Event::NumaTask { ts_ns, .. } => *ts_ns,
+            | Event::NumaTask { ts_ns, .. }
+            | Event::Sample { ts_ns, .. } => *ts_ns,
         }
     }
 
@@ -398,6 +424,7 @@ impl Event {
             k::FAULT => "page_fault_user",
             k::PAGE_MIGRATION => "mm_migrate_pages",
             k::NUMA_TASK => "numa_task",
+            k::SAMPLE => "cpu_sample",
             _ => "unknown",
         }
     }

@@ -106,6 +106,21 @@ impl Host {
         tids
     }
 
+    /// Thread ids with their names.
+    #[must_use]
+    pub fn thread_names(&self, pid: u32) -> Vec<(u32, String)> {
+        self.threads(pid)
+            .into_iter()
+            .map(|tid| {
+                let name = self
+                    .read(&format!("proc/{pid}/task/{tid}/comm"))
+                    .map(|s| s.trim().to_owned())
+                    .unwrap_or_default();
+                (tid, name)
+            })
+            .collect()
+    }
+
     /// NUMA node of each CPU, indexed by CPU number; -1 where unknown. One node with every
     /// online CPU when the kernel has no NUMA nodes.
     #[must_use]
@@ -144,6 +159,27 @@ impl Host {
     }
 }
 
+/// Address ranges `[start, end)` of the named kernel functions, from a kallsyms text (the
+/// end is the next symbol's address).
+#[must_use]
+pub fn kallsyms_ranges(text: &str, names: &[&str]) -> Vec<(u64, u64)> {
+    let mut syms: Vec<(u64, &str)> = text
+        .lines()
+        .filter_map(|line| {
+            let mut f = line.split_whitespace();
+            let addr = u64::from_str_radix(f.next()?, 16).ok()?;
+            let kind = f.next()?;
+            let name = f.next()?;
+            (addr != 0 && matches!(kind, "t" | "T")).then_some((addr, name))
+        })
+        .collect();
+    syms.sort_unstable();
+    syms.windows(2)
+        .filter(|w| names.contains(&w[0].1))
+        .map(|w| (w[0].0, w[1].0))
+        .collect()
+}
+
 /// The running kernel's release and the host name.
 #[must_use]
 pub fn uname() -> (String, String) {
@@ -179,6 +215,19 @@ pub fn clock_ns(clock: libc::clockid_t) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Function ranges end at the next symbol; data symbols and zeroed (hidden) addresses
+    /// are ignored.
+    #[test]
+    fn kallsyms() {
+        let text = "ffffffff81000100 T exc_page_fault\nffffffff81000000 T other\n\
+                    ffffffff81000180 t next_fn\n0000000000000000 T hidden\n\
+                    ffffffff82000000 D some_data\n";
+        assert_eq!(
+            kallsyms_ranges(text, &["exc_page_fault", "hidden"]),
+            vec![(0xffff_ffff_8100_0100, 0xffff_ffff_8100_0180)]
+        );
+    }
 
     /// CPU lists as the kernel writes them.
     #[test]

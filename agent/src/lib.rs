@@ -4,6 +4,7 @@
 //! `render`. Everything after `source` is pure and runs the same on a live run and on
 //! `nccltrace report`.
 
+pub mod attribute;
 pub mod cli;
 pub mod decode;
 pub mod event;

@@ -7,6 +7,7 @@ use std::path::Path;
 
 use serde::Serialize;
 
+use crate::attribute::{StepRule, StepsReport, Timeline};
 use crate::decode::{self, DecodeError};
 use crate::event::{Event, Func, Library};
 use crate::record::{self, Header, Meta, Reader, Record};
@@ -89,6 +90,8 @@ pub struct Summary {
     pub sched: SchedStats,
     pub memory: MemoryStats,
     pub events: u64,
+    /// On-CPU samples of target threads.
+    pub cpu_samples: u64,
     pub undecodable_records: u64,
     pub lost_events: u64,
     pub lost_by_kind: BTreeMap<String, u64>,
@@ -109,6 +112,8 @@ pub struct Aggregator {
     sched: SchedStats,
     memory: MemoryStats,
     threads: BTreeSet<u32>,
+    samples: u64,
+    timeline: Timeline,
     end: Option<Meta>,
     incomplete: Option<String>,
 }
@@ -117,6 +122,7 @@ impl Aggregator {
     #[must_use]
     pub fn new(header: Header) -> Aggregator {
         Aggregator {
+            timeline: Timeline::new(&header),
             header,
             events: 0,
             undecodable: 0,
@@ -126,6 +132,7 @@ impl Aggregator {
             sched: SchedStats::default(),
             memory: MemoryStats::default(),
             threads: BTreeSet::new(),
+            samples: 0,
             end: None,
             incomplete: None,
         }
@@ -148,6 +155,7 @@ impl Aggregator {
     /// Adds one event.
     pub fn push(&mut self, event: &Event) {
         self.events += 1;
+        self.timeline.push(event);
         self.last_ts = self.last_ts.max(event.ts_ns());
         match event {
             Event::Call(call) => match call.func.library() {
@@ -189,6 +197,7 @@ impl Aggregator {
                 self.memory.page_migrations_failed += failed;
             }
             Event::NumaTask { .. } => self.memory.numa_task_events += 1,
+            Event::Sample { .. } => self.samples += 1,
         }
     }
 
@@ -202,9 +211,9 @@ impl Aggregator {
         self.incomplete = Some(why);
     }
 
-    /// The summary of everything pushed.
+    /// The summary and the per-step report of everything pushed.
     #[must_use]
-    pub fn finish(self) -> Summary {
+    pub fn finish(self, rule: StepRule) -> Outputs {
         let start = self.header.clock.monotonic_ns;
         let (end_ns, stop_reason, lost_by_kind, counters) = match self.end {
             Some(Meta::End {
@@ -222,6 +231,7 @@ impl Aggregator {
                     .to_owned()
             })
         });
+        let steps = self.timeline.finish(end_ns, rule);
         let mut nccl = NcclStats::default();
         for (func, s) in self.nccl {
             nccl.calls += s.calls;
@@ -249,7 +259,7 @@ impl Aggregator {
                 probes: t.probes.len(),
             })
             .collect();
-        Summary {
+        let summary = Summary {
             duration_ns: end_ns.saturating_sub(start),
             start_unix_ns: self.header.clock.realtime_ns,
             stop_reason,
@@ -259,18 +269,27 @@ impl Aggregator {
             sched,
             memory: self.memory,
             events: self.events,
+            cpu_samples: self.samples,
             undecodable_records: self.undecodable,
             lost_events: lost_by_kind.values().sum(),
             lost_by_kind,
             counters,
             incomplete,
-        }
+        };
+        Outputs { summary, steps }
     }
+}
+
+/// Everything the pipeline produces.
+#[derive(Clone, Debug)]
+pub struct Outputs {
+    pub summary: Summary,
+    pub steps: StepsReport,
 }
 
 /// Replays a recording through the pipeline. A damaged tail is reported on stderr and
 /// the complete records before it are kept.
-pub fn replay(path: &Path) -> Result<Summary, record::RecordError> {
+pub fn replay(path: &Path, rule: StepRule) -> Result<Outputs, record::RecordError> {
     let mut reader = Reader::open(path)?;
     let mut agg = Aggregator::new(reader.header.clone());
     loop {
@@ -287,12 +306,16 @@ pub fn replay(path: &Path) -> Result<Summary, record::RecordError> {
             }
         }
     }
-    Ok(agg.finish())
+    Ok(agg.finish(rule))
 }
 
 /// Writes every output of this stage into `dir` and the summary in words to `text`.
-pub fn write_outputs(dir: &Path, summary: &Summary, text: &mut impl io::Write) -> io::Result<()> {
-    let mut json = std::fs::File::create(dir.join("summary.json"))?;
-    crate::render::summary::write_json(summary, &mut json)?;
-    crate::render::summary::write_text(summary, text)
+pub fn write_outputs(dir: &Path, outputs: &Outputs, text: &mut impl io::Write) -> io::Result<()> {
+    use crate::render;
+    let create = |name: &str| std::fs::File::create(dir.join(name)).map(io::BufWriter::new);
+    render::summary::write_json(&outputs.summary, &mut create("summary.json")?)?;
+    render::steps::write_json(&outputs.steps, &mut create("steps.json")?)?;
+    render::steps::write_csv(&outputs.steps, &mut create("steps.csv")?)?;
+    render::summary::write_text(&outputs.summary, text)?;
+    render::steps::write_table(&outputs.steps, text)
 }

@@ -37,6 +37,14 @@ pub struct Buffers {
     pub ring_buffer_mib: u32,
 }
 
+/// On-CPU sampling.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct Sampling {
+    /// Samples per second per thread (0: off). Page-fault time is measured from these.
+    pub hz: u32,
+}
+
 /// A parsed profile.
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
@@ -45,6 +53,7 @@ pub struct Profile {
     pub name: String,
     pub description: String,
     pub probes: Probes,
+    pub sampling: Sampling,
     pub buffers: Buffers,
 }
 
@@ -68,6 +77,8 @@ pub enum ProfileError {
         #[source]
         source: Box<toml::de::Error>,
     },
+    #[error("profile {name}: sampling hz must be at most 100000, found {value}")]
+    SampleRate { name: String, value: u32 },
     #[error("profile {name}: ring_buffer_mib must be between 1 and 1024, found {value}")]
     RingBufferSize { name: String, value: u32 },
 }
@@ -85,6 +96,12 @@ impl Profile {
             return Err(ProfileError::RingBufferSize {
                 name: name.to_owned(),
                 value: mib,
+            });
+        }
+        if profile.sampling.hz > 100_000 {
+            return Err(ProfileError::SampleRate {
+                name: name.to_owned(),
+                value: profile.sampling.hz,
             });
         }
         Ok(profile)
@@ -106,6 +123,18 @@ impl Profile {
             source,
         })?;
         Profile::parse(&path.display().to_string(), &text)
+    }
+
+    /// Overrides the sampling rate (`--sample-hz`).
+    pub fn set_sample_hz(&mut self, hz: u32) -> Result<(), ProfileError> {
+        if hz > 100_000 {
+            return Err(ProfileError::SampleRate {
+                name: self.name.clone(),
+                value: hz,
+            });
+        }
+        self.sampling.hz = hz;
+        Ok(())
     }
 
     /// Ring buffer size in bytes: a power of two, as the kernel requires.

@@ -90,6 +90,9 @@ pub struct TargetInfo {
     /// after the target has exited.
     #[serde(default)]
     pub maps: Vec<String>,
+    /// Thread ids and names at attach.
+    #[serde(default)]
+    pub threads: Vec<(u32, String)>,
 }
 
 /// What a recording starts with.
@@ -104,6 +107,13 @@ pub struct Header {
     pub cpu_nodes: Vec<i32>,
     pub profile: String,
     pub targets: Vec<TargetInfo>,
+    /// On-CPU sampling period (0: no sampling).
+    #[serde(default)]
+    pub sample_period_ns: u64,
+    /// Kernel address ranges of the page-fault handler (from /proc/kallsyms), to tell
+    /// samples taken while handling a fault.
+    #[serde(default)]
+    pub fault_handler_ranges: Vec<(u64, u64)>,
 }
 
 /// Agent metadata records.

@@ -27,6 +27,12 @@ pub struct AttachArgs {
     /// Write into --out even if it exists.
     #[arg(long)]
     force: bool,
+    /// Cut steps into fixed windows (100ms, 1s) instead of finding them.
+    #[arg(long)]
+    step_window: Option<String>,
+    /// On-CPU samples per second per thread (overrides the profile; 0: off).
+    #[arg(long)]
+    sample_hz: Option<u32>,
 }
 
 /// Validated attach settings.
@@ -35,6 +41,7 @@ struct Settings {
     out: PathBuf,
     duration: Option<Duration>,
     profile: Profile,
+    step_rule: crate::attribute::StepRule,
 }
 
 impl AttachArgs {
@@ -44,7 +51,11 @@ impl AttachArgs {
             .as_deref()
             .map(super::parse_duration)
             .transpose()?;
-        let profile = Profile::load(&self.profile)?;
+        let mut profile = Profile::load(&self.profile)?;
+        if let Some(hz) = self.sample_hz {
+            profile.set_sample_hz(hz)?;
+        }
+        let step_rule = super::step_rule(self.step_window.as_deref())?;
         let mut pids = self.pid;
         pids.sort_unstable();
         pids.dedup();
@@ -61,6 +72,7 @@ impl AttachArgs {
             out,
             duration,
             profile,
+            step_rule,
         })
     }
 }
@@ -169,8 +181,8 @@ async fn trace(settings: Settings, targets: &[source::Target]) -> Result<(), Err
     // summary before reporting the error.
     let write_end = sink.writer.meta(&end).and_then(|()| sink.writer.finish());
     sink.agg.meta(end);
-    let summary = sink.agg.finish();
-    crate::pipeline::write_outputs(&settings.out, &summary, &mut std::io::stdout().lock())
+    let outputs = sink.agg.finish(settings.step_rule);
+    crate::pipeline::write_outputs(&settings.out, &outputs, &mut std::io::stdout().lock())
         .map_err(|source| Error::Output {
             path: settings.out.clone(),
             source,

@@ -63,6 +63,17 @@ pub fn parse_duration(text: &str) -> Result<Duration, Error> {
     Ok(Duration::from_secs_f64(secs))
 }
 
+/// The step rule from `--step-window`.
+pub fn step_rule(window: Option<&str>) -> Result<crate::attribute::StepRule, Error> {
+    Ok(match window {
+        Some(w) => {
+            let d = parse_duration(w)?;
+            crate::attribute::StepRule::Window(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+        }
+        None => crate::attribute::StepRule::Auto,
+    })
+}
+
 /// Creates the output folder: refused when it exists unless `force`.
 pub fn prepare_output(dir: &Path, force: bool) -> Result<PathBuf, Error> {
     if dir.exists() && !force {

@@ -14,13 +14,17 @@ pub struct ReportArgs {
     /// Write into --out even if it exists.
     #[arg(long)]
     force: bool,
+    /// Cut steps into fixed windows (100ms, 1s) instead of finding them.
+    #[arg(long)]
+    step_window: Option<String>,
 }
 
 #[allow(clippy::needless_pass_by_value)] // the parsed arguments end here
 pub fn run(args: ReportArgs) -> Result<(), Error> {
-    let summary = crate::pipeline::replay(&args.recording)?;
+    let rule = super::step_rule(args.step_window.as_deref())?;
+    let outputs = crate::pipeline::replay(&args.recording, rule)?;
     let out = super::prepare_output(&args.out, args.force)?;
-    crate::pipeline::write_outputs(&out, &summary, &mut std::io::stdout().lock()).map_err(
+    crate::pipeline::write_outputs(&out, &outputs, &mut std::io::stdout().lock()).map_err(
         |source| Error::Output {
             path: out.clone(),
             source,

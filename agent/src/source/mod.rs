@@ -9,10 +9,13 @@ use std::os::unix::fs::MetadataExt as _;
 use std::time::{Duration, Instant};
 
 use aya::maps::{HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf};
+use aya::programs::perf_event::{
+    PerfEventConfig, PerfEventLink, PerfEventScope, SamplePolicy, SoftwareEvent,
+};
 use aya::programs::trace_point::TracePointLink;
 use aya::programs::uprobe::UProbeLink;
 use aya::programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope};
-use aya::programs::{ProgramError, TracePoint, UProbe};
+use aya::programs::{PerfEvent, ProgramError, TracePoint, UProbe};
 use aya::{Ebpf, EbpfLoader};
 use nccltrace_common::{counter, kind};
 use tokio::io::unix::AsyncFd;
@@ -169,7 +172,19 @@ enum Link {
     Uprobe(UProbeLink),
     #[allow(dead_code)]
     Tracepoint(TracePointLink),
+    #[allow(dead_code)]
+    Perf(PerfEventLink),
 }
+
+/// Kernel functions on the user page-fault path: a sample whose kernel stack passes
+/// through one of them was taken while handling a fault.
+pub const FAULT_HANDLERS: [&str; 5] = [
+    "asm_exc_page_fault",
+    "exc_page_fault",
+    "do_user_addr_fault",
+    "handle_mm_fault",
+    "__handle_mm_fault",
+];
 
 /// Loaded and attached programs, with the maps user space reads.
 pub struct Attached {
@@ -333,6 +348,49 @@ pub fn attach(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
         links.push(Link::Tracepoint(link));
     }
 
+    let mut sample_period_ns = 0;
+    if profile.sampling.hz > 0 {
+        sample_period_ns = 1_000_000_000 / u64::from(profile.sampling.hz);
+        let name = "perf_event_cpu_clock";
+        let prog: &mut PerfEvent = ebpf
+            .program_mut(name)
+            .ok_or_else(|| missing_program(name))?
+            .try_into()
+            .map_err(|e| program_error(name, "-", e))?;
+        prog.load().map_err(|e| program_error(name, "-", e))?;
+        for t in targets {
+            // One software cpu-clock event per thread, inherited by threads it creates:
+            // costs nothing while the thread is off-CPU, unlike per-CPU events.
+            for tid in host.threads(t.pid) {
+                let place = format!("thread {tid} of pid {}", t.pid);
+                let attached = prog.attach(
+                    PerfEventConfig::Software(SoftwareEvent::CpuClock),
+                    PerfEventScope::OneProcess {
+                        pid: tid,
+                        cpu: None,
+                    },
+                    SamplePolicy::Period(sample_period_ns),
+                    true,
+                );
+                let id = match attached {
+                    Ok(id) => id,
+                    // The thread exited between listing and attaching.
+                    Err(_) if !host.path(&format!("proc/{}/task/{tid}", t.pid)).exists() => {
+                        continue;
+                    }
+                    Err(e) => return Err(program_error(name, &place, e)),
+                };
+                let link = prog
+                    .take_link(id)
+                    .map_err(|e| program_error(name, &place, e))?;
+                links.push(Link::Perf(link));
+            }
+        }
+    }
+    let fault_handler_ranges = std::fs::read_to_string("/proc/kallsyms")
+        .map(|text| host::kallsyms_ranges(&text, &FAULT_HANDLERS))
+        .unwrap_or_default();
+
     let ring = RingBuf::try_from(
         ebpf.take_map("EVENTS")
             .ok_or_else(|| missing_map("EVENTS"))?,
@@ -370,8 +428,11 @@ pub fn attach(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
                 cuda_library: t.cuda.as_ref().map(|c| c.path.clone()),
                 probes,
                 maps: t.maps.clone(),
+                threads: host.thread_names(t.pid),
             })
             .collect(),
+        sample_period_ns,
+        fault_handler_ranges,
     };
     Ok(Attached {
         ebpf: Some(ebpf),

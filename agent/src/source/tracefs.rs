@@ -142,7 +142,7 @@ pub fn offsets(root: &Path) -> Result<(TpOffsets, Vec<&'static str>), TracefsErr
             }
             "sched_process_fork" => o.fork_child_pid = get("child_pid")?,
             "sched_process_exit" => {
-                o.exit_group_dead = field_offset(&format, "group_dead").unwrap_or(0)
+                o.exit_group_dead = field_offset(&format, "group_dead").unwrap_or(0);
             }
             "page_fault_user" => {
                 o.fault_address = get("address")?;

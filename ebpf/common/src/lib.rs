@@ -26,8 +26,10 @@ pub mod kind {
     pub const PAGE_MIGRATION: u16 = 8;
     /// `sched:sched_{move,swap,stick}_numa` involving a target.
     pub const NUMA_TASK: u16 = 9;
+    /// An on-CPU sample (software cpu-clock perf event) of a target thread, with stacks.
+    pub const SAMPLE: u16 = 10;
     /// One past the largest kind: the size of per-kind tables.
-    pub const COUNT: usize = 10;
+    pub const COUNT: usize = 11;
 }
 
 /// Indices into the per-CPU `COUNTERS` array. Ids below `kind::COUNT` count events of that
@@ -266,6 +268,24 @@ pub struct NumaTaskEvent {
     pub _pad: u32,
 }
 const _: () = assert!(core::mem::size_of::<NumaTaskEvent>() == 64);
+
+/// Kernel frames kept per sample.
+pub const KSTACK_DEPTH: usize = 32;
+/// User frames kept per sample.
+pub const USTACK_DEPTH: usize = 64;
+
+/// An on-CPU sample of a target thread. Only the first `kstack_len` / `ustack_len`
+/// entries of the stacks are meaningful.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SampleEvent {
+    pub hdr: Header,
+    pub kstack_len: u32,
+    pub ustack_len: u32,
+    pub kstack: [u64; KSTACK_DEPTH],
+    pub ustack: [u64; USTACK_DEPTH],
+}
+const _: () = assert!(core::mem::size_of::<SampleEvent>() == 800);
 
 /// Field offsets of the tracepoints, read from tracefs `format` files by user space and
 /// set as a read-only global before load: they differ between kernels (for example

@@ -8,19 +8,20 @@
 
 use aya_ebpf::{
     EbpfContext,
+    bindings::BPF_F_USER_STACK,
     helpers::{
-        bpf_get_attach_cookie, bpf_get_current_pid_tgid, bpf_get_smp_processor_id,
+        bpf_get_attach_cookie, bpf_get_current_pid_tgid, bpf_get_smp_processor_id, bpf_get_stack,
         bpf_ktime_get_ns, bpf_probe_read_user,
     },
-    macros::{map, tracepoint, uprobe, uretprobe},
+    macros::{map, perf_event, tracepoint, uprobe, uretprobe},
     maps::{HashMap, PerCpuArray, RingBuf},
-    programs::{ProbeContext, RetProbeContext, TracePointContext},
+    programs::{PerfEventContext, ProbeContext, RetProbeContext, TracePointContext},
 };
 use aya_log_ebpf::warn;
 use nccltrace_common::{
-    CallEvent, FaultEvent, Header, MAX_ARGS, MigrateEvent, NumaTaskEvent, PageMigrationEvent,
-    PendingCall, SwitchEvent, TaskEvent, TpOffsets, WakeupEvent, counter, func, kind, numa_task,
-    switch_flags,
+    CallEvent, FaultEvent, Header, KSTACK_DEPTH, MAX_ARGS, MigrateEvent, NumaTaskEvent,
+    PageMigrationEvent, PendingCall, SampleEvent, SwitchEvent, TaskEvent, TpOffsets, USTACK_DEPTH,
+    WakeupEvent, counter, func, kind, numa_task, switch_flags,
 };
 
 /// Every record, in one ring buffer (sized by user space at load).
@@ -475,6 +476,42 @@ pub fn tracepoint_sched_swap_numa(ctx: TracePointContext) -> u32 {
 #[tracepoint]
 pub fn tracepoint_sched_stick_numa(ctx: TracePointContext) -> u32 {
     swap_or_stick(&ctx, numa_task::STICK);
+    0
+}
+
+/// On-CPU sample of a target thread: kernel and user stacks, straight into the ring
+/// buffer (bpf_get_stack, so no stack-map collisions).
+#[perf_event]
+pub fn perf_event_cpu_clock(ctx: PerfEventContext) -> u32 {
+    let (tgid, tid) = current();
+    if !is_target(tgid) {
+        return 0;
+    }
+    let Some(mut entry) = EVENTS.reserve::<SampleEvent>(0) else {
+        bump(u32::from(kind::SAMPLE));
+        return 0;
+    };
+    let event = entry.as_mut_ptr();
+    // SAFETY: `event` points at reserved ring-buffer memory of the right size; every field
+    // read by user space is written here (stack slots past the lengths are not read).
+    unsafe {
+        (*event).hdr = header(kind::SAMPLE, tgid, tid);
+        let k = bpf_get_stack(
+            ctx.as_ptr(),
+            (&raw mut (*event).kstack).cast(),
+            (KSTACK_DEPTH * 8) as u32,
+            0,
+        );
+        (*event).kstack_len = if k > 0 { (k / 8) as u32 } else { 0 };
+        let u = bpf_get_stack(
+            ctx.as_ptr(),
+            (&raw mut (*event).ustack).cast(),
+            (USTACK_DEPTH * 8) as u32,
+            u64::from(BPF_F_USER_STACK),
+        );
+        (*event).ustack_len = if u > 0 { (u / 8) as u32 } else { 0 };
+    }
+    entry.submit(0);
     0
 }
 

@@ -1,0 +1,828 @@
+//! Attribute stage: per step and per thread, where the wall time went. Pure: works the
+//! same on live events and on a replayed recording.
+//!
+//! A thread's time is cut at every event that changes its state (switch out/in, wakeup,
+//! migration, entry/return of CUDA sync and NCCL calls); each piece gets one category, so
+//! the categories of a step sum to its wall time. Rules (docs/attribution.md):
+//! - inside a CUDA sync call while NCCL work issued since the previous sync is outstanding:
+//!   `nccl_wait`, spinning on the CPU or sleeping;
+//! - inside an NCCL call that goes off-CPU before returning (a call that blocks the host):
+//!   `nccl_wait` for the whole call; other NCCL calls are enqueue work, `compute`;
+//! - off-CPU and runnable (preempted, or woken and waiting for a CPU): `cpu_migration` when
+//!   the thread was migrated since it left the CPU, else `runqueue`;
+//! - off-CPU and blocked: `other_offcpu`, except inside a CUDA sync with no NCCL work
+//!   outstanding, which waits for the GPU's own compute: `compute`;
+//! - on-CPU: `compute`, of which on-CPU samples whose kernel stack is in the page-fault
+//!   handler (or that sit on the instruction that just faulted, being retried), times
+//!   the observed interval between samples, are `page_fault`.
+
+pub mod steps;
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::Serialize;
+
+use crate::event::{Call, Event, Library};
+use crate::record::Header;
+use steps::{Collective, Method};
+
+/// Time per category, in ns.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Categories {
+    pub compute: u64,
+    pub nccl_wait: u64,
+    pub page_fault: u64,
+    /// Always `None` here: no PMU on these machines, see `remote_memory` in the report.
+    pub remote_memory: Option<u64>,
+    pub cpu_migration: u64,
+    pub runqueue: u64,
+    pub other_offcpu: u64,
+}
+
+impl Categories {
+    /// Category names and values, in output order.
+    #[must_use]
+    pub fn named(&self) -> [(&'static str, Option<u64>); 7] {
+        [
+            ("compute", Some(self.compute)),
+            ("nccl_wait", Some(self.nccl_wait)),
+            ("page_fault", Some(self.page_fault)),
+            ("remote_memory", self.remote_memory),
+            ("cpu_migration", Some(self.cpu_migration)),
+            ("runqueue", Some(self.runqueue)),
+            ("other_offcpu", Some(self.other_offcpu)),
+        ]
+    }
+
+    #[must_use]
+    pub fn total(&self) -> u64 {
+        self.named().iter().filter_map(|(_, v)| *v).sum()
+    }
+
+    fn add(&mut self, other: &Categories) {
+        self.compute += other.compute;
+        self.nccl_wait += other.nccl_wait;
+        self.page_fault += other.page_fault;
+        self.cpu_migration += other.cpu_migration;
+        self.runqueue += other.runqueue;
+        self.other_offcpu += other.other_offcpu;
+    }
+}
+
+/// NCCL traffic in a step.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct NcclCount {
+    pub calls: u64,
+    pub bytes: u64,
+}
+
+/// One step of the rank thread.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Step {
+    pub index: usize,
+    pub start_ns: u64,
+    pub end_ns: u64,
+    pub wall_ns: u64,
+    pub categories: Categories,
+    pub nccl: NcclCount,
+    pub faults: u64,
+    pub migrations: u64,
+    pub cross_node_migrations: u64,
+    pub numa_page_migrations: u64,
+    pub numa_task_moves: u64,
+}
+
+/// A thread's totals over the traced interval.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ThreadReport {
+    pub tid: u32,
+    pub pid: u32,
+    pub name: String,
+    pub role: &'static str,
+    pub categories: Categories,
+    pub nccl_calls: u64,
+    pub faults: u64,
+    pub migrations: u64,
+    pub cross_node_migrations: u64,
+}
+
+/// How `remote_memory` and `page_fault` were obtained.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Methods {
+    pub page_fault: String,
+    pub remote_memory: String,
+    pub remote_memory_estimated: bool,
+}
+
+/// `steps.json`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct StepsReport {
+    pub method: Method,
+    pub reason: String,
+    /// Collectives per step, when found automatically.
+    pub period: Option<usize>,
+    pub rank_pid: Option<u32>,
+    pub rank_tid: Option<u32>,
+    pub methods: Methods,
+    pub steps: Vec<Step>,
+    pub threads: Vec<ThreadReport>,
+}
+
+/// How steps are to be found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum StepRule {
+    #[default]
+    Auto,
+    Window(u64),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Change {
+    // At equal times, leave states before entering new ones.
+    SyncEnd,
+    NcclEnd,
+    SwitchIn,
+    Wakeup,
+    Migrate,
+    SwitchOut { runnable: bool },
+    NcclStart,
+    SyncStart,
+}
+
+#[derive(Default)]
+struct ThreadLog {
+    pid: u32,
+    changes: Vec<(u64, Change)>,
+    /// Sync calls (start, end), for the NCCL-outstanding test.
+    syncs: Vec<(u64, u64)>,
+    collectives: Vec<Collective>,
+    fault_samples: Vec<u64>,
+    /// Every sample's time: the observed sampling interval comes from these.
+    samples: Vec<u64>,
+    faults: Vec<u64>,
+    migrations: Vec<(u64, bool)>,
+    first_switch_is_in: Option<bool>,
+    /// The thread's latest page fault: (time, faulting user instruction).
+    last_fault: Option<(u64, u64)>,
+}
+
+/// Collects what attribution needs, event by event.
+pub struct Timeline {
+    threads: BTreeMap<u32, ThreadLog>,
+    page_migrations: Vec<(u32, u64, u64)>,
+    numa_moves: Vec<(u32, u64)>,
+    cpu_nodes: Vec<i32>,
+    fault_ranges: Vec<(u64, u64)>,
+    sample_period_ns: u64,
+    thread_names: BTreeMap<u32, String>,
+    first_ns: u64,
+    last_ns: u64,
+}
+
+impl Timeline {
+    #[must_use]
+    pub fn new(header: &Header) -> Timeline {
+        Timeline {
+            threads: BTreeMap::new(),
+            page_migrations: Vec::new(),
+            numa_moves: Vec::new(),
+            cpu_nodes: header.cpu_nodes.clone(),
+            fault_ranges: header.fault_handler_ranges.clone(),
+            sample_period_ns: header.sample_period_ns,
+            thread_names: header
+                .targets
+                .iter()
+                .flat_map(|t| t.threads.iter().cloned())
+                .collect(),
+            first_ns: header.clock.monotonic_ns,
+            last_ns: header.clock.monotonic_ns,
+        }
+    }
+
+    fn log(&mut self, tid: u32, pid: u32) -> &mut ThreadLog {
+        let log = self.threads.entry(tid).or_default();
+        if pid != 0 {
+            log.pid = pid;
+        }
+        log
+    }
+
+    fn node(&self, cpu: i32) -> i32 {
+        usize::try_from(cpu)
+            .ok()
+            .and_then(|c| self.cpu_nodes.get(c))
+            .copied()
+            .unwrap_or(-1)
+    }
+
+    fn call(&mut self, c: &Call) {
+        let log = self.log(c.task.tid, c.task.tgid);
+        match c.func.library() {
+            Library::Cuda => {
+                log.changes.push((c.start_ns, Change::SyncStart));
+                log.changes.push((c.end_ns, Change::SyncEnd));
+                log.syncs.push((c.start_ns, c.end_ns));
+            }
+            Library::Nccl => {
+                log.changes.push((c.start_ns, Change::NcclStart));
+                log.changes.push((c.end_ns, Change::NcclEnd));
+                if c.func.is_collective() {
+                    log.collectives.push(Collective {
+                        func: c.func,
+                        bytes: c.bytes.unwrap_or(0),
+                        start_ns: c.start_ns,
+                        end_ns: c.end_ns,
+                    });
+                }
+            }
+        }
+    }
+
+    /// Adds one event.
+    pub fn push(&mut self, event: &Event) {
+        let ts = event.ts_ns();
+        self.last_ns = self.last_ns.max(ts);
+        match event {
+            Event::Call(c) => self.call(c),
+            Event::Switch {
+                ts_ns,
+                prev_tid,
+                next_tid,
+                next_tgid,
+                prev_state,
+                prev_is_target,
+                next_is_target,
+                task,
+            } => {
+                if *prev_is_target {
+                    let log = self.log(*prev_tid, task.tgid);
+                    log.first_switch_is_in.get_or_insert(false);
+                    log.changes.push((
+                        *ts_ns,
+                        Change::SwitchOut {
+                            runnable: *prev_state == 0,
+                        },
+                    ));
+                }
+                if *next_is_target {
+                    let log = self.log(*next_tid, *next_tgid);
+                    log.first_switch_is_in.get_or_insert(true);
+                    log.changes.push((*ts_ns, Change::SwitchIn));
+                }
+            }
+            Event::Wakeup { ts_ns, task, .. } => {
+                self.log(task.tid, task.tgid)
+                    .changes
+                    .push((*ts_ns, Change::Wakeup));
+            }
+            Event::Migrate {
+                ts_ns,
+                task,
+                orig_cpu,
+                dest_cpu,
+            } => {
+                let cross = self.node(*orig_cpu) != self.node(*dest_cpu);
+                let log = self.log(task.tid, task.tgid);
+                log.changes.push((*ts_ns, Change::Migrate));
+                log.migrations.push((*ts_ns, cross));
+            }
+            Event::Fault {
+                ts_ns, task, ip, ..
+            } => {
+                let log = self.log(task.tid, task.tgid);
+                log.faults.push(*ts_ns);
+                log.last_fault = Some((*ts_ns, *ip));
+            }
+            Event::Sample {
+                ts_ns,
+                task,
+                kstack,
+                ustack,
+            } => {
+                let in_handler = kstack
+                    .iter()
+                    .any(|ip| self.fault_ranges.iter().any(|(a, b)| (*a..*b).contains(ip)));
+                let window = 2 * self.sample_period_ns.max(1);
+                let log = self.log(task.tid, task.tgid);
+                // In user mode on the instruction that just faulted, or right after it:
+                // the return from the fault (a pending timer interrupt is delivered
+                // there) and the retried access with its TLB refill are the fault's cost.
+                let retrying = kstack.is_empty()
+                    && log.last_fault.is_some_and(|(at, ip)| {
+                        ustack
+                            .first()
+                            .is_some_and(|u| (ip..ip + RETRY_BYTES).contains(u))
+                            && ts_ns.saturating_sub(at) < window
+                    });
+                let in_fault = in_handler || retrying;
+                log.samples.push(*ts_ns);
+                if in_fault {
+                    log.fault_samples.push(*ts_ns);
+                }
+            }
+            Event::PageMigration {
+                ts_ns,
+                task,
+                succeeded,
+                ..
+            } => {
+                self.page_migrations.push((task.tid, *ts_ns, *succeeded));
+            }
+            Event::NumaTask { ts_ns, task, .. } => self.numa_moves.push((task.tid, *ts_ns)),
+            Event::Fork { .. } | Event::Exit { .. } => {}
+        }
+    }
+
+    /// Attributes the rank thread's steps and every thread's totals up to `end_ns`.
+    #[allow(clippy::too_many_lines)] // detection, steps and threads in one pass over the logs
+    #[must_use]
+    pub fn finish(mut self, end_ns: u64, rule: StepRule) -> StepsReport {
+        let end_ns = end_ns.max(self.last_ns);
+        for log in self.threads.values_mut() {
+            log.changes.sort_unstable();
+            log.syncs.sort_unstable();
+            log.collectives.sort_by_key(|c| c.start_ns);
+        }
+        // NCCL outstanding is a property of the process: collectives from any thread.
+        let mut collective_ends: BTreeMap<u32, Vec<u64>> = BTreeMap::new();
+        for log in self.threads.values() {
+            collective_ends
+                .entry(log.pid)
+                .or_default()
+                .extend(log.collectives.iter().map(|c| c.end_ns));
+        }
+        for ends in collective_ends.values_mut() {
+            ends.sort_unstable();
+        }
+        let rank = self
+            .threads
+            .iter()
+            .filter(|(_, l)| !l.collectives.is_empty())
+            .max_by_key(|(tid, l)| (l.collectives.len(), std::cmp::Reverse(**tid)))
+            .map(|(tid, l)| (*tid, l.pid));
+
+        let detected = match (rule, rank) {
+            (StepRule::Window(w), _) => {
+                steps::windows(self.first_ns, end_ns, w, format!("--step-window {w} ns"))
+            }
+            (StepRule::Auto, Some((tid, _))) => {
+                let log = &self.threads[&tid];
+                steps::detect(&log.collectives, &log.syncs).unwrap_or_else(|| {
+                    steps::windows(
+                        self.first_ns,
+                        end_ns,
+                        1_000_000_000,
+                        "no repeating sequence of collectives: 1 s windows".into(),
+                    )
+                })
+            }
+            (StepRule::Auto, None) => steps::windows(
+                self.first_ns,
+                end_ns,
+                1_000_000_000,
+                "no collectives traced: 1 s windows".into(),
+            ),
+        };
+        let mut steps_out = Vec::new();
+        if let Some((tid, pid)) = rank {
+            let log = &self.threads[&tid];
+            let ends = &collective_ends[&pid];
+            for (index, (a, b)) in detected.bounds.iter().copied().enumerate() {
+                steps_out.push(self.step(index, log, tid, ends, a, b));
+            }
+        }
+        let mut threads = Vec::new();
+        for (tid, log) in &self.threads {
+            let ends = collective_ends.get(&log.pid).map_or(&[][..], Vec::as_slice);
+            let categories = self.categories(log, ends, self.first_ns, end_ns);
+            threads.push(ThreadReport {
+                tid: *tid,
+                pid: log.pid,
+                name: self.thread_names.get(tid).cloned().unwrap_or_default(),
+                role: if Some(*tid) == rank.map(|r| r.0) {
+                    "rank"
+                } else {
+                    "other"
+                },
+                categories,
+                nccl_calls: log
+                    .changes
+                    .iter()
+                    .filter(|(_, c)| *c == Change::NcclStart)
+                    .count() as u64,
+                faults: log.faults.len() as u64,
+                migrations: log.migrations.len() as u64,
+                cross_node_migrations: log.migrations.iter().filter(|(_, x)| *x).count() as u64,
+            });
+        }
+        let nodes: BTreeSet<i32> = self.cpu_nodes.iter().copied().filter(|n| *n >= 0).collect();
+        StepsReport {
+            method: detected.method,
+            reason: detected.reason.clone(),
+            period: detected.period,
+            rank_pid: rank.map(|r| r.1),
+            rank_tid: rank.map(|r| r.0),
+            methods: Methods {
+                page_fault: if self.sample_period_ns > 0 {
+                    format!(
+                        "on-CPU samples every {} µs whose kernel stack is in the page-fault \
+                         handler, times the period (fentry/fexit are refused on this kernel)",
+                        self.sample_period_ns / 1000
+                    )
+                } else {
+                    "not measured: on-CPU sampling is off in this profile".into()
+                },
+                remote_memory: format!(
+                    "not measured: needs PMU events (node-loads/node-load-misses), which this \
+                     host does not expose{}",
+                    if nodes.len() <= 1 {
+                        "; the host has one NUMA node, so nothing is remote"
+                    } else {
+                        ""
+                    }
+                ),
+                remote_memory_estimated: false,
+            },
+            steps: steps_out,
+            threads,
+        }
+    }
+
+    fn step(&self, index: usize, log: &ThreadLog, tid: u32, ends: &[u64], a: u64, b: u64) -> Step {
+        let in_step = |t: &u64| (a..b).contains(t);
+        let nccl = log
+            .collectives
+            .iter()
+            .filter(|c| in_step(&c.start_ns))
+            .fold(NcclCount::default(), |n, c| NcclCount {
+                calls: n.calls + 1,
+                bytes: n.bytes + c.bytes,
+            });
+        Step {
+            index,
+            start_ns: a,
+            end_ns: b,
+            wall_ns: b - a,
+            categories: self.categories(log, ends, a, b),
+            nccl,
+            faults: log.faults.iter().filter(|t| in_step(t)).count() as u64,
+            migrations: log.migrations.iter().filter(|(t, _)| in_step(t)).count() as u64,
+            cross_node_migrations: log
+                .migrations
+                .iter()
+                .filter(|(t, x)| *x && in_step(t))
+                .count() as u64,
+            numa_page_migrations: self
+                .page_migrations
+                .iter()
+                .filter(|(t, ts, _)| *t == tid && in_step(ts))
+                .map(|(_, _, n)| n)
+                .sum(),
+            numa_task_moves: self
+                .numa_moves
+                .iter()
+                .filter(|(t, ts)| *t == tid && in_step(ts))
+                .count() as u64,
+        }
+    }
+
+    /// The thread's real interval between samples while it runs. The kernel re-arms the
+    /// cpu-clock timer after the sample's handler, so each sample stands for the period
+    /// plus the handler's own time (~8% more at 20 kHz here): the median gap between
+    /// back-to-back samples, taken from gaps shorter than 1.5 periods.
+    fn sample_interval(&self, log: &ThreadLog) -> u64 {
+        let p = self.sample_period_ns;
+        let mut gaps: Vec<u64> = log
+            .samples
+            .windows(2)
+            .map(|w| w[1].saturating_sub(w[0]))
+            .filter(|g| *g >= p && *g < p + p / 2)
+            .collect();
+        if gaps.len() < 8 {
+            return p;
+        }
+        gaps.sort_unstable();
+        gaps[gaps.len() / 2]
+    }
+
+    /// Splits `[a, b)` of one thread into categories.
+    fn categories(&self, log: &ThreadLog, collective_ends: &[u64], a: u64, b: u64) -> Categories {
+        let mut cat = Categories::default();
+        if b <= a {
+            return cat;
+        }
+        // Whether a sync starting at `start` has NCCL work outstanding: a collective
+        // returned after the previous sync of this thread ended.
+        let outstanding = |start: u64| {
+            let prev_end = log
+                .syncs
+                .iter()
+                .filter(|(_, e)| *e <= start)
+                .map(|(_, e)| *e)
+                .max()
+                .unwrap_or(0);
+            let i = collective_ends.partition_point(|e| *e <= prev_end);
+            collective_ends.get(i).is_some_and(|e| *e <= start)
+        };
+        // NCCL calls that left the CPU block the host: all their time is NCCL wait.
+        let mut blocking_calls = BTreeSet::new();
+        let mut open: Option<u64> = None;
+        for &(ts, change) in &log.changes {
+            match change {
+                Change::NcclStart => open = Some(ts),
+                Change::SwitchOut { .. } => {
+                    if let Some(start) = open {
+                        blocking_calls.insert(start);
+                    }
+                }
+                Change::NcclEnd => open = None,
+                _ => {}
+            }
+        }
+        let mut state = State {
+            on_cpu: log.first_switch_is_in != Some(true),
+            runnable: true,
+            ..State::default()
+        };
+        let mut t = a;
+        let mut nccl_sync_spans: Vec<(u64, u64)> = Vec::new();
+        let mut charge = |cat: &mut Categories, from: u64, to: u64, state: State| {
+            let (from, to) = (from.max(a), to.min(b));
+            if to > from {
+                let slot = state.category(cat);
+                *slot += to - from;
+                if state.in_nccl_sync() {
+                    nccl_sync_spans.push((from, to));
+                }
+            }
+        };
+        for &(ts, change) in &log.changes {
+            if ts >= b {
+                break;
+            }
+            charge(&mut cat, t, ts, state);
+            t = t.max(ts);
+            match change {
+                Change::SwitchOut { runnable } => {
+                    state.on_cpu = false;
+                    state.runnable = runnable;
+                    state.migrated = false;
+                }
+                Change::SwitchIn => {
+                    state.on_cpu = true;
+                    state.runnable = true;
+                    state.migrated = false;
+                }
+                Change::Wakeup => state.runnable = true,
+                Change::Migrate => state.migrated = true,
+                Change::SyncStart => {
+                    state.sync_depth += 1;
+                    state.sync_nccl = outstanding(ts);
+                }
+                Change::SyncEnd => state.sync_depth = state.sync_depth.saturating_sub(1),
+                Change::NcclStart => {
+                    state.nccl_depth += 1;
+                    state.nccl_blocking = blocking_calls.contains(&ts);
+                }
+                Change::NcclEnd => {
+                    state.nccl_depth = state.nccl_depth.saturating_sub(1);
+                    state.nccl_blocking &= state.nccl_depth > 0;
+                }
+            }
+        }
+        charge(&mut cat, t, b, state);
+        // Page faults: on-CPU samples in the fault handler, outside NCCL waits.
+        let samples = log
+            .fault_samples
+            .iter()
+            .filter(|ts| (a..b).contains(*ts))
+            .filter(|ts| !nccl_sync_spans.iter().any(|(s, e)| (*s..*e).contains(*ts)))
+            .count() as u64;
+        let fault_ns = (samples * self.sample_interval(log)).min(cat.compute);
+        cat.page_fault = fault_ns;
+        cat.compute -= fault_ns;
+        cat
+    }
+}
+
+/// How far past a faulting instruction a user-mode sample still counts as the fault's
+/// return path (x86 store instructions and the loop step after them).
+const RETRY_BYTES: u64 = 16;
+
+/// A thread's state between two changes.
+#[allow(clippy::struct_excessive_bools)] // independent facts about one thread
+#[derive(Clone, Copy, Debug, Default)]
+struct State {
+    on_cpu: bool,
+    runnable: bool,
+    migrated: bool,
+    sync_depth: u32,
+    sync_nccl: bool,
+    nccl_depth: u32,
+    /// Inside an NCCL call that goes off-CPU before it returns.
+    nccl_blocking: bool,
+}
+
+impl State {
+    fn in_nccl_sync(self) -> bool {
+        self.sync_depth > 0 && self.sync_nccl
+    }
+
+    /// The category time in this state belongs to (the rules in the module docs).
+    fn category(self, cat: &mut Categories) -> &mut u64 {
+        if self.in_nccl_sync() || self.nccl_blocking {
+            &mut cat.nccl_wait
+        } else if self.on_cpu {
+            &mut cat.compute
+        } else if self.nccl_depth > 0 {
+            &mut cat.nccl_wait
+        } else if self.runnable {
+            if self.migrated {
+                &mut cat.cpu_migration
+            } else {
+                &mut cat.runqueue
+            }
+        } else if self.sync_depth > 0 {
+            &mut cat.compute
+        } else {
+            &mut cat.other_offcpu
+        }
+    }
+}
+
+/// Sums categories over steps.
+#[must_use]
+pub fn total(steps: &[Step]) -> Categories {
+    let mut sum = Categories::default();
+    for s in steps {
+        sum.add(&s.categories);
+    }
+    sum
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::event::{Func, Task};
+    use crate::record::{ClockRef, Header};
+
+    fn header() -> Header {
+        Header {
+            clock: ClockRef {
+                monotonic_ns: 0,
+                realtime_ns: 0,
+            },
+            cpu_nodes: vec![0, 0, 1, 1],
+            sample_period_ns: 100_000,
+            fault_handler_ranges: vec![(0xffff_0000, 0xffff_1000)],
+            ..Header::default()
+        }
+    }
+
+    fn task(tid: u32) -> Task {
+        Task {
+            tgid: 10,
+            tid,
+            cpu: 0,
+        }
+    }
+
+    fn call(func: Func, start: u64, end: u64) -> Event {
+        Event::Call(Call {
+            task: task(10),
+            func,
+            start_ns: start,
+            end_ns: end,
+            ret: 0,
+            count: Some(256),
+            datatype: Some(7),
+            bytes: Some(1024),
+            redop: None,
+            peer: None,
+            comm: Some(1),
+            stream: Some(2),
+            new_comm: None,
+            rank: None,
+            nranks: None,
+        })
+    }
+
+    fn switch(ts: u64, out: bool, state: i64) -> Event {
+        Event::Switch {
+            ts_ns: ts,
+            task: task(10),
+            prev_tid: if out { 10 } else { 99 },
+            next_tid: if out { 99 } else { 10 },
+            next_tgid: if out { 0 } else { 10 },
+            prev_state: state,
+            prev_is_target: out,
+            next_is_target: !out,
+        }
+    }
+
+    /// One step of known shape: 1 ms compute (200 µs of it page faults, by samples), a
+    /// 500 µs preemption with a cross-node migration 100 µs in, an async AllReduce, a 3 ms
+    /// sync sleeping while NCCL work is outstanding, 1 ms blocked elsewhere. Every
+    /// nanosecond lands in its category.
+    #[test]
+    fn one_step_partitioned() {
+        let mut tl = Timeline::new(&header());
+        let mut events = vec![];
+        for step in 0..3u64 {
+            let t = step * 10_000_000;
+            // Compute 0..1 ms; faults sampled at 2 points (2 × 100 µs).
+            events.push(Event::Sample {
+                ts_ns: t + 100_000,
+                task: task(10),
+                kstack: vec![0xffff_0010],
+                ustack: vec![],
+            });
+            events.push(Event::Sample {
+                ts_ns: t + 200_000,
+                task: task(10),
+                kstack: vec![0xffff_0020],
+                ustack: vec![],
+            });
+            events.push(Event::Sample {
+                ts_ns: t + 300_000,
+                task: task(10),
+                kstack: vec![],
+                ustack: vec![1],
+            });
+            // Preempted 1.0..1.5 ms, migrated to node 1.
+            events.push(switch(t + 1_000_000, true, 0));
+            events.push(Event::Migrate {
+                ts_ns: t + 1_100_000,
+                task: task(10),
+                orig_cpu: 0,
+                dest_cpu: 2,
+            });
+            events.push(switch(t + 1_500_000, false, 0));
+            events.push(call(Func::AllReduce, t + 1_500_000, t + 1_510_000));
+            // Sync 1.51..4.51 ms, asleep 1.6..4.5 ms.
+            events.push(switch(t + 1_600_000, true, 1));
+            events.push(Event::Wakeup {
+                ts_ns: t + 4_400_000,
+                task: task(10),
+                waker_tid: 1,
+                waker_tgid: 1,
+                target_cpu: 0,
+            });
+            events.push(switch(t + 4_500_000, false, 0));
+            events.push(call(
+                Func::CuStreamSynchronize,
+                t + 1_510_000,
+                t + 4_510_000,
+            ));
+            // Blocked on something else 5..6 ms.
+            events.push(switch(t + 5_000_000, true, 1));
+            events.push(switch(t + 6_000_000, false, 0));
+        }
+        events.sort_by_key(Event::ts_ns);
+        for e in &events {
+            tl.push(e);
+        }
+        let report = tl.finish(30_000_000, StepRule::Auto);
+        assert_eq!(report.method, Method::Auto);
+        assert_eq!(report.rank_tid, Some(10));
+        assert_eq!(report.steps.len(), 2);
+        let s = &report.steps[0];
+        assert_eq!(s.wall_ns, 10_000_000);
+        assert_eq!(s.categories.total(), s.wall_ns);
+        assert_eq!(s.categories.nccl_wait, 3_000_000);
+        assert_eq!(s.categories.page_fault, 200_000);
+        // Preempted 500 µs, migrated 100 µs in: the wait after the migration is its cost.
+        assert_eq!(s.categories.cpu_migration, 400_000);
+        assert_eq!(s.categories.runqueue, 100_000);
+        assert_eq!(s.categories.other_offcpu, 1_000_000);
+        assert_eq!(s.categories.remote_memory, None);
+        assert_eq!((s.migrations, s.cross_node_migrations), (1, 1));
+        assert_eq!(
+            s.nccl,
+            NcclCount {
+                calls: 1,
+                bytes: 1024
+            }
+        );
+    }
+
+    /// A sync with no NCCL work since the previous sync waits for the GPU's compute: it is
+    /// not `nccl_wait`; a spinning sync with NCCL outstanding is, although on-CPU.
+    #[test]
+    fn only_syncs_after_collectives_are_nccl_waits() {
+        let mut tl = Timeline::new(&header());
+        for e in [
+            call(Func::CuStreamSynchronize, 1_000, 2_000),
+            call(Func::AllReduce, 3_000, 3_100),
+            call(Func::CuStreamSynchronize, 4_000, 9_000),
+        ] {
+            tl.push(&e);
+        }
+        let report = tl.finish(10_000, StepRule::Window(10_000));
+        assert_eq!(report.method, Method::Window);
+        let t = &report.threads[0].categories;
+        assert_eq!(t.nccl_wait, 5_000);
+        assert_eq!(t.compute, 5_000);
+        assert_eq!(t.total(), 10_000);
+    }
+}

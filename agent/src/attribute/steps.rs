@@ -1,0 +1,266 @@
+//! Step detection: where each training step starts and ends, from the recording alone.
+//!
+//! Automatic rule (documented in docs/attribution.md): a rank issues the same sequence of
+//! collectives, (op, bytes), once per step. The smallest period `p` with `seq[i] ==
+//! seq[i + p]` for at least 90% of positions is the step's sequence. Its *anchor* is the
+//! collective (told apart by its predecessor too) with the longest median idle gap before
+//! it: the step's compute happens there. A step starts where the last CUDA sync before an
+//! anchor returned (or, without such a sync, where the anchor starts) and ends where the
+//! next step starts; the last step ends at the return of the last sync after its
+//! collectives.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+use crate::event::Func;
+
+/// How steps were found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Method {
+    Auto,
+    Window,
+}
+
+/// One collective, as step detection sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Collective {
+    pub func: Func,
+    pub bytes: u64,
+    pub start_ns: u64,
+    pub end_ns: u64,
+}
+
+/// Step boundaries and how they were found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Detected {
+    pub method: Method,
+    pub reason: String,
+    /// Collectives per step (auto).
+    pub period: Option<usize>,
+    /// `[start, end)` of each step.
+    pub bounds: Vec<(u64, u64)>,
+}
+
+/// Share of positions that must repeat for a period to be accepted.
+const MIN_MATCH: f64 = 0.9;
+/// Longest period considered.
+const MAX_PERIOD: usize = 4096;
+
+type Key = (Func, u64);
+
+/// The smallest period of `seq`, if one repeats at least twice.
+#[must_use]
+pub fn find_period(seq: &[Key]) -> Option<usize> {
+    let n = seq.len();
+    (1..=(n / 2).min(MAX_PERIOD)).find(|&p| {
+        let matches = (0..n - p).filter(|&i| seq[i] == seq[i + p]).count();
+        matches as f64 >= MIN_MATCH * (n - p) as f64
+    })
+}
+
+fn median(values: &mut [u64]) -> u64 {
+    values.sort_unstable();
+    values.get(values.len() / 2).copied().unwrap_or(0)
+}
+
+/// Finds steps from one rank thread's collectives and CUDA sync calls (`(start, end)`,
+/// sorted by start).
+#[must_use]
+pub fn detect(collectives: &[Collective], syncs: &[(u64, u64)]) -> Option<Detected> {
+    let seq: Vec<Key> = collectives.iter().map(|c| (c.func, c.bytes)).collect();
+    let period = find_period(&seq)?;
+    // Anchor: the (previous key, key) pair with the longest median gap before it, among
+    // pairs occurring about once per period.
+    let mut gaps: BTreeMap<(Option<Key>, Key), Vec<u64>> = BTreeMap::new();
+    for i in 0..collectives.len() {
+        let prev = i.checked_sub(1).map(|j| seq[j]);
+        let gap = i.checked_sub(1).map_or(0, |j| {
+            collectives[i]
+                .start_ns
+                .saturating_sub(collectives[j].end_ns)
+        });
+        gaps.entry((prev, seq[i])).or_default().push(gap);
+    }
+    let periods = collectives.len() / period;
+    let anchor = gaps
+        .iter_mut()
+        .filter(|(_, g)| g.len() <= periods + 1 && g.len() + 1 >= periods)
+        .map(|(k, g)| (median(g), *k))
+        .max()?
+        .1;
+    let anchors: Vec<usize> = (0..collectives.len())
+        .filter(|&i| (i.checked_sub(1).map(|j| seq[j]), seq[i]) == anchor)
+        .collect();
+    // The return of the last sync in (previous collective's end, anchor's start].
+    let boundary = |i: usize| -> Option<u64> {
+        let lo = i.checked_sub(1).map_or(0, |j| collectives[j].end_ns);
+        let hi = collectives[i].start_ns;
+        syncs
+            .iter()
+            .filter(|(s, e)| *s >= lo && *e <= hi)
+            .map(|(_, e)| *e)
+            .max()
+            .or((i > 0).then_some(hi))
+    };
+    let mut starts: Vec<u64> = anchors.iter().filter_map(|&i| boundary(i)).collect();
+    // The last step ends at the last sync after its collectives.
+    if let (Some(&last), Some(final_sync)) = (anchors.last(), syncs.last())
+        && final_sync.0 >= collectives[last].start_ns
+    {
+        starts.push(final_sync.1);
+    }
+    starts.dedup();
+    let bounds: Vec<(u64, u64)> = starts
+        .windows(2)
+        .filter(|w| w[1] > w[0])
+        .map(|w| (w[0], w[1]))
+        .collect();
+    if bounds.is_empty() {
+        return None;
+    }
+    Some(Detected {
+        method: Method::Auto,
+        reason: format!(
+            "the rank's collectives repeat every {period} calls ({} occurrences); steps cut \
+             at the return of the CUDA sync before the collective {} of {} bytes",
+            anchors.len(),
+            anchor.1.0.name(),
+            anchor.1.1
+        ),
+        period: Some(period),
+        bounds,
+    })
+}
+
+/// Fixed windows of `width_ns` over `[start, end)`.
+#[must_use]
+pub fn windows(start: u64, end: u64, width_ns: u64, reason: String) -> Detected {
+    let width = width_ns.max(1);
+    let mut bounds = Vec::new();
+    let mut t = start;
+    while t < end {
+        bounds.push((t, (t + width).min(end)));
+        t += width;
+    }
+    Detected {
+        method: Method::Window,
+        reason,
+        period: None,
+        bounds,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A synthetic rank: per step, `compute` ns idle, then the ops (each 10 µs), then a
+    /// 1 ms sync.
+    fn rank(steps: usize, ops: &[(Func, u64)], compute: u64) -> (Vec<Collective>, Vec<(u64, u64)>) {
+        let (mut colls, mut syncs, mut t) = (Vec::new(), Vec::new(), 1_000u64);
+        for _ in 0..steps {
+            t += compute;
+            for &(func, bytes) in ops {
+                colls.push(Collective {
+                    func,
+                    bytes,
+                    start_ns: t,
+                    end_ns: t + 10_000,
+                });
+                t += 12_000;
+            }
+            syncs.push((t, t + 1_000_000));
+            t += 1_000_000;
+        }
+        (colls, syncs)
+    }
+
+    const OPS: [(Func, u64); 4] = [
+        (Func::AllReduce, 4096),
+        (Func::AllReduce, 4096),
+        (Func::AllReduce, 8192),
+        (Func::Broadcast, 64),
+    ];
+
+    /// The period is the number of collectives per step, even with a repeated op inside.
+    #[test]
+    fn period_of_a_step() {
+        let (c, _) = rank(10, &OPS, 5_000_000);
+        let seq: Vec<Key> = c.iter().map(|c| (c.func, c.bytes)).collect();
+        assert_eq!(find_period(&seq), Some(4));
+        assert_eq!(find_period(&seq[..3]), None);
+    }
+
+    /// Steps start where the previous step's sync returned: N steps run give N-1 complete
+    /// steps (the first has no sync before it), each as long as a step.
+    #[test]
+    fn steps_cut_at_syncs() {
+        let (c, s) = rank(10, &OPS, 5_000_000);
+        let d = detect(&c, &s).unwrap();
+        assert_eq!(d.method, Method::Auto);
+        assert_eq!(d.period, Some(4));
+        assert_eq!(d.bounds.len(), 9);
+        for (a, b) in &d.bounds {
+            assert_eq!(b - a, 5_000_000 + 4 * 12_000 + 1_000_000);
+        }
+        assert_eq!(d.bounds[0].0, s[0].1);
+        assert_eq!(d.bounds.last().unwrap().1, s.last().unwrap().1);
+    }
+
+    /// Warm-up steps with other collectives and an extra collective in one step do not
+    /// change the period or lose more than one step.
+    #[test]
+    fn robust_to_warmup_and_extras() {
+        let (mut c, s) = rank(30, &OPS, 3_000_000);
+        // An extra collective in step 12, in its compute phase.
+        let at = 12 * 4;
+        let t = c[at].start_ns - 1_000_000;
+        c.insert(
+            at,
+            Collective {
+                func: Func::AllGather,
+                bytes: 1,
+                start_ns: t,
+                end_ns: t + 5,
+            },
+        );
+        // Two warm-up broadcasts long before.
+        for k in 0..2 {
+            c.insert(
+                0,
+                Collective {
+                    func: Func::Broadcast,
+                    bytes: 999,
+                    start_ns: k,
+                    end_ns: k + 1,
+                },
+            );
+        }
+        c.sort_by_key(|c| c.start_ns);
+        let d = detect(&c, &s).unwrap();
+        assert_eq!(d.period, Some(4));
+        assert!(
+            (28..=30).contains(&d.bounds.len()),
+            "{} steps",
+            d.bounds.len()
+        );
+    }
+
+    /// Nothing repeats: no steps (the caller falls back to windows).
+    #[test]
+    fn nothing_repeats() {
+        let c: Vec<Collective> = (0..10)
+            .map(|i| Collective {
+                func: Func::AllReduce,
+                bytes: i,
+                start_ns: i * 10,
+                end_ns: i * 10 + 1,
+            })
+            .collect();
+        assert_eq!(detect(&c, &[]), None);
+        let w = windows(0, 250, 100, "test".into());
+        assert_eq!(w.bounds, vec![(0, 100), (100, 200), (200, 250)]);
+    }
+}
