@@ -72,7 +72,7 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
             }
         }
         kind::WAKEUP => {
-            let e = read::<WakeupEvent>(bytes, "sched_wakeup record")?;
+            let e = read::<WakeupEvent>(bytes, "sched_waking record")?;
             Event::Wakeup {
                 ts_ns: h.ts_ns,
                 task: t,

@@ -417,7 +417,7 @@ impl Event {
         match kind {
             k::CALL => "call",
             k::SWITCH => "sched_switch",
-            k::WAKEUP => "sched_wakeup",
+            k::WAKEUP => "sched_waking",
             k::MIGRATE => "sched_migrate_task",
             k::FORK => "sched_process_fork",
             k::EXIT => "sched_process_exit",

@@ -21,7 +21,7 @@ pub struct Probes {
     pub nccl: bool,
     /// uprobes on the CUDA driver's synchronisation calls.
     pub cuda_sync: bool,
-    /// sched_switch, sched_wakeup, sched_migrate_task, fork and exit.
+    /// sched_switch, sched_waking, sched_migrate_task, fork and exit.
     pub sched: bool,
     /// exceptions:page_fault_user.
     pub page_faults: bool,

@@ -11,10 +11,12 @@
 //! - off-CPU and runnable (preempted, or woken and waiting for a CPU): `cpu_migration` when
 //!   the thread was migrated since it left the CPU, else `runqueue`;
 //! - off-CPU and blocked: `other_offcpu`, except inside a CUDA sync with no NCCL work
-//!   outstanding, which waits for the GPU's own compute: `compute`;
+//!   outstanding, which waits for the GPU's own compute, and until another thread of the
+//!   same process wakes it (the step's work runs there: PyTorch's autograd thread during
+//!   `backward()`): `compute`;
 //! - on-CPU: `compute`, of which on-CPU samples whose kernel stack is in the page-fault
 //!   handler (or that sit on the instruction that just faulted, being retried), times
-//!   the observed interval between samples, are `page_fault`.
+//!   the on-CPU time since the previous sample, are `page_fault`.
 
 pub mod steps;
 
@@ -142,9 +144,14 @@ enum Change {
     SyncEnd,
     NcclEnd,
     SwitchIn,
-    Wakeup,
+    /// `own`: woken by another thread of the same process.
+    Wakeup {
+        own: bool,
+    },
     Migrate,
-    SwitchOut { runnable: bool },
+    SwitchOut {
+        runnable: bool,
+    },
     NcclStart,
     SyncStart,
 }
@@ -156,9 +163,12 @@ struct ThreadLog {
     /// Sync calls (start, end), for the NCCL-outstanding test.
     syncs: Vec<(u64, u64)>,
     collectives: Vec<Collective>,
-    fault_samples: Vec<u64>,
-    /// Every sample's time: the observed sampling interval comes from these.
-    samples: Vec<u64>,
+    /// Samples in a page fault: (time, the previous sample's time).
+    fault_samples: Vec<(u64, Option<u64>)>,
+    /// The same, with the on-CPU time each stands for (computed at `finish`).
+    fault_time: Vec<(u64, u64)>,
+    /// The previous sample's time.
+    last_sample: Option<u64>,
     faults: Vec<u64>,
     migrations: Vec<(u64, bool)>,
     first_switch_is_in: Option<bool>,
@@ -270,10 +280,17 @@ impl Timeline {
                     log.changes.push((*ts_ns, Change::SwitchIn));
                 }
             }
-            Event::Wakeup { ts_ns, task, .. } => {
+            Event::Wakeup {
+                ts_ns,
+                task,
+                waker_tgid,
+                waker_tid,
+                ..
+            } => {
+                let own = *waker_tgid == task.tgid && *waker_tid != task.tid;
                 self.log(task.tid, task.tgid)
                     .changes
-                    .push((*ts_ns, Change::Wakeup));
+                    .push((*ts_ns, Change::Wakeup { own }));
             }
             Event::Migrate {
                 ts_ns,
@@ -302,7 +319,8 @@ impl Timeline {
                 let in_handler = kstack
                     .iter()
                     .any(|ip| self.fault_ranges.iter().any(|(a, b)| (*a..*b).contains(ip)));
-                let window = 2 * self.sample_period_ns.max(1);
+                let period = self.sample_period_ns;
+                let window = 2 * period.max(1);
                 let log = self.log(task.tid, task.tgid);
                 // In user mode on the instruction that just faulted, or right after it:
                 // the return from the fault (a pending timer interrupt is delivered
@@ -315,10 +333,10 @@ impl Timeline {
                             && ts_ns.saturating_sub(at) < window
                     });
                 let in_fault = in_handler || retrying;
-                log.samples.push(*ts_ns);
                 if in_fault {
-                    log.fault_samples.push(*ts_ns);
+                    log.fault_samples.push((*ts_ns, log.last_sample));
                 }
+                log.last_sample = Some(*ts_ns);
             }
             Event::PageMigration {
                 ts_ns,
@@ -338,10 +356,12 @@ impl Timeline {
     #[must_use]
     pub fn finish(mut self, end_ns: u64, rule: StepRule) -> StepsReport {
         let end_ns = end_ns.max(self.last_ns);
+        let period = self.sample_period_ns;
         for log in self.threads.values_mut() {
             log.changes.sort_unstable();
             log.syncs.sort_unstable();
             log.collectives.sort_by_key(|c| c.start_ns);
+            log.fault_time = weigh_samples(log, period);
         }
         // NCCL outstanding is a property of the process: collectives from any thread.
         let mut collective_ends: BTreeMap<u32, Vec<u64>> = BTreeMap::new();
@@ -354,20 +374,42 @@ impl Timeline {
         for ends in collective_ends.values_mut() {
             ends.sort_unstable();
         }
-        let rank = self
-            .threads
+        let mut process_collectives: BTreeMap<u32, Vec<Collective>> = BTreeMap::new();
+        for log in self.threads.values() {
+            process_collectives
+                .entry(log.pid)
+                .or_default()
+                .extend(log.collectives.iter().copied());
+        }
+        for c in process_collectives.values_mut() {
+            c.sort_by_key(|c| c.start_ns);
+        }
+        // The rank thread runs the training loop: in the process that issues the most
+        // collectives, the thread that waits on the GPU most often (PyTorch's main thread:
+        // DDP issues its all-reduces from the autograd thread, but `.item()` syncs on the
+        // main one), else the thread issuing the most collectives.
+        let rank_pid = process_collectives
             .iter()
-            .filter(|(_, l)| !l.collectives.is_empty())
-            .max_by_key(|(tid, l)| (l.collectives.len(), std::cmp::Reverse(**tid)))
-            .map(|(tid, l)| (*tid, l.pid));
+            .filter(|(_, c)| !c.is_empty())
+            .max_by_key(|(pid, c)| (c.len(), std::cmp::Reverse(**pid)))
+            .map(|(pid, _)| *pid);
+        let rank = rank_pid.and_then(|pid| {
+            self.threads
+                .iter()
+                .filter(|(_, l)| l.pid == pid)
+                .max_by_key(|(tid, l)| {
+                    (l.syncs.len(), l.collectives.len(), std::cmp::Reverse(**tid))
+                })
+                .map(|(tid, _)| (*tid, pid))
+        });
 
         let detected = match (rule, rank) {
             (StepRule::Window(w), _) => {
                 steps::windows(self.first_ns, end_ns, w, format!("--step-window {w} ns"))
             }
-            (StepRule::Auto, Some((tid, _))) => {
+            (StepRule::Auto, Some((tid, pid))) => {
                 let log = &self.threads[&tid];
-                steps::detect(&log.collectives, &log.syncs).unwrap_or_else(|| {
+                steps::detect(&process_collectives[&pid], &log.syncs).unwrap_or_else(|| {
                     steps::windows(
                         self.first_ns,
                         end_ns,
@@ -387,14 +429,15 @@ impl Timeline {
         if let Some((tid, pid)) = rank {
             let log = &self.threads[&tid];
             let ends = &collective_ends[&pid];
+            let colls = &process_collectives[&pid];
             for (index, (a, b)) in detected.bounds.iter().copied().enumerate() {
-                steps_out.push(self.step(index, log, tid, ends, a, b));
+                steps_out.push(self.step(index, log, tid, colls, ends, a, b));
             }
         }
         let mut threads = Vec::new();
         for (tid, log) in &self.threads {
             let ends = collective_ends.get(&log.pid).map_or(&[][..], Vec::as_slice);
-            let categories = self.categories(log, ends, self.first_ns, end_ns);
+            let categories = Self::categories(log, ends, self.first_ns, end_ns);
             threads.push(ThreadReport {
                 tid: *tid,
                 pid: log.pid,
@@ -448,22 +491,31 @@ impl Timeline {
         }
     }
 
-    fn step(&self, index: usize, log: &ThreadLog, tid: u32, ends: &[u64], a: u64, b: u64) -> Step {
+    #[allow(clippy::too_many_arguments)] // the step, its thread and its process's calls
+    fn step(
+        &self,
+        index: usize,
+        log: &ThreadLog,
+        tid: u32,
+        collectives: &[Collective],
+        ends: &[u64],
+        a: u64,
+        b: u64,
+    ) -> Step {
         let in_step = |t: &u64| (a..b).contains(t);
-        let nccl = log
-            .collectives
-            .iter()
-            .filter(|c| in_step(&c.start_ns))
-            .fold(NcclCount::default(), |n, c| NcclCount {
+        let nccl = collectives.iter().filter(|c| in_step(&c.start_ns)).fold(
+            NcclCount::default(),
+            |n, c| NcclCount {
                 calls: n.calls + 1,
                 bytes: n.bytes + c.bytes,
-            });
+            },
+        );
         Step {
             index,
             start_ns: a,
             end_ns: b,
             wall_ns: b - a,
-            categories: self.categories(log, ends, a, b),
+            categories: Self::categories(log, ends, a, b),
             nccl,
             faults: log.faults.iter().filter(|t| in_step(t)).count() as u64,
             migrations: log.migrations.iter().filter(|(t, _)| in_step(t)).count() as u64,
@@ -486,27 +538,8 @@ impl Timeline {
         }
     }
 
-    /// The thread's real interval between samples while it runs. The kernel re-arms the
-    /// cpu-clock timer after the sample's handler, so each sample stands for the period
-    /// plus the handler's own time (~8% more at 20 kHz here): the median gap between
-    /// back-to-back samples, taken from gaps shorter than 1.5 periods.
-    fn sample_interval(&self, log: &ThreadLog) -> u64 {
-        let p = self.sample_period_ns;
-        let mut gaps: Vec<u64> = log
-            .samples
-            .windows(2)
-            .map(|w| w[1].saturating_sub(w[0]))
-            .filter(|g| *g >= p && *g < p + p / 2)
-            .collect();
-        if gaps.len() < 8 {
-            return p;
-        }
-        gaps.sort_unstable();
-        gaps[gaps.len() / 2]
-    }
-
     /// Splits `[a, b)` of one thread into categories.
-    fn categories(&self, log: &ThreadLog, collective_ends: &[u64], a: u64, b: u64) -> Categories {
+    fn categories(log: &ThreadLog, collective_ends: &[u64], a: u64, b: u64) -> Categories {
         let mut cat = Categories::default();
         if b <= a {
             return cat;
@@ -524,24 +557,13 @@ impl Timeline {
             let i = collective_ends.partition_point(|e| *e <= prev_end);
             collective_ends.get(i).is_some_and(|e| *e <= start)
         };
-        // NCCL calls that left the CPU block the host: all their time is NCCL wait.
-        let mut blocking_calls = BTreeSet::new();
-        let mut open: Option<u64> = None;
-        for &(ts, change) in &log.changes {
-            match change {
-                Change::NcclStart => open = Some(ts),
-                Change::SwitchOut { .. } => {
-                    if let Some(start) = open {
-                        blocking_calls.insert(start);
-                    }
-                }
-                Change::NcclEnd => open = None,
-                _ => {}
-            }
-        }
+        let (blocking_calls, own_waits) = marks(log);
+        // Before its first switch-in a thread was off-CPU: blocked, unless a wakeup says
+        // otherwise.
+        let first_in = log.first_switch_is_in == Some(true);
         let mut state = State {
-            on_cpu: log.first_switch_is_in != Some(true),
-            runnable: true,
+            on_cpu: !first_in,
+            runnable: !first_in,
             ..State::default()
         };
         let mut t = a;
@@ -567,13 +589,17 @@ impl Timeline {
                     state.on_cpu = false;
                     state.runnable = runnable;
                     state.migrated = false;
+                    state.waits_on_own = !runnable && own_waits.contains(&ts);
                 }
                 Change::SwitchIn => {
                     state.on_cpu = true;
                     state.runnable = true;
                     state.migrated = false;
                 }
-                Change::Wakeup => state.runnable = true,
+                Change::Wakeup { .. } => {
+                    state.runnable = true;
+                    state.waits_on_own = false;
+                }
                 Change::Migrate => state.migrated = true,
                 Change::SyncStart => {
                     state.sync_depth += 1;
@@ -592,17 +618,100 @@ impl Timeline {
         }
         charge(&mut cat, t, b, state);
         // Page faults: on-CPU samples in the fault handler, outside NCCL waits.
-        let samples = log
-            .fault_samples
+        let fault_ns: u64 = log
+            .fault_time
             .iter()
-            .filter(|ts| (a..b).contains(*ts))
-            .filter(|ts| !nccl_sync_spans.iter().any(|(s, e)| (*s..*e).contains(*ts)))
-            .count() as u64;
-        let fault_ns = (samples * self.sample_interval(log)).min(cat.compute);
+            .filter(|(ts, _)| (a..b).contains(ts))
+            .filter(|(ts, _)| !nccl_sync_spans.iter().any(|(s, e)| (*s..*e).contains(ts)))
+            .map(|(_, weight)| weight)
+            .sum();
+        let fault_ns = fault_ns.min(cat.compute);
         cat.page_fault = fault_ns;
         cat.compute -= fault_ns;
         cat
     }
+}
+
+/// The on-CPU time each fault sample stands for: the thread's on-CPU time since its
+/// previous sample. The kernel re-arms the cpu-clock timer after the sample's handler and
+/// delays samples while interrupts are off (more so inside fault handling), so the real
+/// interval runs a few percent over the nominal period; wall-clock gaps also hold
+/// preemptions, which are taken out using the thread's switches. The nominal period when
+/// there is no previous sample or the on-CPU gap is outside [period, 1.5 × period).
+fn weigh_samples(log: &ThreadLog, period: u64) -> Vec<(u64, u64)> {
+    let mut off: Vec<(u64, u64)> = Vec::new();
+    let mut out_at: Option<u64> = None;
+    for &(ts, change) in &log.changes {
+        match change {
+            Change::SwitchOut { .. } => out_at = Some(ts),
+            Change::SwitchIn => {
+                if let Some(at) = out_at.take() {
+                    off.push((at, ts));
+                }
+            }
+            _ => {}
+        }
+    }
+    log.fault_samples
+        .iter()
+        .map(|&(ts, prev)| {
+            let weight = prev.map_or(period, |prev| {
+                let first = off.partition_point(|(_, e)| *e <= prev);
+                let off_cpu: u64 = off[first..]
+                    .iter()
+                    .take_while(|(s, _)| *s < ts)
+                    .map(|(s, e)| (*e).min(ts).saturating_sub((*s).max(prev)))
+                    .sum();
+                let on_cpu = ts.saturating_sub(prev).saturating_sub(off_cpu);
+                // Longer: samples were missing in between; shorter: clock skew.
+                if (period..period + period / 2).contains(&on_cpu) {
+                    on_cpu
+                } else {
+                    period
+                }
+            });
+            (ts, weight)
+        })
+        .collect()
+}
+
+/// Start times of the thread's NCCL calls that went off-CPU before returning, and of its
+/// blocked intervals that ended with a wakeup from another thread of its process.
+fn marks(log: &ThreadLog) -> (BTreeSet<u64>, BTreeSet<u64>) {
+    // NCCL calls that left the CPU block the host: all their time is NCCL wait.
+    let mut blocking_calls = BTreeSet::new();
+    let mut open: Option<u64> = None;
+    for &(ts, change) in &log.changes {
+        match change {
+            Change::NcclStart => open = Some(ts),
+            Change::SwitchOut { .. } => {
+                if let Some(start) = open {
+                    blocking_calls.insert(start);
+                }
+            }
+            Change::NcclEnd => open = None,
+            _ => {}
+        }
+    }
+    // Blocked intervals that end with a wakeup from another thread of the process:
+    // the thread waits for the process's own work (autograd, worker queues).
+    let mut own_waits = BTreeSet::new();
+    let mut blocked_since: Option<u64> = None;
+    for &(ts, change) in &log.changes {
+        match change {
+            Change::SwitchOut { runnable: false } => blocked_since = Some(ts),
+            Change::Wakeup { own } => {
+                if let Some(since) = blocked_since.take()
+                    && own
+                {
+                    own_waits.insert(since);
+                }
+            }
+            Change::SwitchIn => blocked_since = None,
+            _ => {}
+        }
+    }
+    (blocking_calls, own_waits)
 }
 
 /// How far past a faulting instruction a user-mode sample still counts as the fault's
@@ -621,6 +730,8 @@ struct State {
     nccl_depth: u32,
     /// Inside an NCCL call that goes off-CPU before it returns.
     nccl_blocking: bool,
+    /// Blocked until another thread of the process wakes it.
+    waits_on_own: bool,
 }
 
 impl State {
@@ -642,7 +753,7 @@ impl State {
             } else {
                 &mut cat.runqueue
             }
-        } else if self.sync_depth > 0 {
+        } else if self.sync_depth > 0 || self.waits_on_own {
             &mut cat.compute
         } else {
             &mut cat.other_offcpu

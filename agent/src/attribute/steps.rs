@@ -52,7 +52,7 @@ type Key = (Func, u64);
 
 /// The smallest period of `seq`, if one repeats at least twice.
 #[must_use]
-pub fn find_period(seq: &[Key]) -> Option<usize> {
+pub fn find_period<T: PartialEq>(seq: &[T]) -> Option<usize> {
     let n = seq.len();
     (1..=(n / 2).min(MAX_PERIOD)).find(|&p| {
         let matches = (0..n - p).filter(|&i| seq[i] == seq[i + p]).count();
@@ -65,10 +65,103 @@ fn median(values: &mut [u64]) -> u64 {
     values.get(values.len() / 2).copied().unwrap_or(0)
 }
 
-/// Finds steps from one rank thread's collectives and CUDA sync calls (`(start, end)`,
-/// sorted by start).
+/// Finds steps from a rank's collectives (all its threads, sorted by start) and its
+/// training-loop thread's CUDA sync calls (`(start, end)`, sorted by start).
 #[must_use]
 pub fn detect(collectives: &[Collective], syncs: &[(u64, u64)]) -> Option<Detected> {
+    by_syncs(collectives, syncs).or_else(|| by_gaps(collectives, syncs))
+}
+
+/// The return of the last sync in `(lo, hi]`.
+fn last_sync_end(syncs: &[(u64, u64)], lo: u64, hi: u64) -> Option<u64> {
+    syncs
+        .iter()
+        .filter(|(s, e)| *s >= lo && *e <= hi)
+        .map(|(_, e)| *e)
+        .max()
+}
+
+/// Steps from the syncs between collectives: most loops wait on the GPU once a step
+/// (`loss.item()`), which splits the collectives into segments. The repeating unit of
+/// segments (usually one) is the step. This also finds steps whose collectives repeat with
+/// a shorter period than the step (six layers' weight and bias all-reduced in turn).
+fn by_syncs(collectives: &[Collective], syncs: &[(u64, u64)]) -> Option<Detected> {
+    // (first collective, sync return before it) of each segment.
+    let mut segments: Vec<(usize, u64)> = Vec::new();
+    for i in 1..collectives.len() {
+        if let Some(end) = last_sync_end(syncs, collectives[i - 1].end_ns, collectives[i].start_ns)
+        {
+            segments.push((i, end));
+        }
+    }
+    if segments.len() < 3 {
+        return None;
+    }
+    let symbols: Vec<Vec<Key>> = segments
+        .iter()
+        .enumerate()
+        .map(|(k, &(first, _))| {
+            let next = segments.get(k + 1).map_or(collectives.len(), |s| s.0);
+            collectives[first..next]
+                .iter()
+                .map(|c| (c.func, c.bytes))
+                .collect()
+        })
+        .collect();
+    let per_step = find_period(&symbols)?;
+    // Phase: the segment with the longest median idle gap before it starts a step.
+    let phase = (0..per_step)
+        .max_by_key(|&r| {
+            let mut gaps: Vec<u64> = segments
+                .iter()
+                .skip(r)
+                .step_by(per_step)
+                .map(|&(i, _)| {
+                    collectives[i]
+                        .start_ns
+                        .saturating_sub(collectives[i - 1].end_ns)
+                })
+                .collect();
+            median(&mut gaps)
+        })
+        .unwrap_or(0);
+    let mut starts: Vec<u64> = segments
+        .iter()
+        .skip(phase)
+        .step_by(per_step)
+        .map(|&(_, end)| end)
+        .collect();
+    let last = collectives.last()?;
+    if let Some(final_sync) = syncs.iter().rev().find(|(s, _)| *s >= last.end_ns) {
+        starts.push(final_sync.1);
+    }
+    let bounds: Vec<(u64, u64)> = starts
+        .windows(2)
+        .filter(|w| w[1] > w[0])
+        .map(|w| (w[0], w[1]))
+        .collect();
+    if bounds.len() < 2 {
+        return None;
+    }
+    let calls = symbols[phase..]
+        .iter()
+        .take(per_step)
+        .map(Vec::len)
+        .sum::<usize>();
+    Some(Detected {
+        method: Method::Auto,
+        reason: format!(
+            "the rank waits on the GPU between its collectives in a repeating pattern \
+             ({per_step} sync-separated group(s), {calls} collectives a step); steps cut at \
+             the return of that CUDA sync"
+        ),
+        period: Some(calls),
+        bounds,
+    })
+}
+
+/// Steps from the repeating collective sequence alone, cut at the longest idle gap.
+fn by_gaps(collectives: &[Collective], syncs: &[(u64, u64)]) -> Option<Detected> {
     let seq: Vec<Key> = collectives.iter().map(|c| (c.func, c.bytes)).collect();
     let period = find_period(&seq)?;
     // Anchor: the (previous key, key) pair with the longest median gap before it, among
@@ -97,12 +190,7 @@ pub fn detect(collectives: &[Collective], syncs: &[(u64, u64)]) -> Option<Detect
     let boundary = |i: usize| -> Option<u64> {
         let lo = i.checked_sub(1).map_or(0, |j| collectives[j].end_ns);
         let hi = collectives[i].start_ns;
-        syncs
-            .iter()
-            .filter(|(s, e)| *s >= lo && *e <= hi)
-            .map(|(_, e)| *e)
-            .max()
-            .or((i > 0).then_some(hi))
+        last_sync_end(syncs, lo, hi).or((i > 0).then_some(hi))
     };
     let mut starts: Vec<u64> = anchors.iter().filter_map(|&i| boundary(i)).collect();
     // The last step ends at the last sync after its collectives.
@@ -246,6 +334,22 @@ mod tests {
             "{} steps",
             d.bounds.len()
         );
+    }
+
+    /// Weight and bias all-reduced in turn for six layers: the key sequence repeats every
+    /// 2 calls, but the sync once a step gives 12 collectives a step.
+    #[test]
+    fn step_longer_than_key_period() {
+        let ops: Vec<(Func, u64)> = (0..6)
+            .flat_map(|_| [(Func::AllReduce, 16_777_216), (Func::AllReduce, 8192)])
+            .collect();
+        let (c, s) = rank(20, &ops, 2_000_000);
+        let seq: Vec<Key> = c.iter().map(|c| (c.func, c.bytes)).collect();
+        assert_eq!(find_period(&seq), Some(2));
+        let d = detect(&c, &s).unwrap();
+        assert_eq!(d.period, Some(12));
+        assert_eq!(d.bounds.len(), 19);
+        assert!(d.reason.contains("sync"), "{}", d.reason);
     }
 
     /// Nothing repeats: no steps (the caller falls back to windows).

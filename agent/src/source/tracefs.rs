@@ -95,7 +95,7 @@ pub fn read_format(
 /// The tracepoints nccltrace attaches to: (category, event).
 pub const TRACEPOINTS: [(&str, &str); 10] = [
     ("sched", "sched_switch"),
-    ("sched", "sched_wakeup"),
+    ("sched", "sched_waking"),
     ("sched", "sched_migrate_task"),
     ("sched", "sched_process_fork"),
     ("sched", "sched_process_exit"),
@@ -131,7 +131,7 @@ pub fn offsets(root: &Path) -> Result<(TpOffsets, Vec<&'static str>), TracefsErr
                 o.switch_prev_state = get("prev_state")?;
                 o.switch_next_pid = get("next_pid")?;
             }
-            "sched_wakeup" => {
+            "sched_waking" => {
                 o.wakeup_pid = get("pid")?;
                 o.wakeup_target_cpu = get("target_cpu")?;
             }

@@ -12,7 +12,9 @@ pub mod kind {
     pub const CALL: u16 = 1;
     /// `sched:sched_switch` where the previous or next task belongs to a target.
     pub const SWITCH: u16 = 2;
-    /// `sched:sched_wakeup` of a target thread.
+    /// `sched:sched_waking` of a target thread. `sched_waking` fires in the waker's
+    /// context; `sched_wakeup` may fire on the wakee's CPU from an IPI (remote wakeups),
+    /// where `current` is whatever ran there, often the idle task.
     pub const WAKEUP: u16 = 3;
     /// `sched:sched_migrate_task` of a target thread.
     pub const MIGRATE: u16 = 4;

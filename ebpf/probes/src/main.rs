@@ -277,7 +277,7 @@ pub fn tracepoint_sched_switch(ctx: TracePointContext) -> u32 {
 }
 
 #[tracepoint]
-pub fn tracepoint_sched_wakeup(ctx: TracePointContext) -> u32 {
+pub fn tracepoint_sched_waking(ctx: TracePointContext) -> u32 {
     let Some(pid) = read_tp::<i32>(&ctx, offset!(wakeup_pid)) else {
         return 0;
     };

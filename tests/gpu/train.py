@@ -1,0 +1,94 @@
+"""A real rank for validating nccltrace on a GPU: PyTorch + NCCL, world size 1.
+
+Modes: `ddp` trains a 6-layer MLP under DistributedDataParallel (gradients all-reduced in
+buckets through a counting comm hook); `allreduce` all-reduces every gradient by hand.
+Both call `loss.item()` each step, as real scripts do. Warm-up steps (NCCL and CUDA init)
+run before the script waits for --go-file, so nccltrace attaches to a running job; then it
+runs --steps steps and prints, as JSON, what it did: its own count of all-reduce calls and
+its step times.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", choices=["ddp", "allreduce"], default="ddp")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--go-file")
+    p.add_argument("--width", type=int, default=2048)
+    a = p.parse_args()
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    dev = torch.device("cuda:0")
+    torch.cuda.set_device(dev)
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=dev)
+
+    layers = []
+    for _ in range(6):
+        layers += [torch.nn.Linear(a.width, a.width), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers).to(dev)
+    counted = {"allreduce": 0}
+    if a.mode == "ddp":
+        model = DDP(model, device_ids=[0])
+
+        def hook(state, bucket):
+            counted["allreduce"] += 1
+            return default_hooks.allreduce_hook(state, bucket)
+
+        model.register_comm_hook(None, hook)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(256, a.width, device=dev)
+    y = torch.randn(256, a.width, device=dev)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        if a.mode == "allreduce":
+            for prm in model.parameters():
+                dist.all_reduce(prm.grad)
+                counted["allreduce"] += 1
+        opt.step()
+        return loss.item()
+
+    for _ in range(a.warmup):
+        step()
+    torch.cuda.synchronize()
+    print(json.dumps({"ready": True, "pid": os.getpid()}), flush=True)
+    if a.go_file:
+        while not os.path.exists(a.go_file):
+            time.sleep(0.001)
+    counted["allreduce"] = 0
+    times = []
+    for _ in range(a.steps):
+        t0 = time.perf_counter_ns()
+        step()
+        times.append(time.perf_counter_ns() - t0)
+    print(json.dumps({
+        "mode": a.mode,
+        "steps": a.steps,
+        "allreduce_calls": counted["allreduce"],
+        "step_ms_median": statistics.median(times) / 1e6,
+        "step_ms_mean": statistics.mean(times) / 1e6,
+        "torch": torch.__version__,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+    }), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
