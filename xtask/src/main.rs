@@ -30,14 +30,23 @@ enum Task {
     },
     /// Set up, build, run the demo trainer, attach to it and print the summary.
     Demo,
+    /// Validation on a GPU machine with PyTorch and NCCL (see docs/validation.md).
+    GpuCheck {
+        /// Print the steps to run instead of running them (this machine has no GPU).
+        #[arg(long)]
+        print: bool,
+    },
 }
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let root = workspace_root();
+    if let Task::GpuCheck { print } = cli.task {
+        return gpu_check(&root, print);
+    }
     setup::run(&root).context("setup")?;
     match cli.task {
-        Task::Setup => Ok(()),
+        Task::Setup | Task::GpuCheck { .. } => Ok(()),
         Task::Test { args } => test::run(&root, &args),
         Task::Demo => demo::run(&root),
     }
@@ -70,4 +79,30 @@ fn build_fixtures(root: &Path) -> anyhow::Result<PathBuf> {
         .arg(root.join("tests/fixtures"))
         .arg(format!("OUT={}", out.display())))?;
     Ok(out)
+}
+
+/// How to validate on a GPU machine: build here, carry the binary and the scripts, run there.
+fn gpu_check(root: &Path, print: bool) -> anyhow::Result<()> {
+    let steps = format!(
+        "GPU validation (docs/validation.md):\n\
+         1. here:  cargo build --release -p nccltrace && mkdir -p .carry && \\\n\
+         \x20         strip -o .carry/nccltrace target/release/nccltrace\n\
+         2. copy the repository (tests/gpu/) and .carry/ to the GPU machine (PyTorch with the\n\
+         \x20  NCCL backend, root for eBPF)\n\
+         3. there: OUT=/tmp/gpu-out bash tests/gpu/run.sh \"$PWD/.carry/nccltrace\" 300\n\
+         \x20  runs tests/gpu/train.py in DDP and hand-all-reduce modes, each traced by\n\
+         \x20  `nccltrace attach --pid` and untraced; prints each script's own counts and step\n\
+         \x20  times beside nccltrace's summary and step table; outputs under $OUT/<mode>/\n\
+         4. compare: AllReduce calls = the script's allreduce_calls; steps found = steps ± 1;\n\
+         \x20  record the numbers and the date in docs/validation.md\n\
+         (workspace: {})",
+        root.display()
+    );
+    if print {
+        println!("{steps}");
+        return Ok(());
+    }
+    anyhow::bail!(
+        "this machine has no GPU: run `cargo xtask gpu-check --print` and follow the steps"
+    )
 }

@@ -65,7 +65,8 @@ fn nightly() -> anyhow::Result<()> {
     Ok(())
 }
 
-const APT_PACKAGES: [&str; 6] = [
+const APT_PACKAGES: [&str; 7] = [
+    "xz-utils",
     "llvm-22-dev",
     "libpolly-22-dev",
     "clang",
