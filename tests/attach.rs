@@ -248,6 +248,15 @@ fn counts_every_call_of_the_trainer() {
         assert!(summary["sched"]["migrations"].as_u64().unwrap() >= 1);
     }
     assert!(out.join("recording.nctr").is_file());
+    // The health report written at attach.
+    let doctor: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("doctor.json")).unwrap()).unwrap();
+    assert!(doctor["findings"].is_array());
+    assert!(
+        doctor["target"]["threads"]
+            .as_array()
+            .is_some_and(|t| !t.is_empty())
+    );
     no_programs_left();
 }
 
@@ -476,6 +485,26 @@ fn bad_input_exits_2() {
             "cannot read",
         ),
     ];
+    let cases = cases.into_iter().chain([
+        (
+            vec!["doctor".into(), "--root".into(), "/nonexistent".into()],
+            "a folder holding proc/",
+        ),
+        (
+            vec!["doctor".into(), "--pid".into(), "999999999".into()],
+            "invalid --pid",
+        ),
+        (
+            vec![
+                "snapshot".into(),
+                "--pid".into(),
+                "999999999".into(),
+                "-o".into(),
+                dir.path().join("s").display().to_string(),
+            ],
+            "invalid --pid",
+        ),
+    ]);
     for (args, expected) in cases {
         let out = agent().args(&args).output().unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);

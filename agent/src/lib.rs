@@ -7,6 +7,7 @@
 pub mod attribute;
 pub mod cli;
 pub mod decode;
+pub mod doctor;
 pub mod event;
 pub mod host;
 pub mod pipeline;

@@ -129,7 +129,43 @@ pub fn run(args: AttachArgs) -> Result<(), Error> {
     runtime.block_on(trace(settings, &targets))
 }
 
+/// The health report at attach: `OUT/doctor.json` and the warnings on stderr.
+fn health_report(out: &std::path::Path, pid: u32) -> Result<(), Error> {
+    let report = crate::doctor::diagnose(&host::Host::live(), Some(pid));
+    let path = out.join("doctor.json");
+    let mut file = std::fs::File::create(&path).map_err(|source| Error::Output {
+        path: path.clone(),
+        source,
+    })?;
+    crate::doctor::write_json(&report, &mut file)
+        .map_err(|source| Error::Output { path, source })?;
+    let serious: Vec<_> = report
+        .findings
+        .iter()
+        .filter(|f| f.severity >= crate::doctor::findings::Severity::Warn)
+        .collect();
+    if serious.is_empty() {
+        eprintln!("nccltrace: doctor: no placement problems found for pid {pid} (doctor.json)");
+    }
+    for f in serious {
+        eprintln!(
+            "nccltrace: doctor: {:?} [{}] {}{}",
+            f.severity,
+            f.id,
+            f.summary,
+            f.fix
+                .as_deref()
+                .map(|x| format!("; fix: {x}"))
+                .unwrap_or_default()
+        );
+    }
+    Ok(())
+}
+
 async fn trace(settings: Settings, targets: &[source::Target]) -> Result<(), Error> {
+    if let Some(first) = targets.first() {
+        health_report(&settings.out, first.pid)?;
+    }
     let mut attached = source::attach(targets, &settings.profile)?;
     for t in &attached.header.targets {
         eprintln!(

@@ -1,7 +1,9 @@
 //! The command line: clap types stop here and become validated settings.
 
 mod attach;
+mod doctor;
 mod report;
+mod snapshot;
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -24,6 +26,10 @@ enum Command {
     Attach(attach::AttachArgs),
     /// Rebuild every output from a recording, without root.
     Report(report::ReportArgs),
+    /// Check GPU / NUMA / NIC placement of a rank and say how to fix it.
+    Doctor(doctor::DoctorArgs),
+    /// Capture the files `doctor` reads, to diagnose elsewhere with `doctor --root`.
+    Snapshot(snapshot::SnapshotArgs),
 }
 
 impl Cli {
@@ -32,6 +38,8 @@ impl Cli {
         match self.command {
             Command::Attach(args) => attach::run(args),
             Command::Report(args) => report::run(args),
+            Command::Doctor(args) => doctor::run(args),
+            Command::Snapshot(args) => snapshot::run(args),
         }
     }
 }
