@@ -248,6 +248,7 @@ fn counts_every_call_of_the_trainer() {
         assert!(summary["sched"]["migrations"].as_u64().unwrap() >= 1);
     }
     assert!(out.join("recording.nctr").is_file());
+    flamegraphs_and_trace_are_valid(&out, &summary);
     // The health report written at attach.
     let doctor: Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("doctor.json")).unwrap()).unwrap();
@@ -636,4 +637,63 @@ fn breakdown_collectives_from_another_thread() {
         .unwrap_or_else(std::sync::PoisonError::into_inner);
     require_root();
     breakdown_matches_truth(&[("FAKE_NCCL_US", "300")], &["--comm-thread"]);
+}
+
+/// Every SVG is well-formed XML and names the trainer's own functions; every `.folded`
+/// line is `frames weight`; trace.json holds named tracks, one slice per NCCL call and
+/// per step, with timestamps inside the trace.
+fn flamegraphs_and_trace_are_valid(out: &Path, summary: &Value) {
+    for name in ["oncpu", "offcpu", "nccl-wait", "attributed"] {
+        let svg = std::fs::read_to_string(out.join(format!("flamegraph-{name}.svg"))).unwrap();
+        let mut reader = quick_xml::Reader::from_str(&svg);
+        loop {
+            match reader.read_event() {
+                Ok(quick_xml::events::Event::Eof) => break,
+                Ok(_) => {}
+                Err(e) => panic!("flamegraph-{name}.svg is not XML: {e}"),
+            }
+        }
+        let folded =
+            std::fs::read_to_string(out.join(format!("flamegraph-{name}.folded"))).unwrap();
+        for line in folded.lines() {
+            let (_, weight) = line.rsplit_once(' ').unwrap();
+            assert!(weight.parse::<u64>().unwrap() > 0, "{line}");
+        }
+        if name == "oncpu" || name == "attributed" {
+            assert!(
+                svg.contains("compute") && svg.contains("main"),
+                "flamegraph-{name}.svg lacks trainer frames"
+            );
+        }
+    }
+    let attributed = std::fs::read_to_string(out.join("flamegraph-attributed.folded")).unwrap();
+    assert!(attributed.lines().any(|l| l.starts_with("nccl_wait;")));
+    assert!(attributed.lines().any(|l| l.starts_with("page_fault;")));
+    let trace: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("trace.json")).unwrap()).unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    let end_us = summary["duration_ns"].as_f64().unwrap() / 1000.0;
+    let mut nccl_slices = 0;
+    let mut step_slices = 0;
+    for e in events {
+        let ph = e["ph"].as_str().unwrap();
+        assert!(e["pid"].is_u64(), "{e}");
+        assert!(e["name"].is_string(), "{e}");
+        if ph == "X" {
+            let ts = e["ts"].as_f64().unwrap();
+            assert!(ts >= 0.0 && ts <= end_us + 1.0, "{e}");
+            assert!(e["dur"].as_f64().unwrap() >= 0.0, "{e}");
+            nccl_slices += u64::from(e["cat"] == "nccl");
+            step_slices += u64::from(e["cat"] == "step");
+        }
+    }
+    assert_eq!(nccl_slices, summary["nccl"]["calls"].as_u64().unwrap());
+    assert!(step_slices > 0);
+    assert!(events.iter().any(|e| {
+        e["ph"] == "M"
+            && e["args"]["name"]
+                .as_str()
+                .is_some_and(|n| n.contains("main (rank)"))
+    }));
+    assert!(trace["otherData"]["realtime_ns_at_0"].is_u64());
 }

@@ -144,15 +144,25 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
                 dst_nid: e.dst_nid,
             }
         }
-        kind::SAMPLE => {
-            let e = read::<SampleEvent>(bytes, "sample record")?;
+        kind::SAMPLE | kind::OFFCPU => {
+            let e = read::<SampleEvent>(bytes, "stack record")?;
             let k = (e.kstack_len as usize).min(KSTACK_DEPTH);
             let u = (e.ustack_len as usize).min(USTACK_DEPTH);
-            Event::Sample {
-                ts_ns: h.ts_ns,
-                task: t,
-                kstack: e.kstack[..k].to_vec(),
-                ustack: e.ustack[..u].to_vec(),
+            let (kstack, ustack) = (e.kstack[..k].to_vec(), e.ustack[..u].to_vec());
+            if h.kind == kind::SAMPLE {
+                Event::Sample {
+                    ts_ns: h.ts_ns,
+                    task: t,
+                    kstack,
+                    ustack,
+                }
+            } else {
+                Event::OffCpu {
+                    ts_ns: h.ts_ns,
+                    task: t,
+                    kstack,
+                    ustack,
+                }
             }
         }
         other => return Err(DecodeError::UnknownKind { kind: other }),

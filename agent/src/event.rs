@@ -365,6 +365,13 @@ pub enum Event {
         kstack: Vec<u64>,
         ustack: Vec<u64>,
     },
+    /// The stacks a thread left the CPU with.
+    OffCpu {
+        ts_ns: u64,
+        task: Task,
+        kstack: Vec<u64>,
+        ustack: Vec<u64>,
+    },
 }
 
 /// What a NUMA-balancing tracepoint said.
@@ -389,7 +396,8 @@ impl Event {
             | Event::Fault { task, .. }
             | Event::PageMigration { task, .. }
             | Event::NumaTask { task, .. }
-            | Event::Sample { task, .. } => *task,
+            | Event::Sample { task, .. }
+            | Event::OffCpu { task, .. } => *task,
         }
     }
 
@@ -406,7 +414,8 @@ impl Event {
             | Event::Fault { ts_ns, .. }
             | Event::PageMigration { ts_ns, .. }
             | Event::NumaTask { ts_ns, .. }
-            | Event::Sample { ts_ns, .. } => *ts_ns,
+            | Event::Sample { ts_ns, .. }
+            | Event::OffCpu { ts_ns, .. } => *ts_ns,
         }
     }
 
@@ -425,6 +434,7 @@ impl Event {
             k::PAGE_MIGRATION => "mm_migrate_pages",
             k::NUMA_TASK => "numa_task",
             k::SAMPLE => "cpu_sample",
+            k::OFFCPU => "offcpu_stack",
             _ => "unknown",
         }
     }

@@ -15,6 +15,7 @@ pub mod profile;
 pub mod record;
 pub mod render;
 pub mod source;
+pub mod symbolize;
 
 use std::path::PathBuf;
 

@@ -92,6 +92,8 @@ pub struct Summary {
     pub events: u64,
     /// On-CPU samples of target threads.
     pub cpu_samples: u64,
+    /// Stacks captured as target threads left the CPU.
+    pub offcpu_stacks: u64,
     pub undecodable_records: u64,
     pub lost_events: u64,
     pub lost_by_kind: BTreeMap<String, u64>,
@@ -113,7 +115,9 @@ pub struct Aggregator {
     memory: MemoryStats,
     threads: BTreeSet<u32>,
     samples: u64,
+    offcpu_stacks: u64,
     timeline: Timeline,
+    kernel_symbols: BTreeMap<u64, String>,
     end: Option<Meta>,
     incomplete: Option<String>,
 }
@@ -133,6 +137,8 @@ impl Aggregator {
             memory: MemoryStats::default(),
             threads: BTreeSet::new(),
             samples: 0,
+            offcpu_stacks: 0,
+            kernel_symbols: BTreeMap::new(),
             end: None,
             incomplete: None,
         }
@@ -198,12 +204,16 @@ impl Aggregator {
             }
             Event::NumaTask { .. } => self.memory.numa_task_events += 1,
             Event::Sample { .. } => self.samples += 1,
+            Event::OffCpu { .. } => self.offcpu_stacks += 1,
         }
     }
 
     /// Adds agent metadata.
     pub fn meta(&mut self, meta: Meta) {
-        self.end = Some(meta);
+        match meta {
+            Meta::KernelSymbols { symbols } => self.kernel_symbols.extend(symbols),
+            end @ Meta::End { .. } => self.end = Some(end),
+        }
     }
 
     /// Marks the input as cut short (a damaged recording), with the reason.
@@ -222,7 +232,9 @@ impl Aggregator {
                 lost_by_kind,
                 counters,
             }) => (end_monotonic_ns, Some(reason), lost_by_kind, counters),
-            None => (self.last_ts, None, BTreeMap::new(), BTreeMap::new()),
+            Some(Meta::KernelSymbols { .. }) | None => {
+                (self.last_ts, None, BTreeMap::new(), BTreeMap::new())
+            }
         };
         let incomplete = self.incomplete.or_else(|| {
             stop_reason.is_none().then(|| {
@@ -231,7 +243,7 @@ impl Aggregator {
                     .to_owned()
             })
         });
-        let steps = self.timeline.finish(end_ns, rule);
+        let (steps, detail) = self.timeline.finish(end_ns, rule);
         let mut nccl = NcclStats::default();
         for (func, s) in self.nccl {
             nccl.calls += s.calls;
@@ -270,13 +282,20 @@ impl Aggregator {
             memory: self.memory,
             events: self.events,
             cpu_samples: self.samples,
+            offcpu_stacks: self.offcpu_stacks,
             undecodable_records: self.undecodable,
             lost_events: lost_by_kind.values().sum(),
             lost_by_kind,
             counters,
             incomplete,
         };
-        Outputs { summary, steps }
+        Outputs {
+            summary,
+            steps,
+            detail,
+            kernel_symbols: self.kernel_symbols,
+            header: self.header,
+        }
     }
 }
 
@@ -285,6 +304,10 @@ impl Aggregator {
 pub struct Outputs {
     pub summary: Summary,
     pub steps: StepsReport,
+    pub detail: crate::attribute::Detail,
+    /// Kernel frame names recorded at the end of the live run.
+    pub kernel_symbols: BTreeMap<u64, String>,
+    pub header: Header,
 }
 
 /// Replays a recording through the pipeline. A damaged tail is reported on stderr and
@@ -316,6 +339,33 @@ pub fn write_outputs(dir: &Path, outputs: &Outputs, text: &mut impl io::Write) -
     render::summary::write_json(&outputs.summary, &mut create("summary.json")?)?;
     render::steps::write_json(&outputs.steps, &mut create("steps.json")?)?;
     render::steps::write_csv(&outputs.steps, &mut create("steps.csv")?)?;
+    let symbols = crate::symbolize::symbolize(
+        &outputs.header,
+        &outputs.detail.stacks,
+        &outputs.kernel_symbols,
+    );
+    for kind in render::flamegraph::Kind::ALL {
+        let lines = render::flamegraph::folded(&outputs.detail, &symbols, kind);
+        render::flamegraph::write_folded(&lines, &mut create(&format!("{}.folded", kind.file()))?)?;
+        render::flamegraph::write_svg(kind, &lines, &mut create(&format!("{}.svg", kind.file()))?)?;
+    }
+    render::trace::write(
+        &outputs.header,
+        &outputs.detail,
+        &outputs.steps,
+        create("trace.json")?,
+    )?;
     render::summary::write_text(&outputs.summary, text)?;
-    render::steps::write_table(&outputs.steps, text)
+    render::steps::write_table(&outputs.steps, text)?;
+    if let Some(share) = render::flamegraph::short_stack_share(&outputs.detail)
+        && share > 0.5
+    {
+        writeln!(
+            text,
+            "Stacks: {:.0}% of user stacks have at most two frames: the target was likely built \
+             without frame pointers, so flamegraphs stop early instead of showing wrong frames",
+            share * 100.0
+        )?;
+    }
+    Ok(())
 }

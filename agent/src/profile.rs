@@ -27,6 +27,8 @@ pub struct Probes {
     pub page_faults: bool,
     /// migrate:mm_migrate_pages and sched_{move,swap,stick}_numa.
     pub numa: bool,
+    /// Kernel and user stacks each time a target thread leaves the CPU.
+    pub offcpu_stacks: bool,
 }
 
 /// Buffer sizes.

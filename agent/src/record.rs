@@ -93,6 +93,10 @@ pub struct TargetInfo {
     /// Thread ids and names at attach.
     #[serde(default)]
     pub threads: Vec<(u32, String)>,
+    /// `/proc/PID/maps` at attach: user frames are symbolized from it after the target
+    /// has exited.
+    #[serde(default)]
+    pub maps_text: String,
 }
 
 /// What a recording starts with.
@@ -127,6 +131,9 @@ pub enum Meta {
         lost_by_kind: BTreeMap<String, u64>,
         counters: BTreeMap<String, u64>,
     },
+    /// Names of the kernel frames seen in stacks, from /proc/kallsyms at the end of the
+    /// live run, so `report` symbolizes kernel frames on any machine.
+    KernelSymbols { symbols: Vec<(u64, String)> },
 }
 
 /// One record read back.

@@ -71,6 +71,46 @@ impl Categories {
     }
 }
 
+/// One category, for pieces of a thread's time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Cat {
+    Compute,
+    NcclWait,
+    PageFault,
+    CpuMigration,
+    Runqueue,
+    OtherOffcpu,
+}
+
+impl Cat {
+    /// The name used in outputs.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            Cat::Compute => "compute",
+            Cat::NcclWait => "nccl_wait",
+            Cat::PageFault => "page_fault",
+            Cat::CpuMigration => "cpu_migration",
+            Cat::Runqueue => "runqueue",
+            Cat::OtherOffcpu => "other_offcpu",
+        }
+    }
+}
+
+impl Categories {
+    fn slot(&mut self, cat: Cat) -> &mut u64 {
+        match cat {
+            Cat::Compute => &mut self.compute,
+            Cat::NcclWait => &mut self.nccl_wait,
+            Cat::PageFault => &mut self.page_fault,
+            Cat::CpuMigration => &mut self.cpu_migration,
+            Cat::Runqueue => &mut self.runqueue,
+            Cat::OtherOffcpu => &mut self.other_offcpu,
+        }
+    }
+}
+
 /// NCCL traffic in a step.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct NcclCount {
@@ -174,6 +214,75 @@ struct ThreadLog {
     first_switch_is_in: Option<bool>,
     /// The thread's latest page fault: (time, faulting user instruction).
     last_fault: Option<(u64, u64)>,
+    /// Every sample: (time, stack id, in a page fault).
+    stack_samples: Vec<(u64, u32, bool)>,
+    /// Stacks at switch-out: (time, stack id).
+    offcpu_stacks: Vec<(u64, u32)>,
+    /// Wakeups: (time, waker tid, waker tgid).
+    wakeups: Vec<(u64, u32, u32)>,
+    /// Migrations: (time, from CPU, to CPU).
+    migration_cpus: Vec<(u64, i32, i32)>,
+}
+
+/// A stack as captured: the process (for its maps), kernel and user frames, innermost
+/// first.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct StackKey {
+    pub pid: u32,
+    pub kstack: Vec<u64>,
+    pub ustack: Vec<u64>,
+}
+
+/// A stretch a thread spent off-CPU.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OffCpu {
+    pub start_ns: u64,
+    pub end_ns: u64,
+    /// Preempted (still runnable) rather than blocked.
+    pub runnable: bool,
+    pub stack: Option<u32>,
+    /// Who woke it: (tid, tgid).
+    pub waker: Option<(u32, u32)>,
+}
+
+/// One thread's timeline, for the flamegraphs and the Perfetto trace.
+#[derive(Clone, Debug)]
+pub struct ThreadDetail {
+    pub tid: u32,
+    pub pid: u32,
+    pub name: String,
+    pub role: &'static str,
+    /// (start, end, category) pieces over the traced interval.
+    pub segments: Vec<(u64, u64, Cat)>,
+    /// On-CPU samples: (time, stack id, category, on-CPU time it stands for).
+    pub samples: Vec<(u64, u32, Cat, u64)>,
+    pub offcpu: Vec<OffCpu>,
+    pub migrations: Vec<(u64, i32, i32)>,
+    pub faults: Vec<u64>,
+}
+
+impl ThreadDetail {
+    /// The category at `ts`.
+    #[must_use]
+    pub fn category_at(&self, ts: u64) -> Option<Cat> {
+        let i = self.segments.partition_point(|(_, e, _)| *e <= ts);
+        self.segments
+            .get(i)
+            .filter(|(s, _, _)| *s <= ts)
+            .map(|(_, _, c)| *c)
+    }
+}
+
+/// Everything the flamegraph and trace renderers need.
+#[derive(Clone, Debug, Default)]
+pub struct Detail {
+    pub first_ns: u64,
+    pub end_ns: u64,
+    pub threads: Vec<ThreadDetail>,
+    pub stacks: Vec<StackKey>,
+    pub calls: Vec<Call>,
+    pub cpu_nodes: Vec<i32>,
+    pub sample_period_ns: u64,
 }
 
 /// Collects what attribution needs, event by event.
@@ -187,6 +296,9 @@ pub struct Timeline {
     thread_names: BTreeMap<u32, String>,
     first_ns: u64,
     last_ns: u64,
+    stacks: Vec<StackKey>,
+    stack_ids: std::collections::HashMap<StackKey, u32>,
+    calls: Vec<Call>,
 }
 
 impl Timeline {
@@ -206,7 +318,25 @@ impl Timeline {
                 .collect(),
             first_ns: header.clock.monotonic_ns,
             last_ns: header.clock.monotonic_ns,
+            stacks: Vec::new(),
+            stack_ids: std::collections::HashMap::new(),
+            calls: Vec::new(),
         }
+    }
+
+    fn intern(&mut self, pid: u32, kstack: &[u64], ustack: &[u64]) -> u32 {
+        let key = StackKey {
+            pid,
+            kstack: kstack.to_vec(),
+            ustack: ustack.to_vec(),
+        };
+        if let Some(id) = self.stack_ids.get(&key) {
+            return *id;
+        }
+        let id = self.stacks.len() as u32;
+        self.stacks.push(key.clone());
+        self.stack_ids.insert(key, id);
+        id
     }
 
     fn log(&mut self, tid: u32, pid: u32) -> &mut ThreadLog {
@@ -226,6 +356,7 @@ impl Timeline {
     }
 
     fn call(&mut self, c: &Call) {
+        self.calls.push(c.clone());
         let log = self.log(c.task.tid, c.task.tgid);
         match c.func.library() {
             Library::Cuda => {
@@ -249,6 +380,7 @@ impl Timeline {
     }
 
     /// Adds one event.
+    #[allow(clippy::too_many_lines)] // one arm per event kind
     pub fn push(&mut self, event: &Event) {
         let ts = event.ts_ns();
         self.last_ns = self.last_ns.max(ts);
@@ -288,9 +420,20 @@ impl Timeline {
                 ..
             } => {
                 let own = *waker_tgid == task.tgid && *waker_tid != task.tid;
+                let log = self.log(task.tid, task.tgid);
+                log.changes.push((*ts_ns, Change::Wakeup { own }));
+                log.wakeups.push((*ts_ns, *waker_tid, *waker_tgid));
+            }
+            Event::OffCpu {
+                ts_ns,
+                task,
+                kstack,
+                ustack,
+            } => {
+                let id = self.intern(task.tgid, kstack, ustack);
                 self.log(task.tid, task.tgid)
-                    .changes
-                    .push((*ts_ns, Change::Wakeup { own }));
+                    .offcpu_stacks
+                    .push((*ts_ns, id));
             }
             Event::Migrate {
                 ts_ns,
@@ -302,6 +445,7 @@ impl Timeline {
                 let log = self.log(task.tid, task.tgid);
                 log.changes.push((*ts_ns, Change::Migrate));
                 log.migrations.push((*ts_ns, cross));
+                log.migration_cpus.push((*ts_ns, *orig_cpu, *dest_cpu));
             }
             Event::Fault {
                 ts_ns, task, ip, ..
@@ -321,6 +465,7 @@ impl Timeline {
                     .any(|ip| self.fault_ranges.iter().any(|(a, b)| (*a..*b).contains(ip)));
                 let period = self.sample_period_ns;
                 let window = 2 * period.max(1);
+                let stack = self.intern(task.tgid, kstack, ustack);
                 let log = self.log(task.tid, task.tgid);
                 // In user mode on the instruction that just faulted, or right after it:
                 // the return from the fault (a pending timer interrupt is delivered
@@ -336,6 +481,7 @@ impl Timeline {
                 if in_fault {
                     log.fault_samples.push((*ts_ns, log.last_sample));
                 }
+                log.stack_samples.push((*ts_ns, stack, in_fault));
                 log.last_sample = Some(*ts_ns);
             }
             Event::PageMigration {
@@ -354,7 +500,7 @@ impl Timeline {
     /// Attributes the rank thread's steps and every thread's totals up to `end_ns`.
     #[allow(clippy::too_many_lines)] // detection, steps and threads in one pass over the logs
     #[must_use]
-    pub fn finish(mut self, end_ns: u64, rule: StepRule) -> StepsReport {
+    pub fn finish(mut self, end_ns: u64, rule: StepRule) -> (StepsReport, Detail) {
         let end_ns = end_ns.max(self.last_ns);
         let period = self.sample_period_ns;
         for log in self.threads.values_mut() {
@@ -442,11 +588,10 @@ impl Timeline {
                 tid: *tid,
                 pid: log.pid,
                 name: self.thread_names.get(tid).cloned().unwrap_or_default(),
-                role: if Some(*tid) == rank.map(|r| r.0) {
-                    "rank"
-                } else {
-                    "other"
-                },
+                role: role(
+                    Some(*tid) == rank.map(|r| r.0),
+                    self.thread_names.get(tid).map_or("", String::as_str),
+                ),
                 categories,
                 nccl_calls: log
                     .changes
@@ -459,7 +604,8 @@ impl Timeline {
             });
         }
         let nodes: BTreeSet<i32> = self.cpu_nodes.iter().copied().filter(|n| *n >= 0).collect();
-        StepsReport {
+        let detail = self.detail(&collective_ends, rank.map(|r| r.0), end_ns);
+        let report = StepsReport {
             method: detected.method,
             reason: detected.reason.clone(),
             period: detected.period,
@@ -488,6 +634,88 @@ impl Timeline {
             },
             steps: steps_out,
             threads,
+        };
+        (report, detail)
+    }
+
+    /// Per-thread timelines with categorized pieces, samples and off-CPU stretches.
+    fn detail(
+        &self,
+        collective_ends: &BTreeMap<u32, Vec<u64>>,
+        rank_tid: Option<u32>,
+        end_ns: u64,
+    ) -> Detail {
+        let mut threads = Vec::new();
+        for (tid, log) in &self.threads {
+            let ends = collective_ends.get(&log.pid).map_or(&[][..], Vec::as_slice);
+            let mut segments = Vec::new();
+            Self::split(log, ends, self.first_ns, end_ns, Some(&mut segments));
+            let name = self.thread_names.get(tid).cloned().unwrap_or_default();
+            let mut thread = ThreadDetail {
+                tid: *tid,
+                pid: log.pid,
+                role: role(Some(*tid) == rank_tid, &name),
+                name,
+                segments,
+                samples: Vec::new(),
+                offcpu: Vec::new(),
+                migrations: log.migration_cpus.clone(),
+                faults: log.faults.clone(),
+            };
+            let fault_weight: BTreeMap<u64, u64> = log.fault_time.iter().copied().collect();
+            for &(ts, stack, in_fault) in &log.stack_samples {
+                let at = thread.category_at(ts).unwrap_or(Cat::Compute);
+                let (cat, weight) = match fault_weight.get(&ts) {
+                    Some(w) if in_fault && at == Cat::Compute => (Cat::PageFault, *w),
+                    _ => (at, self.sample_period_ns),
+                };
+                thread.samples.push((ts, stack, cat, weight));
+            }
+            let mut open: Option<(u64, bool)> = None;
+            for &(ts, change) in &log.changes {
+                match change {
+                    Change::SwitchOut { runnable } => open = Some((ts, runnable)),
+                    Change::SwitchIn => {
+                        let Some((start, runnable)) = open.take() else {
+                            continue;
+                        };
+                        // The stack record is made by the same program run, just before
+                        // the switch record.
+                        let i = log
+                            .offcpu_stacks
+                            .partition_point(|(t, _)| *t + 100_000 < start);
+                        let stack = log
+                            .offcpu_stacks
+                            .get(i)
+                            .filter(|(t, _)| *t <= start + 100_000 && *t <= ts)
+                            .map(|(_, id)| *id);
+                        let waker = log
+                            .wakeups
+                            .iter()
+                            .rev()
+                            .find(|(t, _, _)| (start..=ts).contains(t))
+                            .map(|(_, tid, tgid)| (*tid, *tgid));
+                        thread.offcpu.push(OffCpu {
+                            start_ns: start,
+                            end_ns: ts,
+                            runnable,
+                            stack,
+                            waker,
+                        });
+                    }
+                    _ => {}
+                }
+            }
+            threads.push(thread);
+        }
+        Detail {
+            first_ns: self.first_ns,
+            end_ns,
+            threads,
+            stacks: self.stacks.clone(),
+            calls: self.calls.clone(),
+            cpu_nodes: self.cpu_nodes.clone(),
+            sample_period_ns: self.sample_period_ns,
         }
     }
 
@@ -540,6 +768,18 @@ impl Timeline {
 
     /// Splits `[a, b)` of one thread into categories.
     fn categories(log: &ThreadLog, collective_ends: &[u64], a: u64, b: u64) -> Categories {
+        Self::split(log, collective_ends, a, b, None)
+    }
+
+    /// As `categories`, also listing the pieces (start, end, category) in `segments`
+    /// (page faults are not carved out of them: they come from samples).
+    fn split(
+        log: &ThreadLog,
+        collective_ends: &[u64],
+        a: u64,
+        b: u64,
+        mut segments: Option<&mut Vec<(u64, u64, Cat)>>,
+    ) -> Categories {
         let mut cat = Categories::default();
         if b <= a {
             return cat;
@@ -571,10 +811,16 @@ impl Timeline {
         let mut charge = |cat: &mut Categories, from: u64, to: u64, state: State| {
             let (from, to) = (from.max(a), to.min(b));
             if to > from {
-                let slot = state.category(cat);
-                *slot += to - from;
+                let which = state.category();
+                *cat.slot(which) += to - from;
                 if state.in_nccl_sync() {
                     nccl_sync_spans.push((from, to));
+                }
+                if let Some(segments) = segments.as_deref_mut() {
+                    match segments.last_mut() {
+                        Some(last) if last.1 == from && last.2 == which => last.1 = to,
+                        _ => segments.push((from, to, which)),
+                    }
                 }
             }
         };
@@ -718,6 +964,24 @@ fn marks(log: &ThreadLog) -> (BTreeSet<u64>, BTreeSet<u64>) {
 /// return path (x86 store instructions and the loop step after them).
 const RETRY_BYTES: u64 = 16;
 
+/// What a thread does, from its name (NCCL names its threads only with
+/// NCCL_SET_THREAD_NAME=1; PyTorch and CUDA name theirs).
+fn role(is_rank: bool, name: &str) -> &'static str {
+    if is_rank {
+        return "main (rank)";
+    }
+    match name {
+        "pt_nccl_watchdg" => "NCCL watchdog (PyTorch)",
+        "pt_nccl_heartbt" => "NCCL heartbeat (PyTorch)",
+        "cuda-EvtHandlr" => "CUDA event handler",
+        n if n.starts_with("pt_autograd") => "autograd",
+        n if n.starts_with("pt_data_worker") || n.starts_with("pt_data_pin") => "dataloader",
+        n if n.contains("ncclProxy") || n.starts_with("NCCL") => "NCCL proxy",
+        n if n.starts_with("cuda") => "CUDA",
+        _ => "other",
+    }
+}
+
 /// A thread's state between two changes.
 #[allow(clippy::struct_excessive_bools)] // independent facts about one thread
 #[derive(Clone, Copy, Debug, Default)]
@@ -740,23 +1004,23 @@ impl State {
     }
 
     /// The category time in this state belongs to (the rules in the module docs).
-    fn category(self, cat: &mut Categories) -> &mut u64 {
+    fn category(self) -> Cat {
         if self.in_nccl_sync() || self.nccl_blocking {
-            &mut cat.nccl_wait
+            Cat::NcclWait
         } else if self.on_cpu {
-            &mut cat.compute
+            Cat::Compute
         } else if self.nccl_depth > 0 {
-            &mut cat.nccl_wait
+            Cat::NcclWait
         } else if self.runnable {
             if self.migrated {
-                &mut cat.cpu_migration
+                Cat::CpuMigration
             } else {
-                &mut cat.runqueue
+                Cat::Runqueue
             }
         } else if self.sync_depth > 0 || self.waits_on_own {
-            &mut cat.compute
+            Cat::Compute
         } else {
-            &mut cat.other_offcpu
+            Cat::OtherOffcpu
         }
     }
 }
@@ -893,7 +1157,7 @@ mod tests {
         for e in &events {
             tl.push(e);
         }
-        let report = tl.finish(30_000_000, StepRule::Auto);
+        let (report, _) = tl.finish(30_000_000, StepRule::Auto);
         assert_eq!(report.method, Method::Auto);
         assert_eq!(report.rank_tid, Some(10));
         assert_eq!(report.steps.len(), 2);
@@ -929,7 +1193,7 @@ mod tests {
         ] {
             tl.push(&e);
         }
-        let report = tl.finish(10_000, StepRule::Window(10_000));
+        let (report, _) = tl.finish(10_000, StepRule::Window(10_000));
         assert_eq!(report.method, Method::Window);
         let t = &report.threads[0].categories;
         assert_eq!(t.nccl_wait, 5_000);

@@ -213,11 +213,20 @@ async fn trace(settings: Settings, targets: &[source::Target]) -> Result<(), Err
         lost_by_kind,
         counters,
     };
-    // Whatever happened above, keep what was collected: close the recording and write the
-    // summary before reporting the error.
-    let write_end = sink.writer.meta(&end).and_then(|()| sink.writer.finish());
-    sink.agg.meta(end);
-    let outputs = sink.agg.finish(settings.step_rule);
+    // Whatever happened above, keep what was collected: close the recording and write
+    // every output before reporting the error.
+    sink.agg.meta(end.clone());
+    let mut outputs = sink.agg.finish(settings.step_rule);
+    let kernel_ips = crate::symbolize::kernel_addresses(&outputs.detail.stacks);
+    let kernel = std::fs::read_to_string("/proc/kallsyms")
+        .map(|text| crate::symbolize::kernel_names(&text, &kernel_ips))
+        .unwrap_or_default();
+    outputs.kernel_symbols.extend(kernel.iter().cloned());
+    let write_end = sink
+        .writer
+        .meta(&Meta::KernelSymbols { symbols: kernel })
+        .and_then(|()| sink.writer.meta(&end))
+        .and_then(|()| sink.writer.finish());
     crate::pipeline::write_outputs(&settings.out, &outputs, &mut std::io::stdout().lock())
         .map_err(|source| Error::Output {
             path: settings.out.clone(),

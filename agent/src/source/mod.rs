@@ -214,6 +214,11 @@ pub fn attach(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
 
     let mut loader = EbpfLoader::new();
     loader.override_global("OFFSETS", &offsets, true);
+    let config = nccltrace_common::Config {
+        offcpu_stacks: u32::from(profile.probes.offcpu_stacks && profile.probes.sched),
+        _pad: 0,
+    };
+    loader.override_global("CONFIG", &config, true);
     loader.map_max_entries("EVENTS", profile.ring_buffer_bytes());
     let mut ebpf = loader.load(PROGRAMS).map_err(|e| {
         if is_eperm(&e) {
@@ -429,6 +434,8 @@ pub fn attach(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
                 probes,
                 maps: t.maps.clone(),
                 threads: host.thread_names(t.pid),
+                maps_text: std::fs::read_to_string(host.path(&format!("proc/{}/maps", t.pid)))
+                    .unwrap_or_default(),
             })
             .collect(),
         sample_period_ns,

@@ -30,8 +30,10 @@ pub mod kind {
     pub const NUMA_TASK: u16 = 9;
     /// An on-CPU sample (software cpu-clock perf event) of a target thread, with stacks.
     pub const SAMPLE: u16 = 10;
+    /// A target thread's stacks as it leaves the CPU (`SampleEvent` layout).
+    pub const OFFCPU: u16 = 11;
     /// One past the largest kind: the size of per-kind tables.
-    pub const COUNT: usize = 11;
+    pub const COUNT: usize = 12;
 }
 
 /// Indices into the per-CPU `COUNTERS` array. Ids below `kind::COUNT` count events of that
@@ -289,6 +291,16 @@ pub struct SampleEvent {
 }
 const _: () = assert!(core::mem::size_of::<SampleEvent>() == 800);
 
+/// Switches set by user space before load (read-only global `CONFIG`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Config {
+    /// Nonzero: capture stacks when a target thread leaves the CPU.
+    pub offcpu_stacks: u32,
+    pub _pad: u32,
+}
+const _: () = assert!(core::mem::size_of::<Config>() == 8);
+
 /// Field offsets of the tracepoints, read from tracefs `format` files by user space and
 /// set as a read-only global before load: they differ between kernels (for example
 /// `sched_migrate_task.comm` became `__data_loc`, shifting every field after it).
@@ -336,5 +348,6 @@ mod pod {
     // SAFETY: every type here is #[repr(C)], made only of integers, with explicit padding,
     // so any bit pattern is valid.
     unsafe impl aya::Pod for super::TpOffsets {}
+    unsafe impl aya::Pod for super::Config {}
     unsafe impl aya::Pod for super::PendingCall {}
 }

@@ -19,7 +19,7 @@ use aya_ebpf::{
 };
 use aya_log_ebpf::warn;
 use nccltrace_common::{
-    CallEvent, FaultEvent, Header, KSTACK_DEPTH, MAX_ARGS, MigrateEvent, NumaTaskEvent,
+    CallEvent, Config, FaultEvent, Header, KSTACK_DEPTH, MAX_ARGS, MigrateEvent, NumaTaskEvent,
     PageMigrationEvent, PendingCall, SampleEvent, SwitchEvent, TaskEvent, TpOffsets, USTACK_DEPTH,
     WakeupEvent, counter, func, kind, numa_task, switch_flags,
 };
@@ -79,6 +79,13 @@ static OFFSETS: TpOffsets = TpOffsets {
     swap_dst_tgid: 0,
     swap_dst_cpu: 0,
     swap_dst_nid: 0,
+    _pad: 0,
+};
+
+/// Switches set by user space before load.
+#[unsafe(no_mangle)]
+static CONFIG: Config = Config {
+    offcpu_stacks: 0,
     _pad: 0,
 };
 
@@ -256,6 +263,13 @@ pub fn tracepoint_sched_switch(ctx: TracePointContext) -> u32 {
     }
     if flags == 0 {
         return 0;
+    }
+    // SAFETY: a plain read of a read-only global.
+    if flags & switch_flags::PREV_TARGET != 0
+        && unsafe { core::ptr::read_volatile(&raw const CONFIG.offcpu_stacks) } != 0
+    {
+        // The stacks the thread leaves the CPU with: why it blocked, and where it waits.
+        emit_stacks(ctx.as_ptr(), kind::OFFCPU, cur_tgid, prev_tid);
     }
     let (tgid, tid) = if flags & switch_flags::PREV_TARGET != 0 {
         (cur_tgid, prev_tid)
@@ -487,24 +501,31 @@ pub fn perf_event_cpu_clock(ctx: PerfEventContext) -> u32 {
     if !is_target(tgid) {
         return 0;
     }
+    emit_stacks(ctx.as_ptr(), kind::SAMPLE, tgid, tid);
+    0
+}
+
+/// Submits the current task's kernel and user stacks as a `SampleEvent` of `kind`.
+#[inline(always)]
+fn emit_stacks(ctx: *mut core::ffi::c_void, kind: u16, tgid: u32, tid: u32) {
     let Some(mut entry) = EVENTS.reserve::<SampleEvent>(0) else {
-        bump(u32::from(kind::SAMPLE));
-        return 0;
+        bump(u32::from(kind));
+        return;
     };
     let event = entry.as_mut_ptr();
     // SAFETY: `event` points at reserved ring-buffer memory of the right size; every field
     // read by user space is written here (stack slots past the lengths are not read).
     unsafe {
-        (*event).hdr = header(kind::SAMPLE, tgid, tid);
+        (*event).hdr = header(kind, tgid, tid);
         let k = bpf_get_stack(
-            ctx.as_ptr(),
+            ctx,
             (&raw mut (*event).kstack).cast(),
             (KSTACK_DEPTH * 8) as u32,
             0,
         );
         (*event).kstack_len = if k > 0 { (k / 8) as u32 } else { 0 };
         let u = bpf_get_stack(
-            ctx.as_ptr(),
+            ctx,
             (&raw mut (*event).ustack).cast(),
             (USTACK_DEPTH * 8) as u32,
             u64::from(BPF_F_USER_STACK),
@@ -512,7 +533,6 @@ pub fn perf_event_cpu_clock(ctx: PerfEventContext) -> u32 {
         (*event).ustack_len = if u > 0 { (u / 8) as u32 } else { 0 };
     }
     entry.submit(0);
-    0
 }
 
 #[cfg(not(test))]

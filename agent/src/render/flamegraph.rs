@@ -1,0 +1,221 @@
+//! Flamegraphs (inferno): on-CPU, off-CPU, NCCL wait and attributed, each as a `.folded`
+//! file (one stack per line, root first, weight in µs) and an SVG.
+
+use std::collections::BTreeMap;
+use std::io::{self, Write};
+
+use crate::attribute::{Cat, Detail, ThreadDetail};
+use crate::symbolize::Symbols;
+
+/// The flamegraphs nccltrace draws.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    OnCpu,
+    OffCpu,
+    NcclWait,
+    Attributed,
+}
+
+impl Kind {
+    pub const ALL: [Kind; 4] = [Kind::OnCpu, Kind::OffCpu, Kind::NcclWait, Kind::Attributed];
+
+    /// File name without extension.
+    #[must_use]
+    pub fn file(self) -> &'static str {
+        match self {
+            Kind::OnCpu => "flamegraph-oncpu",
+            Kind::OffCpu => "flamegraph-offcpu",
+            Kind::NcclWait => "flamegraph-nccl-wait",
+            Kind::Attributed => "flamegraph-attributed",
+        }
+    }
+
+    /// The SVG's title: what the width means.
+    #[must_use]
+    pub fn title(self) -> &'static str {
+        match self {
+            Kind::OnCpu => "On-CPU time of the target threads (sampled; width = CPU time)",
+            Kind::OffCpu => "Off-CPU time of the target threads (width = time off the CPU)",
+            Kind::NcclWait => "NCCL wait: where the host waited on NCCL (width = wait time)",
+            Kind::Attributed => "Step time by category, then by stack (width = wall time)",
+        }
+    }
+}
+
+fn stack_frames(out: &mut Vec<String>, detail: &Detail, symbols: &Symbols, stack: u32) {
+    let Some(s) = detail.stacks.get(stack as usize) else {
+        return;
+    };
+    // Root first: user frames outermost first, then kernel frames.
+    for addr in s.ustack.iter().rev() {
+        out.push(symbols.user(s.pid, *addr));
+    }
+    for addr in s.kstack.iter().rev() {
+        out.push(format!("{}_[k]", symbols.kernel(*addr)));
+    }
+}
+
+fn thread_frame(t: &ThreadDetail) -> String {
+    let name = if t.name.is_empty() { "thread" } else { &t.name };
+    format!("{name} {} ({})", t.tid, t.role)
+}
+
+fn add(folded: &mut BTreeMap<String, u64>, frames: &[String], ns: u64) {
+    let us = ns / 1000;
+    if us == 0 || frames.is_empty() {
+        return;
+    }
+    // ';' separates frames in the folded format.
+    let line = frames
+        .iter()
+        .map(|f| f.replace(';', ":"))
+        .collect::<Vec<_>>()
+        .join(";");
+    *folded.entry(line).or_insert(0) += us;
+}
+
+/// Overlap of `[a, b)` with the thread's pieces of category `cat`.
+fn overlap(t: &ThreadDetail, a: u64, b: u64, mut keep: impl FnMut(Cat) -> bool) -> Vec<(Cat, u64)> {
+    let first = t.segments.partition_point(|(_, e, _)| *e <= a);
+    t.segments[first..]
+        .iter()
+        .take_while(|(s, _, _)| *s < b)
+        .filter(|(_, _, c)| keep(*c))
+        .map(|(s, e, c)| (*c, (*e).min(b).saturating_sub((*s).max(a))))
+        .collect()
+}
+
+/// The folded stacks of one flamegraph, `stack weight_us` sorted.
+#[must_use]
+pub fn folded(detail: &Detail, symbols: &Symbols, kind: Kind) -> Vec<String> {
+    let mut out = BTreeMap::new();
+    for t in &detail.threads {
+        for &(_, stack, cat, weight) in &t.samples {
+            let root = match kind {
+                Kind::OnCpu => None,
+                Kind::NcclWait if cat == Cat::NcclWait => None,
+                Kind::Attributed => Some(cat.name().to_owned()),
+                Kind::NcclWait | Kind::OffCpu => continue,
+            };
+            let mut frames: Vec<String> = root.into_iter().collect();
+            frames.push(thread_frame(t));
+            stack_frames(&mut frames, detail, symbols, stack);
+            add(&mut out, &frames, weight);
+        }
+        if kind == Kind::OnCpu {
+            continue;
+        }
+        for off in &t.offcpu {
+            let Some(stack) = off.stack else { continue };
+            let pieces: Vec<(Option<Cat>, u64)> = match kind {
+                Kind::OffCpu => vec![(None, off.end_ns.saturating_sub(off.start_ns))],
+                Kind::NcclWait => overlap(t, off.start_ns, off.end_ns, |c| c == Cat::NcclWait)
+                    .into_iter()
+                    .map(|(_, d)| (None, d))
+                    .collect(),
+                Kind::Attributed => overlap(t, off.start_ns, off.end_ns, |_| true)
+                    .into_iter()
+                    .map(|(c, d)| (Some(c), d))
+                    .collect(),
+                Kind::OnCpu => Vec::new(),
+            };
+            for (cat, ns) in pieces {
+                let mut frames: Vec<String> =
+                    cat.map(|c| c.name().to_owned()).into_iter().collect();
+                frames.push(thread_frame(t));
+                stack_frames(&mut frames, detail, symbols, stack);
+                frames.push(if off.runnable {
+                    "[preempted]".into()
+                } else {
+                    "[blocked]".into()
+                });
+                add(&mut out, &frames, ns);
+            }
+        }
+    }
+    out.into_iter()
+        .map(|(stack, us)| format!("{stack} {us}"))
+        .collect()
+}
+
+/// Writes the folded lines.
+pub fn write_folded(lines: &[String], out: &mut impl Write) -> io::Result<()> {
+    for line in lines {
+        writeln!(out, "{line}")?;
+    }
+    Ok(())
+}
+
+/// Writes the SVG (an empty graph says so in its title).
+pub fn write_svg(kind: Kind, lines: &[String], out: &mut impl Write) -> io::Result<()> {
+    let mut options = inferno::flamegraph::Options::default();
+    kind.title().clone_into(&mut options.title);
+    "µs".clone_into(&mut options.count_name);
+    options.deterministic = true;
+    options.hash = true;
+    if lines.is_empty() {
+        options.subtitle = Some("no stacks in this recording".to_owned());
+        let empty = ["no-stacks 1"];
+        return inferno::flamegraph::from_lines(&mut options, empty.iter().copied(), out)
+            .map_err(io::Error::other);
+    }
+    inferno::flamegraph::from_lines(&mut options, lines.iter().map(String::as_str), out)
+        .map_err(io::Error::other)
+}
+
+/// Share of samples whose user stack has at most two frames: a sign the target was built
+/// without frame pointers, so its stacks stop early.
+#[must_use]
+pub fn short_stack_share(detail: &Detail) -> Option<f64> {
+    let (mut short, mut total) = (0u64, 0u64);
+    for t in &detail.threads {
+        for &(_, stack, _, _) in &t.samples {
+            let Some(s) = detail.stacks.get(stack as usize) else {
+                continue;
+            };
+            if s.ustack.is_empty() {
+                continue;
+            }
+            total += 1;
+            short += u64::from(s.ustack.len() <= 2);
+        }
+    }
+    (total > 0).then(|| short as f64 / total as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The four folded outputs of a fixed timeline, against golden files.
+    #[test]
+    fn folded_golden() {
+        let (detail, symbols) = crate::render::fixture::detail();
+        for kind in Kind::ALL {
+            let lines = folded(&detail, &symbols, kind);
+            crate::render::golden(
+                &format!("{}.folded", kind.file()),
+                &(lines.join("\n") + "\n"),
+            );
+        }
+    }
+
+    /// The SVG names the frames and says what the width means.
+    #[test]
+    fn svg_names_frames() {
+        let (detail, symbols) = crate::render::fixture::detail();
+        let lines = folded(&detail, &symbols, Kind::Attributed);
+        let mut svg = Vec::new();
+        write_svg(Kind::Attributed, &lines, &mut svg).unwrap();
+        let svg = String::from_utf8(svg).unwrap();
+        for needle in [
+            "nccl_wait",
+            "page_fault",
+            "compute",
+            "clear_page_erms",
+            "width = wall time",
+        ] {
+            assert!(svg.contains(needle), "{needle}");
+        }
+    }
+}

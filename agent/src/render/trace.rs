@@ -1,0 +1,318 @@
+//! `trace.json` in the Chrome Trace Event Format, for Perfetto (ui.perfetto.dev) and
+//! chrome://tracing: one track per thread (named, with its role), the NCCL calls and CUDA
+//! syncs as slices with their arguments, a `steps` track, off-CPU stretches with who woke
+//! the thread, migrations and fault bursts as instants, and faults/migrations per second
+//! as counters. Written event by event.
+
+use std::io::{self, Write};
+
+use serde_json::{Value, json};
+
+use crate::attribute::{Detail, StepsReport};
+use crate::event::{Library, datatype_name, redop_name};
+use crate::record::Header;
+
+/// The steps track's thread id (no real thread has it).
+const STEPS_TID: u64 = 0x7fff_fff0;
+/// Faults closer than this form one burst.
+const BURST_GAP_NS: u64 = 1_000_000;
+/// Counter bin.
+const BIN_NS: u64 = 100_000_000;
+
+struct Writer<W: Write> {
+    out: W,
+    first: bool,
+    base_ns: u64,
+}
+
+impl<W: Write> Writer<W> {
+    fn event(&mut self, value: &Value) -> io::Result<()> {
+        self.out
+            .write_all(if self.first { b"\n" } else { b",\n" })?;
+        self.first = false;
+        serde_json::to_writer(&mut self.out, value)?;
+        Ok(())
+    }
+
+    /// Microseconds since the start of the trace, sub-µs kept.
+    fn ts(&self, ns: u64) -> f64 {
+        ns.saturating_sub(self.base_ns) as f64 / 1000.0
+    }
+}
+
+fn dur(a: u64, b: u64) -> f64 {
+    b.saturating_sub(a) as f64 / 1000.0
+}
+
+/// Writes the trace.
+#[allow(clippy::too_many_lines)] // one section per kind of track event
+pub fn write(
+    header: &Header,
+    detail: &Detail,
+    steps: &StepsReport,
+    out: impl Write,
+) -> io::Result<()> {
+    let mut w = Writer {
+        out,
+        first: true,
+        base_ns: detail.first_ns,
+    };
+    w.out
+        .write_all(b"{\"displayTimeUnit\":\"ns\",\"traceEvents\":[")?;
+    for t in &header.targets {
+        let rank = header
+            .targets
+            .iter()
+            .position(|x| x.pid == t.pid)
+            .unwrap_or(0);
+        w.event(&json!({"ph": "M", "name": "process_name", "pid": t.pid,
+            "args": {"name": format!("rank {rank} (pid {}) {}", t.pid, t.comm)}}))?;
+        w.event(
+            &json!({"ph": "M", "name": "thread_name", "pid": t.pid, "tid": STEPS_TID,
+            "args": {"name": "steps"}}),
+        )?;
+        w.event(
+            &json!({"ph": "M", "name": "thread_sort_index", "pid": t.pid, "tid": STEPS_TID,
+            "args": {"sort_index": -2}}),
+        )?;
+    }
+    for t in &detail.threads {
+        let name = if t.name.is_empty() {
+            format!("{}", t.tid)
+        } else {
+            format!("{} {}", t.name, t.tid)
+        };
+        w.event(
+            &json!({"ph": "M", "name": "thread_name", "pid": t.pid, "tid": t.tid,
+            "args": {"name": format!("{name} ({})", t.role)}}),
+        )?;
+        if t.role.starts_with("main") {
+            w.event(
+                &json!({"ph": "M", "name": "thread_sort_index", "pid": t.pid, "tid": t.tid,
+                "args": {"sort_index": -1}}),
+            )?;
+        }
+    }
+    if let Some(pid) = steps.rank_pid {
+        for s in &steps.steps {
+            let mut args = serde_json::Map::new();
+            for (name, value) in s.categories.named() {
+                args.insert(
+                    format!("{name}_ms"),
+                    value.map_or(Value::Null, |v| json!(v as f64 / 1e6)),
+                );
+            }
+            args.insert("nccl_calls".into(), json!(s.nccl.calls));
+            args.insert("nccl_bytes".into(), json!(s.nccl.bytes));
+            args.insert("faults".into(), json!(s.faults));
+            args.insert("migrations".into(), json!(s.migrations));
+            w.event(&json!({"ph": "X", "cat": "step", "name": format!("step {}", s.index),
+                "pid": pid, "tid": STEPS_TID, "ts": w.ts(s.start_ns), "dur": dur(s.start_ns, s.end_ns),
+                "args": args}))?;
+        }
+    }
+    let mut sequence: std::collections::BTreeMap<(u32, u64), u64> =
+        std::collections::BTreeMap::new();
+    for c in &detail.calls {
+        let (name, cat) = match c.func.library() {
+            Library::Nccl => (format!("nccl{}", c.func.name()), "nccl"),
+            Library::Cuda => (c.func.name().to_owned(), "cuda_sync"),
+        };
+        let mut args = serde_json::Map::new();
+        args.insert("ret".into(), json!(c.ret));
+        if let Some(b) = c.bytes {
+            args.insert("bytes".into(), json!(b));
+        }
+        if let Some(n) = c.count {
+            args.insert("count".into(), json!(n));
+        }
+        if let Some(d) = c.datatype {
+            args.insert("datatype".into(), json!(datatype_name(d)));
+        }
+        if let Some(op) = c.redop {
+            args.insert("op".into(), json!(redop_name(op)));
+        }
+        if let Some(p) = c.peer {
+            args.insert("peer_or_root".into(), json!(p));
+        }
+        if let Some(comm) = c.comm {
+            args.insert("comm".into(), json!(format!("{comm:#x}")));
+            if c.func.is_collective() {
+                // The n-th collective on a communicator: the same operation on every rank.
+                let n = sequence.entry((c.task.tgid, comm)).or_insert(0);
+                args.insert("seq".into(), json!(*n));
+                *n += 1;
+            }
+        }
+        if let Some(s) = c.stream {
+            args.insert("stream".into(), json!(format!("{s:#x}")));
+        }
+        if let Some(r) = c.rank {
+            args.insert("rank".into(), json!(r));
+        }
+        w.event(
+            &json!({"ph": "X", "cat": cat, "name": name, "pid": c.task.tgid, "tid": c.task.tid,
+            "ts": w.ts(c.start_ns), "dur": dur(c.start_ns, c.end_ns), "args": args}),
+        )?;
+    }
+    let node = |cpu: i32| {
+        usize::try_from(cpu)
+            .ok()
+            .and_then(|c| detail.cpu_nodes.get(c))
+            .copied()
+            .unwrap_or(-1)
+    };
+    for t in &detail.threads {
+        for off in &t.offcpu {
+            let name = if off.runnable {
+                "off-CPU: preempted"
+            } else {
+                "off-CPU: blocked"
+            };
+            let args = match off.waker {
+                Some((waker, waker_process)) => {
+                    json!({"woken_by_tid": waker, "woken_by_pid": waker_process})
+                }
+                None => json!({}),
+            };
+            w.event(
+                &json!({"ph": "X", "cat": "sched", "name": name, "pid": t.pid, "tid": t.tid,
+                "ts": w.ts(off.start_ns), "dur": dur(off.start_ns, off.end_ns), "args": args}),
+            )?;
+        }
+        for &(ts, from, to) in &t.migrations {
+            w.event(
+                &json!({"ph": "i", "s": "t", "cat": "sched", "name": "migration", "pid": t.pid,
+                "tid": t.tid, "ts": w.ts(ts), "args": {"from_cpu": from, "to_cpu": to,
+                "from_node": node(from), "to_node": node(to)}}),
+            )?;
+        }
+        let mut i = 0;
+        while i < t.faults.len() {
+            let start = t.faults[i];
+            let mut j = i;
+            while j + 1 < t.faults.len() && t.faults[j + 1] - t.faults[j] < BURST_GAP_NS {
+                j += 1;
+            }
+            w.event(
+                &json!({"ph": "i", "s": "t", "cat": "memory", "name": "page faults", "pid": t.pid,
+                "tid": t.tid, "ts": w.ts(start), "args": {"faults": j - i + 1,
+                "span_us": dur(start, t.faults[j])}}),
+            )?;
+            i = j + 1;
+        }
+    }
+    // Counters per process, in 100 ms bins.
+    let mut pids: Vec<u32> = detail.threads.iter().map(|t| t.pid).collect();
+    pids.sort_unstable();
+    pids.dedup();
+    let bins = (detail.end_ns.saturating_sub(detail.first_ns) / BIN_NS + 1) as usize;
+    for pid in pids {
+        let (mut faults, mut migrations) = (vec![0u64; bins], vec![0u64; bins]);
+        for t in detail.threads.iter().filter(|t| t.pid == pid) {
+            for ts in &t.faults {
+                if let Some(b) =
+                    faults.get_mut((ts.saturating_sub(detail.first_ns) / BIN_NS) as usize)
+                {
+                    *b += 1;
+                }
+            }
+            for (ts, _, _) in &t.migrations {
+                if let Some(b) =
+                    migrations.get_mut((ts.saturating_sub(detail.first_ns) / BIN_NS) as usize)
+                {
+                    *b += 1;
+                }
+            }
+        }
+        for (b, (f, m)) in faults.iter().zip(&migrations).enumerate() {
+            let ts = w.ts(detail.first_ns + b as u64 * BIN_NS);
+            let per_s = 1e9 / BIN_NS as f64;
+            w.event(&json!({"ph": "C", "name": "faults/s", "pid": pid, "ts": ts, "args": {"faults": *f as f64 * per_s}}))?;
+            w.event(&json!({"ph": "C", "name": "migrations/s", "pid": pid, "ts": ts, "args": {"migrations": *m as f64 * per_s}}))?;
+        }
+    }
+    let other = json!({
+        "clock": "CLOCK_MONOTONIC; ts 0 is monotonic_ns_at_0",
+        "monotonic_ns_at_0": detail.first_ns,
+        "realtime_ns_at_0": header.clock.realtime_ns,
+        "kernel": header.kernel_release,
+        "host": header.hostname,
+        "nccltrace": header.agent_version,
+    });
+    write!(w.out, "\n],\"otherData\":")?;
+    serde_json::to_writer(&mut w.out, &other)?;
+    writeln!(w.out, "}}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::attribute::steps::Method;
+    use crate::attribute::{Categories, Methods, NcclCount, Step};
+
+    /// trace.json of a fixed timeline, against its golden file.
+    #[test]
+    fn trace_golden() {
+        let (detail, _) = crate::render::fixture::detail();
+        let header = Header {
+            targets: vec![crate::record::TargetInfo {
+                pid: 10,
+                comm: "trainer".into(),
+                ..Default::default()
+            }],
+            kernel_release: "6.18".into(),
+            ..Default::default()
+        };
+        let step = Step {
+            index: 0,
+            start_ns: 0,
+            end_ns: 8_000_000,
+            wall_ns: 8_000_000,
+            categories: Categories {
+                compute: 3_000_000,
+                nccl_wait: 3_000_000,
+                page_fault: 1_000_000,
+                runqueue: 1_000_000,
+                ..Categories::default()
+            },
+            nccl: NcclCount {
+                calls: 1,
+                bytes: 4096,
+            },
+            faults: 3,
+            migrations: 1,
+            cross_node_migrations: 1,
+            numa_page_migrations: 0,
+            numa_task_moves: 0,
+        };
+        let steps = StepsReport {
+            method: Method::Auto,
+            reason: String::new(),
+            period: Some(1),
+            rank_pid: Some(10),
+            rank_tid: Some(10),
+            methods: Methods {
+                page_fault: String::new(),
+                remote_memory: String::new(),
+                remote_memory_estimated: false,
+            },
+            steps: vec![step],
+            threads: vec![],
+        };
+        let mut out = Vec::new();
+        write(&header, &detail, &steps, &mut out).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        let parsed: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(
+            parsed["traceEvents"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|e| e["cat"] == "nccl")
+                .count(),
+            1
+        );
+        crate::render::golden("trace.json", &text);
+    }
+}
