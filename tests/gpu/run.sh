@@ -12,6 +12,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 uname -r >> "$OUT/gpu.txt"
+nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
 for mode in ddp allreduce; do
   go="$OUT/$mode.go"; rm -f "$go"
   "$PY" "$HERE/train.py" --mode "$mode" --steps "$STEPS" --go-file "$go" > "$OUT/$mode-traced.json" 2> "$OUT/$mode-traced.err" &

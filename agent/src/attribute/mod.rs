@@ -283,6 +283,10 @@ pub struct Detail {
     pub calls: Vec<Call>,
     pub cpu_nodes: Vec<i32>,
     pub sample_period_ns: u64,
+    /// The steps' `[start, end)`, for graphs of step time.
+    pub step_bounds: Vec<(u64, u64)>,
+    /// The rank thread whose steps these are.
+    pub rank_tid: Option<u32>,
 }
 
 /// Collects what attribution needs, event by event.
@@ -604,7 +608,9 @@ impl Timeline {
             });
         }
         let nodes: BTreeSet<i32> = self.cpu_nodes.iter().copied().filter(|n| *n >= 0).collect();
-        let detail = self.detail(&collective_ends, rank.map(|r| r.0), end_ns);
+        let mut detail = self.detail(&collective_ends, rank.map(|r| r.0), end_ns);
+        detail.step_bounds = steps_out.iter().map(|s| (s.start_ns, s.end_ns)).collect();
+        detail.rank_tid = rank.map(|r| r.0);
         let report = StepsReport {
             method: detected.method,
             reason: detected.reason.clone(),
@@ -716,6 +722,8 @@ impl Timeline {
             calls: self.calls.clone(),
             cpu_nodes: self.cpu_nodes.clone(),
             sample_period_ns: self.sample_period_ns,
+            step_bounds: Vec::new(),
+            rank_tid: None,
         }
     }
 

@@ -37,7 +37,9 @@ impl Kind {
             Kind::OnCpu => "On-CPU time of the target threads (sampled; width = CPU time)",
             Kind::OffCpu => "Off-CPU time of the target threads (width = time off the CPU)",
             Kind::NcclWait => "NCCL wait: where the host waited on NCCL (width = wait time)",
-            Kind::Attributed => "Step time by category, then by stack (width = wall time)",
+            Kind::Attributed => {
+                "Rank thread's step time by category, then by stack (width = wall time)"
+            }
         }
     }
 }
@@ -85,12 +87,43 @@ fn overlap(t: &ThreadDetail, a: u64, b: u64, mut keep: impl FnMut(Cat) -> bool) 
         .collect()
 }
 
-/// The folded stacks of one flamegraph, `stack weight_us` sorted.
+/// The part of `[a, b)` inside steps (all of it when there are no steps).
+fn in_steps(detail: &Detail, a: u64, b: u64) -> u64 {
+    if detail.step_bounds.is_empty() {
+        return b.saturating_sub(a);
+    }
+    detail
+        .step_bounds
+        .iter()
+        .map(|(s, e)| (*e).min(b).saturating_sub((*s).max(a)))
+        .sum()
+}
+
+/// As `overlap` for every category, counting only time inside steps.
+fn overlap_in_steps(detail: &Detail, t: &ThreadDetail, a: u64, b: u64) -> Vec<(Cat, u64)> {
+    let first = t.segments.partition_point(|(_, e, _)| *e <= a);
+    t.segments[first..]
+        .iter()
+        .take_while(|(s, _, _)| *s < b)
+        .map(|(s, e, c)| (*c, in_steps(detail, (*s).max(a), (*e).min(b))))
+        .filter(|(_, d)| *d > 0)
+        .collect()
+}
+
+/// The folded stacks of one flamegraph, `stack weight_us` sorted. The attributed graph
+/// covers the rank thread's steps, as steps.json does; the others every target thread
+/// over the whole trace.
 #[must_use]
 pub fn folded(detail: &Detail, symbols: &Symbols, kind: Kind) -> Vec<String> {
     let mut out = BTreeMap::new();
     for t in &detail.threads {
-        for &(_, stack, cat, weight) in &t.samples {
+        if kind == Kind::Attributed && detail.rank_tid.is_some_and(|r| r != t.tid) {
+            continue;
+        }
+        for &(ts, stack, cat, weight) in &t.samples {
+            if kind == Kind::Attributed && in_steps(detail, ts, ts + 1) == 0 {
+                continue;
+            }
             let root = match kind {
                 Kind::OnCpu => None,
                 Kind::NcclWait if cat == Cat::NcclWait => None,
@@ -113,7 +146,7 @@ pub fn folded(detail: &Detail, symbols: &Symbols, kind: Kind) -> Vec<String> {
                     .into_iter()
                     .map(|(_, d)| (None, d))
                     .collect(),
-                Kind::Attributed => overlap(t, off.start_ns, off.end_ns, |_| true)
+                Kind::Attributed => overlap_in_steps(detail, t, off.start_ns, off.end_ns)
                     .into_iter()
                     .map(|(c, d)| (Some(c), d))
                     .collect(),

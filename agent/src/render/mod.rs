@@ -120,6 +120,8 @@ pub(crate) mod fixture {
             ],
             cpu_nodes: vec![0, 1],
             sample_period_ns: 1_000_000,
+            step_bounds: vec![(0, 8_000_000)],
+            rank_tid: Some(10),
         };
         let mut symbols = Symbols::default();
         for (addr, name) in [
