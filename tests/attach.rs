@@ -348,6 +348,23 @@ fn counts_calls_into_the_real_libnccl() {
     no_programs_left();
 }
 
+/// Attaches to a trainer that would run for a long time, lets `stop` end the agent's run
+/// (or not), kills the trainer, and returns the agent's exit code and summary.
+fn traced_long_run(agent_args: &[&str], stop: impl FnOnce(&Agent)) -> (i32, Value, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let go = dir.path().join("go");
+    let go = go.to_str().unwrap();
+    let args = ["--steps", "100000", "--compute-us", "200", "--go-file", go];
+    let mut trainer = Target::spawn(&fixtures().join("trainer"), &args, &[], dir.path());
+    trainer.release();
+    let agent = Agent::attach(trainer.child.id(), &dir.path().join("out"), agent_args);
+    stop(&agent);
+    let result = agent.wait(Duration::from_secs(30));
+    let _ = trainer.child.kill();
+    let _ = trainer.child.wait();
+    result
+}
+
 /// `--duration` stops a run whose target keeps going; the outputs are written and the
 /// exit code is 0.
 #[test]
@@ -356,28 +373,7 @@ fn duration_stops_the_run() {
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
     require_root();
-    let dir = tempfile::tempdir().unwrap();
-    let go = dir.path().join("go");
-    let trainer = Target::spawn(
-        &fixtures().join("trainer"),
-        &[
-            "--steps",
-            "100000",
-            "--compute-us",
-            "200",
-            "--go-file",
-            go.to_str().unwrap(),
-        ],
-        &[],
-        dir.path(),
-    );
-    trainer.release();
-    let out = dir.path().join("out");
-    let agent = Agent::attach(trainer.child.id(), &out, &["--duration", "1s"]);
-    let (code, summary, stderr) = agent.wait(Duration::from_secs(30));
-    let mut trainer = trainer;
-    let _ = trainer.child.kill();
-    let _ = trainer.child.wait();
+    let (code, summary, stderr) = traced_long_run(&["--duration", "1s"], |_| {});
     assert_eq!(code, 0, "{stderr}");
     assert_eq!(summary["stop_reason"], "--duration elapsed");
     assert!(summary["nccl"]["calls"].as_u64().unwrap() > 0);
@@ -393,33 +389,46 @@ fn sigint_detaches_and_writes_outputs() {
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
     require_root();
-    let dir = tempfile::tempdir().unwrap();
-    let go = dir.path().join("go");
-    let trainer = Target::spawn(
-        &fixtures().join("trainer"),
-        &[
-            "--steps",
-            "100000",
-            "--compute-us",
-            "200",
-            "--go-file",
-            go.to_str().unwrap(),
-        ],
-        &[],
-        dir.path(),
-    );
-    trainer.release();
-    let out = dir.path().join("out");
-    let agent = Agent::attach(trainer.child.id(), &out, &[]);
-    std::thread::sleep(Duration::from_millis(500));
-    unsafe { libc::kill(agent.child.id() as i32, libc::SIGINT) };
-    let (code, summary, stderr) = agent.wait(Duration::from_secs(30));
-    let mut trainer = trainer;
-    let _ = trainer.child.kill();
-    let _ = trainer.child.wait();
+    let (code, summary, stderr) = traced_long_run(&[], |agent| {
+        std::thread::sleep(Duration::from_millis(500));
+        unsafe { libc::kill(agent.child.id() as i32, libc::SIGINT) };
+    });
     assert_eq!(code, 0, "{stderr}");
     assert_eq!(summary["stop_reason"], "SIGINT received");
     no_programs_left();
+}
+
+/// `--wait-for-nccl`: attached to a process before it loads NCCL, the agent waits, attaches
+/// once the library is mapped, and counts every call made after that.
+#[test]
+fn waits_for_nccl_to_be_loaded() {
+    let _serial = SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    require_root();
+    let dir = tempfile::tempdir().unwrap();
+    let go = dir.path().join("go");
+    let lib = fixtures().join("libnccl.so.2");
+    let mut caller = Command::new(fixtures().join("nccl_caller"))
+        .arg(&lib)
+        .arg("500")
+        .arg(&go)
+        .env("NCCL_CALLER_DELAY_MS", "1500")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = dir.path().join("out");
+    let agent = Agent::attach(
+        caller.id(),
+        &out,
+        &["--wait-for-nccl", "--profile", "minimal"],
+    );
+    std::fs::write(&go, b"").unwrap();
+    assert!(caller.wait().unwrap().success());
+    let (code, summary, stderr) = agent.wait(Duration::from_secs(30));
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stderr.is_empty() || !stderr.contains("error"), "{stderr}");
+    assert_eq!(summary["nccl"]["by_op"]["AllReduce"]["calls"], 500);
 }
 
 /// Bad input: exit code 2 and a message naming the problem and the fix.
@@ -445,7 +454,8 @@ fn bad_input_exits_2() {
                 "--out".into(),
                 dir.path().join("b").display().to_string(),
             ],
-            "has not loaded NCCL",
+            "has not loaded NCCL: no mapped object defines ncclAllReduce. Attach once the job \
+             has initialised NCCL, or pass --wait-for-nccl",
         ),
         (
             vec![

@@ -159,10 +159,10 @@ impl Host {
     }
 }
 
-/// Address ranges `[start, end)` of the named kernel functions, from a kallsyms text (the
-/// end is the next symbol's address).
+/// The text (function) symbols of a kallsyms text, sorted by address; hidden (zeroed)
+/// addresses left out.
 #[must_use]
-pub fn kallsyms_ranges(text: &str, names: &[&str]) -> Vec<(u64, u64)> {
+pub fn parse_kallsyms(text: &str) -> Vec<(u64, &str)> {
     let mut syms: Vec<(u64, &str)> = text
         .lines()
         .filter_map(|line| {
@@ -170,11 +170,19 @@ pub fn kallsyms_ranges(text: &str, names: &[&str]) -> Vec<(u64, u64)> {
             let addr = u64::from_str_radix(f.next()?, 16).ok()?;
             let kind = f.next()?;
             let name = f.next()?;
-            (addr != 0 && matches!(kind, "t" | "T")).then_some((addr, name))
+            (addr != 0 && matches!(kind, "t" | "T" | "w" | "W")).then_some((addr, name))
         })
         .collect();
     syms.sort_unstable();
-    syms.windows(2)
+    syms
+}
+
+/// Address ranges `[start, end)` of the named kernel functions, from a kallsyms text (the
+/// end is the next symbol's address).
+#[must_use]
+pub fn kallsyms_ranges(text: &str, names: &[&str]) -> Vec<(u64, u64)> {
+    parse_kallsyms(text)
+        .windows(2)
         .filter(|w| names.contains(&w[0].1))
         .map(|w| (w[0].0, w[1].0))
         .collect()

@@ -42,17 +42,7 @@ impl Symbols {
 /// Kernel function names for `ips`, from a kallsyms text.
 #[must_use]
 pub fn kernel_names(kallsyms: &str, ips: &BTreeSet<u64>) -> Vec<(u64, String)> {
-    let mut syms: Vec<(u64, &str)> = kallsyms
-        .lines()
-        .filter_map(|line| {
-            let mut f = line.split_whitespace();
-            let addr = u64::from_str_radix(f.next()?, 16).ok()?;
-            let kind = f.next()?;
-            let name = f.next()?;
-            (addr != 0 && matches!(kind, "t" | "T" | "w" | "W")).then_some((addr, name))
-        })
-        .collect();
-    syms.sort_unstable();
+    let syms = crate::host::parse_kallsyms(kallsyms);
     ips.iter()
         .filter_map(|ip| {
             let i = syms.partition_point(|(a, _)| *a <= *ip).checked_sub(1)?;

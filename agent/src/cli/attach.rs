@@ -33,6 +33,9 @@ pub struct AttachArgs {
     /// On-CPU samples per second per thread (overrides the profile; 0: off).
     #[arg(long)]
     sample_hz: Option<u32>,
+    /// If a target has not loaded NCCL yet, wait until it does (or exits), then attach.
+    #[arg(long)]
+    wait_for_nccl: bool,
 }
 
 /// Validated attach settings.
@@ -42,6 +45,7 @@ struct Settings {
     duration: Option<Duration>,
     profile: Profile,
     step_rule: crate::attribute::StepRule,
+    wait_for_nccl: bool,
 }
 
 impl AttachArgs {
@@ -73,6 +77,7 @@ impl AttachArgs {
             duration,
             profile,
             step_rule,
+            wait_for_nccl: self.wait_for_nccl,
         })
     }
 }
@@ -114,13 +119,30 @@ impl Sink for LiveSink {
     }
 }
 
+/// Finds NCCL in `pid`; with `wait`, polls until the process loads it or exits.
+fn discover(host: &host::Host, pid: u32, wait: bool) -> Result<source::Target, Error> {
+    let mut announced = false;
+    loop {
+        match source::discover(host, pid) {
+            Err(source::SourceError::NoNccl { .. }) if wait && host.process_alive(pid) => {
+                if !announced {
+                    eprintln!("nccltrace: waiting for pid {pid} to load NCCL (--wait-for-nccl)");
+                    announced = true;
+                }
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            other => return other.map_err(Error::from),
+        }
+    }
+}
+
 pub fn run(args: AttachArgs) -> Result<(), Error> {
     let settings = args.validate()?;
     let host = host::Host::live();
     let targets = settings
         .pids
         .iter()
-        .map(|pid| source::discover(&host, *pid))
+        .map(|pid| discover(&host, *pid, settings.wait_for_nccl))
         .collect::<Result<Vec<_>, _>>()?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()

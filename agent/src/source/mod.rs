@@ -36,7 +36,8 @@ pub enum SourceError {
     NoSuchProcess { pid: u32 },
     #[error(
         "pid {pid} ({comm}) has not loaded NCCL: no mapped object defines ncclAllReduce. \
-         Attach once the job has initialised NCCL"
+         Attach once the job has initialised NCCL, or pass --wait-for-nccl to attach as soon as \
+         it does"
     )]
     NoNccl { pid: u32, comm: String },
     #[error(
