@@ -431,6 +431,75 @@ fn waits_for_nccl_to_be_loaded() {
     assert_eq!(summary["nccl"]["by_op"]["AllReduce"]["calls"], 500);
 }
 
+/// `--step-symbol`: steps start at each entry into the trainer's `train_step_begin`;
+/// `report` finds the same steps from the recording alone.
+#[test]
+fn steps_from_a_marker_function() {
+    let _serial = SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    require_root();
+    let (_, _, out, dir, truth) = traced_trainer_with(
+        12,
+        &[],
+        &["--compute-us", "500"],
+        &["--step-symbol", "train_step_begin"],
+    );
+    let read = |path: &Path| -> Value {
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+    };
+    let steps = read(&out.join("steps.json"));
+    assert_eq!(steps["method"], "symbol");
+    let found = steps["steps"].as_array().unwrap();
+    assert_eq!(
+        found.len(),
+        truth.len() - 1,
+        "a step between each two entries"
+    );
+    for s in found {
+        assert_eq!(s["nccl"]["calls"], 10, "{s}");
+    }
+    let again = dir.path().join("again");
+    let status = agent()
+        .arg("report")
+        .arg(out.join("recording.nctr"))
+        .arg("--out")
+        .arg(&again)
+        .stdout(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    assert_eq!(read(&again.join("steps.json"))["steps"], steps["steps"]);
+}
+
+/// A `--step-symbol` the target does not define: exit code 2, the name and the fix said.
+#[test]
+fn unknown_step_symbol_is_bad_input() {
+    let dir = tempfile::tempdir().unwrap();
+    let go = dir.path().join("go");
+    let mut trainer = Target::spawn(
+        &fixtures().join("trainer"),
+        &["--steps", "1", "--go-file", go.to_str().unwrap()],
+        &[],
+        dir.path(),
+    );
+    let out = agent()
+        .args(["attach", "--step-symbol", "no_such_function", "--pid"])
+        .arg(trainer.child.id().to_string())
+        .arg("--out")
+        .arg(dir.path().join("out"))
+        .output()
+        .unwrap();
+    trainer.release();
+    let _ = trainer.child.wait();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("no function no_such_function") && stderr.contains("SYMBOL@LIBRARY"),
+        "{stderr}"
+    );
+}
+
 /// Bad input: exit code 2 and a message naming the problem and the fix.
 #[test]
 fn bad_input_exits_2() {

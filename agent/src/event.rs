@@ -29,6 +29,8 @@ pub enum Func {
     CuStreamSynchronizePtsz,
     CuEventSynchronize,
     CuCtxSynchronize,
+    /// The function named by `--step-symbol`.
+    StepMarker,
 }
 
 /// Which library a function lives in.
@@ -36,12 +38,14 @@ pub enum Func {
 pub enum Library {
     Nccl,
     Cuda,
+    /// The step marker (`--step-symbol`), in whatever object defines it.
+    Marker,
 }
 
 impl Func {
     /// Every traced function with its id (the BPF cookie) and the symbols that define it,
     /// strong name first. NCCL exports `pnccl*` and weak `nccl*` aliases at one address.
-    pub const ALL: [(Func, u32, &'static [&'static str]); 23] = {
+    pub const ALL: [(Func, u32, &'static [&'static str]); 24] = {
         use nccltrace_common::func as f;
         [
             (
@@ -139,6 +143,7 @@ impl Func {
                 f::CU_CTX_SYNCHRONIZE,
                 &["cuCtxSynchronize"],
             ),
+            (Func::StepMarker, f::STEP_MARKER, &["step_marker"]),
         ]
     };
 
@@ -171,7 +176,10 @@ impl Func {
 
     #[must_use]
     pub fn library(self) -> Library {
-        if self.id() >= nccltrace_common::func::FIRST_CUDA {
+        let id = self.id();
+        if id >= nccltrace_common::func::STEP_MARKER {
+            Library::Marker
+        } else if id >= nccltrace_common::func::FIRST_CUDA {
             Library::Cuda
         } else {
             Library::Nccl
@@ -185,7 +193,7 @@ impl Func {
         let strong = self.symbols()[0];
         match self.library() {
             Library::Nccl => &strong["pnccl".len()..],
-            Library::Cuda => strong,
+            Library::Cuda | Library::Marker => strong,
         }
     }
 

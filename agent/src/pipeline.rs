@@ -178,6 +178,7 @@ impl Aggregator {
                     s.calls += 1;
                     s.wait_ns += call.duration_ns();
                 }
+                Library::Marker => {}
             },
             Event::Switch {
                 task,

@@ -222,6 +222,8 @@ struct ThreadLog {
     wakeups: Vec<(u64, u32, u32)>,
     /// Migrations: (time, from CPU, to CPU).
     migration_cpus: Vec<(u64, i32, i32)>,
+    /// Entries into the `--step-symbol` function.
+    markers: Vec<u64>,
 }
 
 /// A stack as captured: the process (for its maps), kernel and user frames, innermost
@@ -363,6 +365,7 @@ impl Timeline {
         self.calls.push(c.clone());
         let log = self.log(c.task.tid, c.task.tgid);
         match c.func.library() {
+            Library::Marker => log.markers.push(c.start_ns),
             Library::Cuda => {
                 log.changes.push((c.start_ns, Change::SyncStart));
                 log.changes.push((c.end_ns, Change::SyncEnd));
@@ -553,10 +556,27 @@ impl Timeline {
                 .map(|(tid, _)| (*tid, pid))
         });
 
+        let markers: Vec<u64> = self
+            .threads
+            .values()
+            .filter(|l| rank.is_none_or(|r| l.pid == r.1))
+            .flat_map(|l| l.markers.iter().copied())
+            .collect();
         let detected = match (rule, rank) {
             (StepRule::Window(w), _) => {
                 steps::windows(self.first_ns, end_ns, w, format!("--step-window {w} ns"))
             }
+            // A recording made with --step-symbol holds the marker's entries.
+            (StepRule::Auto, _) if !markers.is_empty() => steps::by_marker(&markers)
+                .unwrap_or_else(|| {
+                    steps::windows(
+                        self.first_ns,
+                        end_ns,
+                        1_000_000_000,
+                        "--step-symbol: the marker was entered fewer than twice: 1 s windows"
+                            .into(),
+                    )
+                }),
             (StepRule::Auto, Some((tid, pid))) => {
                 let log = &self.threads[&tid];
                 steps::detect(&process_collectives[&pid], &log.syncs).unwrap_or_else(|| {

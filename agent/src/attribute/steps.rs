@@ -20,6 +20,7 @@ use crate::event::Func;
 #[serde(rename_all = "lowercase")]
 pub enum Method {
     Auto,
+    Symbol,
     Window,
 }
 
@@ -218,6 +219,26 @@ fn by_gaps(collectives: &[Collective], syncs: &[(u64, u64)]) -> Option<Detected>
             anchor.1.1
         ),
         period: Some(period),
+        bounds,
+    })
+}
+
+/// Steps between consecutive entries into the `--step-symbol` function (each step starts
+/// at an entry and ends at the next).
+#[must_use]
+pub fn by_marker(entries: &[u64]) -> Option<Detected> {
+    let mut starts = entries.to_vec();
+    starts.sort_unstable();
+    starts.dedup();
+    let bounds: Vec<(u64, u64)> = starts.windows(2).map(|w| (w[0], w[1])).collect();
+    (!bounds.is_empty()).then(|| Detected {
+        method: Method::Symbol,
+        reason: format!(
+            "--step-symbol: {} entries into the marker function; each step runs from one entry \
+             to the next",
+            starts.len()
+        ),
+        period: None,
         bounds,
     })
 }

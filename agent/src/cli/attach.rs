@@ -36,6 +36,9 @@ pub struct AttachArgs {
     /// If a target has not loaded NCCL yet, wait until it does (or exits), then attach.
     #[arg(long)]
     wait_for_nccl: bool,
+    /// Steps start at each call of this function (SYMBOL or SYMBOL@LIBRARY).
+    #[arg(long, conflicts_with = "step_window")]
+    step_symbol: Option<String>,
 }
 
 /// Validated attach settings.
@@ -46,6 +49,7 @@ struct Settings {
     profile: Profile,
     step_rule: crate::attribute::StepRule,
     wait_for_nccl: bool,
+    step_symbol: Option<String>,
 }
 
 impl AttachArgs {
@@ -78,6 +82,7 @@ impl AttachArgs {
             profile,
             step_rule,
             wait_for_nccl: self.wait_for_nccl,
+            step_symbol: self.step_symbol,
         })
     }
 }
@@ -120,11 +125,13 @@ impl Sink for LiveSink {
 }
 
 /// Finds NCCL in `pid`; with `wait`, polls until the process loads it or exits.
-fn discover(host: &host::Host, pid: u32, wait: bool) -> Result<source::Target, Error> {
+fn discover(host: &host::Host, pid: u32, settings: &Settings) -> Result<source::Target, Error> {
     let mut announced = false;
     loop {
-        match source::discover(host, pid) {
-            Err(source::SourceError::NoNccl { .. }) if wait && host.process_alive(pid) => {
+        match source::discover(host, pid, settings.step_symbol.as_deref()) {
+            Err(source::SourceError::NoNccl { .. })
+                if settings.wait_for_nccl && host.process_alive(pid) =>
+            {
                 if !announced {
                     eprintln!("nccltrace: waiting for pid {pid} to load NCCL (--wait-for-nccl)");
                     announced = true;
@@ -142,7 +149,7 @@ pub fn run(args: AttachArgs) -> Result<(), Error> {
     let targets = settings
         .pids
         .iter()
-        .map(|pid| discover(&host, *pid, settings.wait_for_nccl))
+        .map(|pid| discover(&host, *pid, &settings))
         .collect::<Result<Vec<_>, _>>()?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()

@@ -117,6 +117,7 @@ pub fn write(
         let (name, cat) = match c.func.library() {
             Library::Nccl => (format!("nccl{}", c.func.name()), "nccl"),
             Library::Cuda => (c.func.name().to_owned(), "cuda_sync"),
+            Library::Marker => ("step marker".to_owned(), "step_marker"),
         };
         let mut args = serde_json::Map::new();
         args.insert("ret".into(), json!(c.ret));

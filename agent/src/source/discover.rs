@@ -199,6 +199,7 @@ fn marker(library: Library) -> &'static [&'static str] {
     match library {
         Library::Nccl => &["ncclAllReduce", "pncclAllReduce"],
         Library::Cuda => &["cuStreamSynchronize"],
+        Library::Marker => &[],
     }
 }
 
@@ -232,6 +233,42 @@ pub fn find_library(root: &Path, files: &[String], library: Library) -> Option<F
                 host_path,
                 sites: probe_sites(&symbols, library),
             });
+        }
+    }
+    None
+}
+
+/// Finds the function `symbol` for `--step-symbol`: in the mapped object whose path is
+/// `library` or ends with `/library` when given, else in every mapped object (the
+/// executable first), dynamic symbols first.
+#[must_use]
+pub fn find_marker(
+    root: &Path,
+    files: &[String],
+    symbol: &str,
+    library: Option<&str>,
+) -> Option<FoundLibrary> {
+    let candidates: Vec<&String> = files
+        .iter()
+        .filter(|f| library.is_none_or(|l| f.as_str() == l || f.ends_with(&format!("/{l}"))))
+        .collect();
+    for tables in [Tables::Dynamic, Tables::All] {
+        for path in &candidates {
+            let host_path = root.join(path.trim_start_matches('/'));
+            let Ok(found) = resolve(&host_path, &[symbol], tables) else {
+                continue;
+            };
+            if let Some(r) = found.get(symbol) {
+                return Some(FoundLibrary {
+                    path: (*path).clone(),
+                    host_path,
+                    sites: vec![ProbeSite {
+                        func: Func::StepMarker,
+                        symbol: symbol.to_owned(),
+                        file_offset: r.file_offset,
+                    }],
+                });
+            }
         }
     }
     None

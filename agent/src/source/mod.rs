@@ -73,6 +73,11 @@ pub enum SourceError {
         #[source]
         source: Box<aya::maps::MapError>,
     },
+    #[error(
+        "--step-symbol: no function {symbol} in {where_}: check the name (nm -D / nm) or name \
+         the library as SYMBOL@LIBRARY"
+    )]
+    NoStepSymbol { symbol: String, where_: String },
     #[error("the embedded eBPF object has no program {name}: rebuild nccltrace")]
     MissingProgram { name: String },
     #[error(transparent)]
@@ -87,7 +92,9 @@ impl SourceError {
     pub fn is_bad_input(&self) -> bool {
         matches!(
             self,
-            SourceError::NoSuchProcess { .. } | SourceError::NoNccl { .. }
+            SourceError::NoSuchProcess { .. }
+                | SourceError::NoNccl { .. }
+                | SourceError::NoStepSymbol { .. }
         )
     }
 }
@@ -139,11 +146,14 @@ pub struct Target {
     pub comm: String,
     pub nccl: FoundLibrary,
     pub cuda: Option<FoundLibrary>,
+    /// The `--step-symbol` function.
+    pub marker: Option<FoundLibrary>,
     pub maps: Vec<String>,
 }
 
-/// Finds NCCL (and the CUDA driver) in `pid`, through `/proc/PID/root`.
-pub fn discover(host: &Host, pid: u32) -> Result<Target, SourceError> {
+/// Finds NCCL (and the CUDA driver, and the `SYMBOL[@LIBRARY]` step marker when given) in
+/// `pid`, through `/proc/PID/root`.
+pub fn discover(host: &Host, pid: u32, step_symbol: Option<&str>) -> Result<Target, SourceError> {
     let maps_text = std::fs::read_to_string(host.path(&format!("proc/{pid}/maps")))
         .map_err(|_| SourceError::NoSuchProcess { pid })?;
     let maps = discover::parse_maps(&maps_text);
@@ -157,11 +167,29 @@ pub fn discover(host: &Host, pid: u32) -> Result<Target, SourceError> {
         }
     })?;
     let cuda = discover::find_library(&root, &files, Library::Cuda);
+    let marker = match step_symbol {
+        None => None,
+        Some(spec) => {
+            let (symbol, library) = match spec.split_once('@') {
+                Some((s, l)) => (s, Some(l)),
+                None => (spec, None),
+            };
+            let found = discover::find_marker(&root, &files, symbol, library);
+            Some(
+                found.ok_or_else(|| SourceError::NoStepSymbol {
+                    symbol: symbol.to_owned(),
+                    where_: library
+                        .map_or_else(|| format!("any object mapped by pid {pid}"), str::to_owned),
+                })?,
+            )
+        }
+    };
     Ok(Target {
         pid,
         comm,
         nccl,
         cuda,
+        marker,
         maps: files,
     })
 }
@@ -274,6 +302,7 @@ pub fn attach(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
         if profile.probes.cuda_sync {
             libs.extend(t.cuda.iter());
         }
+        libs.extend(t.marker.iter());
         for lib in &libs {
             for site in &lib.sites {
                 probes.push(ProbeInfo {

@@ -88,6 +88,8 @@ pub mod func {
     pub const CU_CTX_SYNCHRONIZE: u32 = 67;
     /// First CUDA id: ids at or above this are CUDA driver calls.
     pub const FIRST_CUDA: u32 = 64;
+    /// A user function called once per training step (`--step-symbol`).
+    pub const STEP_MARKER: u32 = 128;
 
     /// How many arguments the function takes, counting a by-value `ncclUniqueId` as none
     /// since the x86-64 ABI passes it in memory without using a register.
