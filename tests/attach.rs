@@ -350,7 +350,7 @@ fn counts_calls_into_the_real_libnccl() {
 
 /// Attaches to a trainer that would run for a long time, lets `stop` end the agent's run
 /// (or not), kills the trainer, and returns the agent's exit code and summary.
-fn traced_long_run(agent_args: &[&str], stop: impl FnOnce(&Agent)) -> (i32, Value, String) {
+fn traced_long_run(agent_args: &[&str], stop: impl FnOnce(&Agent, u32)) -> (i32, Value, String) {
     let dir = tempfile::tempdir().unwrap();
     let go = dir.path().join("go");
     let go = go.to_str().unwrap();
@@ -358,7 +358,7 @@ fn traced_long_run(agent_args: &[&str], stop: impl FnOnce(&Agent)) -> (i32, Valu
     let mut trainer = Target::spawn(&fixtures().join("trainer"), &args, &[], dir.path());
     trainer.release();
     let agent = Agent::attach(trainer.child.id(), &dir.path().join("out"), agent_args);
-    stop(&agent);
+    stop(&agent, trainer.child.id());
     let result = agent.wait(Duration::from_secs(30));
     let _ = trainer.child.kill();
     let _ = trainer.child.wait();
@@ -373,12 +373,30 @@ fn duration_stops_the_run() {
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
     require_root();
-    let (code, summary, stderr) = traced_long_run(&["--duration", "1s"], |_| {});
+    let (code, summary, stderr) = traced_long_run(&["--duration", "1s"], |_, _| {});
     assert_eq!(code, 0, "{stderr}");
     assert_eq!(summary["stop_reason"], "--duration elapsed");
     assert!(summary["nccl"]["calls"].as_u64().unwrap() > 0);
     let d = summary["duration_ns"].as_u64().unwrap();
     assert!((900_000_000..5_000_000_000).contains(&d), "duration {d}");
+    no_programs_left();
+}
+
+/// The target killed with SIGKILL mid-trace: the agent notices, writes every output for
+/// the time it saw, exits 0 and leaves no program behind.
+#[test]
+fn target_killed_mid_trace() {
+    let _serial = SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    require_root();
+    let (code, summary, stderr) = traced_long_run(&[], |_, trainer| {
+        std::thread::sleep(Duration::from_millis(700));
+        unsafe { libc::kill(trainer as i32, libc::SIGKILL) };
+    });
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(summary["stop_reason"], "every target exited");
+    assert!(summary["nccl"]["calls"].as_u64().unwrap() > 0);
     no_programs_left();
 }
 
@@ -389,7 +407,7 @@ fn sigint_detaches_and_writes_outputs() {
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
     require_root();
-    let (code, summary, stderr) = traced_long_run(&[], |agent| {
+    let (code, summary, stderr) = traced_long_run(&[], |agent, _| {
         std::thread::sleep(Duration::from_millis(500));
         unsafe { libc::kill(agent.child.id() as i32, libc::SIGINT) };
     });

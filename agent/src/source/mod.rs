@@ -624,6 +624,14 @@ impl Attached {
                 }
             }
         };
+        if matches!(reason, StopReason::Signal(_)) {
+            // A second Ctrl-C ends the process at once; the kernel detaches every program
+            // when it closes the process's descriptors.
+            // SAFETY: restoring the default disposition of a signal.
+            unsafe {
+                libc::signal(libc::SIGINT, libc::SIG_DFL);
+            }
+        }
         self.disarm();
         self.drain_ready(sink, usize::MAX)?;
         Ok(reason)
