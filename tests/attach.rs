@@ -96,8 +96,13 @@ struct Agent {
 
 impl Agent {
     fn attach(pid: u32, out: &Path, extra: &[&str]) -> Agent {
+        Agent::attach_many(&[pid], out, extra)
+    }
+
+    fn attach_many(pids: &[u32], out: &Path, extra: &[&str]) -> Agent {
+        let pids: Vec<String> = pids.iter().map(u32::to_string).collect();
         let mut child = agent()
-            .args(["attach", "--pid", &pid.to_string(), "--out"])
+            .args(["attach", "--pid", &pids.join(","), "--out"])
             .arg(out)
             .args(extra)
             .stdout(Stdio::null())
@@ -516,6 +521,100 @@ fn unknown_step_symbol_is_bad_input() {
         stderr.contains("no function no_such_function") && stderr.contains("SYMBOL@LIBRARY"),
         "{stderr}"
     );
+}
+
+/// Three ranks whose stand-in collectives complete only when all have arrived (shared
+/// memory), rank 1 slowed by 3 ms a step: one agent for all, exact per-rank counts, ranks
+/// read from the environment, rank 1 named the straggler and the slowest rank of most
+/// steps, and the others' NCCL wait grown by about the delay.
+#[test]
+fn three_ranks_one_straggler() {
+    let _serial = SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    require_root();
+    let dir = tempfile::tempdir().unwrap();
+    let go = dir.path().join("go");
+    let shm = format!("/nccltrace-test-{}", std::process::id());
+    let mut trainers = Vec::new();
+    for rank in 0..3 {
+        let rank_s = rank.to_string();
+        let mut args = vec![
+            "--steps",
+            "20",
+            "--compute-us",
+            "1000",
+            "--no-migrate",
+            "--go-file",
+            go.to_str().unwrap(),
+        ];
+        if rank == 1 {
+            args.extend(["--step-sleep-us", "3000"]);
+        }
+        let env = [
+            ("FAKE_NCCL_WORLD", "3"),
+            ("FAKE_NCCL_RANK", rank_s.as_str()),
+            ("FAKE_NCCL_SHM", shm.as_str()),
+            ("RANK", rank_s.as_str()),
+            ("FAKE_NCCL_US", "100"),
+        ];
+        trainers.push(Target::spawn(
+            &fixtures().join("trainer"),
+            &args,
+            &env,
+            dir.path(),
+        ));
+    }
+    let pids: Vec<u32> = trainers.iter().map(|t| t.child.id()).collect();
+    let out = dir.path().join("out");
+    let agent = Agent::attach_many(&pids, &out, &["--profile", "minimal"]);
+    std::fs::write(&go, b"").unwrap();
+    let truths: Vec<Value> = trainers.into_iter().map(Target::finish).collect();
+    let (code, summary, stderr) = agent.wait(Duration::from_secs(60));
+    let _ = std::fs::remove_file(format!("/dev/shm{shm}"));
+    assert_eq!(code, 0, "{stderr}");
+    let ranks = summary["ranks"].as_array().unwrap();
+    assert_eq!(ranks.len(), 3);
+    for (rank, pid) in pids.iter().enumerate() {
+        let r = ranks.iter().find(|r| r["pid"] == *pid).unwrap();
+        assert_eq!(r["rank"], rank);
+        assert_eq!(r["rank_source"], "environment RANK");
+        let calls: u64 = [
+            "AllReduce",
+            "Broadcast",
+            "AllGather",
+            "ReduceScatter",
+            "Reduce",
+            "Send",
+            "Recv",
+        ]
+        .iter()
+        .map(|op| truths[rank]["total"]["calls"][op].as_u64().unwrap())
+        .sum();
+        assert_eq!(r["nccl"]["calls"], calls, "rank {rank}");
+    }
+    assert_eq!(
+        summary["straggler"]["rank"], 1,
+        "{:#}",
+        summary["straggler"]
+    );
+    assert!(summary["straggler"]["share_of_waits"].as_f64().unwrap() > 0.5);
+    let steps: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("steps.json")).unwrap()).unwrap();
+    let steps = steps["steps"].as_array().unwrap();
+    let slow = steps.iter().filter(|s| s["slowest_rank"] == 1).count();
+    assert!(
+        slow * 2 > steps.len(),
+        "rank 1 slowest in {slow} of {} steps",
+        steps.len()
+    );
+    // Ranks 0 and 2 wait about the 3 ms rank 1 sleeps, each step.
+    let wait0 = steps
+        .iter()
+        .map(|s| s["ranks"][0]["categories"]["nccl_wait"].as_u64().unwrap())
+        .sum::<u64>()
+        / steps.len() as u64;
+    assert!(wait0 > 2_000_000, "rank 0 waited {wait0} ns a step");
 }
 
 /// Bad input: exit code 2 and a message naming the problem and the fix.

@@ -106,6 +106,29 @@ impl Host {
         tids
     }
 
+    /// The rank a launcher gave the process, from its environment: the first of RANK,
+    /// OMPI_COMM_WORLD_RANK, SLURM_PROCID, PMI_RANK, LOCAL_RANK that is set.
+    #[must_use]
+    pub fn env_rank(&self, pid: u32) -> Option<(String, i32)> {
+        let environ = self.read(&format!("proc/{pid}/environ"))?;
+        let vars: Vec<(&str, &str)> = environ
+            .split('\0')
+            .filter_map(|kv| kv.split_once('='))
+            .collect();
+        [
+            "RANK",
+            "OMPI_COMM_WORLD_RANK",
+            "SLURM_PROCID",
+            "PMI_RANK",
+            "LOCAL_RANK",
+        ]
+        .iter()
+        .find_map(|name| {
+            let value = vars.iter().find(|(k, _)| k == name)?.1.parse().ok()?;
+            Some(((*name).to_owned(), value))
+        })
+    }
+
     /// Thread ids with their names.
     #[must_use]
     pub fn thread_names(&self, pid: u32) -> Vec<(u32, String)> {

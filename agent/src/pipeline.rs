@@ -79,7 +79,7 @@ pub struct TargetSummary {
 }
 
 /// `summary.json`.
-#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Serialize, PartialEq)]
 pub struct Summary {
     pub duration_ns: u64,
     pub start_unix_ns: u64,
@@ -98,6 +98,11 @@ pub struct Summary {
     pub lost_events: u64,
     pub lost_by_kind: BTreeMap<String, u64>,
     pub counters: BTreeMap<String, u64>,
+    /// Every traced rank: its number and where it came from, its NCCL traffic, its
+    /// training-loop thread's categories.
+    pub ranks: Vec<crate::attribute::ranks::RankReport>,
+    /// With several ranks: the one whose late arrivals make the others wait most.
+    pub straggler: Option<crate::attribute::ranks::Straggler>,
     /// Set when the recording ended without its closing record (the agent was killed, or
     /// the file was cut): the numbers cover what was recorded.
     pub incomplete: Option<String>,
@@ -288,6 +293,8 @@ impl Aggregator {
             lost_events: lost_by_kind.values().sum(),
             lost_by_kind,
             counters,
+            ranks: steps.ranks.clone(),
+            straggler: steps.straggler.clone(),
             incomplete,
         };
         Outputs {

@@ -97,6 +97,9 @@ pub struct TargetInfo {
     /// has exited.
     #[serde(default)]
     pub maps_text: String,
+    /// The rank from the environment at attach: (variable, value).
+    #[serde(default)]
+    pub env_rank: Option<(String, i32)>,
 }
 
 /// What a recording starts with.

@@ -18,6 +18,7 @@
 //!   handler (or that sit on the instruction that just faulted, being retried), times
 //!   the on-CPU time since the previous sample, are `page_fault`.
 
+pub mod ranks;
 pub mod steps;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -132,6 +133,19 @@ pub struct Step {
     pub cross_node_migrations: u64,
     pub numa_page_migrations: u64,
     pub numa_task_moves: u64,
+    /// With several ranks: the rank whose late arrivals made the others wait most in this
+    /// step.
+    pub slowest_rank: Option<i32>,
+    /// With several ranks: each rank's training-loop thread over this step's interval.
+    pub ranks: Vec<StepRank>,
+}
+
+/// One rank's categories in a step.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct StepRank {
+    pub rank: i32,
+    pub pid: u32,
+    pub categories: Categories,
 }
 
 /// A thread's totals over the traced interval.
@@ -157,7 +171,7 @@ pub struct Methods {
 }
 
 /// `steps.json`.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct StepsReport {
     pub method: Method,
     pub reason: String,
@@ -168,6 +182,9 @@ pub struct StepsReport {
     pub methods: Methods,
     pub steps: Vec<Step>,
     pub threads: Vec<ThreadReport>,
+    /// Every traced rank (one per target process).
+    pub ranks: Vec<ranks::RankReport>,
+    pub straggler: Option<ranks::Straggler>,
 }
 
 /// How steps are to be found.
@@ -305,6 +322,8 @@ pub struct Timeline {
     stacks: Vec<StackKey>,
     stack_ids: std::collections::HashMap<StackKey, u32>,
     calls: Vec<Call>,
+    target_pids: Vec<u32>,
+    env_ranks: BTreeMap<u32, (String, i32)>,
 }
 
 impl Timeline {
@@ -327,6 +346,12 @@ impl Timeline {
             stacks: Vec::new(),
             stack_ids: std::collections::HashMap::new(),
             calls: Vec::new(),
+            target_pids: header.targets.iter().map(|t| t.pid).collect(),
+            env_ranks: header
+                .targets
+                .iter()
+                .filter_map(|t| t.env_rank.clone().map(|r| (t.pid, r)))
+                .collect(),
         }
     }
 
@@ -595,15 +620,79 @@ impl Timeline {
                 "no collectives traced: 1 s windows".into(),
             ),
         };
+        let identities = self.identities();
+        let loop_threads: BTreeMap<u32, u32> = identities
+            .iter()
+            .filter_map(|id| self.loop_thread(id.pid).map(|tid| (id.pid, tid)))
+            .collect();
+        let rank_of = |pid: u32| {
+            identities
+                .iter()
+                .find(|i| i.pid == pid)
+                .map_or(-1, |i| i.rank)
+        };
         let mut steps_out = Vec::new();
         if let Some((tid, pid)) = rank {
             let log = &self.threads[&tid];
             let ends = &collective_ends[&pid];
             let colls = &process_collectives[&pid];
             for (index, (a, b)) in detected.bounds.iter().copied().enumerate() {
-                steps_out.push(self.step(index, log, tid, colls, ends, a, b));
+                let mut step = self.step(index, log, tid, colls, ends, a, b);
+                if loop_threads.len() > 1 {
+                    step.slowest_rank =
+                        ranks::slowest_in(&process_collectives, pid, a, b).map(rank_of);
+                    step.ranks = loop_threads
+                        .iter()
+                        .map(|(p, t)| StepRank {
+                            rank: rank_of(*p),
+                            pid: *p,
+                            categories: Self::categories(
+                                &self.threads[t],
+                                collective_ends.get(p).map_or(&[][..], Vec::as_slice),
+                                a,
+                                b,
+                            ),
+                        })
+                        .collect();
+                }
+                steps_out.push(step);
             }
         }
+        let rank_reports: Vec<ranks::RankReport> = identities
+            .iter()
+            .map(|id| {
+                let colls = process_collectives
+                    .get(&id.pid)
+                    .map_or(&[][..], Vec::as_slice);
+                ranks::RankReport {
+                    pid: id.pid,
+                    rank: id.rank,
+                    rank_source: id.rank_source.clone(),
+                    nccl: ranks::RankNccl {
+                        calls: colls.len() as u64,
+                        bytes: colls.iter().map(|c| c.bytes).sum(),
+                    },
+                    categories: loop_threads
+                        .get(&id.pid)
+                        .map_or_else(Categories::default, |t| {
+                            Self::categories(
+                                &self.threads[t],
+                                collective_ends.get(&id.pid).map_or(&[][..], Vec::as_slice),
+                                self.first_ns,
+                                end_ns,
+                            )
+                        }),
+                }
+            })
+            .collect();
+        let straggler = ranks::straggler(
+            &process_collectives
+                .iter()
+                .filter(|(_, c)| !c.is_empty())
+                .map(|(p, c)| (*p, c.clone()))
+                .collect(),
+            &identities,
+        );
         let mut threads = Vec::new();
         for (tid, log) in &self.threads {
             let ends = collective_ends.get(&log.pid).map_or(&[][..], Vec::as_slice);
@@ -660,8 +749,37 @@ impl Timeline {
             },
             steps: steps_out,
             threads,
+            ranks: rank_reports,
+            straggler,
         };
         (report, detail)
+    }
+
+    /// Rank numbers of the traced processes.
+    fn identities(&self) -> Vec<ranks::RankIdentity> {
+        let init: BTreeMap<u32, i32> = self
+            .calls
+            .iter()
+            .filter(|c| {
+                matches!(
+                    c.func,
+                    crate::event::Func::CommInitRank | crate::event::Func::CommInitRankConfig
+                )
+            })
+            .filter_map(|c| c.rank.map(|r| (c.task.tgid, r)))
+            .collect();
+        ranks::identify(&self.target_pids, &init, &self.env_ranks)
+    }
+
+    /// A process's training-loop thread: the one that waits on the GPU most often, else
+    /// the one issuing the most collectives.
+    fn loop_thread(&self, pid: u32) -> Option<u32> {
+        self.threads
+            .iter()
+            .filter(|(_, l)| l.pid == pid)
+            .filter(|(_, l)| !l.syncs.is_empty() || !l.collectives.is_empty())
+            .max_by_key(|(tid, l)| (l.syncs.len(), l.collectives.len(), std::cmp::Reverse(**tid)))
+            .map(|(tid, _)| *tid)
     }
 
     /// Per-thread timelines with categorized pieces, samples and off-CPU stretches.
@@ -786,6 +904,8 @@ impl Timeline {
                 .filter(|(t, ts, _)| *t == tid && in_step(ts))
                 .map(|(_, _, n)| n)
                 .sum(),
+            slowest_rank: None,
+            ranks: Vec::new(),
             numa_task_moves: self
                 .numa_moves
                 .iter()

@@ -286,6 +286,8 @@ mod tests {
             cross_node_migrations: 1,
             numa_page_migrations: 0,
             numa_task_moves: 0,
+            slowest_rank: None,
+            ranks: vec![],
         };
         let steps = StepsReport {
             method: Method::Auto,
@@ -300,6 +302,8 @@ mod tests {
             },
             steps: vec![step],
             threads: vec![],
+            ranks: vec![],
+            straggler: None,
         };
         let mut out = Vec::new();
         write(&header, &detail, &steps, &mut out).unwrap();

@@ -464,6 +464,7 @@ pub fn attach(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
                 probes,
                 maps: t.maps.clone(),
                 threads: host.thread_names(t.pid),
+                env_rank: host.env_rank(t.pid),
                 maps_text: std::fs::read_to_string(host.path(&format!("proc/{}/maps", t.pid)))
                     .unwrap_or_default(),
             })

@@ -1,0 +1,221 @@
+//! Several ranks: who is who, and who makes the others wait.
+//!
+//! The n-th collective a rank issues is matched with the n-th of every other rank (one
+//! communicator per job, the common case; several communicators interleaved differently
+//! per rank would need the communicator's id, which is not visible after init). For each
+//! matched collective the last rank to arrive makes every other rank wait from its own
+//! arrival until then; those waits are charged to the last rank. The straggler is the rank
+//! charged the most.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+use super::Categories;
+use super::steps::Collective;
+
+/// How a rank's number was found.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct RankIdentity {
+    pub pid: u32,
+    pub rank: i32,
+    /// `ncclCommInitRank`, `environment RANK` (or the variable used), or `pid order`.
+    pub rank_source: String,
+}
+
+/// NCCL traffic of a rank.
+#[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
+pub struct RankNccl {
+    pub calls: u64,
+    pub bytes: u64,
+}
+
+/// One rank in summary.json and steps.json.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct RankReport {
+    pub pid: u32,
+    pub rank: i32,
+    pub rank_source: String,
+    pub nccl: RankNccl,
+    /// Its training-loop thread over the traced interval.
+    pub categories: Categories,
+}
+
+/// The rank whose late arrivals make the others wait most.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Straggler {
+    pub rank: i32,
+    pub pid: u32,
+    /// Share of all cross-rank waiting charged to it.
+    pub share_of_waits: f64,
+    /// Mean of its arrival minus the earliest arrival, over matched collectives.
+    pub mean_lateness_ns: u64,
+}
+
+/// Numbers the ranks: CommInitRank's argument when seen, else the environment, else the
+/// order of the pids.
+#[must_use]
+pub fn identify(
+    pids: &[u32],
+    init_ranks: &BTreeMap<u32, i32>,
+    env_ranks: &BTreeMap<u32, (String, i32)>,
+) -> Vec<RankIdentity> {
+    let mut sorted = pids.to_vec();
+    sorted.sort_unstable();
+    sorted
+        .iter()
+        .enumerate()
+        .map(|(i, pid)| {
+            let (rank, rank_source) = if let Some(r) = init_ranks.get(pid) {
+                (*r, "ncclCommInitRank".to_owned())
+            } else if let Some((var, r)) = env_ranks.get(pid) {
+                (*r, format!("environment {var}"))
+            } else {
+                (i as i32, "pid order".to_owned())
+            };
+            RankIdentity {
+                pid: *pid,
+                rank,
+                rank_source,
+            }
+        })
+        .collect()
+}
+
+/// Per matched collective: the pid arriving last and each pid's lateness behind the first.
+fn matched(collectives: &BTreeMap<u32, Vec<Collective>>) -> Vec<BTreeMap<u32, u64>> {
+    let n = collectives.values().map(Vec::len).min().unwrap_or(0);
+    (0..n)
+        .map(|i| {
+            collectives
+                .iter()
+                .map(|(pid, c)| (*pid, c[i].start_ns))
+                .collect()
+        })
+        .collect()
+}
+
+/// The straggler, when there are at least two ranks with collectives.
+#[must_use]
+pub fn straggler(
+    collectives: &BTreeMap<u32, Vec<Collective>>,
+    ids: &[RankIdentity],
+) -> Option<Straggler> {
+    if collectives.len() < 2 {
+        return None;
+    }
+    let mut charged: BTreeMap<u32, u64> = BTreeMap::new();
+    let mut lateness: BTreeMap<u32, (u64, u64)> = BTreeMap::new();
+    let mut total = 0u64;
+    for arrivals in matched(collectives) {
+        let first = arrivals.values().copied().min()?;
+        let (&last_pid, &last) = arrivals.iter().max_by_key(|(_, t)| **t)?;
+        let waits: u64 = arrivals.values().map(|t| last - t).sum();
+        *charged.entry(last_pid).or_default() += waits;
+        total += waits;
+        for (pid, t) in &arrivals {
+            let e = lateness.entry(*pid).or_default();
+            e.0 += t - first;
+            e.1 += 1;
+        }
+    }
+    let (&pid, &waits) = charged.iter().max_by_key(|(_, w)| **w)?;
+    let (sum, n) = lateness.get(&pid).copied().unwrap_or((0, 1));
+    Some(Straggler {
+        rank: ids.iter().find(|r| r.pid == pid).map_or(-1, |r| r.rank),
+        pid,
+        share_of_waits: if total == 0 {
+            0.0
+        } else {
+            waits as f64 / total as f64
+        },
+        mean_lateness_ns: sum / n.max(1),
+    })
+}
+
+/// The rank arriving last, summed over the matched collectives that start in `[a, b)`
+/// on the reference rank `reference`.
+#[must_use]
+pub fn slowest_in(
+    collectives: &BTreeMap<u32, Vec<Collective>>,
+    reference: u32,
+    a: u64,
+    b: u64,
+) -> Option<u32> {
+    if collectives.len() < 2 {
+        return None;
+    }
+    let mut late: BTreeMap<u32, u64> = BTreeMap::new();
+    for arrivals in matched(collectives) {
+        let Some(t) = arrivals.get(&reference) else {
+            continue;
+        };
+        if !(a..b).contains(t) {
+            continue;
+        }
+        let first = arrivals.values().copied().min().unwrap_or(0);
+        if let Some((pid, last)) = arrivals.iter().max_by_key(|(_, t)| **t) {
+            *late.entry(*pid).or_default() += last - first;
+        }
+    }
+    late.into_iter().max_by_key(|(_, l)| *l).map(|(pid, _)| pid)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::event::Func;
+
+    fn ranks(delays: &[u64]) -> BTreeMap<u32, Vec<Collective>> {
+        delays
+            .iter()
+            .enumerate()
+            .map(|(r, d)| {
+                let c = (0..10u64)
+                    .map(|i| {
+                        let t = i * 1_000_000 + d;
+                        Collective {
+                            func: Func::AllReduce,
+                            bytes: 4,
+                            start_ns: t,
+                            end_ns: t + 1,
+                        }
+                    })
+                    .collect();
+                (100 + r as u32, c)
+            })
+            .collect()
+    }
+
+    /// The rank that always arrives 300 µs late is the straggler, charged every wait.
+    #[test]
+    fn late_rank_is_the_straggler() {
+        let c = ranks(&[0, 300_000, 10_000]);
+        let ids = identify(&[100, 101, 102], &BTreeMap::new(), &BTreeMap::new());
+        let s = straggler(&c, &ids).unwrap();
+        assert_eq!((s.pid, s.rank), (101, 1));
+        assert!((s.share_of_waits - 1.0).abs() < 1e-9);
+        assert_eq!(s.mean_lateness_ns, 300_000);
+        assert_eq!(slowest_in(&c, 100, 0, 3_000_000), Some(101));
+        assert_eq!(straggler(&ranks(&[0]), &ids), None);
+    }
+
+    /// CommInitRank beats the environment, which beats pid order.
+    #[test]
+    fn identities() {
+        let init: BTreeMap<u32, i32> = [(7, 3)].into();
+        let env: BTreeMap<u32, (String, i32)> =
+            [(7, ("RANK".into(), 9)), (8, ("LOCAL_RANK".into(), 1))].into();
+        let ids = identify(&[9, 8, 7], &init, &env);
+        assert_eq!(
+            ids[0],
+            RankIdentity {
+                pid: 7,
+                rank: 3,
+                rank_source: "ncclCommInitRank".into()
+            }
+        );
+        assert_eq!(ids[1].rank_source, "environment LOCAL_RANK");
+        assert_eq!((ids[2].rank, ids[2].rank_source.as_str()), (2, "pid order"));
+    }
+}
