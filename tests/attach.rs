@@ -498,6 +498,10 @@ fn steps_from_a_marker_function() {
 /// A `--step-symbol` the target does not define: exit code 2, the name and the fix said.
 #[test]
 fn unknown_step_symbol_is_bad_input() {
+    // Its trainer maps NCCL: keep it out of the `--all` test's way.
+    let _serial = SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let dir = tempfile::tempdir().unwrap();
     let go = dir.path().join("go");
     let mut trainer = Target::spawn(
@@ -524,7 +528,7 @@ fn unknown_step_symbol_is_bad_input() {
 }
 
 /// Three ranks whose stand-in collectives complete only when all have arrived (shared
-/// memory), rank 1 slowed by 3 ms a step: one agent for all, exact per-rank counts, ranks
+/// memory), rank 1 slowed by 3 ms a step: one agent for all (found by `--all`), exact per-rank counts, ranks
 /// read from the environment, rank 1 named the straggler and the slowest rank of most
 /// steps, and the others' NCCL wait grown by about the delay.
 #[test]
@@ -567,7 +571,31 @@ fn three_ranks_one_straggler() {
     }
     let pids: Vec<u32> = trainers.iter().map(|t| t.child.id()).collect();
     let out = dir.path().join("out");
-    let agent = Agent::attach_many(&pids, &out, &["--profile", "minimal"]);
+    // `--all` finds them: every process mapping NCCL (the tests run one at a time).
+    let mut child = agent()
+        .args(["attach", "--all", "--profile", "minimal", "--out"])
+        .arg(&out)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = BufReader::new(child.stderr.take().unwrap()).lines();
+    let found = stderr.next().unwrap().unwrap();
+    assert!(found.contains("found 3 process(es)"), "{found}");
+    let mut attached = 0;
+    while attached < 3 {
+        let line = stderr
+            .next()
+            .expect("nccltrace exited before attaching")
+            .unwrap();
+        assert!(!line.contains("error"), "{line}");
+        attached += usize::from(line.contains("attached to pid"));
+    }
+    let agent = Agent {
+        child,
+        stderr,
+        out: out.clone(),
+    };
     std::fs::write(&go, b"").unwrap();
     let truths: Vec<Value> = trainers.into_iter().map(Target::finish).collect();
     let (code, summary, stderr) = agent.wait(Duration::from_secs(60));

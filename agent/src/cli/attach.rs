@@ -13,8 +13,12 @@ use crate::{Error, host};
 #[derive(Debug, clap::Args)]
 pub struct AttachArgs {
     /// Process ids of the ranks (comma-separated, or repeat the flag).
-    #[arg(long, short, required = true, value_delimiter = ',')]
+    #[arg(long, short, required_unless_present = "all", value_delimiter = ',')]
     pid: Vec<u32>,
+    /// Every process on the host that maps NCCL (in libnccl or linked into another
+    /// library).
+    #[arg(long, conflicts_with = "pid")]
+    all: bool,
     /// Folder for the outputs (refused if it exists, unless --force).
     #[arg(long, short, default_value = "nccltrace-out")]
     out: PathBuf,
@@ -64,7 +68,23 @@ impl AttachArgs {
             profile.set_sample_hz(hz)?;
         }
         let step_rule = super::step_rule(self.step_window.as_deref())?;
-        let mut pids = self.pid;
+        let mut pids = if self.all {
+            let found = source::processes_with_nccl(&host::Host::live());
+            if found.is_empty() {
+                return Err(Error::InvalidArgument {
+                    what: "--all",
+                    value: "no process maps NCCL".into(),
+                    expected: "a running job that has initialised NCCL (or use --pid with --wait-for-nccl)",
+                });
+            }
+            eprintln!(
+                "nccltrace: --all found {} process(es) mapping NCCL: {found:?}",
+                found.len()
+            );
+            found
+        } else {
+            self.pid
+        };
         pids.sort_unstable();
         pids.dedup();
         if let Some(zero) = pids.iter().find(|p| **p == 0) {

@@ -151,6 +151,55 @@ pub struct Target {
     pub maps: Vec<String>,
 }
 
+/// Every process (but this one) with a mapped object that defines ncclAllReduce in its
+/// dynamic symbols. Each file is checked once, whatever the number of processes mapping it.
+#[must_use]
+pub fn processes_with_nccl(host: &Host) -> Vec<u32> {
+    let me = std::process::id();
+    let mut verdicts: std::collections::HashMap<(u64, u64), bool> =
+        std::collections::HashMap::new();
+    let mut found = Vec::new();
+    let Ok(dir) = std::fs::read_dir(host.path("proc")) else {
+        return found;
+    };
+    for entry in dir.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if pid == me {
+            continue;
+        }
+        let Ok(maps) = std::fs::read_to_string(host.path(&format!("proc/{pid}/maps"))) else {
+            continue;
+        };
+        let root = host.path(&format!("proc/{pid}/root"));
+        let maps = discover::parse_maps(&maps);
+        let has_nccl = discover::mapped_files(&maps).iter().any(|path| {
+            let host_path = root.join(path.trim_start_matches('/'));
+            let Ok(meta) = std::fs::metadata(&host_path) else {
+                return false;
+            };
+            *verdicts.entry((meta.dev(), meta.ino())).or_insert_with(|| {
+                discover::resolve(
+                    &host_path,
+                    &["ncclAllReduce", "pncclAllReduce"],
+                    discover::Tables::Dynamic,
+                )
+                .is_ok_and(|found| !found.is_empty())
+            })
+        });
+        if has_nccl {
+            found.push(pid);
+        }
+    }
+    found.sort_unstable();
+    found
+}
+
 /// Finds NCCL (and the CUDA driver, and the `SYMBOL[@LIBRARY]` step marker when given) in
 /// `pid`, through `/proc/PID/root`.
 pub fn discover(host: &Host, pid: u32, step_symbol: Option<&str>) -> Result<Target, SourceError> {
