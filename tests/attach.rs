@@ -495,6 +495,59 @@ fn steps_from_a_marker_function() {
     assert_eq!(read(&again.join("steps.json"))["steps"], steps["steps"]);
 }
 
+/// A stripped libnccl.so.2 (no .symtab, only the dynamic symbols a shared library keeps):
+/// NCCL is still found and every call counted.
+#[test]
+fn stripped_library() {
+    let _serial = SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    require_root();
+    let dir = tempfile::tempdir().unwrap();
+    let fx = fixtures();
+    for f in ["trainer", "libcuda.so.1"] {
+        std::fs::copy(fx.join(f), dir.path().join(f)).unwrap();
+    }
+    let status = Command::new("strip")
+        .arg("--strip-all")
+        .arg(fx.join("libnccl.so.2"))
+        .arg("-o")
+        .arg(dir.path().join("libnccl.so.2"))
+        .status()
+        .expect("strip (binutils)");
+    assert!(status.success());
+    let go = dir.path().join("go");
+    let trainer = Target::spawn(
+        &dir.path().join("trainer"),
+        &[
+            "--steps",
+            "5",
+            "--compute-us",
+            "200",
+            "--go-file",
+            go.to_str().unwrap(),
+        ],
+        &[],
+        dir.path(),
+    );
+    let out = dir.path().join("out");
+    let agent = Agent::attach(trainer.child.id(), &out, &["--profile", "minimal"]);
+    trainer.release();
+    let truth = trainer.finish();
+    let (code, summary, stderr) = agent.wait(Duration::from_secs(60));
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(
+        summary["nccl"]["by_op"]["AllReduce"]["calls"],
+        truth["total"]["calls"]["AllReduce"]
+    );
+    assert!(
+        summary["targets"][0]["nccl_library"]
+            .as_str()
+            .unwrap()
+            .starts_with(dir.path().to_str().unwrap())
+    );
+}
+
 /// A `--step-symbol` the target does not define: exit code 2, the name and the fix said.
 #[test]
 fn unknown_step_symbol_is_bad_input() {

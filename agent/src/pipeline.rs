@@ -345,18 +345,23 @@ pub fn write_outputs(dir: &Path, outputs: &Outputs, text: &mut impl io::Write) -
     use crate::render;
     let create = |name: &str| std::fs::File::create(dir.join(name)).map(io::BufWriter::new);
     render::summary::write_json(&outputs.summary, &mut create("summary.json")?)?;
-    render::steps::write_json(&outputs.steps, &mut create("steps.json")?)?;
-    render::steps::write_csv(&outputs.steps, &mut create("steps.csv")?)?;
     let symbols = crate::symbolize::symbolize(
         &outputs.header,
         &outputs.detail.stacks,
         &outputs.kernel_symbols,
     );
+    let mut steps = outputs.steps.clone();
     for kind in render::flamegraph::Kind::ALL {
         let lines = render::flamegraph::folded(&outputs.detail, &symbols, kind);
+        if kind == render::flamegraph::Kind::Attributed {
+            steps.other_offcpu_top_stacks =
+                render::flamegraph::top_stacks(&lines, "other_offcpu", 5);
+        }
         render::flamegraph::write_folded(&lines, &mut create(&format!("{}.folded", kind.file()))?)?;
         render::flamegraph::write_svg(kind, &lines, &mut create(&format!("{}.svg", kind.file()))?)?;
     }
+    render::steps::write_json(&steps, &mut create("steps.json")?)?;
+    render::steps::write_csv(&steps, &mut create("steps.csv")?)?;
     render::trace::write(
         &outputs.header,
         &outputs.detail,
@@ -364,7 +369,7 @@ pub fn write_outputs(dir: &Path, outputs: &Outputs, text: &mut impl io::Write) -
         create("trace.json")?,
     )?;
     render::summary::write_text(&outputs.summary, text)?;
-    render::steps::write_table(&outputs.steps, text)?;
+    render::steps::write_table(&steps, text)?;
     if let Some(share) = render::flamegraph::short_stack_share(&outputs.detail)
         && share > 0.5
     {

@@ -182,9 +182,20 @@ pub struct StepsReport {
     pub methods: Methods,
     pub steps: Vec<Step>,
     pub threads: Vec<ThreadReport>,
+    /// Where the rank thread was blocked for `other_offcpu`, heaviest first (filled once
+    /// stacks are symbolized).
+    pub other_offcpu_top_stacks: Vec<BlockingStack>,
     /// Every traced rank (one per target process).
     pub ranks: Vec<ranks::RankReport>,
     pub straggler: Option<ranks::Straggler>,
+}
+
+/// A stack the rank thread blocked in, with the time it accounts for in its steps.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct BlockingStack {
+    /// Frames root first, `;`-separated, as in the `.folded` files.
+    pub stack: String,
+    pub total_ns: u64,
 }
 
 /// How steps are to be found.
@@ -749,6 +760,7 @@ impl Timeline {
             },
             steps: steps_out,
             threads,
+            other_offcpu_top_stacks: Vec::new(),
             ranks: rank_reports,
             straggler,
         };

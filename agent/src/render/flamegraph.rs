@@ -196,6 +196,35 @@ pub fn write_svg(kind: Kind, lines: &[String], out: &mut impl Write) -> io::Resu
         .map_err(io::Error::other)
 }
 
+/// The `n` heaviest stacks under root frame `category` of attributed folded lines (the
+/// category and the weight taken off; µs back to ns).
+#[must_use]
+pub fn top_stacks(
+    lines: &[String],
+    category: &str,
+    n: usize,
+) -> Vec<crate::attribute::BlockingStack> {
+    let prefix = format!("{category};");
+    let mut stacks: Vec<crate::attribute::BlockingStack> = lines
+        .iter()
+        .filter_map(|line| {
+            let rest = line.strip_prefix(&prefix)?;
+            let (stack, us) = rest.rsplit_once(' ')?;
+            Some(crate::attribute::BlockingStack {
+                stack: stack.to_owned(),
+                total_ns: us.parse::<u64>().ok()? * 1000,
+            })
+        })
+        .collect();
+    stacks.sort_by(|a, b| {
+        b.total_ns
+            .cmp(&a.total_ns)
+            .then_with(|| a.stack.cmp(&b.stack))
+    });
+    stacks.truncate(n);
+    stacks
+}
+
 /// Share of samples whose user stack has at most two frames: a sign the target was built
 /// without frame pointers, so its stacks stop early.
 #[must_use]
@@ -231,6 +260,19 @@ mod tests {
                 &(lines.join("\n") + "\n"),
             );
         }
+    }
+
+    /// The heaviest blocking stacks come from the attributed lines of their category.
+    #[test]
+    fn top_blocking_stacks() {
+        let lines = vec![
+            "other_offcpu;t;a;b 30".to_owned(),
+            "compute;t;c 99".to_owned(),
+            "other_offcpu;t;d 40".to_owned(),
+        ];
+        let top = top_stacks(&lines, "other_offcpu", 5);
+        assert_eq!(top.len(), 2);
+        assert_eq!((top[0].stack.as_str(), top[0].total_ns), ("t;d", 40_000));
     }
 
     /// The SVG names the frames and says what the width means.

@@ -197,6 +197,15 @@ pub fn write_table(report: &StepsReport, out: &mut impl Write) -> io::Result<()>
         )?;
     }
     writeln!(out)?;
+    if let Some(top) = report.other_offcpu_top_stacks.first() {
+        let leaf: Vec<&str> = top.stack.rsplit(';').take(4).collect();
+        writeln!(
+            out,
+            "  blocked most in: {} ({} ms over the steps; all in steps.json)",
+            leaf.into_iter().rev().collect::<Vec<_>>().join(" > "),
+            ms(top.total_ns)
+        )?;
+    }
     writeln!(out, "{}", verdict(report))
 }
 

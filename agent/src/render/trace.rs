@@ -302,6 +302,7 @@ mod tests {
             },
             steps: vec![step],
             threads: vec![],
+            other_offcpu_top_stacks: vec![],
             ranks: vec![],
             straggler: None,
         };
