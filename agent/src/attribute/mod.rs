@@ -273,6 +273,8 @@ pub struct OffCpu {
     pub stack: Option<u32>,
     /// Who woke it: (tid, tgid).
     pub waker: Option<(u32, u32)>,
+    /// When it was woken (runnable from then on).
+    pub woken_ns: Option<u64>,
 }
 
 /// One thread's timeline, for the flamegraphs and the Perfetto trace.
@@ -845,18 +847,20 @@ impl Timeline {
                             .get(i)
                             .filter(|(t, _)| *t <= start + 100_000 && *t <= ts)
                             .map(|(_, id)| *id);
-                        let waker = log
+                        let wakeup = log
                             .wakeups
                             .iter()
                             .rev()
-                            .find(|(t, _, _)| (start..=ts).contains(t))
-                            .map(|(_, tid, tgid)| (*tid, *tgid));
+                            .find(|(t, _, _)| (start..=ts).contains(t));
+                        let waker = wakeup.map(|(_, tid, tgid)| (*tid, *tgid));
+                        let woken_ns = wakeup.map(|(t, _, _)| *t);
                         thread.offcpu.push(OffCpu {
                             start_ns: start,
                             end_ns: ts,
                             runnable,
                             stack,
                             waker,
+                            woken_ns,
                         });
                     }
                     _ => {}

@@ -76,6 +76,7 @@ pub(crate) mod fixture {
                     runnable: false,
                     stack: Some(2),
                     waker: Some((11, 10)),
+                    woken_ns: Some(6_400_000),
                 },
                 OffCpu {
                     start_ns: 7_000_000,
@@ -83,6 +84,7 @@ pub(crate) mod fixture {
                     runnable: true,
                     stack: Some(0),
                     waker: None,
+                    woken_ns: None,
                 },
             ],
             migrations: vec![(7_000_000, 0, 1)],

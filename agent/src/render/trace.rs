@@ -203,6 +203,29 @@ pub fn write(
             i = j + 1;
         }
     }
+    // Runnable-but-waiting target threads, as a counter stepping at each change.
+    let mut changes: Vec<(u64, u32, i64)> = Vec::new();
+    for t in &detail.threads {
+        for off in &t.offcpu {
+            // Runnable from the switch-out when preempted, else from the wakeup on.
+            let from = if off.runnable {
+                Some(off.start_ns)
+            } else {
+                off.woken_ns
+            };
+            if let Some(from) = from.filter(|f| *f < off.end_ns) {
+                changes.push((from, t.pid, 1));
+                changes.push((off.end_ns, t.pid, -1));
+            }
+        }
+    }
+    changes.sort_unstable();
+    let mut runnable: std::collections::BTreeMap<u32, i64> = std::collections::BTreeMap::new();
+    for (ts, pid, delta) in changes {
+        let n = runnable.entry(pid).or_insert(0);
+        *n += delta;
+        w.event(&json!({"ph": "C", "name": "runnable threads", "pid": pid, "ts": w.ts(ts), "args": {"waiting for a CPU": (*n).max(0)}}))?;
+    }
     // Counters per process, in 100 ms bins.
     let mut pids: Vec<u32> = detail.threads.iter().map(|t| t.pid).collect();
     pids.sort_unstable();
