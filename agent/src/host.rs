@@ -72,6 +72,14 @@ impl Host {
         !matches!(state, Some('Z' | 'X') | None)
     }
 
+    /// Peak resident memory (`VmHWM` in status), in KiB.
+    #[must_use]
+    pub fn peak_rss_kb(&self, pid: u32) -> Option<u64> {
+        let status = self.read(&format!("proc/{pid}/status"))?;
+        let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+        line.split_whitespace().nth(1)?.parse().ok()
+    }
+
     /// The process name.
     #[must_use]
     pub fn comm(&self, pid: u32) -> String {

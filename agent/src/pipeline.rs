@@ -78,6 +78,15 @@ pub struct TargetSummary {
     pub probes: usize,
 }
 
+/// What the agent itself cost.
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct AgentStats {
+    /// Loading the programs and attaching every probe.
+    pub attach_ms: f64,
+    /// Peak resident memory (VmHWM) at the end of the run.
+    pub peak_rss_kb: u64,
+}
+
 /// `summary.json`.
 #[derive(Clone, Debug, Serialize, PartialEq)]
 pub struct Summary {
@@ -103,6 +112,8 @@ pub struct Summary {
     pub ranks: Vec<crate::attribute::ranks::RankReport>,
     /// With several ranks: the one whose late arrivals make the others wait most.
     pub straggler: Option<crate::attribute::ranks::Straggler>,
+    /// The agent's own cost in the live run.
+    pub agent: AgentStats,
     /// Set when the recording ended without its closing record (the agent was killed, or
     /// the file was cut): the numbers cover what was recorded.
     pub incomplete: Option<String>,
@@ -231,13 +242,22 @@ impl Aggregator {
     #[must_use]
     pub fn finish(self, rule: StepRule) -> Outputs {
         let start = self.header.clock.monotonic_ns;
+        let mut agent = AgentStats::default();
         let (end_ns, stop_reason, lost_by_kind, counters) = match self.end {
             Some(Meta::End {
                 end_monotonic_ns,
                 reason,
                 lost_by_kind,
                 counters,
-            }) => (end_monotonic_ns, Some(reason), lost_by_kind, counters),
+                attach_ns,
+                agent_peak_rss_kb,
+            }) => {
+                agent = AgentStats {
+                    attach_ms: attach_ns as f64 / 1e6,
+                    peak_rss_kb: agent_peak_rss_kb,
+                };
+                (end_monotonic_ns, Some(reason), lost_by_kind, counters)
+            }
             Some(Meta::KernelSymbols { .. }) | None => {
                 (self.last_ts, None, BTreeMap::new(), BTreeMap::new())
             }
@@ -295,6 +315,7 @@ impl Aggregator {
             counters,
             ranks: steps.ranks.clone(),
             straggler: steps.straggler.clone(),
+            agent,
             incomplete,
         };
         Outputs {

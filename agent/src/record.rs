@@ -133,6 +133,12 @@ pub enum Meta {
         reason: String,
         lost_by_kind: BTreeMap<String, u64>,
         counters: BTreeMap<String, u64>,
+        /// How long loading and attaching took.
+        #[serde(default)]
+        attach_ns: u64,
+        /// The agent's peak resident memory (VmHWM).
+        #[serde(default)]
+        agent_peak_rss_kb: u64,
     },
     /// Names of the kernel frames seen in stacks, from /proc/kallsyms at the end of the
     /// live run, so `report` symbolizes kernel frames on any machine.
@@ -393,6 +399,8 @@ mod tests {
             reason: "target exited".into(),
             lost_by_kind: BTreeMap::new(),
             counters: BTreeMap::new(),
+            attach_ns: 0,
+            agent_peak_rss_kb: 0,
         })
         .unwrap();
         w.finish().unwrap();

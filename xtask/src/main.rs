@@ -1,6 +1,7 @@
 //! Developer tasks: `cargo xtask setup | test | demo`. Every task runs `setup` first, so
 //! each works on a fresh machine.
 
+mod bench;
 mod demo;
 mod setup;
 mod test;
@@ -30,6 +31,8 @@ enum Task {
     },
     /// Set up, build, run the demo trainer, attach to it and print the summary.
     Demo,
+    /// The agent's cost beside its baselines (docs/benchmarks.md).
+    Bench,
     /// Validation on a GPU machine with PyTorch and NCCL (see docs/validation.md).
     GpuCheck {
         /// Print the steps to run instead of running them (this machine has no GPU).
@@ -49,6 +52,7 @@ fn main() -> anyhow::Result<()> {
         Task::Setup | Task::GpuCheck { .. } => Ok(()),
         Task::Test { args } => test::run(&root, &args),
         Task::Demo => demo::run(&root),
+        Task::Bench => bench::run(&root),
     }
 }
 

@@ -252,6 +252,8 @@ struct ThreadLog {
     migration_cpus: Vec<(u64, i32, i32)>,
     /// Entries into the `--step-symbol` function.
     markers: Vec<u64>,
+    /// The thread's time cut into categorized pieces over the whole trace (at `finish`).
+    segments: Vec<(u64, u64, Cat)>,
 }
 
 /// A stack as captured: the process (for its maps), kernel and user frames, innermost
@@ -552,7 +554,11 @@ impl Timeline {
             log.changes.sort_unstable();
             log.syncs.sort_unstable();
             log.collectives.sort_by_key(|c| c.start_ns);
+            log.faults.sort_unstable();
+            log.wakeups.sort_unstable();
+            log.migrations.sort_unstable_by_key(|m| m.0);
             log.fault_time = weigh_samples(log, period);
+            log.fault_time.sort_unstable();
         }
         // NCCL outstanding is a property of the process: collectives from any thread.
         let mut collective_ends: BTreeMap<u32, Vec<u64>> = BTreeMap::new();
@@ -564,6 +570,14 @@ impl Timeline {
         }
         for ends in collective_ends.values_mut() {
             ends.sort_unstable();
+        }
+        // Every thread's timeline, cut once; steps and totals add up its pieces.
+        let first_ns = self.first_ns;
+        for log in self.threads.values_mut() {
+            let ends = collective_ends.get(&log.pid).map_or(&[][..], Vec::as_slice);
+            let mut segments = Vec::new();
+            Self::split(log, ends, first_ns, end_ns, &mut segments);
+            log.segments = segments;
         }
         let mut process_collectives: BTreeMap<u32, Vec<Collective>> = BTreeMap::new();
         for log in self.threads.values() {
@@ -644,27 +658,23 @@ impl Timeline {
                 .find(|i| i.pid == pid)
                 .map_or(-1, |i| i.rank)
         };
+        let lateness = rank.map_or_else(Vec::new, |(_, pid)| {
+            ranks::lateness(&process_collectives, pid)
+        });
         let mut steps_out = Vec::new();
         if let Some((tid, pid)) = rank {
             let log = &self.threads[&tid];
-            let ends = &collective_ends[&pid];
             let colls = &process_collectives[&pid];
             for (index, (a, b)) in detected.bounds.iter().copied().enumerate() {
-                let mut step = self.step(index, log, tid, colls, ends, a, b);
+                let mut step = self.step(index, log, tid, colls, a, b);
                 if loop_threads.len() > 1 {
-                    step.slowest_rank =
-                        ranks::slowest_in(&process_collectives, pid, a, b).map(rank_of);
+                    step.slowest_rank = ranks::slowest_in(&lateness, a, b).map(rank_of);
                     step.ranks = loop_threads
                         .iter()
                         .map(|(p, t)| StepRank {
                             rank: rank_of(*p),
                             pid: *p,
-                            categories: Self::categories(
-                                &self.threads[t],
-                                collective_ends.get(p).map_or(&[][..], Vec::as_slice),
-                                a,
-                                b,
-                            ),
+                            categories: Self::categories(&self.threads[t], a, b),
                         })
                         .collect();
                 }
@@ -688,12 +698,7 @@ impl Timeline {
                     categories: loop_threads
                         .get(&id.pid)
                         .map_or_else(Categories::default, |t| {
-                            Self::categories(
-                                &self.threads[t],
-                                collective_ends.get(&id.pid).map_or(&[][..], Vec::as_slice),
-                                self.first_ns,
-                                end_ns,
-                            )
+                            Self::categories(&self.threads[t], self.first_ns, end_ns)
                         }),
                 }
             })
@@ -708,8 +713,7 @@ impl Timeline {
         );
         let mut threads = Vec::new();
         for (tid, log) in &self.threads {
-            let ends = collective_ends.get(&log.pid).map_or(&[][..], Vec::as_slice);
-            let categories = Self::categories(log, ends, self.first_ns, end_ns);
+            let categories = Self::categories(log, self.first_ns, end_ns);
             threads.push(ThreadReport {
                 tid: *tid,
                 pid: log.pid,
@@ -730,7 +734,7 @@ impl Timeline {
             });
         }
         let nodes: BTreeSet<i32> = self.cpu_nodes.iter().copied().filter(|n| *n >= 0).collect();
-        let mut detail = self.detail(&collective_ends, rank.map(|r| r.0), end_ns);
+        let mut detail = self.detail(rank.map(|r| r.0), end_ns);
         detail.step_bounds = steps_out.iter().map(|s| (s.start_ns, s.end_ns)).collect();
         detail.rank_tid = rank.map(|r| r.0);
         let report = StepsReport {
@@ -797,17 +801,10 @@ impl Timeline {
     }
 
     /// Per-thread timelines with categorized pieces, samples and off-CPU stretches.
-    fn detail(
-        &self,
-        collective_ends: &BTreeMap<u32, Vec<u64>>,
-        rank_tid: Option<u32>,
-        end_ns: u64,
-    ) -> Detail {
+    fn detail(&self, rank_tid: Option<u32>, end_ns: u64) -> Detail {
         let mut threads = Vec::new();
         for (tid, log) in &self.threads {
-            let ends = collective_ends.get(&log.pid).map_or(&[][..], Vec::as_slice);
-            let mut segments = Vec::new();
-            Self::split(log, ends, self.first_ns, end_ns, Some(&mut segments));
+            let segments = log.segments.clone();
             let name = self.thread_names.get(tid).cloned().unwrap_or_default();
             let mut thread = ThreadDetail {
                 tid: *tid,
@@ -849,9 +846,10 @@ impl Timeline {
                             .map(|(_, id)| *id);
                         let wakeup = log
                             .wakeups
-                            .iter()
-                            .rev()
-                            .find(|(t, _, _)| (start..=ts).contains(t));
+                            .partition_point(|(t, _, _)| *t <= ts)
+                            .checked_sub(1)
+                            .map(|i| &log.wakeups[i])
+                            .filter(|(t, _, _)| *t >= start);
                         let waker = wakeup.map(|(_, tid, tgid)| (*tid, *tgid));
                         let woken_ns = wakeup.map(|(t, _, _)| *t);
                         thread.offcpu.push(OffCpu {
@@ -888,32 +886,33 @@ impl Timeline {
         log: &ThreadLog,
         tid: u32,
         collectives: &[Collective],
-        ends: &[u64],
         a: u64,
         b: u64,
     ) -> Step {
         let in_step = |t: &u64| (a..b).contains(t);
-        let nccl = collectives.iter().filter(|c| in_step(&c.start_ns)).fold(
-            NcclCount::default(),
-            |n, c| NcclCount {
+        // Everything below is sorted by time: binary searches keep long runs linear.
+        let lo = collectives.partition_point(|c| c.start_ns < a);
+        let nccl = collectives[lo..]
+            .iter()
+            .take_while(|c| c.start_ns < b)
+            .fold(NcclCount::default(), |n, c| NcclCount {
                 calls: n.calls + 1,
                 bytes: n.bytes + c.bytes,
-            },
-        );
+            });
+        let faults =
+            log.faults.partition_point(|t| *t < b) - log.faults.partition_point(|t| *t < a);
+        let lo = log.migrations.partition_point(|m| m.0 < a);
+        let migrations = &log.migrations[lo..log.migrations.partition_point(|m| m.0 < b).max(lo)];
         Step {
             index,
             start_ns: a,
             end_ns: b,
             wall_ns: b - a,
-            categories: Self::categories(log, ends, a, b),
+            categories: Self::categories(log, a, b),
             nccl,
-            faults: log.faults.iter().filter(|t| in_step(t)).count() as u64,
-            migrations: log.migrations.iter().filter(|(t, _)| in_step(t)).count() as u64,
-            cross_node_migrations: log
-                .migrations
-                .iter()
-                .filter(|(t, x)| *x && in_step(t))
-                .count() as u64,
+            faults: faults as u64,
+            migrations: migrations.len() as u64,
+            cross_node_migrations: migrations.iter().filter(|(_, x)| *x).count() as u64,
             numa_page_migrations: self
                 .page_migrations
                 .iter()
@@ -930,34 +929,52 @@ impl Timeline {
         }
     }
 
-    /// Splits `[a, b)` of one thread into categories.
-    fn categories(log: &ThreadLog, collective_ends: &[u64], a: u64, b: u64) -> Categories {
-        Self::split(log, collective_ends, a, b, None)
+    /// `[a, b)` of one thread by category: its pieces clipped to the interval, page faults
+    /// (on-CPU samples in the fault handler, outside NCCL waits) carved out of compute.
+    fn categories(log: &ThreadLog, a: u64, b: u64) -> Categories {
+        let mut cat = Categories::default();
+        let segs = &log.segments;
+        let first = segs.partition_point(|(_, e, _)| *e <= a);
+        for (s, e, c) in &segs[first..] {
+            if *s >= b {
+                break;
+            }
+            *cat.slot(*c) += (*e).min(b).saturating_sub((*s).max(a));
+        }
+        let lo = log.fault_time.partition_point(|(ts, _)| *ts < a);
+        let fault_ns: u64 = log.fault_time[lo..]
+            .iter()
+            .take_while(|(ts, _)| *ts < b)
+            .filter(|(ts, _)| category_at(segs, *ts) != Some(Cat::NcclWait))
+            .map(|(_, weight)| weight)
+            .sum();
+        let fault_ns = fault_ns.min(cat.compute);
+        cat.page_fault = fault_ns;
+        cat.compute -= fault_ns;
+        cat
     }
 
-    /// As `categories`, also listing the pieces (start, end, category) in `segments`
-    /// (page faults are not carved out of them: they come from samples).
+    /// Cuts `[a, b)` of one thread into (start, end, category) pieces, adjacent pieces of
+    /// one category merged (page faults are not carved out here: they come from samples).
     fn split(
         log: &ThreadLog,
         collective_ends: &[u64],
         a: u64,
         b: u64,
-        mut segments: Option<&mut Vec<(u64, u64, Cat)>>,
-    ) -> Categories {
-        let mut cat = Categories::default();
+        segments: &mut Vec<(u64, u64, Cat)>,
+    ) {
         if b <= a {
-            return cat;
+            return;
         }
+        let mut sync_ends: Vec<u64> = log.syncs.iter().map(|(_, e)| *e).collect();
+        sync_ends.sort_unstable();
         // Whether a sync starting at `start` has NCCL work outstanding: a collective
         // returned after the previous sync of this thread ended.
         let outstanding = |start: u64| {
-            let prev_end = log
-                .syncs
-                .iter()
-                .filter(|(_, e)| *e <= start)
-                .map(|(_, e)| *e)
-                .max()
-                .unwrap_or(0);
+            let prev_end = sync_ends
+                .partition_point(|e| *e <= start)
+                .checked_sub(1)
+                .map_or(0, |i| sync_ends[i]);
             let i = collective_ends.partition_point(|e| *e <= prev_end);
             collective_ends.get(i).is_some_and(|e| *e <= start)
         };
@@ -971,20 +988,13 @@ impl Timeline {
             ..State::default()
         };
         let mut t = a;
-        let mut nccl_sync_spans: Vec<(u64, u64)> = Vec::new();
-        let mut charge = |cat: &mut Categories, from: u64, to: u64, state: State| {
+        let mut charge = |from: u64, to: u64, state: State| {
             let (from, to) = (from.max(a), to.min(b));
             if to > from {
                 let which = state.category();
-                *cat.slot(which) += to - from;
-                if state.in_nccl_sync() {
-                    nccl_sync_spans.push((from, to));
-                }
-                if let Some(segments) = segments.as_deref_mut() {
-                    match segments.last_mut() {
-                        Some(last) if last.1 == from && last.2 == which => last.1 = to,
-                        _ => segments.push((from, to, which)),
-                    }
+                match segments.last_mut() {
+                    Some(last) if last.1 == from && last.2 == which => last.1 = to,
+                    _ => segments.push((from, to, which)),
                 }
             }
         };
@@ -992,7 +1002,7 @@ impl Timeline {
             if ts >= b {
                 break;
             }
-            charge(&mut cat, t, ts, state);
+            charge(t, ts, state);
             t = t.max(ts);
             match change {
                 Change::SwitchOut { runnable } => {
@@ -1026,20 +1036,17 @@ impl Timeline {
                 }
             }
         }
-        charge(&mut cat, t, b, state);
-        // Page faults: on-CPU samples in the fault handler, outside NCCL waits.
-        let fault_ns: u64 = log
-            .fault_time
-            .iter()
-            .filter(|(ts, _)| (a..b).contains(ts))
-            .filter(|(ts, _)| !nccl_sync_spans.iter().any(|(s, e)| (*s..*e).contains(ts)))
-            .map(|(_, weight)| weight)
-            .sum();
-        let fault_ns = fault_ns.min(cat.compute);
-        cat.page_fault = fault_ns;
-        cat.compute -= fault_ns;
-        cat
+        charge(t, b, state);
     }
+}
+
+/// The category of the piece holding `ts`.
+fn category_at(segments: &[(u64, u64, Cat)], ts: u64) -> Option<Cat> {
+    let i = segments.partition_point(|(_, e, _)| *e <= ts);
+    segments
+        .get(i)
+        .filter(|(s, _, _)| *s <= ts)
+        .map(|(_, _, c)| *c)
 }
 
 /// The on-CPU time each fault sample stands for: the thread's on-CPU time since its

@@ -133,30 +133,37 @@ pub fn straggler(
     })
 }
 
-/// The rank arriving last, summed over the matched collectives that start in `[a, b)`
-/// on the reference rank `reference`.
+/// Per matched collective, sorted by the reference rank's arrival: (that arrival, the pid
+/// arriving last, how far behind the first it arrived). Empty with fewer than two ranks.
 #[must_use]
-pub fn slowest_in(
+pub fn lateness(
     collectives: &BTreeMap<u32, Vec<Collective>>,
     reference: u32,
-    a: u64,
-    b: u64,
-) -> Option<u32> {
+) -> Vec<(u64, u32, u64)> {
     if collectives.len() < 2 {
-        return None;
+        return Vec::new();
     }
+    let mut out: Vec<(u64, u32, u64)> = matched(collectives)
+        .into_iter()
+        .filter_map(|arrivals| {
+            let at = *arrivals.get(&reference)?;
+            let first = arrivals.values().copied().min()?;
+            let (pid, last) = arrivals.iter().max_by_key(|(_, t)| **t)?;
+            Some((at, *pid, last - first))
+        })
+        .collect();
+    out.sort_unstable();
+    out
+}
+
+/// The rank charged the most lateness among matched collectives whose reference arrival
+/// is in `[a, b)` (`lateness` as made by [`lateness`]).
+#[must_use]
+pub fn slowest_in(lateness: &[(u64, u32, u64)], a: u64, b: u64) -> Option<u32> {
+    let lo = lateness.partition_point(|(t, _, _)| *t < a);
     let mut late: BTreeMap<u32, u64> = BTreeMap::new();
-    for arrivals in matched(collectives) {
-        let Some(t) = arrivals.get(&reference) else {
-            continue;
-        };
-        if !(a..b).contains(t) {
-            continue;
-        }
-        let first = arrivals.values().copied().min().unwrap_or(0);
-        if let Some((pid, last)) = arrivals.iter().max_by_key(|(_, t)| **t) {
-            *late.entry(*pid).or_default() += last - first;
-        }
+    for (_, pid, l) in lateness[lo..].iter().take_while(|(t, _, _)| *t < b) {
+        *late.entry(*pid).or_default() += l;
     }
     late.into_iter().max_by_key(|(_, l)| *l).map(|(pid, _)| pid)
 }
@@ -196,7 +203,7 @@ mod tests {
         assert_eq!((s.pid, s.rank), (101, 1));
         assert!((s.share_of_waits - 1.0).abs() < 1e-9);
         assert_eq!(s.mean_lateness_ns, 300_000);
-        assert_eq!(slowest_in(&c, 100, 0, 3_000_000), Some(101));
+        assert_eq!(slowest_in(&lateness(&c, 100), 0, 3_000_000), Some(101));
         assert_eq!(straggler(&ranks(&[0]), &ids), None);
     }
 

@@ -51,9 +51,14 @@ const MAX_PERIOD: usize = 4096;
 
 type Key = (Func, u64);
 
+/// Most recent entries the period search looks at: enough for thousands of steps, and it
+/// keeps the search linear on long runs (and past the warm-up).
+const PERIOD_WINDOW: usize = 16_384;
+
 /// The smallest period of `seq`, if one repeats at least twice.
 #[must_use]
 pub fn find_period<T: PartialEq>(seq: &[T]) -> Option<usize> {
+    let seq = &seq[seq.len().saturating_sub(PERIOD_WINDOW)..];
     let n = seq.len();
     (1..=(n / 2).min(MAX_PERIOD)).find(|&p| {
         let matches = (0..n - p).filter(|&i| seq[i] == seq[i + p]).count();

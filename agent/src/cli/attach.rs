@@ -261,6 +261,10 @@ async fn trace(settings: Settings, targets: &[source::Target]) -> Result<(), Err
         reason,
         lost_by_kind,
         counters,
+        attach_ns: u64::try_from(attached.attach_time.as_nanos()).unwrap_or(u64::MAX),
+        agent_peak_rss_kb: host::Host::live()
+            .peak_rss_kb(std::process::id())
+            .unwrap_or(0),
     };
     // Whatever happened above, keep what was collected: close the recording and write
     // every output before reporting the error.
