@@ -165,6 +165,21 @@ impl Agent {
     }
 }
 
+/// Runs `nccltrace report` on `out/recording.nctr` into `dir/again`; returns that folder.
+fn report(out: &Path, dir: &Path) -> PathBuf {
+    let again = dir.join("again");
+    let status = agent()
+        .arg("report")
+        .arg(out.join("recording.nctr"))
+        .arg("--out")
+        .arg(&again)
+        .stdout(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    again
+}
+
 fn no_programs_left() {
     let out = Command::new("bpftool")
         .args(["prog", "show"])
@@ -277,16 +292,7 @@ fn counts_every_call_of_the_trainer() {
 fn report_rebuilds_the_summary() {
     let _serial = privileged();
     let (_, live, out, dir) = traced_trainer(5, &[]);
-    let again = dir.path().join("again");
-    let status = agent()
-        .arg("report")
-        .arg(out.join("recording.nctr"))
-        .arg("--out")
-        .arg(&again)
-        .stdout(Stdio::null())
-        .status()
-        .unwrap();
-    assert!(status.success());
+    let again = report(&out, dir.path());
     let replayed: Value =
         serde_json::from_str(&std::fs::read_to_string(again.join("summary.json")).unwrap())
             .unwrap();
@@ -464,16 +470,7 @@ fn steps_from_a_marker_function() {
     for s in found {
         assert_eq!(s["nccl"]["calls"], 10, "{s}");
     }
-    let again = dir.path().join("again");
-    let status = agent()
-        .arg("report")
-        .arg(out.join("recording.nctr"))
-        .arg("--out")
-        .arg(&again)
-        .stdout(Stdio::null())
-        .status()
-        .unwrap();
-    assert!(status.success());
+    let again = report(&out, dir.path());
     assert_eq!(read(&again.join("steps.json"))["steps"], steps["steps"]);
 }
 
