@@ -614,6 +614,15 @@ impl Timeline {
             .filter(|l| rank.is_none_or(|r| l.pid == r.1))
             .flat_map(|l| l.markers.iter().copied())
             .collect();
+        // When no steps can be found: 1 s windows, saying why.
+        let fallback = |why: &str| {
+            steps::windows(
+                self.first_ns,
+                end_ns,
+                1_000_000_000,
+                format!("{why}: 1 s windows"),
+            )
+        };
         let detected = match (rule, rank) {
             (StepRule::Window(w), _) => {
                 steps::windows(self.first_ns, end_ns, w, format!("--step-window {w} ns"))
@@ -621,31 +630,13 @@ impl Timeline {
             // A recording made with --step-symbol holds the marker's entries.
             (StepRule::Auto, _) if !markers.is_empty() => steps::by_marker(&markers)
                 .unwrap_or_else(|| {
-                    steps::windows(
-                        self.first_ns,
-                        end_ns,
-                        1_000_000_000,
-                        "--step-symbol: the marker was entered fewer than twice: 1 s windows"
-                            .into(),
-                    )
+                    fallback("--step-symbol: the marker was entered fewer than twice")
                 }),
             (StepRule::Auto, Some((tid, pid))) => {
-                let log = &self.threads[&tid];
-                steps::detect(&process_collectives[&pid], &log.syncs).unwrap_or_else(|| {
-                    steps::windows(
-                        self.first_ns,
-                        end_ns,
-                        1_000_000_000,
-                        "no repeating sequence of collectives: 1 s windows".into(),
-                    )
-                })
+                steps::detect(&process_collectives[&pid], &self.threads[&tid].syncs)
+                    .unwrap_or_else(|| fallback("no repeating sequence of collectives"))
             }
-            (StepRule::Auto, None) => steps::windows(
-                self.first_ns,
-                end_ns,
-                1_000_000_000,
-                "no collectives traced: 1 s windows".into(),
-            ),
+            (StepRule::Auto, None) => fallback("no collectives traced"),
         };
         let identities = self.identities();
         let loop_threads: BTreeMap<u32, u32> = identities
