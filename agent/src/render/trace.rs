@@ -6,9 +6,10 @@
 
 use std::io::{self, Write};
 
-use serde_json::{Value, json};
+use serde::Serialize;
+use serde_json::json;
 
-use crate::attribute::{Detail, StepsReport};
+use crate::attribute::{Detail, Step, StepsReport};
 use crate::event::{Library, datatype_name, redop_name};
 use crate::record::Header;
 
@@ -25,8 +26,146 @@ struct Writer<W: Write> {
     base_ns: u64,
 }
 
+/// One trace event, serialized as it is (no intermediate JSON tree: traces run to
+/// millions of events).
+#[derive(Serialize)]
+struct Ev<'a, A: Serialize> {
+    ph: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    s: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cat: Option<&'a str>,
+    name: &'a str,
+    pid: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tid: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ts: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    dur: Option<f64>,
+    args: A,
+}
+
+impl<'a, A: Serialize> Ev<'a, A> {
+    fn new(ph: &'static str, name: &'a str, pid: u32, args: A) -> Self {
+        Ev {
+            ph,
+            s: None,
+            cat: None,
+            name,
+            pid,
+            tid: None,
+            ts: None,
+            dur: None,
+            args,
+        }
+    }
+
+    /// A complete slice on a thread.
+    fn slice(cat: &'a str, name: &'a str, pid: u32, tid: u64, ts: f64, dur: f64, args: A) -> Self {
+        Ev {
+            cat: Some(cat),
+            tid: Some(tid),
+            ts: Some(ts),
+            dur: Some(dur),
+            ..Ev::new("X", name, pid, args)
+        }
+    }
+
+    /// An instant on a thread.
+    fn instant(cat: &'a str, name: &'a str, pid: u32, tid: u64, ts: f64, args: A) -> Self {
+        Ev {
+            s: Some("t"),
+            cat: Some(cat),
+            tid: Some(tid),
+            ts: Some(ts),
+            ..Ev::new("i", name, pid, args)
+        }
+    }
+
+    /// A counter sample of the process.
+    fn counter(name: &'a str, pid: u32, ts: f64, args: A) -> Self {
+        Ev {
+            ts: Some(ts),
+            ..Ev::new("C", name, pid, args)
+        }
+    }
+}
+
+/// The arguments of a step slice: its categories in ms and its counts.
+struct StepArgs<'a>(&'a Step);
+
+impl Serialize for StepArgs<'_> {
+    fn serialize<S: serde::Serializer>(&self, ser: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap as _;
+        let s = self.0;
+        let mut map = ser.serialize_map(None)?;
+        for (name, value) in s.categories.named() {
+            map.serialize_entry(&format_args!("{name}_ms"), &value.map(|v| v as f64 / 1e6))?;
+        }
+        map.serialize_entry("nccl_calls", &s.nccl.calls)?;
+        map.serialize_entry("nccl_bytes", &s.nccl.bytes)?;
+        map.serialize_entry("faults", &s.faults)?;
+        map.serialize_entry("migrations", &s.migrations)?;
+        map.end()
+    }
+}
+
+/// The arguments of an NCCL call or CUDA sync slice.
+#[derive(Serialize)]
+struct CallArgs<'a> {
+    ret: i32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    count: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    datatype: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    op: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    peer_or_root: Option<i32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    comm: Option<String>,
+    /// The n-th collective on a communicator: the same operation on every rank.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    seq: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stream: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    rank: Option<i32>,
+}
+
+#[derive(Serialize)]
+struct Woken {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    woken_by_tid: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    woken_by_pid: Option<u32>,
+}
+
+#[derive(Serialize)]
+struct Moved {
+    from_cpu: i32,
+    to_cpu: i32,
+    from_node: i32,
+    to_node: i32,
+}
+
+#[derive(Serialize)]
+struct Burst {
+    faults: usize,
+    span_us: f64,
+}
+
+#[derive(Serialize)]
+struct Runnable {
+    #[serde(rename = "waiting for a CPU")]
+    waiting: i64,
+}
+
 impl<W: Write> Writer<W> {
-    fn event(&mut self, value: &Value) -> io::Result<()> {
+    fn event(&mut self, value: &impl Serialize) -> io::Result<()> {
         self.out
             .write_all(if self.first { b"\n" } else { b",\n" })?;
         self.first = false;
@@ -95,20 +234,17 @@ pub fn write(
     }
     if let Some(pid) = steps.rank_pid {
         for s in &steps.steps {
-            let mut args = serde_json::Map::new();
-            for (name, value) in s.categories.named() {
-                args.insert(
-                    format!("{name}_ms"),
-                    value.map_or(Value::Null, |v| json!(v as f64 / 1e6)),
-                );
-            }
-            args.insert("nccl_calls".into(), json!(s.nccl.calls));
-            args.insert("nccl_bytes".into(), json!(s.nccl.bytes));
-            args.insert("faults".into(), json!(s.faults));
-            args.insert("migrations".into(), json!(s.migrations));
-            w.event(&json!({"ph": "X", "cat": "step", "name": format!("step {}", s.index),
-                "pid": pid, "tid": STEPS_TID, "ts": w.ts(s.start_ns), "dur": dur(s.start_ns, s.end_ns),
-                "args": args}))?;
+            let name = format!("step {}", s.index);
+            let (ts, d) = (w.ts(s.start_ns), dur(s.start_ns, s.end_ns));
+            w.event(&Ev::slice(
+                "step",
+                &name,
+                pid,
+                STEPS_TID,
+                ts,
+                d,
+                StepArgs(s),
+            ))?;
         }
     }
     let mut sequence: std::collections::BTreeMap<(u32, u64), u64> =
@@ -119,42 +255,34 @@ pub fn write(
             Library::Cuda => (c.func.name().to_owned(), "cuda_sync"),
             Library::Marker => ("step marker".to_owned(), "step_marker"),
         };
-        let mut args = serde_json::Map::new();
-        args.insert("ret".into(), json!(c.ret));
-        if let Some(b) = c.bytes {
-            args.insert("bytes".into(), json!(b));
-        }
-        if let Some(n) = c.count {
-            args.insert("count".into(), json!(n));
-        }
-        if let Some(d) = c.datatype {
-            args.insert("datatype".into(), json!(datatype_name(d)));
-        }
-        if let Some(op) = c.redop {
-            args.insert("op".into(), json!(redop_name(op)));
-        }
-        if let Some(p) = c.peer {
-            args.insert("peer_or_root".into(), json!(p));
-        }
-        if let Some(comm) = c.comm {
-            args.insert("comm".into(), json!(format!("{comm:#x}")));
-            if c.func.is_collective() {
-                // The n-th collective on a communicator: the same operation on every rank.
-                let n = sequence.entry((c.task.tgid, comm)).or_insert(0);
-                args.insert("seq".into(), json!(*n));
-                *n += 1;
-            }
-        }
-        if let Some(s) = c.stream {
-            args.insert("stream".into(), json!(format!("{s:#x}")));
-        }
-        if let Some(r) = c.rank {
-            args.insert("rank".into(), json!(r));
-        }
-        w.event(
-            &json!({"ph": "X", "cat": cat, "name": name, "pid": c.task.tgid, "tid": c.task.tid,
-            "ts": w.ts(c.start_ns), "dur": dur(c.start_ns, c.end_ns), "args": args}),
-        )?;
+        let comm = c.comm;
+        let seq = comm.filter(|_| c.func.is_collective()).map(|comm| {
+            let n = sequence.entry((c.task.tgid, comm)).or_insert(0);
+            *n += 1;
+            *n - 1
+        });
+        let args = CallArgs {
+            ret: c.ret,
+            bytes: c.bytes,
+            count: c.count,
+            datatype: c.datatype.map(datatype_name),
+            op: c.redop.map(redop_name),
+            peer_or_root: c.peer,
+            comm: comm.map(|comm| format!("{comm:#x}")),
+            seq,
+            stream: c.stream.map(|s| format!("{s:#x}")),
+            rank: c.rank,
+        };
+        let (ts, d) = (w.ts(c.start_ns), dur(c.start_ns, c.end_ns));
+        w.event(&Ev::slice(
+            cat,
+            &name,
+            c.task.tgid,
+            u64::from(c.task.tid),
+            ts,
+            d,
+            args,
+        ))?;
     }
     let node = |cpu: i32| {
         usize::try_from(cpu)
@@ -170,23 +298,37 @@ pub fn write(
             } else {
                 "off-CPU: blocked"
             };
-            let args = match off.waker {
-                Some((waker, waker_process)) => {
-                    json!({"woken_by_tid": waker, "woken_by_pid": waker_process})
-                }
-                None => json!({}),
+            let args = Woken {
+                woken_by_tid: off.waker.map(|w| w.0),
+                woken_by_pid: off.waker.map(|w| w.1),
             };
-            w.event(
-                &json!({"ph": "X", "cat": "sched", "name": name, "pid": t.pid, "tid": t.tid,
-                "ts": w.ts(off.start_ns), "dur": dur(off.start_ns, off.end_ns), "args": args}),
-            )?;
+            let (ts, d) = (w.ts(off.start_ns), dur(off.start_ns, off.end_ns));
+            w.event(&Ev::slice(
+                "sched",
+                name,
+                t.pid,
+                u64::from(t.tid),
+                ts,
+                d,
+                args,
+            ))?;
         }
         for &(ts, from, to) in &t.migrations {
-            w.event(
-                &json!({"ph": "i", "s": "t", "cat": "sched", "name": "migration", "pid": t.pid,
-                "tid": t.tid, "ts": w.ts(ts), "args": {"from_cpu": from, "to_cpu": to,
-                "from_node": node(from), "to_node": node(to)}}),
-            )?;
+            let args = Moved {
+                from_cpu: from,
+                to_cpu: to,
+                from_node: node(from),
+                to_node: node(to),
+            };
+            let ev = Ev::instant(
+                "sched",
+                "migration",
+                t.pid,
+                u64::from(t.tid),
+                w.ts(ts),
+                args,
+            );
+            w.event(&ev)?;
         }
         let mut i = 0;
         while i < t.faults.len() {
@@ -195,11 +337,19 @@ pub fn write(
             while j + 1 < t.faults.len() && t.faults[j + 1] - t.faults[j] < BURST_GAP_NS {
                 j += 1;
             }
-            w.event(
-                &json!({"ph": "i", "s": "t", "cat": "memory", "name": "page faults", "pid": t.pid,
-                "tid": t.tid, "ts": w.ts(start), "args": {"faults": j - i + 1,
-                "span_us": dur(start, t.faults[j])}}),
-            )?;
+            let args = Burst {
+                faults: j - i + 1,
+                span_us: dur(start, t.faults[j]),
+            };
+            let ev = Ev::instant(
+                "memory",
+                "page faults",
+                t.pid,
+                u64::from(t.tid),
+                w.ts(start),
+                args,
+            );
+            w.event(&ev)?;
             i = j + 1;
         }
     }
@@ -224,7 +374,10 @@ pub fn write(
     for (ts, pid, delta) in changes {
         let n = runnable.entry(pid).or_insert(0);
         *n += delta;
-        w.event(&json!({"ph": "C", "name": "runnable threads", "pid": pid, "ts": w.ts(ts), "args": {"waiting for a CPU": (*n).max(0)}}))?;
+        let args = Runnable {
+            waiting: (*n).max(0),
+        };
+        w.event(&Ev::counter("runnable threads", pid, w.ts(ts), args))?;
     }
     // Counters per process, in 100 ms bins.
     let mut pids: Vec<u32> = detail.threads.iter().map(|t| t.pid).collect();
@@ -252,8 +405,14 @@ pub fn write(
         for (b, (f, m)) in faults.iter().zip(&migrations).enumerate() {
             let ts = w.ts(detail.first_ns + b as u64 * BIN_NS);
             let per_s = 1e9 / BIN_NS as f64;
-            w.event(&json!({"ph": "C", "name": "faults/s", "pid": pid, "ts": ts, "args": {"faults": *f as f64 * per_s}}))?;
-            w.event(&json!({"ph": "C", "name": "migrations/s", "pid": pid, "ts": ts, "args": {"migrations": *m as f64 * per_s}}))?;
+            w.event(&Ev::counter(
+                "faults/s",
+                pid,
+                ts,
+                json!({"faults": *f as f64 * per_s}),
+            ))?;
+            let args = json!({"migrations": *m as f64 * per_s});
+            w.event(&Ev::counter("migrations/s", pid, ts, args))?;
         }
     }
     let other = json!({
@@ -273,7 +432,8 @@ pub fn write(
 mod tests {
     use super::*;
     use crate::attribute::steps::Method;
-    use crate::attribute::{Categories, Methods, NcclCount, Step};
+    use crate::attribute::{Categories, Methods, NcclCount};
+    use serde_json::Value;
 
     /// trace.json of a fixed timeline, against its golden file.
     #[test]

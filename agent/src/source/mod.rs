@@ -281,24 +281,22 @@ pub struct Attached {
     pub attach_time: Duration,
 }
 
-/// Loads the programs and attaches everything `profile` asks for to `targets`.
-#[allow(clippy::too_many_lines)] // one straight sequence: load, fill maps, attach, take maps
-/// Must run inside a tokio runtime (the ring buffer is registered with it).
-pub fn attach(targets: &[Target], profile: &Profile) -> Result<Attached, SourceError> {
-    let started = Instant::now();
-    let host = Host::live();
-    let tracefs_root = tracefs::ensure_mounted()?;
-    let (offsets, available) = tracefs::offsets(&tracefs_root)?;
+/// How often the ring buffer is drained when the programs have not woken the reader.
+const DRAIN_EVERY: Duration = Duration::from_millis(10);
 
+/// Loads the programs with this kernel's tracepoint offsets and the profile's switches.
+fn load(offsets: &nccltrace_common::TpOffsets, profile: &Profile) -> Result<Ebpf, SourceError> {
     let mut loader = EbpfLoader::new();
-    loader.override_global("OFFSETS", &offsets, true);
+    loader.override_global("OFFSETS", offsets, true);
     let config = nccltrace_common::Config {
         offcpu_stacks: u32::from(profile.probes.offcpu_stacks && profile.probes.sched),
         _pad: 0,
+        // Woken early at an eighth full; otherwise drained every `DRAIN_EVERY`.
+        wakeup_bytes: u64::from(profile.ring_buffer_bytes() / 8),
     };
     loader.override_global("CONFIG", &config, true);
     loader.map_max_entries("EVENTS", profile.ring_buffer_bytes());
-    let mut ebpf = loader.load(PROGRAMS).map_err(|e| {
+    loader.load(PROGRAMS).map_err(|e| {
         if is_eperm(&e) {
             SourceError::Permission {
                 source: Box::new(e),
@@ -306,7 +304,19 @@ pub fn attach(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
         } else {
             SourceError::Load(Box::new(e))
         }
-    })?;
+    })
+}
+
+/// Loads the programs and attaches everything `profile` asks for to `targets`.
+/// Must run inside a tokio runtime (the ring buffer is registered with it).
+#[allow(clippy::too_many_lines)] // one straight sequence: load, fill maps, attach, take maps
+pub fn attach(targets: &[Target], profile: &Profile) -> Result<Attached, SourceError> {
+    let started = Instant::now();
+    let host = Host::live();
+    let tracefs_root = tracefs::ensure_mounted()?;
+    let (offsets, available) = tracefs::offsets(&tracefs_root)?;
+
+    let mut ebpf = load(&offsets, profile)?;
 
     let logger = match aya_log::EbpfLogger::init(&mut ebpf) {
         Ok(logger) => Some(logger),
@@ -631,7 +641,11 @@ impl Attached {
         let mut sigterm = sig(SignalKind::terminate())?;
         let mut sighup = sig(SignalKind::hangup())?;
         let deadline = duration.map(|d| tokio::time::Instant::now() + d);
-        let mut poll = tokio::time::interval(Duration::from_millis(100));
+        // The programs wake the reader only when the buffer fills (see `wake_flags` in the
+        // kernel programs); otherwise it is drained on this timer.
+        let mut poll = tokio::time::interval(DRAIN_EVERY);
+        poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut ticks = 0u32;
         let host = Host::live();
         let mut last_tick = Instant::now();
         let mut more = true;
@@ -651,6 +665,11 @@ impl Attached {
                     }
                 } => break StopReason::Duration,
                 _ = poll.tick() => {
+                    more = true;
+                    ticks = ticks.wrapping_add(1);
+                    if !ticks.is_multiple_of(10) {
+                        continue;
+                    }
                     if let Some(logger) = self.logger.as_mut() {
                         logger.flush();
                     }
@@ -662,7 +681,6 @@ impl Attached {
                         let lost = self.counters().0.values().sum();
                         sink.tick(lost);
                     }
-                    more = true;
                 }
                 // The kernel only signals readiness once the consumer has caught up, so
                 // with records left over the loop goes round again without waiting.

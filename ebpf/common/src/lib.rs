@@ -173,6 +173,22 @@ pub struct PendingCall {
 }
 const _: () = assert!(core::mem::size_of::<PendingCall>() == 72);
 
+/// Slots of calls in flight, one per `tid % CALL_SLOTS`: the common case pairs an entry
+/// with its return through an array slot instead of a hash map; nested calls and threads
+/// whose slot is taken fall back to the hash map.
+pub const CALL_SLOTS: u32 = 16384;
+
+/// A call in flight in its thread's slot. `owner` is `tid << 32 | function id`, 0 when
+/// free; it is claimed with a compare-and-swap, so two threads sharing a slot never write
+/// it together.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CallSlot {
+    pub owner: u64,
+    pub call: PendingCall,
+}
+const _: () = assert!(core::mem::size_of::<CallSlot>() == 80);
+
 /// Flags of [`SwitchEvent`].
 pub mod switch_flags {
     /// The task switched out belongs to a target.
@@ -300,8 +316,11 @@ pub struct Config {
     /// Nonzero: capture stacks when a target thread leaves the CPU.
     pub offcpu_stacks: u32,
     pub _pad: u32,
+    /// Records are submitted without waking the reader (which polls on a timer) until this
+    /// many bytes wait in the ring buffer; then the submit wakes it. 0: wake on every record.
+    pub wakeup_bytes: u64,
 }
-const _: () = assert!(core::mem::size_of::<Config>() == 8);
+const _: () = assert!(core::mem::size_of::<Config>() == 16);
 
 /// Field offsets of the tracepoints, read from tracefs `format` files by user space and
 /// set as a read-only global before load: they differ between kernels (for example

@@ -5,23 +5,27 @@
 //! interprets everything.
 #![no_std]
 #![no_main]
+// A compare-and-swap on a map value: core's atomic types offer none on this target, the
+// intrinsic compiles to the BPF cmpxchg instruction.
+#![feature(core_intrinsics)]
+#![allow(internal_features)]
 
 use aya_ebpf::{
     EbpfContext,
-    bindings::BPF_F_USER_STACK,
+    bindings::{BPF_F_USER_STACK, BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP},
     helpers::{
         bpf_get_attach_cookie, bpf_get_current_pid_tgid, bpf_get_smp_processor_id, bpf_get_stack,
         bpf_ktime_get_ns, bpf_probe_read_user,
     },
     macros::{map, perf_event, tracepoint, uprobe, uretprobe},
-    maps::{HashMap, PerCpuArray, RingBuf},
+    maps::{Array, HashMap, PerCpuArray, RingBuf},
     programs::{PerfEventContext, ProbeContext, RetProbeContext, TracePointContext},
 };
 use aya_log_ebpf::warn;
 use nccltrace_common::{
-    CallEvent, Config, FaultEvent, Header, KSTACK_DEPTH, MAX_ARGS, MigrateEvent, NumaTaskEvent,
-    PageMigrationEvent, PendingCall, SampleEvent, SwitchEvent, TaskEvent, TpOffsets, USTACK_DEPTH,
-    WakeupEvent, counter, func, kind, numa_task, switch_flags,
+    CALL_SLOTS, CallEvent, CallSlot, Config, FaultEvent, Header, KSTACK_DEPTH, MAX_ARGS,
+    MigrateEvent, NumaTaskEvent, PageMigrationEvent, PendingCall, SampleEvent, SwitchEvent,
+    TaskEvent, TpOffsets, USTACK_DEPTH, WakeupEvent, counter, func, kind, numa_task, switch_flags,
 };
 
 /// Every record, in one ring buffer (sized by user space at load).
@@ -44,6 +48,10 @@ static THREADS: HashMap<u32, u32> = HashMap::with_max_entries(65536, 0);
 /// Calls in flight, keyed by `tid << 32 | function id`.
 #[map]
 static PENDING: HashMap<u64, PendingCall> = HashMap::with_max_entries(16384, 0);
+
+/// Calls in flight by thread slot (see [`CallSlot`]); `PENDING` takes the rest.
+#[map]
+static SLOTS: Array<CallSlot> = Array::with_max_entries(CALL_SLOTS, 0);
 
 /// Tracepoint field offsets for this kernel, set by user space before load.
 #[unsafe(no_mangle)]
@@ -87,6 +95,7 @@ static OFFSETS: TpOffsets = TpOffsets {
 static CONFIG: Config = Config {
     offcpu_stacks: 0,
     _pad: 0,
+    wakeup_bytes: 0,
 };
 
 macro_rules! offset {
@@ -130,13 +139,29 @@ fn header(kind: u16, tgid: u32, tid: u32) -> Header {
     }
 }
 
+/// Submit flags: wake the reader only once `CONFIG.wakeup_bytes` are waiting. A wake-up
+/// per record costs the traced thread an interrupt and a cross-CPU wake-up; the reader
+/// polls on a timer and is woken early only when the buffer starts to fill.
+#[inline(always)]
+fn wake_flags() -> u64 {
+    // SAFETY: a plain read of a read-only global.
+    let threshold = unsafe { core::ptr::read_volatile(&raw const CONFIG.wakeup_bytes) };
+    if threshold == 0 {
+        0
+    } else if EVENTS.query(u64::from(BPF_RB_AVAIL_DATA)) >= threshold {
+        u64::from(BPF_RB_FORCE_WAKEUP)
+    } else {
+        u64::from(BPF_RB_NO_WAKEUP)
+    }
+}
+
 /// Submits `value` as one record, counting it lost under `kind` when the buffer is full.
 #[inline(always)]
 fn emit<T: 'static>(kind: u16, value: T) {
     match EVENTS.reserve::<T>(0) {
         Some(mut entry) => {
             entry.write(value);
-            entry.submit(0);
+            entry.submit(wake_flags());
         }
         None => bump(u32::from(kind)),
     }
@@ -183,12 +208,74 @@ pub fn uprobe_lib_call(ctx: ProbeContext) -> u32 {
             Err(_) => bump(counter::READ_FAILED),
         }
     }
-    let key = (u64::from(tid) << 32) | u64::from(func_id);
-    if PENDING.insert(&key, &pending, 0).is_err() {
-        bump(counter::PENDING_FULL);
-        warn!(&ctx, "nccltrace: pending-call map full");
+    let key = call_key(tid, func_id);
+    if let Some(slot) = SLOTS.get_ptr_mut(tid & (CALL_SLOTS - 1)) {
+        // SAFETY: a live map value; another thread only ever writes `owner` with `claim`,
+        // from 0, so a value naming this thread is this thread's own.
+        let owner = unsafe { &raw mut (*slot).owner };
+        let holder = unsafe { owner.read_volatile() };
+        let mine = holder >> 32 == u64::from(tid);
+        if mine {
+            // A call of this thread is in flight (a nested call): the older one waits in
+            // the hash map and this one takes the slot.
+            // SAFETY: only this thread writes a slot it holds.
+            park(&ctx, holder, unsafe { &(*slot).call });
+            unsafe { owner.write_volatile(key) };
+        }
+        // SAFETY: `owner` is a live, aligned map value.
+        if mine || unsafe { claim(owner, key) } {
+            // SAFETY: the slot is held by this thread (claimed above).
+            unsafe { (*slot).call = pending };
+            return 0;
+        }
     }
+    park(&ctx, key, &pending);
     0
+}
+
+/// Sets `*owner` from 0 to `key` atomically; false when another thread holds it.
+#[inline(always)]
+unsafe fn claim(owner: *mut u64, key: u64) -> bool {
+    use core::intrinsics::{AtomicOrdering, atomic_cxchg};
+    // SAFETY: the caller passes a live, aligned u64.
+    unsafe {
+        atomic_cxchg::<u64, { AtomicOrdering::AcqRel }, { AtomicOrdering::Acquire }>(owner, 0, key)
+    }
+    .1
+}
+
+#[inline(always)]
+fn call_key(tid: u32, func_id: u32) -> u64 {
+    (u64::from(tid) << 32) | u64::from(func_id)
+}
+
+/// Keeps a call in flight in the hash map (its thread's slot is taken).
+#[inline(always)]
+fn park(ctx: &ProbeContext, key: u64, pending: &PendingCall) {
+    if PENDING.insert(&key, pending, 0).is_err() {
+        bump(counter::PENDING_FULL);
+        warn!(ctx, "nccltrace: pending-call map full");
+    }
+}
+
+/// The entry of the call returning now: from the thread's slot, else from the hash map.
+#[inline(always)]
+fn unpark(tid: u32, func_id: u32) -> Option<PendingCall> {
+    let key = call_key(tid, func_id);
+    if let Some(slot) = SLOTS.get_ptr_mut(tid & (CALL_SLOTS - 1)) {
+        // SAFETY: as in `uprobe_lib_call`.
+        let owner = unsafe { &raw mut (*slot).owner };
+        if unsafe { owner.read_volatile() } == key {
+            // SAFETY: read while this thread holds the slot; then it is freed.
+            let call = unsafe { (*slot).call };
+            unsafe { owner.write_volatile(0) };
+            return Some(call);
+        }
+    }
+    // SAFETY: copied out before the entry is removed.
+    let call = (unsafe { PENDING.get(&key) }).copied()?;
+    let _ = PENDING.remove(&key);
+    Some(call)
 }
 
 /// Return of a traced library call: pair with the entry and emit one record.
@@ -200,13 +287,10 @@ pub fn uretprobe_lib_call(ctx: RetProbeContext) -> u32 {
     }
     // SAFETY: as in the entry program.
     let func_id = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } as u32;
-    let key = (u64::from(tid) << 32) | u64::from(func_id);
-    // SAFETY: copied out before the entry is removed.
-    let Some(pending) = (unsafe { PENDING.get(&key) }).copied() else {
+    let Some(pending) = unpark(tid, func_id) else {
         bump(counter::UNPAIRED_RETURN);
         return 0;
     };
-    let _ = PENDING.remove(&key);
     let ret: i64 = ctx.ret();
     let mut out = 0u64;
     if let Some(index) = func::out_comm_arg(func_id) {
@@ -227,7 +311,7 @@ pub fn uretprobe_lib_call(ctx: RetProbeContext) -> u32 {
                 args: pending.args,
                 out,
             });
-            entry.submit(0);
+            entry.submit(wake_flags());
         }
         None => bump(u32::from(kind::CALL)),
     }
@@ -532,7 +616,7 @@ fn emit_stacks(ctx: *mut core::ffi::c_void, kind: u16, tgid: u32, tid: u32) {
         );
         (*event).ustack_len = if u > 0 { (u / 8) as u32 } else { 0 };
     }
-    entry.submit(0);
+    entry.submit(wake_flags());
 }
 
 #[cfg(not(test))]
