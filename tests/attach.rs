@@ -100,6 +100,8 @@ impl Target {
 struct Agent {
     child: Child,
     stderr: Lines<BufReader<ChildStderr>>,
+    /// What it prints on stdout, read as it comes (so a long table never blocks it).
+    stdout: std::thread::JoinHandle<String>,
     out: PathBuf,
 }
 
@@ -114,10 +116,16 @@ impl Agent {
             .args(["attach", "--pid", &pids.join(","), "--out"])
             .arg(out)
             .args(extra)
-            .stdout(Stdio::null())
+            .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
             .expect("spawn nccltrace");
+        let mut pipe = child.stdout.take().unwrap();
+        let stdout = std::thread::spawn(move || {
+            let mut text = String::new();
+            let _ = std::io::Read::read_to_string(&mut pipe, &mut text);
+            text
+        });
         let mut stderr = BufReader::new(child.stderr.take().unwrap()).lines();
         let started = Instant::now();
         loop {
@@ -137,12 +145,23 @@ impl Agent {
         Agent {
             child,
             stderr,
+            stdout,
             out: out.to_owned(),
         }
     }
 
     /// Waits (at most `limit`) for the agent to exit by itself; returns its summary.
-    fn wait(mut self, limit: Duration) -> (i32, Value, String) {
+    fn wait(self, limit: Duration) -> (i32, Value, String) {
+        let out = self.out.clone();
+        let (code, _, stderr) = self.wait_for_exit(limit);
+        let summary = std::fs::read_to_string(out.join("summary.json"))
+            .unwrap_or_else(|e| panic!("no summary.json ({e}); stderr: {stderr}"));
+        (code, serde_json::from_str(&summary).unwrap(), stderr)
+    }
+
+    /// Waits (at most `limit`) for the agent to exit by itself; returns its exit code,
+    /// stdout and stderr.
+    fn wait_for_exit(mut self, limit: Duration) -> (i32, String, String) {
         let started = Instant::now();
         let status = loop {
             if let Some(status) = self.child.try_wait().unwrap() {
@@ -155,11 +174,9 @@ impl Agent {
             std::thread::sleep(Duration::from_millis(20));
         };
         let stderr: Vec<String> = self.stderr.map_while(Result::ok).collect();
-        let summary = std::fs::read_to_string(self.out.join("summary.json"))
-            .unwrap_or_else(|e| panic!("no summary.json ({e}); stderr: {stderr:?}"));
         (
             status.code().unwrap_or(-1),
-            serde_json::from_str(&summary).unwrap(),
+            self.stdout.join().unwrap_or_default(),
             stderr.join("\n"),
         )
     }
@@ -621,6 +638,7 @@ fn three_ranks_one_straggler() {
     let agent = Agent {
         child,
         stderr,
+        stdout: std::thread::spawn(String::new),
         out: out.clone(),
     };
     std::fs::write(&go, b"").unwrap();
@@ -954,4 +972,156 @@ fn flamegraphs_and_trace_are_valid(out: &Path, summary: &Value) {
                 .is_some_and(|n| n.contains("main (rank)"))
     }));
     assert!(trace["otherData"]["realtime_ns_at_0"].is_u64());
+}
+
+/// Without root: exit 2 at once, the message names the missing capabilities and the fix,
+/// and no output folder is made.
+#[test]
+fn not_root_is_bad_input() {
+    let _guard = privileged();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(
+        dir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o777),
+    )
+    .unwrap();
+    let out = dir.path().join("out");
+    let output = Command::new("setpriv")
+        .args([
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "--inh-caps=-all",
+        ])
+        .arg(env!("CARGO_BIN_EXE_nccltrace"))
+        .args(["attach", "--pid", &std::process::id().to_string(), "--out"])
+        .arg(&out)
+        .output()
+        .expect("setpriv (util-linux)");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("lacks CAP_BPF, CAP_PERFMON, CAP_SYS_PTRACE") && stderr.contains("sudo"),
+        "{stderr}"
+    );
+    assert!(!out.exists(), "an output folder was made");
+}
+
+/// A job in a container: the libraries exist only in the target's own mount namespace
+/// (a tmpfs the host does not see). They are found and probed through /proc/PID/root and
+/// every collective is counted.
+#[test]
+fn library_only_inside_the_targets_mount_namespace() {
+    let _guard = privileged();
+    let dir = tempfile::tempdir().unwrap();
+    let go = dir.path().join("go");
+    let fx = fixtures();
+    let inside = dir.path().join("ctr");
+    std::fs::create_dir(&inside).unwrap();
+    let script = format!(
+        "mount -t tmpfs none {i} && cp {f}/trainer {f}/libnccl.so.2 {f}/libcuda.so.1 {i}/ && \
+         exec {i}/trainer --steps 20 --compute-us 500 --go-file {g}",
+        i = inside.display(),
+        f = fx.display(),
+        g = go.display()
+    );
+    let trainer = Target::spawn(
+        Path::new("unshare"),
+        &["--mount", "--propagation", "private", "sh", "-c", &script],
+        &[],
+        dir.path(),
+    );
+    assert!(
+        !inside.join("libnccl.so.2").exists(),
+        "the host sees the container's tmpfs"
+    );
+    let out = dir.path().join("out");
+    let agent = Agent::attach(trainer.child.id(), &out, &["--profile", "minimal"]);
+    trainer.release();
+    let truth = trainer.finish();
+    let (code, summary, stderr) = agent.wait(Duration::from_secs(60));
+    assert_eq!(code, 0, "{stderr}");
+    for (op, calls) in truth["total"]["calls"].as_object().unwrap() {
+        assert_eq!(summary["nccl"]["by_op"][op]["calls"], *calls, "{op} calls");
+    }
+    assert_eq!(
+        summary["targets"][0]["nccl_library"],
+        format!("{}/libnccl.so.2", inside.display())
+    );
+}
+
+/// Unmounts on drop.
+struct Unmount<'a>(&'a Path);
+
+impl Drop for Unmount<'_> {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(self.0).status();
+    }
+}
+
+/// The disk fills during the run: a warning when the recording stops, tracing goes on, the
+/// summary still printed in full, an error naming the file and the fix, exit 1; the
+/// recording's complete records still read back.
+#[test]
+fn disk_full_keeps_what_was_collected() {
+    let _guard = privileged();
+    let dir = tempfile::tempdir().unwrap();
+    let small = dir.path().join("small");
+    std::fs::create_dir(&small).unwrap();
+    let mounted = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=256k", "none"])
+        .arg(&small)
+        .status()
+        .unwrap();
+    assert!(mounted.success());
+    let _unmount = Unmount(&small);
+    let go = dir.path().join("go");
+    let trainer = Target::spawn(
+        &fixtures().join("trainer"),
+        &[
+            "--steps",
+            "100",
+            "--compute-us",
+            "2000",
+            "--go-file",
+            go.to_str().unwrap(),
+        ],
+        &[],
+        dir.path(),
+    );
+    let out = small.join("out");
+    let traced = Agent::attach(trainer.child.id(), &out, &[]);
+    trainer.release();
+    let truth = trainer.finish();
+    let (code, stdout, stderr) = traced.wait_for_exit(Duration::from_secs(60));
+    assert_eq!(code, 1, "{stderr}");
+    assert!(
+        stderr.contains("the recording stops here, tracing goes on"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("No space left on device") && stderr.contains("choose another --out"),
+        "{stderr}"
+    );
+    let all_reduce = truth["total"]["calls"]["AllReduce"].as_u64().unwrap();
+    let n = all_reduce.to_string();
+    assert!(
+        stdout.lines().any(|l| {
+            let words: Vec<&str> = l.split_whitespace().collect();
+            words.first() == Some(&"AllReduce") && words.get(1) == Some(&n.as_str())
+        }),
+        "every AllReduce counted in the printed summary: {stdout}"
+    );
+    let again = agent()
+        .args(["report", "--out"])
+        .arg(dir.path().join("again"))
+        .arg(out.join("recording.nctr"))
+        .output()
+        .unwrap();
+    let report_err = String::from_utf8_lossy(&again.stderr);
+    assert_eq!(again.status.code(), Some(0), "{report_err}");
+    assert!(
+        report_err.contains("keeping the complete records"),
+        "{report_err}"
+    );
 }

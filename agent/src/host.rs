@@ -219,6 +219,35 @@ pub fn kallsyms_ranges(text: &str, names: &[&str]) -> Vec<(u64, u64)> {
         .collect()
 }
 
+/// The capabilities `attach` needs that a process with this `/proc/PID/status` lacks:
+/// loading programs (CAP_BPF), perf events and uprobes (CAP_PERFMON), reading other
+/// processes' maps and files (CAP_SYS_PTRACE). CAP_SYS_ADMIN stands in for the first two,
+/// as on kernels before 5.8.
+#[must_use]
+pub fn missing_capabilities(status: &str) -> Vec<&'static str> {
+    const SYS_PTRACE: u32 = 19;
+    const SYS_ADMIN: u32 = 21;
+    const PERFMON: u32 = 38;
+    const BPF: u32 = 39;
+    let effective = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+        .unwrap_or(0);
+    let has = |cap: u32| effective & (1u64 << cap) != 0;
+    let mut missing = Vec::new();
+    if !has(BPF) && !has(SYS_ADMIN) {
+        missing.push("CAP_BPF");
+    }
+    if !has(PERFMON) && !has(SYS_ADMIN) {
+        missing.push("CAP_PERFMON");
+    }
+    if !has(SYS_PTRACE) {
+        missing.push("CAP_SYS_PTRACE");
+    }
+    missing
+}
+
 /// The running kernel's release and the host name.
 #[must_use]
 pub fn uname() -> (String, String) {
@@ -301,5 +330,19 @@ mod tests {
         assert!(!host.process_alive(44));
         assert_eq!(host.comm(42), "python3");
         assert_eq!(host.threads(42), vec![42, 50]);
+    }
+
+    #[test]
+    fn capabilities_from_status() {
+        let root = "Name:\tx\nCapEff:\t000001ffffffffff\n";
+        assert!(missing_capabilities(root).is_empty());
+        let nobody = "CapEff:\t0000000000000000\n";
+        assert_eq!(
+            missing_capabilities(nobody),
+            ["CAP_BPF", "CAP_PERFMON", "CAP_SYS_PTRACE"]
+        );
+        // CAP_SYS_ADMIN and CAP_SYS_PTRACE only, as before CAP_BPF existed.
+        let admin = format!("CapEff:\t{:016x}\n", (1u64 << 21) | (1u64 << 19));
+        assert!(missing_capabilities(&admin).is_empty());
     }
 }

@@ -30,7 +30,7 @@ pub enum Error {
     Profile(#[from] profile::ProfileError),
     #[error("output folder {path} already exists: choose another --out or pass --force")]
     OutputExists { path: PathBuf },
-    #[error("cannot write output {path}: {source}")]
+    #[error("cannot write output {path}: {source}{}", output_fix(source))]
     Output {
         path: PathBuf,
         #[source]
@@ -42,8 +42,27 @@ pub enum Error {
         value: String,
         expected: &'static str,
     },
+    #[error(
+        "nccltrace attach loads eBPF programs and reads other processes: it needs root, or \
+         CAP_BPF, CAP_PERFMON and CAP_SYS_PTRACE; this process lacks {missing}. Run it with sudo"
+    )]
+    NotPrivileged { missing: String },
     #[error("cannot start the async runtime: {0}")]
     Runtime(#[source] std::io::Error),
+}
+
+/// What to do about an output that cannot be written.
+fn output_fix(e: &std::io::Error) -> &'static str {
+    match e.raw_os_error() {
+        Some(libc::ENOSPC | libc::EDQUOT) => {
+            ": free space there or choose another --out (the summary above is complete; \
+             `nccltrace report` reads what the recording holds)"
+        }
+        Some(libc::EACCES | libc::EPERM | libc::EROFS) => {
+            ": choose an --out folder this user can write"
+        }
+        _ => "",
+    }
 }
 
 impl Error {
@@ -53,7 +72,10 @@ impl Error {
         let bad_input = match self {
             Error::Source(e) => e.is_bad_input(),
             Error::Record(e) => e.is_bad_input(),
-            Error::Profile(_) | Error::OutputExists { .. } | Error::InvalidArgument { .. } => true,
+            Error::Profile(_)
+            | Error::OutputExists { .. }
+            | Error::InvalidArgument { .. }
+            | Error::NotPrivileged { .. } => true,
             Error::Output { .. } | Error::Runtime(_) => false,
         };
         if bad_input { 2 } else { 1 }

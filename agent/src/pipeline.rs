@@ -362,10 +362,30 @@ pub fn replay(path: &Path, rule: StepRule) -> Result<Outputs, record::RecordErro
 }
 
 /// Writes every output of this stage into `dir` and the summary in words to `text`.
-pub fn write_outputs(dir: &Path, outputs: &Outputs, text: &mut impl io::Write) -> io::Result<()> {
+pub fn write_outputs(
+    dir: &Path,
+    outputs: &Outputs,
+    text: &mut impl io::Write,
+) -> Result<(), (std::path::PathBuf, io::Error)> {
     use crate::render;
-    let create = |name: &str| std::fs::File::create(dir.join(name)).map(io::BufWriter::new);
-    render::summary::write_json(&outputs.summary, &mut create("summary.json")?)?;
+    // Every file is attempted and the text summary always printed, so that a full disk or
+    // one unwritable file loses as little as possible; the first failure is returned.
+    let mut failed: Option<(std::path::PathBuf, io::Error)> = None;
+    let mut file =
+        |name: &str, write: &mut dyn FnMut(&mut io::BufWriter<std::fs::File>) -> io::Result<()>| {
+            let path = dir.join(name);
+            let result = std::fs::File::create(&path).and_then(|f| {
+                let mut out = io::BufWriter::new(f);
+                write(&mut out)?;
+                io::Write::flush(&mut out)
+            });
+            if let Err(e) = result {
+                failed.get_or_insert((path, e));
+            }
+        };
+    file("summary.json", &mut |out| {
+        render::summary::write_json(&outputs.summary, out)
+    });
     let symbols = crate::symbolize::symbolize(
         &outputs.header,
         &outputs.detail.stacks,
@@ -378,28 +398,41 @@ pub fn write_outputs(dir: &Path, outputs: &Outputs, text: &mut impl io::Write) -
             steps.other_offcpu_top_stacks =
                 render::flamegraph::top_stacks(&lines, "other_offcpu", 5);
         }
-        render::flamegraph::write_folded(&lines, &mut create(&format!("{}.folded", kind.file()))?)?;
-        render::flamegraph::write_svg(kind, &lines, &mut create(&format!("{}.svg", kind.file()))?)?;
+        file(&format!("{}.folded", kind.file()), &mut |out| {
+            render::flamegraph::write_folded(&lines, out)
+        });
+        file(&format!("{}.svg", kind.file()), &mut |out| {
+            render::flamegraph::write_svg(kind, &lines, out)
+        });
     }
-    render::steps::write_json(&steps, &mut create("steps.json")?)?;
-    render::steps::write_csv(&steps, &mut create("steps.csv")?)?;
-    render::trace::write(
-        &outputs.header,
-        &outputs.detail,
-        &outputs.steps,
-        create("trace.json")?,
-    )?;
-    render::summary::write_text(&outputs.summary, text)?;
-    render::steps::write_table(&steps, text)?;
-    if let Some(share) = render::flamegraph::short_stack_share(&outputs.detail)
-        && share > 0.5
-    {
-        writeln!(
-            text,
-            "Stacks: {:.0}% of user stacks have at most two frames: the target was likely built \
-             without frame pointers, so flamegraphs stop early instead of showing wrong frames",
-            share * 100.0
-        )?;
+    file("steps.json", &mut |out| {
+        render::steps::write_json(&steps, out)
+    });
+    file("steps.csv", &mut |out| {
+        render::steps::write_csv(&steps, out)
+    });
+    file("trace.json", &mut |out| {
+        render::trace::write(&outputs.header, &outputs.detail, &outputs.steps, out)
+    });
+    let stdout = Path::new("(standard output)");
+    let mut print = || -> io::Result<()> {
+        render::summary::write_text(&outputs.summary, text)?;
+        render::steps::write_table(&steps, text)?;
+        if let Some(share) = render::flamegraph::short_stack_share(&outputs.detail)
+            && share > 0.5
+        {
+            writeln!(
+                text,
+                "Stacks: {:.0}% of user stacks have at most two frames: the target was likely \
+                 built without frame pointers, so flamegraphs stop early instead of showing \
+                 wrong frames",
+                share * 100.0
+            )?;
+        }
+        Ok(())
+    };
+    if let Err(e) = print() {
+        failed.get_or_insert((stdout.to_owned(), e));
     }
-    Ok(())
+    failed.map_or(Ok(()), Err)
 }

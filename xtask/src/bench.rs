@@ -97,15 +97,31 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
     let go = work.join("go");
 
     let mut bare = Vec::new();
+    let mut pair = Vec::new();
     let mut traced = Vec::new();
     let mut bpftrace = Vec::new();
-    let mut attach_ms = Vec::new();
-    let mut rss_kb = 0u64;
+    let mut cpu_at_200k = Vec::new();
+    let mut rss_traced_kb = 0u64;
     let mut recording = PathBuf::new();
+    let mut events = 0.0;
     for round in 0..3 {
         // Bare call.
         let (child, lines) = caller(&fixtures, &lib, &go)?;
         bare.push(finish(&go, child, lines)?);
+        // The bare probe pair: nothing at entry, an 8-byte record at return.
+        let (child, lines) = caller(&fixtures, &lib, &go)?;
+        let mut b = Command::new(&agent)
+            .args(["bench-pair", "--symbol", "ncclAllReduce", "--pid"])
+            .arg(child.id().to_string())
+            .arg("--library")
+            .arg(&lib)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()?;
+        let mut err = BufReader::new(b.stderr.take().context("stderr")?).lines();
+        wait_for(&mut err, "attached to pid")?;
+        pair.push(finish(&go, child, lines)?);
+        b.wait()?;
         // nccltrace, minimal profile (NCCL and scheduler probes).
         let (child, lines) = caller(&fixtures, &lib, &go)?;
         let out = work.join(format!("run{round}"));
@@ -124,14 +140,19 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
             .spawn()?;
         let mut err = BufReader::new(a.stderr.take().context("stderr")?).lines();
         wait_for(&mut err, "attached to pid")?;
+        let cpu0 = cpu_seconds(a.id());
+        let started = Instant::now();
         traced.push(finish(&go, child, lines)?);
+        let (cpu, wall) = (cpu_seconds(a.id()) - cpu0, started.elapsed().as_secs_f64());
         for _ in err.by_ref() {}
         if !a.wait()?.success() {
             bail!("nccltrace failed");
         }
         let summary = std::fs::read_to_string(out.join("summary.json"))?;
-        attach_ms.push(json(&summary, "attach_ms").unwrap_or(0.0));
-        rss_kb = rss_kb.max(json(&summary, "peak_rss_kb").unwrap_or(0.0) as u64);
+        rss_traced_kb = rss_traced_kb.max(json(&summary, "peak_rss_kb").unwrap_or(0.0) as u64);
+        events = json(&summary, "events").unwrap_or(0.0);
+        // Agent CPU while draining, scaled to 200k events/s.
+        cpu_at_200k.push(cpu / wall * 200_000.0 / (events / wall).max(1.0) * 100.0);
         recording = out.join("recording.nctr");
         // bpftrace: entry/exit latency histogram of the same function.
         let (child, lines) = caller(&fixtures, &lib, &go)?;
@@ -152,21 +173,35 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
         libc_kill(b.id(), 2);
         let _ = b.wait();
     }
-    // report throughput on the last recording.
-    let summary = std::fs::read_to_string(recording.with_file_name("summary.json"))?;
-    let events = json(&summary, "events").unwrap_or(0.0);
-    let started = Instant::now();
-    super::run(
-        Command::new(&agent)
-            .arg("report")
-            .arg(&recording)
-            .arg("--out")
-            .arg(work.join("report"))
-            .stdout(Stdio::null()),
+    // Attach alone, every probe of the default profile, on the idle caller.
+    let (attach_ms, attach_rss_kb) = attach_only(&agent, &fixtures, &lib, &go, &work)?;
+    // The demo trainer, untraced and traced (default profile), interleaved; report on a
+    // long recording of it with the full profile.
+    let mut ratios = Vec::new();
+    let (mut untraced_step, mut traced_step) = (0.0, 0.0);
+    for _ in 0..3 {
+        untraced_step = trainer_step_ns(&agent, &fixtures, &work, None, 200)?;
+        traced_step = trainer_step_ns(
+            &agent,
+            &fixtures,
+            &work,
+            Some((&work.join("trainer"), "default")),
+            200,
+        )?;
+        ratios.push(traced_step / untraced_step);
+    }
+    let long = work.join("trainer-full");
+    trainer_step_ns(&agent, &fixtures, &work, Some((&long, "full")), 2000)?;
+    let (trainer_events, trainer_report_s) = report_speed(
+        &agent,
+        &long.join("recording.nctr"),
+        &work.join("report-trainer"),
     )?;
-    let report_s = started.elapsed().as_secs_f64();
+    let (_, caller_report_s) = report_speed(&agent, &recording, &work.join("report-caller"))?;
 
-    let (bare, traced, bpftrace) = (median(bare), median(traced), median(bpftrace));
+    let (bare, pair, traced, bpftrace) =
+        (median(bare), median(pair), median(traced), median(bpftrace));
+    let added = traced - bare;
     println!(
         "\nnccltrace bench ({CALLS} ncclAllReduce(NULL comm) calls into the real libnccl.so.2, median of 3 rounds)"
     );
@@ -174,23 +209,165 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
     println!("| --- | --- | --- | --- |");
     println!("| bare call | | {bare:.0} ns | |");
     println!(
-        "| added cost per traced call | {:.0} ns | bpftrace 0.17 histogram: {:.0} ns | below bpftrace |",
-        traced - bare,
+        "| added cost per traced call | {added:.0} ns ({:.2}× the bare pair) | bare probe pair: {:.0} ns; bpftrace 0.17 histogram: {:.0} ns | ≤ 1.15× the bare pair, below bpftrace |",
+        added / (pair - bare),
+        pair - bare,
         bpftrace - bare
     );
+    println!("| attach, all probes, 473 MB library | {attach_ms:.0} ms | | ≤ 250 ms |");
     println!(
-        "| attach, all probes, 473 MB library | {:.0} ms | | ≤ 250 ms |",
-        median(attach_ms)
+        "| agent peak RSS, attach (default profile) | {:.1} MB | | ≤ 64 MB |",
+        attach_rss_kb as f64 / 1024.0
     );
     println!(
-        "| agent peak RSS | {:.1} MB | | ≤ 64 MB |",
-        rss_kb as f64 / 1024.0
+        "| agent peak RSS, {CALLS} calls traced and reported | {:.1} MB | | |",
+        rss_traced_kb as f64 / 1024.0
     );
     println!(
-        "| report | {:.2} M events/s ({events:.0} events in {report_s:.2} s) | | ≥ 2 M/s |",
-        events / report_s / 1e6
+        "| demo trainer step, traced / untraced (default profile, 3 interleaved pairs) | {:.3} (last pair {:.3} ms / {:.3} ms) | | ≤ 1.02 |",
+        median(ratios),
+        traced_step / 1e6,
+        untraced_step / 1e6
+    );
+    println!(
+        "| agent CPU at 200k events/s | {:.1}% of a CPU | | |",
+        median(cpu_at_200k)
+    );
+    println!(
+        "| report, demo trainer recording (2000 steps, full profile) | {:.2} M events/s ({trainer_events:.0} events in {trainer_report_s:.2} s) | | ≥ 2 M/s |",
+        trainer_events / trainer_report_s / 1e6
+    );
+    println!(
+        "| report, caller recording ({events:.0} events, each call its own step) | {:.2} M events/s ({caller_report_s:.2} s) | | |",
+        events / caller_report_s / 1e6
     );
     Ok(())
+}
+
+/// User + system CPU seconds of a live process so far.
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest.split_whitespace().collect())
+        .unwrap_or_default();
+    // utime and stime are fields 14 and 15 (1-based) of the whole line: 12 and 13 here.
+    let ticks: f64 = [11, 12]
+        .iter()
+        .filter_map(|i| fields.get(*i).and_then(|v| v.parse::<f64>().ok()))
+        .sum();
+    ticks / 100.0
+}
+
+/// Attaches every probe of the default profile to an idle caller for a second.
+fn attach_only(
+    agent: &Path,
+    fixtures: &Path,
+    lib: &Path,
+    go: &Path,
+    work: &Path,
+) -> anyhow::Result<(f64, u64)> {
+    let mut ms = Vec::new();
+    let mut rss = 0u64;
+    for round in 0..3 {
+        let (child, lines) = caller(fixtures, lib, go)?;
+        let out = work.join(format!("attach{round}"));
+        super::run(
+            Command::new(agent)
+                .args(["attach", "--duration", "1s", "--pid"])
+                .arg(child.id().to_string())
+                .arg("--out")
+                .arg(&out)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null()),
+        )?;
+        finish(go, child, lines)?;
+        let summary = std::fs::read_to_string(out.join("summary.json"))?;
+        ms.push(json(&summary, "attach_ms").unwrap_or(0.0));
+        rss = rss.max(json(&summary, "peak_rss_kb").unwrap_or(0.0) as u64);
+    }
+    Ok((median(ms), rss))
+}
+
+/// Mean step wall time of the demo trainer (steps after the fifth), traced into
+/// `(out, profile)` when given.
+fn trainer_step_ns(
+    agent: &Path,
+    fixtures: &Path,
+    work: &Path,
+    traced: Option<(&Path, &str)>,
+    steps: u32,
+) -> anyhow::Result<f64> {
+    let go = work.join("trainer-go");
+    let _ = std::fs::remove_file(&go);
+    let mut trainer = Command::new(fixtures.join("trainer"))
+        .args([
+            "--steps",
+            &steps.to_string(),
+            "--compute-us",
+            "2000",
+            "--go-file",
+        ])
+        .arg(&go)
+        .stdout(Stdio::piped())
+        .spawn()
+        .context("starting the trainer")?;
+    let mut lines = BufReader::new(trainer.stdout.take().context("stdout")?).lines();
+    lines.next().context("the trainer printed nothing")??;
+    let mut agent_child = None;
+    if let Some((out, profile)) = traced {
+        let _ = std::fs::remove_dir_all(out);
+        let mut a = Command::new(agent)
+            .args([
+                "attach",
+                "--profile",
+                profile,
+                "--pid",
+                &trainer.id().to_string(),
+                "--out",
+            ])
+            .arg(out)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()?;
+        let mut err = BufReader::new(a.stderr.take().context("stderr")?).lines();
+        wait_for(&mut err, "attached to pid")?;
+        std::thread::spawn(move || for _ in err {});
+        agent_child = Some(a);
+    }
+    std::fs::write(&go, b"")?;
+    let walls: Vec<f64> = lines
+        .map_while(Result::ok)
+        .filter(|l| l.starts_with("{\"step\""))
+        .filter_map(|l| json(&l, "wall_ns"))
+        .skip(5)
+        .collect();
+    trainer.wait()?;
+    if let Some(mut a) = agent_child
+        && !a.wait()?.success()
+    {
+        bail!("nccltrace failed on the trainer");
+    }
+    if walls.is_empty() {
+        bail!("the trainer printed no steps");
+    }
+    Ok(walls.iter().sum::<f64>() / walls.len() as f64)
+}
+
+/// `nccltrace report` on `recording`: (events, seconds).
+fn report_speed(agent: &Path, recording: &Path, out: &Path) -> anyhow::Result<(f64, f64)> {
+    let started = Instant::now();
+    super::run(
+        Command::new(agent)
+            .arg("report")
+            .arg(recording)
+            .arg("--out")
+            .arg(out)
+            .stdout(Stdio::null()),
+    )?;
+    let seconds = started.elapsed().as_secs_f64();
+    let summary = std::fs::read_to_string(out.join("summary.json"))?;
+    Ok((json(&summary, "events").unwrap_or(0.0), seconds))
 }
 
 fn libc_kill(pid: u32, sig: i32) {

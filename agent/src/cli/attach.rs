@@ -110,6 +110,8 @@ impl AttachArgs {
 /// Writes each record to the recording and folds it into the summary.
 struct LiveSink {
     writer: Writer,
+    /// Why the recording stopped being written (a full disk): tracing goes on in memory.
+    write_error: Option<crate::record::RecordError>,
     agg: Aggregator,
     nccl_calls: u64,
     records: u64,
@@ -119,7 +121,15 @@ struct LiveSink {
 
 impl Sink for LiveSink {
     fn record(&mut self, bytes: &[u8]) -> Result<(), Error> {
-        self.writer.kernel(bytes)?;
+        if self.write_error.is_none()
+            && let Err(e) = self.writer.kernel(bytes)
+        {
+            eprintln!(
+                "nccltrace: warning: {e}; the recording stops here, tracing goes on and every \
+                 other output is written at the end"
+            );
+            self.write_error = Some(e);
+        }
         self.records += 1;
         if let Ok(crate::event::Event::Call(c)) = self.agg.push_raw(bytes) {
             self.nccl_calls += u64::from(c.func.library() == crate::event::Library::Nccl);
@@ -164,6 +174,15 @@ fn discover(host: &host::Host, pid: u32, settings: &Settings) -> Result<source::
 }
 
 pub fn run(args: AttachArgs) -> Result<(), Error> {
+    // First, before any folder is made: without privileges nothing else can work, and
+    // /proc of other users' processes would look absent.
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let missing = host::missing_capabilities(&status);
+    if !missing.is_empty() {
+        return Err(Error::NotPrivileged {
+            missing: missing.join(", "),
+        });
+    }
     let settings = args.validate()?;
     let host = host::Host::live();
     let targets = settings
@@ -238,6 +257,7 @@ async fn trace(settings: Settings, targets: &[source::Target]) -> Result<(), Err
     let writer = Writer::create(&rec_path, &attached.header)?;
     let mut sink = LiveSink {
         writer,
+        write_error: None,
         agg: Aggregator::new(attached.header.clone()),
         nccl_calls: 0,
         records: 0,
@@ -275,22 +295,23 @@ async fn trace(settings: Settings, targets: &[source::Target]) -> Result<(), Err
         .map(|text| crate::symbolize::kernel_names(&text, &kernel_ips))
         .unwrap_or_default();
     outputs.kernel_symbols.extend(kernel.iter().cloned());
-    let write_end = sink
-        .writer
-        .meta(&Meta::KernelSymbols { symbols: kernel })
-        .and_then(|()| sink.writer.meta(&end))
-        .and_then(|()| sink.writer.finish());
-    crate::pipeline::write_outputs(&settings.out, &outputs, &mut std::io::stdout().lock())
-        .map_err(|source| Error::Output {
-            path: settings.out.clone(),
-            source,
-        })?;
+    let write_end = match sink.write_error.take() {
+        Some(e) => Err(e),
+        None => sink
+            .writer
+            .meta(&Meta::KernelSymbols { symbols: kernel })
+            .and_then(|()| sink.writer.meta(&end))
+            .and_then(|()| sink.writer.finish()),
+    };
+    let written =
+        crate::pipeline::write_outputs(&settings.out, &outputs, &mut std::io::stdout().lock());
     eprintln!(
         "nccltrace: outputs in {}; detaching probes",
         settings.out.display()
     );
     attached.detach();
     outcome?;
+    written.map_err(|(path, source)| Error::Output { path, source })?;
     write_end?;
     Ok(())
 }

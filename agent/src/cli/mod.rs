@@ -30,6 +30,19 @@ enum Command {
     Doctor(doctor::DoctorArgs),
     /// Capture the files `doctor` reads, to diagnose elsewhere with `doctor --root`.
     Snapshot(snapshot::SnapshotArgs),
+    /// The benchmarks' baseline: a bare uprobe/uretprobe pair on one function.
+    #[command(hide = true)]
+    BenchPair(BenchPairArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct BenchPairArgs {
+    #[arg(long)]
+    pid: u32,
+    #[arg(long)]
+    library: std::path::PathBuf,
+    #[arg(long)]
+    symbol: String,
 }
 
 impl Cli {
@@ -40,6 +53,19 @@ impl Cli {
             Command::Report(args) => report::run(args),
             Command::Doctor(args) => doctor::run(args),
             Command::Snapshot(args) => snapshot::run(args),
+            Command::BenchPair(args) => {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .map_err(Error::Runtime)?;
+                let records = runtime.block_on(crate::source::baseline::bare_pair(
+                    args.pid,
+                    &args.library,
+                    &args.symbol,
+                ))?;
+                println!("{{\"records\": {records}}}");
+                Ok(())
+            }
         }
     }
 }

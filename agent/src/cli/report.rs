@@ -24,10 +24,6 @@ pub fn run(args: ReportArgs) -> Result<(), Error> {
     let rule = super::step_rule(args.step_window.as_deref())?;
     let outputs = crate::pipeline::replay(&args.recording, rule)?;
     let out = super::prepare_output(&args.out, args.force)?;
-    crate::pipeline::write_outputs(&out, &outputs, &mut std::io::stdout().lock()).map_err(
-        |source| Error::Output {
-            path: out.clone(),
-            source,
-        },
-    )
+    crate::pipeline::write_outputs(&out, &outputs, &mut std::io::stdout().lock())
+        .map_err(|(path, source)| Error::Output { path, source })
 }

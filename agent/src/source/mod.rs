@@ -1,6 +1,7 @@
 //! Source stage, the only one that needs root: find the libraries, load the kernel
 //! programs, attach them, drain the ring buffer, detach.
 
+pub mod baseline;
 pub mod discover;
 pub mod tracefs;
 

@@ -628,3 +628,22 @@ fn panic(_info: &core::panic::PanicInfo) -> ! {
 #[unsafe(link_section = "license")]
 #[unsafe(no_mangle)]
 static LICENSE: [u8; 13] = *b"Dual MIT/GPL\0";
+
+/// `nccltrace bench-pair` only, the benchmarks' baseline: the least a uprobe/uretprobe pair
+/// that produces one record per call does (nothing at entry; at return one 8-byte record,
+/// the reader woken as by default).
+#[uprobe]
+pub fn bench_entry(_ctx: ProbeContext) -> u32 {
+    0
+}
+
+/// See [`bench_entry`].
+#[uretprobe]
+pub fn bench_return(_ctx: RetProbeContext) -> u32 {
+    if let Some(mut entry) = EVENTS.reserve::<u64>(0) {
+        // SAFETY: a helper without preconditions.
+        entry.write(unsafe { bpf_ktime_get_ns() });
+        entry.submit(0);
+    }
+    0
+}
