@@ -972,6 +972,80 @@ fn flamegraphs_and_trace_are_valid(out: &Path, summary: &Value) {
                 .is_some_and(|n| n.contains("main (rank)"))
     }));
     assert!(trace["otherData"]["realtime_ns_at_0"].is_u64());
+    speedscope_reads(&out.join("trace.json"));
+}
+
+/// An importer written by others reads trace.json: speedscope's web app (from npm, path in
+/// NCCLTRACE_SPEEDSCOPE, set by `cargo xtask test`) in headless Chromium, served from a
+/// local HTTP server, must import it and list the rank thread and the steps track.
+fn speedscope_reads(trace: &Path) {
+    let app = PathBuf::from(std::env::var_os("NCCLTRACE_SPEEDSCOPE").expect(
+        "NCCLTRACE_SPEEDSCOPE is unset: run the tests with `cargo xtask test`, which fetches speedscope",
+    ));
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let trace = trace.to_owned();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { return };
+            let mut request = String::new();
+            let _ = BufReader::new(&stream).read_line(&mut request);
+            let path = request.split_whitespace().nth(1).unwrap_or("/").to_owned();
+            let file = if path == "/trace.json" {
+                trace.clone()
+            } else {
+                app.join(
+                    path.trim_start_matches('/')
+                        .split(['?', '#'])
+                        .next()
+                        .unwrap(),
+                )
+            };
+            let kind = match file.extension().and_then(|e| e.to_str()) {
+                Some("html") => "text/html",
+                Some("js") => "text/javascript",
+                Some("css") => "text/css",
+                Some("json") => "application/json",
+                _ => "application/octet-stream",
+            };
+            let reply = match std::fs::read(&file) {
+                Ok(body) => {
+                    let head = format!(
+                        "HTTP/1.1 200 OK\r\nContent-Type: {kind}\r\nContent-Length: {}\r\n\
+                         Connection: close\r\n\r\n",
+                        body.len()
+                    );
+                    [head.into_bytes(), body].concat()
+                }
+                Err(_) => b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n".to_vec(),
+            };
+            let _ = std::io::Write::write_all(&mut stream, &reply);
+        }
+    });
+    let url =
+        format!("http://127.0.0.1:{port}/index.html#profileURL=http://127.0.0.1:{port}/trace.json");
+    let profile = tempfile::tempdir().unwrap();
+    let dom = Command::new("chromium")
+        .args([
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--virtual-time-budget=30000",
+        ])
+        .arg(format!("--user-data-dir={}", profile.path().display()))
+        .args(["--dump-dom", &url])
+        .output()
+        .expect("chromium (cargo xtask setup installs it)");
+    let dom = String::from_utf8_lossy(&dom.stdout);
+    assert!(
+        dom.contains("<title>trace.json - speedscope</title>"),
+        "speedscope did not import trace.json: {}",
+        &dom[..dom.len().min(2000)]
+    );
+    assert!(
+        dom.contains("(main (rank))") && dom.contains("steps (tid"),
+        "{dom}"
+    );
 }
 
 /// Without root: exit 2 at once, the message names the missing capabilities and the fix,

@@ -342,7 +342,14 @@ pub struct Outputs {
 /// Replays a recording through the pipeline. A damaged tail is reported on stderr and
 /// the complete records before it are kept.
 pub fn replay(path: &Path, rule: StepRule) -> Result<Outputs, record::RecordError> {
-    let mut reader = Reader::open(path)?;
+    replay_from(Reader::open(path)?, rule)
+}
+
+/// As [`replay`], from any reader (the fuzzer feeds it bytes).
+pub fn replay_from<R: io::Read>(
+    mut reader: Reader<R>,
+    rule: StepRule,
+) -> Result<Outputs, record::RecordError> {
     let mut agg = Aggregator::new(reader.header.clone());
     loop {
         match reader.next_record() {

@@ -178,7 +178,13 @@ mod tests {
         assert!(err.to_string().contains("numa2"), "{err}");
         let err = Profile::load("nope").unwrap_err();
         assert!(matches!(err, ProfileError::NotFound { .. }));
-        std::fs::write(&path, SHIPPED[0].1.replace("16", "0")).unwrap();
+        std::fs::write(
+            &path,
+            SHIPPED[0]
+                .1
+                .replace("ring_buffer_mib = 8", "ring_buffer_mib = 0"),
+        )
+        .unwrap();
         assert!(matches!(
             Profile::load(path.to_str().unwrap()),
             Err(ProfileError::RingBufferSize { .. })

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Validation on a GPU machine (see docs/validation.md): each mode traced by nccltrace, then
-# untraced, with every output under $OUT (default ./gpu-out).
+# untraced (before and after), with every output under $OUT (default ./gpu-out).
 # usage: tests/gpu/run.sh NCCLTRACE_BINARY [STEPS]
 set -uo pipefail
 BIN=${1:?usage: run.sh NCCLTRACE_BINARY [STEPS]}
@@ -14,6 +14,8 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/gpu.txt
 uname -r >> "$OUT/gpu.txt"
 nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
 for mode in ddp allreduce; do
+  # Untraced before and after the traced run, so drift shows as a difference between them.
+  "$PY" "$HERE/train.py" --mode "$mode" --steps "$STEPS" > "$OUT/$mode-untraced-before.json" 2> "$OUT/$mode-untraced-before.err"
   go="$OUT/$mode.go"; rm -f "$go"
   "$PY" "$HERE/train.py" --mode "$mode" --steps "$STEPS" --go-file "$go" > "$OUT/$mode-traced.json" 2> "$OUT/$mode-traced.err" &
   pid=$!
@@ -25,6 +27,6 @@ for mode in ddp allreduce; do
   wait "$pid"; echo "trainer exit $?" >> "$OUT/$mode-stderr.txt"
   wait "$agent"; echo "agent exit $?" >> "$OUT/$mode-stderr.txt"
   "$PY" "$HERE/train.py" --mode "$mode" --steps "$STEPS" > "$OUT/$mode-untraced.json" 2> "$OUT/$mode-untraced.err"
-  echo "== $mode"; cat "$OUT/$mode-traced.json" "$OUT/$mode-untraced.json"; tail -3 "$OUT/$mode-stderr.txt"
+  echo "== $mode"; cat "$OUT/$mode-untraced-before.json" "$OUT/$mode-traced.json" "$OUT/$mode-untraced.json"; tail -3 "$OUT/$mode-stderr.txt"
   cat "$OUT/$mode-stdout.txt"
 done

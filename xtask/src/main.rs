@@ -3,7 +3,9 @@
 
 mod bench;
 mod demo;
+mod fuzz;
 mod setup;
+mod soak;
 mod test;
 
 use std::path::{Path, PathBuf};
@@ -33,6 +35,19 @@ enum Task {
     Demo,
     /// The agent's cost beside its baselines (docs/benchmarks.md).
     Bench,
+    /// Run the cargo fuzz targets (fuzz/) for a while each.
+    Fuzz {
+        #[arg(long, default_value_t = 60)]
+        seconds: u32,
+    },
+    /// Minutes of tracing at a high event rate (RSS, loss), then longer fuzzing.
+    Soak {
+        #[arg(long, default_value_t = 10)]
+        minutes: u32,
+        /// Seconds per fuzz target.
+        #[arg(long, default_value_t = 300)]
+        fuzz_seconds: u32,
+    },
     /// Validation on a GPU machine with PyTorch and NCCL (see docs/validation.md).
     GpuCheck {
         /// Print the steps to run instead of running them (this machine has no GPU).
@@ -53,6 +68,11 @@ fn main() -> anyhow::Result<()> {
         Task::Test { args } => test::run(&root, &args),
         Task::Demo => demo::run(&root),
         Task::Bench => bench::run(&root),
+        Task::Fuzz { seconds } => fuzz::run(&root, seconds),
+        Task::Soak {
+            minutes,
+            fuzz_seconds,
+        } => soak::run(&root, minutes, fuzz_seconds),
     }
 }
 

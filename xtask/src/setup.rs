@@ -65,8 +65,9 @@ fn nightly() -> anyhow::Result<()> {
     Ok(())
 }
 
-const APT_PACKAGES: [&str; 7] = [
+const APT_PACKAGES: [&str; 8] = [
     "xz-utils",
+    "chromium",
     "llvm-22-dev",
     "libpolly-22-dev",
     "clang",
@@ -85,7 +86,10 @@ fn apt() -> anyhow::Result<()> {
         })
         .collect();
     if missing.is_empty() {
-        say("Debian packages (LLVM 22, clang, bpftool)", "present");
+        say(
+            "Debian packages (LLVM 22, clang, bpftool, chromium)",
+            "present",
+        );
         return Ok(());
     }
     say(
@@ -228,6 +232,72 @@ pub fn real_nccl() -> anyhow::Result<PathBuf> {
     Ok(lib)
 }
 
+/// The speedscope release the trace.json check loads in headless Chromium: an importer of
+/// the Chrome trace format written by others, fetched once from the npm registry.
+pub const SPEEDSCOPE_VERSION: &str = "1.22.2";
+
+/// speedscope's web app (its `dist/release` folder), unpacked in the cache.
+pub fn speedscope() -> anyhow::Result<PathBuf> {
+    let dir = cache_dir().join(format!("speedscope-{SPEEDSCOPE_VERSION}"));
+    let release = dir.join("package/dist/release");
+    if release.join("index.html").is_file() {
+        say(&format!("speedscope {SPEEDSCOPE_VERSION} (npm)"), "cached");
+        return Ok(release);
+    }
+    say(
+        &format!("speedscope {SPEEDSCOPE_VERSION} (npm)"),
+        "downloading",
+    );
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    if Command::new("npm").arg("--version").output().is_err() {
+        // Node.js may come from elsewhere than Debian (its npm then conflicts): only when
+        // there is no npm at all.
+        say("npm", "installing (Debian)");
+        super::run(
+            Command::new("apt-get")
+                .args(["install", "-y", "-q", "--no-install-recommends", "npm"])
+                .env("DEBIAN_FRONTEND", "noninteractive"),
+        )?;
+    }
+    super::run(
+        Command::new("npm")
+            .args([
+                "pack",
+                "--silent",
+                &format!("speedscope@{SPEEDSCOPE_VERSION}"),
+            ])
+            .current_dir(&dir),
+    )?;
+    let tarball = dir.join(format!("speedscope-{SPEEDSCOPE_VERSION}.tgz"));
+    super::run(
+        Command::new("tar")
+            .arg("xzf")
+            .arg(&tarball)
+            .current_dir(&dir),
+    )?;
+    if !release.join("index.html").is_file() {
+        bail!("speedscope {SPEEDSCOPE_VERSION} has no dist/release/index.html");
+    }
+    Ok(release)
+}
+
+/// cargo-fuzz, for the fuzz targets in `fuzz/`.
+pub fn cargo_fuzz() -> anyhow::Result<()> {
+    let have = Command::new("cargo")
+        .args(["fuzz", "--version"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if have {
+        say("cargo-fuzz", "present");
+        return Ok(());
+    }
+    say(
+        "cargo-fuzz",
+        "building with cargo install (a minute or two)",
+    );
+    super::run(Command::new("cargo").args(["install", "cargo-fuzz", "--locked"]))
+}
+
 /// Installs whatever is missing.
 pub fn run(_root: &Path) -> anyhow::Result<()> {
     if is_root() {
@@ -238,5 +308,7 @@ pub fn run(_root: &Path) -> anyhow::Result<()> {
     nightly()?;
     bpf_linker()?;
     tracefs()?;
+    speedscope()?;
+    cargo_fuzz()?;
     Ok(())
 }

@@ -29,6 +29,7 @@ pub fn run(root: &Path, args: &[String]) -> anyhow::Result<()> {
         "warnings",
     ]))?;
     let real_nccl = super::setup::real_nccl()?;
+    let speedscope = super::setup::speedscope()?;
     let fixtures = super::build_fixtures(root)?;
     super::run(
         Command::new("cargo")
@@ -36,6 +37,12 @@ pub fn run(root: &Path, args: &[String]) -> anyhow::Result<()> {
             .args(["test", "--workspace", "--exclude", "nccltrace-ebpf"])
             .args(args)
             .env("NCCLTRACE_FIXTURES", &fixtures)
-            .env("NCCLTRACE_REAL_NCCL", &real_nccl),
-    )
+            .env("NCCLTRACE_REAL_NCCL", &real_nccl)
+            .env("NCCLTRACE_SPEEDSCOPE", &speedscope),
+    )?;
+    // The fuzz targets, briefly, on a full run (a filtered run is someone iterating).
+    if args.is_empty() {
+        super::fuzz::run(root, 20)?;
+    }
+    Ok(())
 }

@@ -248,15 +248,25 @@ pub fn by_marker(entries: &[u64]) -> Option<Detected> {
     })
 }
 
+/// At most this many windows: a span that would need more (a recording whose clock is
+/// damaged, or a tiny `--step-window` over days) gets wider windows, and says so.
+pub const MAX_WINDOWS: u64 = 100_000;
+
 /// Fixed windows of `width_ns` over `[start, end)`.
 #[must_use]
-pub fn windows(start: u64, end: u64, width_ns: u64, reason: String) -> Detected {
-    let width = width_ns.max(1);
+pub fn windows(start: u64, end: u64, width_ns: u64, mut reason: String) -> Detected {
+    let span = end.saturating_sub(start);
+    let mut width = width_ns.max(1);
+    if span / width >= MAX_WINDOWS {
+        width = span.div_ceil(MAX_WINDOWS).max(1);
+        reason = format!("{reason} (widened to {width} ns: at most {MAX_WINDOWS} windows)");
+    }
     let mut bounds = Vec::new();
     let mut t = start;
     while t < end {
-        bounds.push((t, (t + width).min(end)));
-        t += width;
+        let next = t.saturating_add(width).min(end);
+        bounds.push((t, next));
+        t = next;
     }
     Detected {
         method: Method::Window,
@@ -392,5 +402,19 @@ mod tests {
         assert_eq!(detect(&c, &[]), None);
         let w = windows(0, 250, 100, "test".into());
         assert_eq!(w.bounds, vec![(0, 100), (100, 200), (200, 250)]);
+    }
+
+    /// A damaged clock (found by the fuzzer: a recording spanning 2^64 ns) gives at most
+    /// MAX_WINDOWS windows, covering the span, instead of exhausting memory.
+    #[test]
+    fn windows_are_bounded() {
+        let d = windows(5, u64::MAX, 1_000_000_000, "x".into());
+        assert!(d.bounds.len() as u64 <= MAX_WINDOWS);
+        assert_eq!(d.bounds.first().unwrap().0, 5);
+        assert_eq!(d.bounds.last().unwrap().1, u64::MAX);
+        assert!(d.reason.contains("widened"));
+        let d = windows(0, 10_000, 1000, "y".into());
+        assert_eq!(d.bounds.len(), 10);
+        assert_eq!(d.reason, "y");
     }
 }

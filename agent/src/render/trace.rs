@@ -19,6 +19,8 @@ const STEPS_TID: u64 = 0x7fff_fff0;
 const BURST_GAP_NS: u64 = 1_000_000;
 /// Counter bin.
 const BIN_NS: u64 = 100_000_000;
+/// At most this many counter bins per process.
+const MAX_BINS: u64 = 100_000;
 
 struct Writer<W: Write> {
     out: W,
@@ -383,28 +385,31 @@ pub fn write(
     let mut pids: Vec<u32> = detail.threads.iter().map(|t| t.pid).collect();
     pids.sort_unstable();
     pids.dedup();
-    let bins = (detail.end_ns.saturating_sub(detail.first_ns) / BIN_NS + 1) as usize;
+    // 100 ms bins, wider when the span would need more than MAX_BINS (a damaged clock).
+    let span = detail.end_ns.saturating_sub(detail.first_ns);
+    let bin_ns = BIN_NS.max(span / MAX_BINS + 1);
+    let bins = (span / bin_ns + 1) as usize;
     for pid in pids {
         let (mut faults, mut migrations) = (vec![0u64; bins], vec![0u64; bins]);
         for t in detail.threads.iter().filter(|t| t.pid == pid) {
             for ts in &t.faults {
                 if let Some(b) =
-                    faults.get_mut((ts.saturating_sub(detail.first_ns) / BIN_NS) as usize)
+                    faults.get_mut((ts.saturating_sub(detail.first_ns) / bin_ns) as usize)
                 {
                     *b += 1;
                 }
             }
             for (ts, _, _) in &t.migrations {
                 if let Some(b) =
-                    migrations.get_mut((ts.saturating_sub(detail.first_ns) / BIN_NS) as usize)
+                    migrations.get_mut((ts.saturating_sub(detail.first_ns) / bin_ns) as usize)
                 {
                     *b += 1;
                 }
             }
         }
         for (b, (f, m)) in faults.iter().zip(&migrations).enumerate() {
-            let ts = w.ts(detail.first_ns + b as u64 * BIN_NS);
-            let per_s = 1e9 / BIN_NS as f64;
+            let ts = w.ts(detail.first_ns.saturating_add(b as u64 * bin_ns));
+            let per_s = 1e9 / bin_ns as f64;
             w.event(&Ev::counter(
                 "faults/s",
                 pid,

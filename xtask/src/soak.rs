@@ -1,0 +1,144 @@
+//! `cargo xtask soak`: the demo trainer at a high event rate for many minutes under
+//! `nccltrace attach` (default profile), the agent's RSS sampled as it runs; every lost
+//! event must be counted and reported; then the fuzz targets for longer than in `test`.
+
+use std::io::{BufRead as _, BufReader};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+
+fn rss_kb(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+}
+
+#[allow(clippy::too_many_lines)] // one run start to end, then its table
+pub fn run(root: &Path, minutes: u32, fuzz_seconds: u32) -> anyhow::Result<()> {
+    if !super::setup::is_root() {
+        bail!("the soak test loads eBPF programs: run `sudo -E cargo xtask soak`");
+    }
+    let fixtures = super::build_fixtures(root)?;
+    super::run(Command::new("cargo").current_dir(root).args([
+        "build",
+        "--release",
+        "-q",
+        "-p",
+        "nccltrace",
+    ]))?;
+    let agent = root.join("target/release/nccltrace");
+    let work = root.join("target/soak");
+    let _ = std::fs::remove_dir_all(&work);
+    std::fs::create_dir_all(&work)?;
+    let go = work.join("go");
+    // Short steps, many faults and collectives: tens of thousands of events a second.
+    let mut trainer = Command::new(fixtures.join("trainer"))
+        .args([
+            "--steps",
+            "100000000",
+            "--compute-us",
+            "300",
+            "--fault-pages",
+            "64",
+        ])
+        .arg("--go-file")
+        .arg(&go)
+        .stdout(Stdio::null())
+        .spawn()
+        .context("starting the trainer")?;
+    let out = work.join("out");
+    let mut a = Command::new(&agent)
+        .args(["attach", "--duration", &format!("{minutes}m"), "--pid"])
+        .arg(trainer.id().to_string())
+        .arg("--out")
+        .arg(&out)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    let stderr = BufReader::new(a.stderr.take().context("stderr")?);
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        for line in stderr.lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let started = Instant::now();
+    loop {
+        match rx.recv_timeout(Duration::from_secs(60)) {
+            Ok(line) if line.contains("attached to pid") => break,
+            Ok(_) => {}
+            Err(_) => bail!("nccltrace did not attach within a minute"),
+        }
+    }
+    std::fs::write(&go, b"")?;
+    let mut samples: Vec<(f64, u64)> = Vec::new();
+    let mut said = Vec::new();
+    while a.try_wait()?.is_none() {
+        std::thread::sleep(Duration::from_secs(5));
+        if let Some(kb) = rss_kb(a.id()) {
+            let t = started.elapsed().as_secs_f64();
+            eprintln!(
+                "soak: {:>6.0} s  agent RSS {:>8.1} MB",
+                t,
+                kb as f64 / 1024.0
+            );
+            samples.push((t, kb));
+        }
+        said.extend(rx.try_iter());
+    }
+    let _ = trainer.kill();
+    let _ = trainer.wait();
+    said.extend(rx.try_iter());
+    let summary = std::fs::read_to_string(out.join("summary.json"))
+        .context("the agent wrote no summary.json")?;
+    let value = |key: &str| -> f64 {
+        summary
+            .split(&format!("\"{key}\": "))
+            .nth(1)
+            .and_then(|r| r.split([',', '\n', '}']).next())
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0.0)
+    };
+    let (events, lost) = (value("events"), value("lost_events"));
+    let warned = said.iter().any(|l| l.contains("events lost"));
+    // Growth per minute over the second half of the run (the first half includes warm-up).
+    let half: Vec<&(f64, u64)> = samples
+        .iter()
+        .filter(|(t, _)| *t >= f64::from(minutes) * 30.0)
+        .collect();
+    let slope = match (half.first(), half.last()) {
+        (Some(a), Some(b)) if b.0 > a.0 => {
+            (b.1 as f64 - a.1 as f64) / 1024.0 / ((b.0 - a.0) / 60.0)
+        }
+        _ => 0.0,
+    };
+    let peak = samples.iter().map(|s| s.1).max().unwrap_or(0);
+    println!("\nnccltrace soak ({minutes} min, demo trainer, default profile)");
+    println!("| measure | value |");
+    println!("| --- | --- |");
+    println!(
+        "| events recorded | {events:.0} ({:.0}/s) |",
+        events / (f64::from(minutes) * 60.0)
+    );
+    println!(
+        "| events lost | {lost:.0} (reported during the run: {}) |",
+        if lost == 0.0 {
+            "none to report".into()
+        } else {
+            warned.to_string()
+        }
+    );
+    println!(
+        "| agent RSS, peak while tracing | {:.1} MB |",
+        peak as f64 / 1024.0
+    );
+    println!("| agent RSS growth, second half | {slope:.1} MB/min |");
+    if lost > 0.0 && !warned {
+        bail!("{lost} events were lost without a warning during the run");
+    }
+    super::fuzz::run(root, fuzz_seconds)
+}
