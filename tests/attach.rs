@@ -128,11 +128,13 @@ impl Agent {
         });
         let mut stderr = BufReader::new(child.stderr.take().unwrap()).lines();
         let started = Instant::now();
+        let mut said = Vec::new();
         loop {
-            let line = stderr
-                .next()
-                .expect("nccltrace exited before attaching")
-                .unwrap();
+            let Some(Ok(line)) = stderr.next() else {
+                let status = child.wait().unwrap();
+                panic!("nccltrace exited before attaching ({status}): {said:?}");
+            };
+            said.push(line.clone());
             if line.contains("attached to pid") {
                 break;
             }
@@ -489,6 +491,87 @@ fn steps_from_a_marker_function() {
     }
     let again = report(&out, dir.path());
     assert_eq!(read(&again.join("steps.json"))["steps"], steps["steps"]);
+}
+
+/// `--step-nvtx REGEX`: the trainer pushes "train_step N" and, inside it, "forward" through
+/// a stand-in libnvToolsExt.so.1. Steps start at the matching pushes only; the names reach
+/// trace.json; `report` cuts the same steps from the recording, and another pattern
+/// re-cuts them. A target without an NVTX library is bad input.
+#[test]
+fn steps_from_nvtx_ranges() {
+    let _serial = privileged();
+    let (_, _, out, dir, truth) = traced_trainer_with(
+        12,
+        &[],
+        &["--compute-us", "500", "--nvtx"],
+        &["--step-nvtx", "^train_step"],
+    );
+    let read = |path: &Path| -> Value {
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+    };
+    let steps = read(&out.join("steps.json"));
+    assert_eq!(steps["method"], "nvtx", "{}", steps["reason"]);
+    let found = steps["steps"].as_array().unwrap();
+    assert_eq!(
+        found.len(),
+        truth.len() - 1,
+        "a step between each two pushes"
+    );
+    for s in found {
+        assert_eq!(s["nccl"]["calls"], 10, "{s}");
+    }
+    let trace = std::fs::read_to_string(out.join("trace.json")).unwrap();
+    assert!(
+        trace.contains("\"NVTX train_step 7\""),
+        "range names in trace.json"
+    );
+    assert!(trace.contains("\"NVTX forward\""));
+    let again = report(&out, dir.path());
+    let replayed = read(&again.join("steps.json"));
+    assert_eq!(replayed["method"], "nvtx");
+    assert_eq!(replayed["steps"], steps["steps"]);
+    let other = dir.path().join("other");
+    let status = agent()
+        .args(["report", "--step-nvtx", "^nothing$", "--out"])
+        .arg(&other)
+        .arg(out.join("recording.nctr"))
+        .stdout(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let none = read(&other.join("steps.json"));
+    assert_eq!(none["method"], "window");
+    assert!(
+        none["reason"]
+            .as_str()
+            .unwrap()
+            .contains("fewer than two NVTX ranges matched"),
+        "{}",
+        none["reason"]
+    );
+    // Without an NVTX library in the target: exit 2 and why.
+    let go = dir.path().join("go2");
+    let plain = Target::spawn(
+        &fixtures().join("trainer"),
+        &["--steps", "1", "--go-file", go.to_str().unwrap()],
+        &[],
+        dir.path(),
+    );
+    let refused = agent()
+        .args(["attach", "--step-nvtx", "x", "--pid"])
+        .arg(plain.child.id().to_string())
+        .arg("--out")
+        .arg(dir.path().join("refused"))
+        .output()
+        .unwrap();
+    std::fs::write(&go, b"").unwrap();
+    plain.finish();
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("NVTX 3") && stderr.contains("header-only"),
+        "{stderr}"
+    );
 }
 
 /// A stripped libnccl.so.2 (no .symtab, only the dynamic symbols a shared library keeps):

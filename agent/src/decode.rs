@@ -193,6 +193,7 @@ fn decode_call(e: &CallEvent) -> Result<Call, DecodeError> {
         new_comm: None,
         rank: None,
         nranks: None,
+        message: None,
     };
     let layout: Option<ArgLayout> = match func {
         Func::AllReduce | Func::ReduceScatter => Some((2, 3, Some(4), None, 5, 6)),
@@ -228,6 +229,11 @@ fn decode_call(e: &CallEvent) -> Result<Call, DecodeError> {
         }
         Func::CommDestroy | Func::CommAbort => call.comm = Some(a[0]),
         Func::CuStreamSynchronize | Func::CuStreamSynchronizePtsz => call.stream = Some(a[0]),
+        Func::NvtxRangePushA => {
+            let bytes: Vec<u8> = a[1..].iter().flat_map(|w| w.to_le_bytes()).collect();
+            let end = bytes.iter().position(|b| *b == 0).unwrap_or(bytes.len());
+            call.message = Some(String::from_utf8_lossy(&bytes[..end]).into_owned());
+        }
         _ => {}
     }
     Ok(call)

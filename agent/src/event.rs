@@ -31,6 +31,8 @@ pub enum Func {
     CuCtxSynchronize,
     /// The function named by `--step-symbol`.
     StepMarker,
+    /// `nvtxRangePushA` of an NVTX library (`--step-nvtx`).
+    NvtxRangePushA,
 }
 
 /// Which library a function lives in.
@@ -40,12 +42,14 @@ pub enum Library {
     Cuda,
     /// The step marker (`--step-symbol`), in whatever object defines it.
     Marker,
+    /// NVTX range pushes (`--step-nvtx`), in libnvToolsExt or whatever object exports them.
+    Nvtx,
 }
 
 impl Func {
     /// Every traced function with its id (the BPF cookie) and the symbols that define it,
     /// strong name first. NCCL exports `pnccl*` and weak `nccl*` aliases at one address.
-    pub const ALL: [(Func, u32, &'static [&'static str]); 24] = {
+    pub const ALL: [(Func, u32, &'static [&'static str]); 25] = {
         use nccltrace_common::func as f;
         [
             (
@@ -144,6 +148,11 @@ impl Func {
                 &["cuCtxSynchronize"],
             ),
             (Func::StepMarker, f::STEP_MARKER, &["step_marker"]),
+            (
+                Func::NvtxRangePushA,
+                f::NVTX_RANGE_PUSH_A,
+                &["nvtxRangePushA"],
+            ),
         ]
     };
 
@@ -177,7 +186,9 @@ impl Func {
     #[must_use]
     pub fn library(self) -> Library {
         let id = self.id();
-        if id >= nccltrace_common::func::STEP_MARKER {
+        if id == nccltrace_common::func::NVTX_RANGE_PUSH_A {
+            Library::Nvtx
+        } else if id >= nccltrace_common::func::STEP_MARKER {
             Library::Marker
         } else if id >= nccltrace_common::func::FIRST_CUDA {
             Library::Cuda
@@ -193,7 +204,7 @@ impl Func {
         let strong = self.symbols()[0];
         match self.library() {
             Library::Nccl => &strong["pnccl".len()..],
-            Library::Cuda | Library::Marker => strong,
+            Library::Cuda | Library::Marker | Library::Nvtx => strong,
         }
     }
 
@@ -295,6 +306,8 @@ pub struct Call {
     /// Rank and size given to CommInitRank*.
     pub rank: Option<i32>,
     pub nranks: Option<i32>,
+    /// The range name given to `nvtxRangePushA` (at most 55 bytes kept).
+    pub message: Option<String>,
 }
 
 impl Call {

@@ -194,7 +194,7 @@ impl Aggregator {
                     s.calls += 1;
                     s.wait_ns += call.duration_ns();
                 }
-                Library::Marker => {}
+                Library::Marker | Library::Nvtx => {}
             },
             Event::Switch {
                 task,
@@ -348,8 +348,15 @@ pub fn replay(path: &Path, rule: StepRule) -> Result<Outputs, record::RecordErro
 /// As [`replay`], from any reader (the fuzzer feeds it bytes).
 pub fn replay_from<R: io::Read>(
     mut reader: Reader<R>,
-    rule: StepRule,
+    mut rule: StepRule,
 ) -> Result<Outputs, record::RecordError> {
+    // A recording made with --step-nvtx is cut the same way unless told otherwise.
+    if rule == StepRule::Auto
+        && let Some(pattern) = reader.header.step_nvtx.as_deref()
+        && let Ok(pattern) = crate::attribute::NvtxPattern::new(pattern)
+    {
+        rule = StepRule::Nvtx(pattern);
+    }
     let mut agg = Aggregator::new(reader.header.clone());
     loop {
         match reader.next_record() {

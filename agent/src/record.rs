@@ -121,6 +121,9 @@ pub struct Header {
     /// samples taken while handling a fault.
     #[serde(default)]
     pub fault_handler_ranges: Vec<(u64, u64)>,
+    /// `--step-nvtx` of the run: `report` cuts steps the same way unless told otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step_nvtx: Option<String>,
 }
 
 /// Agent metadata records.

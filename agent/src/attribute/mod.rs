@@ -199,11 +199,32 @@ pub struct BlockingStack {
 }
 
 /// How steps are to be found.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[derive(Clone, Debug, PartialEq, Default)]
 pub enum StepRule {
     #[default]
     Auto,
     Window(u64),
+    /// `--step-nvtx REGEX`: a step starts at each NVTX range push whose name matches.
+    Nvtx(NvtxPattern),
+}
+
+/// A `--step-nvtx` regular expression, compiled.
+#[derive(Clone, Debug)]
+pub struct NvtxPattern(pub regex_lite::Regex);
+
+impl PartialEq for NvtxPattern {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.as_str() == other.0.as_str()
+    }
+}
+
+impl NvtxPattern {
+    /// Compiles `pattern`; the error says what is wrong with it.
+    pub fn new(pattern: &str) -> Result<Self, String> {
+        regex_lite::Regex::new(pattern)
+            .map(NvtxPattern)
+            .map_err(|e| e.to_string())
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -252,6 +273,8 @@ struct ThreadLog {
     migration_cpus: Vec<(u64, i32, i32)>,
     /// Entries into the `--step-symbol` function.
     markers: Vec<u64>,
+    /// NVTX range pushes: (time, name).
+    nvtx: Vec<(u64, String)>,
     /// The thread's time cut into categorized pieces over the whole trace (at `finish`).
     segments: Vec<(u64, u64, Cat)>,
 }
@@ -406,6 +429,9 @@ impl Timeline {
         let log = self.log(c.task.tid, c.task.tgid);
         match c.func.library() {
             Library::Marker => log.markers.push(c.start_ns),
+            Library::Nvtx => log
+                .nvtx
+                .push((c.start_ns, c.message.clone().unwrap_or_default())),
             Library::Cuda => {
                 log.changes.push((c.start_ns, Change::SyncStart));
                 log.changes.push((c.end_ns, Change::SyncEnd));
@@ -624,6 +650,22 @@ impl Timeline {
             )
         };
         let detected = match (rule, rank) {
+            (StepRule::Nvtx(pattern), _) => {
+                let pushes: Vec<u64> = self
+                    .threads
+                    .values()
+                    .filter(|l| rank.is_none_or(|r| l.pid == r.1))
+                    .flat_map(|l| l.nvtx.iter())
+                    .filter(|(_, name)| pattern.0.is_match(name))
+                    .map(|(t, _)| *t)
+                    .collect();
+                let re = pattern.0.as_str();
+                steps::by_nvtx(&pushes, re).unwrap_or_else(|| {
+                    fallback(&format!(
+                        "--step-nvtx {re:?}: fewer than two NVTX ranges matched"
+                    ))
+                })
+            }
             (StepRule::Window(w), _) => {
                 steps::windows(self.first_ns, end_ns, w, format!("--step-window {w} ns"))
             }
@@ -1241,6 +1283,7 @@ mod tests {
             new_comm: None,
             rank: None,
             nranks: None,
+            message: None,
         })
     }
 

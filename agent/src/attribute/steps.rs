@@ -21,6 +21,7 @@ use crate::event::Func;
 pub enum Method {
     Auto,
     Symbol,
+    Nvtx,
     Window,
 }
 
@@ -245,6 +246,21 @@ pub fn by_marker(entries: &[u64]) -> Option<Detected> {
         ),
         period: None,
         bounds,
+    })
+}
+
+/// Steps from NVTX range pushes whose name matched `pattern`: each step runs from one
+/// matching push to the next.
+#[must_use]
+pub fn by_nvtx(pushes: &[u64], pattern: &str) -> Option<Detected> {
+    by_marker(pushes).map(|d| Detected {
+        method: Method::Nvtx,
+        reason: format!(
+            "--step-nvtx {pattern:?}: {} NVTX ranges pushed with a matching name; each step \
+             runs from one push to the next",
+            d.bounds.len() + 1
+        ),
+        ..d
     })
 }
 

@@ -43,6 +43,10 @@ pub struct AttachArgs {
     /// Steps start at each call of this function (SYMBOL or SYMBOL@LIBRARY).
     #[arg(long, conflicts_with = "step_window")]
     step_symbol: Option<String>,
+    /// Steps start at each NVTX range pushed with a name matching this regular expression
+    /// (nvtxRangePushA of libnvToolsExt or another library exporting it).
+    #[arg(long, conflicts_with_all = ["step_window", "step_symbol"])]
+    step_nvtx: Option<String>,
 }
 
 /// Validated attach settings.
@@ -54,6 +58,7 @@ struct Settings {
     step_rule: crate::attribute::StepRule,
     wait_for_nccl: bool,
     step_symbol: Option<String>,
+    step_nvtx: Option<String>,
 }
 
 impl AttachArgs {
@@ -67,7 +72,7 @@ impl AttachArgs {
         if let Some(hz) = self.sample_hz {
             profile.set_sample_hz(hz)?;
         }
-        let step_rule = super::step_rule(self.step_window.as_deref())?;
+        let step_rule = super::step_rule(self.step_window.as_deref(), self.step_nvtx.as_deref())?;
         let mut pids = if self.all {
             let found = source::processes_with_nccl(&host::Host::live());
             if found.is_empty() {
@@ -103,6 +108,7 @@ impl AttachArgs {
             step_rule,
             wait_for_nccl: self.wait_for_nccl,
             step_symbol: self.step_symbol,
+            step_nvtx: self.step_nvtx,
         })
     }
 }
@@ -158,7 +164,8 @@ impl Sink for LiveSink {
 fn discover(host: &host::Host, pid: u32, settings: &Settings) -> Result<source::Target, Error> {
     let mut announced = false;
     loop {
-        match source::discover(host, pid, settings.step_symbol.as_deref()) {
+        let nvtx = settings.step_nvtx.is_some();
+        match source::discover(host, pid, settings.step_symbol.as_deref(), nvtx) {
             Err(source::SourceError::NoNccl { .. })
                 if settings.wait_for_nccl && host.process_alive(pid) =>
             {
@@ -247,6 +254,7 @@ async fn trace(settings: Settings, targets: &[source::Target]) -> Result<(), Err
             settings.profile.name,
         );
     }
+    attached.header.step_nvtx.clone_from(&settings.step_nvtx);
     let rec_path = settings.out.join("recording.nctr");
     if rec_path.exists() {
         std::fs::remove_file(&rec_path).map_err(|source| Error::Output {

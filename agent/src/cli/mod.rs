@@ -97,14 +97,25 @@ pub fn parse_duration(text: &str) -> Result<Duration, Error> {
     Ok(Duration::from_secs_f64(secs))
 }
 
-/// The step rule from `--step-window`.
-pub fn step_rule(window: Option<&str>) -> Result<crate::attribute::StepRule, Error> {
-    Ok(match window {
-        Some(w) => {
+/// The step rule from `--step-window` or `--step-nvtx`.
+pub fn step_rule(
+    window: Option<&str>,
+    nvtx: Option<&str>,
+) -> Result<crate::attribute::StepRule, Error> {
+    use crate::attribute::{NvtxPattern, StepRule};
+    Ok(match (window, nvtx) {
+        (Some(w), _) => {
             let d = parse_duration(w)?;
-            crate::attribute::StepRule::Window(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+            StepRule::Window(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
         }
-        None => crate::attribute::StepRule::Auto,
+        (None, Some(re)) => {
+            StepRule::Nvtx(NvtxPattern::new(re).map_err(|why| Error::InvalidArgument {
+                what: "--step-nvtx",
+                value: format!("{re} ({why})"),
+                expected: "a regular expression (regex syntax: `^train_step`, `forward|backward`)",
+            })?)
+        }
+        (None, None) => StepRule::Auto,
     })
 }
 

@@ -17,11 +17,15 @@ pub struct ReportArgs {
     /// Cut steps into fixed windows (100ms, 1s) instead of finding them.
     #[arg(long)]
     step_window: Option<String>,
+    /// Steps start at each NVTX range pushed with a matching name (a recording made with
+    /// --step-nvtx uses its pattern unless this or --step-window is given).
+    #[arg(long, conflicts_with = "step_window")]
+    step_nvtx: Option<String>,
 }
 
 #[allow(clippy::needless_pass_by_value)] // the parsed arguments end here
 pub fn run(args: ReportArgs) -> Result<(), Error> {
-    let rule = super::step_rule(args.step_window.as_deref())?;
+    let rule = super::step_rule(args.step_window.as_deref(), args.step_nvtx.as_deref())?;
     let outputs = crate::pipeline::replay(&args.recording, rule)?;
     let out = super::prepare_output(&args.out, args.force)?;
     crate::pipeline::write_outputs(&out, &outputs, &mut std::io::stdout().lock())

@@ -107,6 +107,7 @@ pub(crate) mod fixture {
             peer: None,
             comm: (func == Func::AllReduce).then_some(0xc0),
             stream: Some(0x50),
+            message: None,
             new_comm: None,
             rank: None,
             nranks: None,

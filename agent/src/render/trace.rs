@@ -256,6 +256,10 @@ pub fn write(
             Library::Nccl => (format!("nccl{}", c.func.name()), "nccl"),
             Library::Cuda => (c.func.name().to_owned(), "cuda_sync"),
             Library::Marker => ("step marker".to_owned(), "step_marker"),
+            Library::Nvtx => (
+                format!("NVTX {}", c.message.as_deref().unwrap_or("?")),
+                "nvtx",
+            ),
         };
         let comm = c.comm;
         let seq = comm.filter(|_| c.func.is_collective()).map(|comm| {

@@ -200,6 +200,7 @@ fn marker(library: Library) -> &'static [&'static str] {
         Library::Nccl => &["ncclAllReduce", "pncclAllReduce"],
         Library::Cuda => &["cuStreamSynchronize"],
         Library::Marker => &[],
+        Library::Nvtx => &["nvtxRangePushA"],
     }
 }
 

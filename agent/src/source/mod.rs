@@ -79,6 +79,12 @@ pub enum SourceError {
          the library as SYMBOL@LIBRARY"
     )]
     NoStepSymbol { symbol: String, where_: String },
+    #[error(
+        "--step-nvtx: pid {pid} maps no library exporting nvtxRangePushA. NVTX 3 (what recent \
+         PyTorch and CUDA libraries compile in) is header-only: with no NVTX tool injected at \
+         launch its ranges never leave the process. Use the automatic steps or --step-symbol"
+    )]
+    NoNvtx { pid: u32 },
     #[error("the embedded eBPF object has no program {name}: rebuild nccltrace")]
     MissingProgram { name: String },
     #[error(transparent)]
@@ -96,6 +102,7 @@ impl SourceError {
             SourceError::NoSuchProcess { .. }
                 | SourceError::NoNccl { .. }
                 | SourceError::NoStepSymbol { .. }
+                | SourceError::NoNvtx { .. }
         )
     }
 }
@@ -149,6 +156,8 @@ pub struct Target {
     pub cuda: Option<FoundLibrary>,
     /// The `--step-symbol` function.
     pub marker: Option<FoundLibrary>,
+    /// The NVTX library (`--step-nvtx`).
+    pub nvtx: Option<FoundLibrary>,
     pub maps: Vec<String>,
 }
 
@@ -201,9 +210,14 @@ pub fn processes_with_nccl(host: &Host) -> Vec<u32> {
     found
 }
 
-/// Finds NCCL (and the CUDA driver, and the `SYMBOL[@LIBRARY]` step marker when given) in
-/// `pid`, through `/proc/PID/root`.
-pub fn discover(host: &Host, pid: u32, step_symbol: Option<&str>) -> Result<Target, SourceError> {
+/// Finds NCCL (and the CUDA driver, the `SYMBOL[@LIBRARY]` step marker and an NVTX library
+/// when asked) in `pid`, through `/proc/PID/root`.
+pub fn discover(
+    host: &Host,
+    pid: u32,
+    step_symbol: Option<&str>,
+    nvtx: bool,
+) -> Result<Target, SourceError> {
     let maps_text = std::fs::read_to_string(host.path(&format!("proc/{pid}/maps")))
         .map_err(|_| SourceError::NoSuchProcess { pid })?;
     let maps = discover::parse_maps(&maps_text);
@@ -234,12 +248,21 @@ pub fn discover(host: &Host, pid: u32, step_symbol: Option<&str>) -> Result<Targ
             )
         }
     };
+    let nvtx = if nvtx {
+        Some(
+            discover::find_library(&root, &files, Library::Nvtx)
+                .ok_or(SourceError::NoNvtx { pid })?,
+        )
+    } else {
+        None
+    };
     Ok(Target {
         pid,
         comm,
         nccl,
         cuda,
         marker,
+        nvtx,
         maps: files,
     })
 }
@@ -287,6 +310,11 @@ const DRAIN_EVERY: Duration = Duration::from_millis(10);
 
 /// Loads the programs with this kernel's tracepoint offsets and the profile's switches.
 fn load(offsets: &nccltrace_common::TpOffsets, profile: &Profile) -> Result<Ebpf, SourceError> {
+    if PROGRAMS.is_empty() {
+        return Err(SourceError::MissingProgram {
+            name: "(all: built with AYA_BUILD_SKIP=1)".into(),
+        });
+    }
     let mut loader = EbpfLoader::new();
     loader.override_global("OFFSETS", offsets, true);
     let config = nccltrace_common::Config {
@@ -363,6 +391,7 @@ pub fn attach(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
             libs.extend(t.cuda.iter());
         }
         libs.extend(t.marker.iter());
+        libs.extend(t.nvtx.iter());
         for lib in &libs {
             for site in &lib.sites {
                 probes.push(ProbeInfo {
@@ -531,6 +560,7 @@ pub fn attach(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
             .collect(),
         sample_period_ns,
         fault_handler_ranges,
+        step_nvtx: None,
     };
     Ok(Attached {
         ebpf: Some(ebpf),

@@ -90,6 +90,11 @@ pub mod func {
     pub const FIRST_CUDA: u32 = 64;
     /// A user function called once per training step (`--step-symbol`).
     pub const STEP_MARKER: u32 = 128;
+    /// `nvtxRangePushA(const char *message)` of an NVTX library (`--step-nvtx`): the entry
+    /// program copies the message into the call's arguments 1 to 7 (`NVTX_MESSAGE_BYTES`).
+    pub const NVTX_RANGE_PUSH_A: u32 = 129;
+    /// Bytes of an NVTX message kept (NUL-terminated when shorter).
+    pub const NVTX_MESSAGE_BYTES: usize = 56;
 
     /// How many arguments the function takes, counting a by-value `ncclUniqueId` as none
     /// since the x86-64 ABI passes it in memory without using a register.
@@ -108,7 +113,8 @@ pub mod func {
             | NCCL_COMM_ABORT
             | CU_STREAM_SYNCHRONIZE
             | CU_STREAM_SYNCHRONIZE_PTSZ
-            | CU_EVENT_SYNCHRONIZE => 1,
+            | CU_EVENT_SYNCHRONIZE
+            | NVTX_RANGE_PUSH_A => 1,
             _ => 0,
         }
     }

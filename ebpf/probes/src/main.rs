@@ -15,7 +15,7 @@ use aya_ebpf::{
     bindings::{BPF_F_USER_STACK, BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP},
     helpers::{
         bpf_get_attach_cookie, bpf_get_current_pid_tgid, bpf_get_smp_processor_id, bpf_get_stack,
-        bpf_ktime_get_ns, bpf_probe_read_user,
+        bpf_ktime_get_ns, bpf_probe_read_user, bpf_probe_read_user_str_bytes,
     },
     macros::{map, perf_event, tracepoint, uprobe, uretprobe},
     maps::{Array, HashMap, PerCpuArray, RingBuf},
@@ -196,6 +196,19 @@ pub fn uprobe_lib_call(ctx: ProbeContext) -> u32 {
             regs.rdi, regs.rsi, regs.rdx, regs.rcx, regs.r8, regs.r9, 0, 0,
         ],
     };
+    if func_id == func::NVTX_RANGE_PUSH_A {
+        // The range's name, into the argument slots the function does not use.
+        let mut message = [0u8; func::NVTX_MESSAGE_BYTES];
+        // SAFETY: the helper checks the user address and bounds the copy by the buffer.
+        if unsafe { bpf_probe_read_user_str_bytes(regs.rdi as *const u8, &mut message) }.is_err() {
+            bump(counter::READ_FAILED);
+        }
+        for (i, chunk) in message.chunks_exact(8).enumerate() {
+            let mut word = [0u8; 8];
+            word.copy_from_slice(chunk);
+            pending.args[(1 + i) & (MAX_ARGS - 1)] = u64::from_le_bytes(word);
+        }
+    }
     if func::nargs(func_id) > 6 {
         // The seventh and eighth arguments sit above the return address.
         let stack = (regs.rsp + 8) as *const [u64; MAX_ARGS - 6];
