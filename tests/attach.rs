@@ -112,8 +112,13 @@ impl Agent {
 
     fn attach_many(pids: &[u32], out: &Path, extra: &[&str]) -> Agent {
         let pids: Vec<String> = pids.iter().map(u32::to_string).collect();
-        let mut child = agent()
-            .args(["attach", "--pid", &pids.join(","), "--out"])
+        let mut child = agent();
+        child.arg("attach");
+        if !pids.is_empty() {
+            child.args(["--pid", &pids.join(",")]);
+        }
+        let mut child = child
+            .arg("--out")
             .arg(out)
             .args(extra)
             .stdout(Stdio::piped())
@@ -1280,5 +1285,122 @@ fn disk_full_keeps_what_was_collected() {
     assert!(
         report_err.contains("keeping the complete records"),
         "{report_err}"
+    );
+}
+
+/// `--all --follow`: a trainer that starts after the agent is attached too, its calls all
+/// counted, its pid in the summary's targets; the run ends at --duration, not when the
+/// first trainer exits.
+#[test]
+fn follow_attaches_to_later_processes() {
+    let _guard = privileged();
+    let dir = tempfile::tempdir().unwrap();
+    let first_go = dir.path().join("go");
+    let first = Target::spawn(
+        &fixtures().join("trainer"),
+        &[
+            "--steps",
+            "5",
+            "--compute-us",
+            "500",
+            "--go-file",
+            first_go.to_str().unwrap(),
+        ],
+        &[],
+        dir.path(),
+    );
+    let out = dir.path().join("out");
+    let traced = Agent::attach_many(
+        &[],
+        &out,
+        &[
+            "--all",
+            "--follow",
+            "--duration",
+            "8s",
+            "--profile",
+            "minimal",
+        ],
+    );
+    first.release();
+    first.finish();
+    // The second one starts after the first has exited: an elastic restart.
+    let later_dir = dir.path().join("later");
+    std::fs::create_dir(&later_dir).unwrap();
+    let later_go = later_dir.join("go");
+    let later = Target::spawn(
+        &fixtures().join("trainer"),
+        &[
+            "--steps",
+            "20",
+            "--compute-us",
+            "500",
+            "--go-file",
+            later_go.to_str().unwrap(),
+        ],
+        &[],
+        &later_dir,
+    );
+    let later_pid = later.child.id();
+    // Released once the agent has had time to find it (it scans every second).
+    std::thread::sleep(Duration::from_millis(2500));
+    later.release();
+    let truth = later.finish();
+    let (code, summary, stderr) = traced.wait(Duration::from_secs(60));
+    assert_eq!(code, 0, "{stderr}");
+    assert!(
+        stderr.contains(&format!("--follow: attached to pid {later_pid}")),
+        "{stderr}"
+    );
+    assert_eq!(summary["stop_reason"], "--duration elapsed", "{summary}");
+    let pids: Vec<u64> = summary["targets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["pid"].as_u64().unwrap())
+        .collect();
+    assert!(pids.contains(&u64::from(later_pid)), "{pids:?}");
+    let rank = summary["ranks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["pid"] == later_pid)
+        .unwrap_or_else(|| panic!("no rank for pid {later_pid}: {summary}"))
+        .clone();
+    // Every collective and point-to-point call it made (a rank's `nccl` counts those, not
+    // the group calls).
+    let expected: u64 = truth["total"]["calls"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(op, _)| !op.starts_with("Group"))
+        .map(|(_, v)| v.as_u64().unwrap())
+        .sum();
+    assert_eq!(rank["nccl"]["calls"].as_u64().unwrap(), expected, "{rank}");
+    no_programs_left();
+}
+
+/// A traced call inside another (the stand-in's ncclCommSplit calls ncclCommInitRank): both
+/// paired, the outer one through the hash map while the inner one holds the thread's slot,
+/// nothing unpaired.
+#[test]
+fn nested_calls_are_paired() {
+    let _serial = privileged();
+    let (_, summary, _, _, _) =
+        traced_trainer_with(3, &[], &["--compute-us", "200", "--split-at-end"], &[]);
+    let by_op = &summary["nccl"]["by_op"];
+    assert_eq!(by_op["CommSplit"]["calls"], 1, "{by_op}");
+    assert_eq!(by_op["CommInitRank"]["calls"], 1, "{by_op}");
+    assert_eq!(by_op["CommDestroy"]["calls"], 2, "{by_op}");
+    let outer = by_op["CommSplit"]["enqueue_ns"].as_u64().unwrap();
+    let inner = by_op["CommInitRank"]["enqueue_ns"].as_u64().unwrap();
+    assert!(
+        outer >= inner,
+        "the split ({outer} ns) contains the init ({inner} ns)"
+    );
+    assert_eq!(
+        summary["counters"]["unpaired_returns"], 0,
+        "{}",
+        summary["counters"]
     );
 }

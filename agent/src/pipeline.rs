@@ -229,6 +229,10 @@ impl Aggregator {
     pub fn meta(&mut self, meta: Meta) {
         match meta {
             Meta::KernelSymbols { symbols } => self.kernel_symbols.extend(symbols),
+            Meta::Target { target } => {
+                self.timeline.add_target(&target);
+                self.header.targets.push(*target);
+            }
             end @ Meta::End { .. } => self.end = Some(end),
         }
     }
@@ -258,7 +262,7 @@ impl Aggregator {
                 };
                 (end_monotonic_ns, Some(reason), lost_by_kind, counters)
             }
-            Some(Meta::KernelSymbols { .. }) | None => {
+            Some(Meta::KernelSymbols { .. } | Meta::Target { .. }) | None => {
                 (self.last_ts, None, BTreeMap::new(), BTreeMap::new())
             }
         };

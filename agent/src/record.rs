@@ -146,6 +146,8 @@ pub enum Meta {
     /// Names of the kernel frames seen in stacks, from /proc/kallsyms at the end of the
     /// live run, so `report` symbolizes kernel frames on any machine.
     KernelSymbols { symbols: Vec<(u64, String)> },
+    /// A target attached during the run (`--follow`): it joins the header's targets.
+    Target { target: Box<TargetInfo> },
 }
 
 /// One record read back.

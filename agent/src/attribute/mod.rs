@@ -393,6 +393,15 @@ impl Timeline {
         }
     }
 
+    /// A target that joined during the run (`--follow`).
+    pub fn add_target(&mut self, t: &crate::record::TargetInfo) {
+        self.thread_names.extend(t.threads.iter().cloned());
+        self.target_pids.push(t.pid);
+        if let Some(r) = t.env_rank.clone() {
+            self.env_ranks.insert(t.pid, r);
+        }
+    }
+
     fn intern(&mut self, pid: u32, kstack: &[u64], ustack: &[u64]) -> u32 {
         let key = StackKey {
             pid,

@@ -11,6 +11,7 @@ use crate::source::{self, Sink};
 use crate::{Error, host};
 
 #[derive(Debug, clap::Args)]
+#[allow(clippy::struct_excessive_bools)] // command-line flags
 pub struct AttachArgs {
     /// Process ids of the ranks (comma-separated, or repeat the flag).
     #[arg(long, short, required_unless_present = "all", value_delimiter = ',')]
@@ -19,6 +20,10 @@ pub struct AttachArgs {
     /// library).
     #[arg(long, conflicts_with = "pid")]
     all: bool,
+    /// With --all: also attach to processes that load NCCL later (elastic restarts, new
+    /// ranks), until --duration or Ctrl-C; the run does not end when the targets exit.
+    #[arg(long, requires = "all")]
+    follow: bool,
     /// Folder for the outputs (refused if it exists, unless --force).
     #[arg(long, short, default_value = "nccltrace-out")]
     out: PathBuf,
@@ -59,6 +64,7 @@ struct Settings {
     wait_for_nccl: bool,
     step_symbol: Option<String>,
     step_nvtx: Option<String>,
+    follow: bool,
 }
 
 impl AttachArgs {
@@ -75,7 +81,7 @@ impl AttachArgs {
         let step_rule = super::step_rule(self.step_window.as_deref(), self.step_nvtx.as_deref())?;
         let mut pids = if self.all {
             let found = source::processes_with_nccl(&host::Host::live());
-            if found.is_empty() {
+            if found.is_empty() && !self.follow {
                 return Err(Error::InvalidArgument {
                     what: "--all",
                     value: "no process maps NCCL".into(),
@@ -109,6 +115,7 @@ impl AttachArgs {
             wait_for_nccl: self.wait_for_nccl,
             step_symbol: self.step_symbol,
             step_nvtx: self.step_nvtx,
+            follow: self.follow,
         })
     }
 }
@@ -141,6 +148,19 @@ impl Sink for LiveSink {
             self.nccl_calls += u64::from(c.func.library() == crate::event::Library::Nccl);
         }
         Ok(())
+    }
+
+    fn target_added(&mut self, target: &crate::record::TargetInfo) {
+        let meta = Meta::Target {
+            target: Box::new(target.clone()),
+        };
+        if self.write_error.is_none()
+            && let Err(e) = self.writer.meta(&meta)
+        {
+            eprintln!("nccltrace: warning: {e}; the recording stops here");
+            self.write_error = Some(e);
+        }
+        self.agg.meta(meta);
     }
 
     fn tick(&mut self, lost: u64) {
@@ -255,6 +275,13 @@ async fn trace(settings: Settings, targets: &[source::Target]) -> Result<(), Err
         );
     }
     attached.header.step_nvtx.clone_from(&settings.step_nvtx);
+    if settings.follow {
+        attached.follow = Some(source::Follow::new(
+            settings.step_symbol.clone(),
+            settings.step_nvtx.is_some(),
+        ));
+        eprintln!("nccltrace: --follow: attaching to processes that load NCCL until stopped");
+    }
     let rec_path = settings.out.join("recording.nctr");
     if rec_path.exists() {
         std::fs::remove_file(&rec_path).map_err(|source| Error::Output {

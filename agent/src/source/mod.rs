@@ -7,6 +7,7 @@ pub mod tracefs;
 
 use std::collections::BTreeMap;
 use std::os::unix::fs::MetadataExt as _;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use aya::maps::{HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf};
@@ -165,9 +166,16 @@ pub struct Target {
 /// dynamic symbols. Each file is checked once, whatever the number of processes mapping it.
 #[must_use]
 pub fn processes_with_nccl(host: &Host) -> Vec<u32> {
+    processes_with_nccl_cached(host, &mut std::collections::HashMap::new())
+}
+
+/// As [`processes_with_nccl`], keeping each file's verdict (by device and inode) in
+/// `verdicts` across calls (`--follow` scans every second).
+fn processes_with_nccl_cached(
+    host: &Host,
+    verdicts: &mut std::collections::HashMap<(u64, u64), bool>,
+) -> Vec<u32> {
     let me = std::process::id();
-    let mut verdicts: std::collections::HashMap<(u64, u64), bool> =
-        std::collections::HashMap::new();
     let mut found = Vec::new();
     let Ok(dir) = std::fs::read_dir(host.path("proc")) else {
         return found;
@@ -303,6 +311,32 @@ pub struct Attached {
     pub pids: Vec<u32>,
     /// How long loading and attaching took.
     pub attach_time: Duration,
+    profile: Profile,
+    /// Files already probed (device, inode).
+    probed: Vec<(u64, u64)>,
+    /// `--follow`: also attach to processes that map NCCL later, until stopped.
+    pub follow: Option<Follow>,
+}
+
+/// What `--follow` needs to discover and attach a process that appears later.
+#[derive(Clone, Debug, Default)]
+pub struct Follow {
+    pub step_symbol: Option<String>,
+    pub nvtx: bool,
+    /// Files already judged (device, inode → maps NCCL), and pids that failed to attach.
+    verdicts: std::collections::HashMap<(u64, u64), bool>,
+    refused: Vec<u32>,
+}
+
+impl Follow {
+    #[must_use]
+    pub fn new(step_symbol: Option<String>, nvtx: bool) -> Follow {
+        Follow {
+            step_symbol,
+            nvtx,
+            ..Follow::default()
+        }
+    }
 }
 
 /// How often the ring buffer is drained when the programs have not woken the reader.
@@ -336,6 +370,138 @@ fn load(offsets: &nccltrace_common::TpOffsets, profile: &Profile) -> Result<Ebpf
     })
 }
 
+/// The libraries to probe in `t` under `profile`, and the probes as the recording lists them.
+fn target_libs<'t>(t: &'t Target, profile: &Profile) -> (Vec<&'t FoundLibrary>, Vec<ProbeInfo>) {
+    let mut libs: Vec<&FoundLibrary> = Vec::new();
+    if profile.probes.nccl {
+        libs.push(&t.nccl);
+    }
+    if profile.probes.cuda_sync {
+        libs.extend(t.cuda.iter());
+    }
+    libs.extend(t.marker.iter());
+    libs.extend(t.nvtx.iter());
+    let probes = libs
+        .iter()
+        .flat_map(|lib| {
+            lib.sites.iter().map(|site| ProbeInfo {
+                func: site.func.name().to_owned(),
+                symbol: site.symbol.clone(),
+                library: lib.path.clone(),
+                file_offset: site.file_offset,
+            })
+        })
+        .collect();
+    (libs, probes)
+}
+
+/// A file's identity: probes are per file, whatever the number of processes mapping it.
+fn inode(path: &Path) -> (u64, u64) {
+    std::fs::metadata(path).map_or((0, 0), |m| (m.dev(), m.ino()))
+}
+
+/// Attaches the entry and return programs (loaded) to every site of `lib`.
+fn probe_library(
+    ebpf: &mut Ebpf,
+    lib: &FoundLibrary,
+    links: &mut Vec<Link>,
+) -> Result<(), SourceError> {
+    for program in ["uprobe_lib_call", "uretprobe_lib_call"] {
+        let prog: &mut UProbe = ebpf
+            .program_mut(program)
+            .ok_or_else(|| missing_program(program))?
+            .try_into()
+            .map_err(|e| program_error(program, "-", e))?;
+        for site in &lib.sites {
+            let point = UProbeAttachPoint {
+                location: UProbeAttachLocation::AbsoluteOffset(site.file_offset),
+                cookie: Some(u64::from(site.func.id())),
+            };
+            let place = format!("{}:{}", lib.path, site.symbol);
+            let id = prog
+                .attach(point, &lib.host_path, UProbeScope::AllProcesses)
+                .map_err(|e| program_error(program, &place, e))?;
+            let link = prog
+                .take_link(id)
+                .map_err(|e| program_error(program, &place, e))?;
+            links.push(Link::Uprobe(link));
+        }
+    }
+    Ok(())
+}
+
+/// One software cpu-clock event per thread of `pid`, inherited by threads it creates:
+/// costs nothing while the thread is off-CPU, unlike per-CPU events.
+fn sample_threads(
+    ebpf: &mut Ebpf,
+    host: &Host,
+    pid: u32,
+    period_ns: u64,
+    links: &mut Vec<Link>,
+) -> Result<(), SourceError> {
+    let name = "perf_event_cpu_clock";
+    let prog: &mut PerfEvent = ebpf
+        .program_mut(name)
+        .ok_or_else(|| missing_program(name))?
+        .try_into()
+        .map_err(|e| program_error(name, "-", e))?;
+    for tid in host.threads(pid) {
+        let place = format!("thread {tid} of pid {pid}");
+        let attached = prog.attach(
+            PerfEventConfig::Software(SoftwareEvent::CpuClock),
+            PerfEventScope::OneProcess {
+                pid: tid,
+                cpu: None,
+            },
+            SamplePolicy::Period(period_ns),
+            true,
+        );
+        let id = match attached {
+            Ok(id) => id,
+            // The thread exited between listing and attaching.
+            Err(_) if !host.path(&format!("proc/{pid}/task/{tid}")).exists() => continue,
+            Err(e) => return Err(program_error(name, &place, e)),
+        };
+        let link = prog
+            .take_link(id)
+            .map_err(|e| program_error(name, &place, e))?;
+        links.push(Link::Perf(link));
+    }
+    Ok(())
+}
+
+/// What the recording keeps about a target.
+fn target_info(host: &Host, t: &Target, probes: Vec<ProbeInfo>) -> TargetInfo {
+    TargetInfo {
+        pid: t.pid,
+        comm: t.comm.clone(),
+        cmdline: host.cmdline(t.pid),
+        nccl_library: Some(t.nccl.path.clone()),
+        cuda_library: t.cuda.as_ref().map(|c| c.path.clone()),
+        probes,
+        maps: t.maps.clone(),
+        threads: host.thread_names(t.pid),
+        env_rank: host.env_rank(t.pid),
+        maps_text: std::fs::read_to_string(host.path(&format!("proc/{}/maps", t.pid)))
+            .unwrap_or_default(),
+    }
+}
+
+/// Adds `t`'s threads to `THREADS`.
+fn register_threads(ebpf: &mut Ebpf, host: &Host, t: &Target) -> Result<(), SourceError> {
+    let mut threads: BpfHashMap<_, u32, u32> = BpfHashMap::try_from(
+        ebpf.map_mut("THREADS")
+            .ok_or_else(|| missing_map("THREADS"))?,
+    )
+    .map_err(map_error("THREADS"))?;
+    for tid in host.threads(t.pid) {
+        threads
+            .insert(tid, t.pid, 0)
+            .map_err(map_error("THREADS"))?;
+    }
+    Ok(())
+}
+
 /// Loads the programs and attaches everything `profile` asks for to `targets`.
 /// Must run inside a tokio runtime (the ring buffer is registered with it).
 #[allow(clippy::too_many_lines)] // one straight sequence: load, fill maps, attach, take maps
@@ -364,59 +530,18 @@ pub fn attach(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
             .insert(t.pid, 1, 0)
             .map_err(map_error("TARGETS"))?;
     }
-    {
-        let mut threads: BpfHashMap<_, u32, u32> = BpfHashMap::try_from(
-            ebpf.map_mut("THREADS")
-                .ok_or_else(|| missing_map("THREADS"))?,
-        )
-        .map_err(map_error("THREADS"))?;
-        for t in targets {
-            for tid in host.threads(t.pid) {
-                threads
-                    .insert(tid, t.pid, 0)
-                    .map_err(map_error("THREADS"))?;
-            }
-        }
+    for t in targets {
+        register_threads(&mut ebpf, &host, t)?;
     }
 
     let mut links = Vec::new();
-    let mut infos = Vec::new();
-    for t in targets {
-        let mut probes = Vec::new();
-        let mut libs: Vec<&FoundLibrary> = Vec::new();
-        if profile.probes.nccl {
-            libs.push(&t.nccl);
-        }
-        if profile.probes.cuda_sync {
-            libs.extend(t.cuda.iter());
-        }
-        libs.extend(t.marker.iter());
-        libs.extend(t.nvtx.iter());
-        for lib in &libs {
-            for site in &lib.sites {
-                probes.push(ProbeInfo {
-                    func: site.func.name().to_owned(),
-                    symbol: site.symbol.clone(),
-                    library: lib.path.clone(),
-                    file_offset: site.file_offset,
-                });
-            }
-        }
-        infos.push((t, libs, probes));
-    }
-
-    // One probe per (file, offset), whatever the number of targets: ranks share their
-    // libraries, the kernel filters by TARGETS, and every uprobe costs a grace period to
-    // detach.
-    let mut unique: Vec<(u64, u64, &FoundLibrary)> = Vec::new();
-    for (_, libs, _) in &infos {
-        for lib in libs {
-            let id = std::fs::metadata(&lib.host_path).map_or((0, 0), |m| (m.dev(), m.ino()));
-            if id == (0, 0) || !unique.iter().any(|(d, i, _)| (*d, *i) == id) {
-                unique.push((id.0, id.1, lib));
-            }
-        }
-    }
+    let infos: Vec<(&Target, Vec<&FoundLibrary>, Vec<ProbeInfo>)> = targets
+        .iter()
+        .map(|t| {
+            let (libs, probes) = target_libs(t, profile);
+            (t, libs, probes)
+        })
+        .collect();
     for program in ["uprobe_lib_call", "uretprobe_lib_call"] {
         let prog: &mut UProbe = ebpf
             .program_mut(program)
@@ -424,21 +549,18 @@ pub fn attach(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
             .try_into()
             .map_err(|e| program_error(program, "-", e))?;
         prog.load().map_err(|e| program_error(program, "-", e))?;
-        for (_, _, lib) in &unique {
-            for site in &lib.sites {
-                let point = UProbeAttachPoint {
-                    location: UProbeAttachLocation::AbsoluteOffset(site.file_offset),
-                    cookie: Some(u64::from(site.func.id())),
-                };
-                let place = format!("{}:{}", lib.path, site.symbol);
-                let id = prog
-                    .attach(point, &lib.host_path, UProbeScope::AllProcesses)
-                    .map_err(|e| program_error(program, &place, e))?;
-                let link = prog
-                    .take_link(id)
-                    .map_err(|e| program_error(program, &place, e))?;
-                links.push(Link::Uprobe(link));
+    }
+    // One probe per file, whatever the number of targets: ranks share their libraries,
+    // the kernel filters by TARGETS, and every uprobe costs a grace period to detach.
+    let mut probed: Vec<(u64, u64)> = Vec::new();
+    for (_, libs, _) in &infos {
+        for lib in libs {
+            let id = inode(&lib.host_path);
+            if id != (0, 0) && probed.contains(&id) {
+                continue;
             }
+            probed.push(id);
+            probe_library(&mut ebpf, lib, &mut links)?;
         }
     }
 
@@ -483,32 +605,7 @@ pub fn attach(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
             .map_err(|e| program_error(name, "-", e))?;
         prog.load().map_err(|e| program_error(name, "-", e))?;
         for t in targets {
-            // One software cpu-clock event per thread, inherited by threads it creates:
-            // costs nothing while the thread is off-CPU, unlike per-CPU events.
-            for tid in host.threads(t.pid) {
-                let place = format!("thread {tid} of pid {}", t.pid);
-                let attached = prog.attach(
-                    PerfEventConfig::Software(SoftwareEvent::CpuClock),
-                    PerfEventScope::OneProcess {
-                        pid: tid,
-                        cpu: None,
-                    },
-                    SamplePolicy::Period(sample_period_ns),
-                    true,
-                );
-                let id = match attached {
-                    Ok(id) => id,
-                    // The thread exited between listing and attaching.
-                    Err(_) if !host.path(&format!("proc/{}/task/{tid}", t.pid)).exists() => {
-                        continue;
-                    }
-                    Err(e) => return Err(program_error(name, &place, e)),
-                };
-                let link = prog
-                    .take_link(id)
-                    .map_err(|e| program_error(name, &place, e))?;
-                links.push(Link::Perf(link));
-            }
+            sample_threads(&mut ebpf, &host, t.pid, sample_period_ns, &mut links)?;
         }
     }
     let fault_handler_ranges = std::fs::read_to_string("/proc/kallsyms")
@@ -544,19 +641,7 @@ pub fn attach(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
         profile: profile.name.clone(),
         targets: infos
             .into_iter()
-            .map(|(t, _, probes)| TargetInfo {
-                pid: t.pid,
-                comm: t.comm.clone(),
-                cmdline: host.cmdline(t.pid),
-                nccl_library: Some(t.nccl.path.clone()),
-                cuda_library: t.cuda.as_ref().map(|c| c.path.clone()),
-                probes,
-                maps: t.maps.clone(),
-                threads: host.thread_names(t.pid),
-                env_rank: host.env_rank(t.pid),
-                maps_text: std::fs::read_to_string(host.path(&format!("proc/{}/maps", t.pid)))
-                    .unwrap_or_default(),
-            })
+            .map(|(t, _, probes)| target_info(&host, t, probes))
             .collect(),
         sample_period_ns,
         fault_handler_ranges,
@@ -573,6 +658,9 @@ pub fn attach(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
         header,
         pids: targets.iter().map(|t| t.pid).collect(),
         attach_time: started.elapsed(),
+        profile: profile.clone(),
+        probed,
+        follow: None,
     })
 }
 
@@ -611,11 +699,75 @@ impl std::fmt::Display for StopReason {
 pub trait Sink {
     /// One raw kernel record. An error stops the run (the outputs already written stay).
     fn record(&mut self, bytes: &[u8]) -> Result<(), crate::Error>;
+    /// A target attached during the run (`--follow`).
+    fn target_added(&mut self, target: &TargetInfo);
     /// Called about once a second with the lost-record total so far.
     fn tick(&mut self, lost: u64);
 }
 
 impl Attached {
+    /// Attaches to a target found after the start (`--follow`): its threads and pid join
+    /// the maps, its libraries are probed unless an earlier target maps the same files, its
+    /// threads get sampling events. Returns what the recording keeps about it.
+    pub fn add_target(&mut self, t: &Target) -> Result<TargetInfo, SourceError> {
+        let host = Host::live();
+        let ebpf = self
+            .ebpf
+            .as_mut()
+            .ok_or_else(|| missing_program("(detached)"))?;
+        register_threads(ebpf, &host, t)?;
+        let (libs, probes) = target_libs(t, &self.profile);
+        for lib in libs {
+            let id = inode(&lib.host_path);
+            if id != (0, 0) && self.probed.contains(&id) {
+                continue;
+            }
+            self.probed.push(id);
+            probe_library(ebpf, lib, &mut self.links)?;
+        }
+        if self.header.sample_period_ns > 0 {
+            let period = self.header.sample_period_ns;
+            sample_threads(ebpf, &host, t.pid, period, &mut self.links)?;
+        }
+        self.targets
+            .insert(t.pid, 1, 0)
+            .map_err(map_error("TARGETS"))?;
+        self.pids.push(t.pid);
+        let info = target_info(&host, t, probes);
+        self.header.targets.push(info.clone());
+        Ok(info)
+    }
+
+    /// `--follow`: attaches to every process that maps NCCL and is not traced yet.
+    fn follow_new(&mut self, sink: &mut impl Sink) {
+        let Some(mut follow) = self.follow.take() else {
+            return;
+        };
+        let host = Host::live();
+        for pid in processes_with_nccl_cached(&host, &mut follow.verdicts) {
+            if self.pids.contains(&pid) || follow.refused.contains(&pid) {
+                continue;
+            }
+            let attached = discover(&host, pid, follow.step_symbol.as_deref(), follow.nvtx)
+                .and_then(|t| self.add_target(&t));
+            match attached {
+                Ok(info) => {
+                    eprintln!(
+                        "nccltrace: --follow: attached to pid {pid} ({}): {} probes",
+                        info.comm,
+                        info.probes.len()
+                    );
+                    sink.target_added(&info);
+                }
+                Err(e) => {
+                    eprintln!("nccltrace: --follow: warning: pid {pid} not traced: {e}");
+                    follow.refused.push(pid);
+                }
+            }
+        }
+        self.follow = Some(follow);
+    }
+
     /// Lost records by kind name, and the other counters by name, summed over CPUs.
     #[must_use]
     pub fn counters(&self) -> (BTreeMap<String, u64>, BTreeMap<String, u64>) {
@@ -679,6 +831,7 @@ impl Attached {
         let mut ticks = 0u32;
         let host = Host::live();
         let mut last_tick = Instant::now();
+        let mut last_follow = Instant::now();
         let mut more = true;
         let reason = loop {
             if more {
@@ -704,7 +857,12 @@ impl Attached {
                     if let Some(logger) = self.logger.as_mut() {
                         logger.flush();
                     }
-                    if self.pids.iter().all(|p| !host.process_alive(*p)) {
+                    if self.follow.is_some() {
+                        if last_follow.elapsed() >= Duration::from_secs(1) {
+                            last_follow = Instant::now();
+                            self.follow_new(sink);
+                        }
+                    } else if self.pids.iter().all(|p| !host.process_alive(*p)) {
                         break StopReason::TargetsExited;
                     }
                     if last_tick.elapsed() >= Duration::from_secs(1) {
