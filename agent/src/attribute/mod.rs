@@ -455,6 +455,7 @@ impl Timeline {
                         bytes: c.bytes.unwrap_or(0),
                         start_ns: c.start_ns,
                         end_ns: c.end_ns,
+                        comm: c.comm.unwrap_or(0),
                     });
                 }
             }

@@ -1,11 +1,12 @@
 //! Several ranks: who is who, and who makes the others wait.
 //!
-//! The n-th collective a rank issues is matched with the n-th of every other rank (one
-//! communicator per job, the common case; several communicators interleaved differently
-//! per rank would need the communicator's id, which is not visible after init). For each
-//! matched collective the last rank to arrive makes every other rank wait from its own
-//! arrival until then; those waits are charged to the last rank. The straggler is the rank
-//! charged the most.
+//! Collectives are matched per communicator: each process's communicators are numbered in
+//! the order it first uses them (the handles differ between processes, and the id that
+//! would name them is only visible at init), and the n-th collective on a process's k-th
+//! communicator is matched with the n-th on every other rank's k-th. For each matched
+//! collective the last rank to arrive makes every other rank wait from its own arrival
+//! until then; those waits are charged to the last rank. The straggler is the rank charged
+//! the most.
 
 use std::collections::BTreeMap;
 
@@ -82,17 +83,36 @@ pub fn identify(
         .collect()
 }
 
-/// Per matched collective: the pid arriving last and each pid's lateness behind the first.
+/// A process's collectives by communicator, communicators in the order of first use.
+fn by_communicator(collectives: &[Collective]) -> Vec<Vec<u64>> {
+    let mut order: Vec<u64> = Vec::new();
+    let mut arrivals: Vec<Vec<u64>> = Vec::new();
+    for c in collectives {
+        let k = order.iter().position(|h| *h == c.comm).unwrap_or_else(|| {
+            order.push(c.comm);
+            arrivals.push(Vec::new());
+            order.len() - 1
+        });
+        arrivals[k].push(c.start_ns);
+    }
+    arrivals
+}
+
+/// Per matched collective, each pid's arrival (call entry).
 fn matched(collectives: &BTreeMap<u32, Vec<Collective>>) -> Vec<BTreeMap<u32, u64>> {
-    let n = collectives.values().map(Vec::len).min().unwrap_or(0);
-    (0..n)
-        .map(|i| {
-            collectives
-                .iter()
-                .map(|(pid, c)| (*pid, c[i].start_ns))
-                .collect()
-        })
-        .collect()
+    let per_pid: BTreeMap<u32, Vec<Vec<u64>>> = collectives
+        .iter()
+        .map(|(pid, c)| (*pid, by_communicator(c)))
+        .collect();
+    let comms = per_pid.values().map(Vec::len).min().unwrap_or(0);
+    let mut out = Vec::new();
+    for k in 0..comms {
+        let n = per_pid.values().map(|c| c[k].len()).min().unwrap_or(0);
+        for i in 0..n {
+            out.push(per_pid.iter().map(|(pid, c)| (*pid, c[k][i])).collect());
+        }
+    }
+    out
 }
 
 /// The straggler, when there are at least two ranks with collectives.
@@ -186,6 +206,7 @@ mod tests {
                             bytes: 4,
                             start_ns: t,
                             end_ns: t + 1,
+                            comm: 0,
                         }
                     })
                     .collect();
@@ -205,6 +226,37 @@ mod tests {
         assert_eq!(s.mean_lateness_ns, 300_000);
         assert_eq!(slowest_in(&lateness(&c, 100), 0, 3_000_000), Some(101));
         assert_eq!(straggler(&ranks(&[0]), &ids), None);
+    }
+
+    /// Two communicators whose collectives the ranks interleave differently (rank 1 issues
+    /// each one on its second communicator 7 ms late, after its next one on the first):
+    /// matched per communicator (by first-use order, the handles differing), rank 1 is
+    /// 0 ms late on the first and 7 ms on the second, 3.5 ms on average. Matched by
+    /// position instead, its lateness would mix the two.
+    #[test]
+    fn matched_per_communicator() {
+        let coll = |t: u64, comm: u64| Collective {
+            func: Func::AllReduce,
+            bytes: 4,
+            start_ns: t,
+            end_ns: t + 1,
+            comm,
+        };
+        let ms = 1_000_000;
+        let mut r0 = Vec::new();
+        let mut r1 = Vec::new();
+        for i in 0..10 {
+            r0.push(coll(i * 10 * ms, 0xa));
+            r0.push(coll(i * 10 * ms + 5 * ms, 0xb));
+            r1.push(coll(i * 10 * ms, 0xc));
+            r1.push(coll(i * 10 * ms + 12 * ms, 0xd));
+        }
+        r1.sort_by_key(|c| c.start_ns);
+        let c: BTreeMap<u32, Vec<Collective>> = [(100, r0), (101, r1)].into();
+        let ids = identify(&[100, 101], &BTreeMap::new(), &BTreeMap::new());
+        let s = straggler(&c, &ids).unwrap();
+        assert_eq!(s.pid, 101);
+        assert_eq!(s.mean_lateness_ns, 3_500_000);
     }
 
     /// CommInitRank beats the environment, which beats pid order.

@@ -32,6 +32,8 @@ pub struct Collective {
     pub bytes: u64,
     pub start_ns: u64,
     pub end_ns: u64,
+    /// The communicator handle as this process sees it (0: unknown).
+    pub comm: u64,
 }
 
 /// Step boundaries and how they were found.
@@ -308,6 +310,7 @@ mod tests {
                     bytes,
                     start_ns: t,
                     end_ns: t + 10_000,
+                    comm: 0,
                 });
                 t += 12_000;
             }
@@ -364,6 +367,7 @@ mod tests {
                 bytes: 1,
                 start_ns: t,
                 end_ns: t + 5,
+                comm: 0,
             },
         );
         // Two warm-up broadcasts long before.
@@ -375,6 +379,7 @@ mod tests {
                     bytes: 999,
                     start_ns: k,
                     end_ns: k + 1,
+                    comm: 0,
                 },
             );
         }
@@ -413,6 +418,7 @@ mod tests {
                 bytes: i,
                 start_ns: i * 10,
                 end_ns: i * 10 + 1,
+                comm: 0,
             })
             .collect();
         assert_eq!(detect(&c, &[]), None);
