@@ -87,14 +87,16 @@ fn overlap(t: &ThreadDetail, a: u64, b: u64, mut keep: impl FnMut(Cat) -> bool) 
         .collect()
 }
 
-/// The part of `[a, b)` inside steps (all of it when there are no steps).
+/// The part of `[a, b)` inside steps (all of it when there are no steps). Steps are in
+/// time order and do not overlap, so a binary search finds the first that can count.
 fn in_steps(detail: &Detail, a: u64, b: u64) -> u64 {
     if detail.step_bounds.is_empty() {
         return b.saturating_sub(a);
     }
-    detail
-        .step_bounds
+    let first = detail.step_bounds.partition_point(|(_, e)| *e <= a);
+    detail.step_bounds[first..]
         .iter()
+        .take_while(|(s, _)| *s < b)
         .map(|(s, e)| (*e).min(b).saturating_sub((*s).max(a)))
         .sum()
 }
@@ -115,8 +117,10 @@ fn overlap_in_steps(detail: &Detail, t: &ThreadDetail, a: u64, b: u64) -> Vec<(C
 /// over the whole trace.
 #[must_use]
 pub fn folded(detail: &Detail, symbols: &Symbols, kind: Kind) -> Vec<String> {
-    let mut out = BTreeMap::new();
-    for t in &detail.threads {
+    // Weights are summed per (root, thread, stack, suffix) first and each distinct stack
+    // is symbolized and joined once: traces hold far more samples than stacks.
+    let mut weights: BTreeMap<(Option<Cat>, usize, u32, u8), u64> = BTreeMap::new();
+    for (ti, t) in detail.threads.iter().enumerate() {
         if kind == Kind::Attributed && detail.rank_tid.is_some_and(|r| r != t.tid) {
             continue;
         }
@@ -127,13 +131,10 @@ pub fn folded(detail: &Detail, symbols: &Symbols, kind: Kind) -> Vec<String> {
             let root = match kind {
                 Kind::OnCpu => None,
                 Kind::NcclWait if cat == Cat::NcclWait => None,
-                Kind::Attributed => Some(cat.name().to_owned()),
+                Kind::Attributed => Some(cat),
                 Kind::NcclWait | Kind::OffCpu => continue,
             };
-            let mut frames: Vec<String> = root.into_iter().collect();
-            frames.push(thread_frame(t));
-            stack_frames(&mut frames, detail, symbols, stack);
-            add(&mut out, &frames, weight);
+            *weights.entry((root, ti, stack, 0)).or_default() += weight;
         }
         if kind == Kind::OnCpu {
             continue;
@@ -152,19 +153,24 @@ pub fn folded(detail: &Detail, symbols: &Symbols, kind: Kind) -> Vec<String> {
                     .collect(),
                 Kind::OnCpu => Vec::new(),
             };
+            let suffix = if off.runnable { 1 } else { 2 };
             for (cat, ns) in pieces {
-                let mut frames: Vec<String> =
-                    cat.map(|c| c.name().to_owned()).into_iter().collect();
-                frames.push(thread_frame(t));
-                stack_frames(&mut frames, detail, symbols, stack);
-                frames.push(if off.runnable {
-                    "[preempted]".into()
-                } else {
-                    "[blocked]".into()
-                });
-                add(&mut out, &frames, ns);
+                *weights.entry((cat, ti, stack, suffix)).or_default() += ns;
             }
         }
+    }
+    let mut out = BTreeMap::new();
+    for ((root, ti, stack, suffix), ns) in weights {
+        let t = &detail.threads[ti];
+        let mut frames: Vec<String> = root.map(|c| c.name().to_owned()).into_iter().collect();
+        frames.push(thread_frame(t));
+        stack_frames(&mut frames, detail, symbols, stack);
+        match suffix {
+            1 => frames.push("[preempted]".into()),
+            2 => frames.push("[blocked]".into()),
+            _ => {}
+        }
+        add(&mut out, &frames, ns);
     }
     out.into_iter()
         .map(|(stack, us)| format!("{stack} {us}"))
