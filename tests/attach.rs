@@ -555,22 +555,7 @@ fn steps_from_nvtx_ranges() {
         none["reason"]
     );
     // Without an NVTX library in the target: exit 2 and why.
-    let go = dir.path().join("go2");
-    let plain = Target::spawn(
-        &fixtures().join("trainer"),
-        &["--steps", "1", "--go-file", go.to_str().unwrap()],
-        &[],
-        dir.path(),
-    );
-    let refused = agent()
-        .args(["attach", "--step-nvtx", "x", "--pid"])
-        .arg(plain.child.id().to_string())
-        .arg("--out")
-        .arg(dir.path().join("refused"))
-        .output()
-        .unwrap();
-    std::fs::write(&go, b"").unwrap();
-    plain.finish();
+    let refused = refused_attach(&dir.path().join("plain"), &["--step-nvtx", "x"]);
     let stderr = String::from_utf8_lossy(&refused.stderr);
     assert_eq!(refused.status.code(), Some(2), "{stderr}");
     assert!(
@@ -629,6 +614,31 @@ fn stripped_library() {
     );
 }
 
+/// `nccltrace attach EXTRA` on a trainer waiting to start (in `dir`, created), which is
+/// then released: the agent's output.
+fn refused_attach(dir: &Path, extra: &[&str]) -> std::process::Output {
+    std::fs::create_dir_all(dir).unwrap();
+    let go = dir.join("go");
+    let mut trainer = Target::spawn(
+        &fixtures().join("trainer"),
+        &["--steps", "1", "--go-file", go.to_str().unwrap()],
+        &[],
+        dir,
+    );
+    let out = agent()
+        .arg("attach")
+        .args(extra)
+        .arg("--pid")
+        .arg(trainer.child.id().to_string())
+        .arg("--out")
+        .arg(dir.join("out"))
+        .output()
+        .unwrap();
+    trainer.release();
+    let _ = trainer.child.wait();
+    out
+}
+
 /// A `--step-symbol` the target does not define: exit code 2, the name and the fix said.
 #[test]
 fn unknown_step_symbol_is_bad_input() {
@@ -637,22 +647,7 @@ fn unknown_step_symbol_is_bad_input() {
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
     let dir = tempfile::tempdir().unwrap();
-    let go = dir.path().join("go");
-    let mut trainer = Target::spawn(
-        &fixtures().join("trainer"),
-        &["--steps", "1", "--go-file", go.to_str().unwrap()],
-        &[],
-        dir.path(),
-    );
-    let out = agent()
-        .args(["attach", "--step-symbol", "no_such_function", "--pid"])
-        .arg(trainer.child.id().to_string())
-        .arg("--out")
-        .arg(dir.path().join("out"))
-        .output()
-        .unwrap();
-    trainer.release();
-    let _ = trainer.child.wait();
+    let out = refused_attach(dir.path(), &["--step-symbol", "no_such_function"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(
@@ -1403,4 +1398,121 @@ fn nested_calls_are_paired() {
         "{}",
         summary["counters"]
     );
+}
+
+/// tracefs not mounted (a private mount namespace where it was unmounted): the agent mounts
+/// it itself, attaches, and counts every collective.
+#[test]
+fn mounts_tracefs_when_missing() {
+    let _guard = privileged();
+    let dir = tempfile::tempdir().unwrap();
+    let go = dir.path().join("go");
+    let trainer = Target::spawn(
+        &fixtures().join("trainer"),
+        &[
+            "--steps",
+            "10",
+            "--compute-us",
+            "500",
+            "--go-file",
+            go.to_str().unwrap(),
+        ],
+        &[],
+        dir.path(),
+    );
+    let out = dir.path().join("out");
+    let script = format!(
+        "umount /sys/kernel/tracing 2>/dev/null; umount /sys/kernel/debug/tracing 2>/dev/null; \
+         if [ -d /sys/kernel/tracing/events ]; then echo 'tracefs still mounted' >&2; exit 3; fi; \
+         exec {agent} attach --profile minimal --pid {pid} --out {out}",
+        agent = env!("CARGO_BIN_EXE_nccltrace"),
+        pid = trainer.child.id(),
+        out = out.display()
+    );
+    let mut child = Command::new("unshare")
+        .args(["--mount", "--propagation", "private", "sh", "-c", &script])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = BufReader::new(child.stderr.take().unwrap()).lines();
+    let mut said = Vec::new();
+    for line in stderr.by_ref() {
+        let line = line.unwrap();
+        let attached = line.contains("attached to pid");
+        said.push(line);
+        if attached {
+            break;
+        }
+    }
+    assert!(
+        said.iter().any(|l| l.contains("attached to pid")),
+        "never attached: {said:?}"
+    );
+    trainer.release();
+    let truth = trainer.finish();
+    said.extend(stderr.map_while(Result::ok));
+    assert!(child.wait().unwrap().success(), "{said:?}");
+    let summary: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    for (op, calls) in truth["total"]["calls"].as_object().unwrap() {
+        assert_eq!(summary["nccl"]["by_op"][op]["calls"], *calls, "{op} calls");
+    }
+    assert!(
+        Path::new("/sys/kernel/tracing/events").is_dir(),
+        "the host's tracefs is untouched"
+    );
+}
+
+/// A target that exits while the agent discovers and attaches (released a little before or
+/// after the agent starts, five times): the agent either refuses with exit 2 (gone before
+/// it was found) or traces what there was and exits 0 — never a panic, never a program
+/// left behind.
+#[test]
+fn target_exiting_during_attach() {
+    let _guard = privileged();
+    for delay_ms in [0u64, 20, 60, 120, 200] {
+        let dir = tempfile::tempdir().unwrap();
+        let go = dir.path().join("go");
+        let trainer = Target::spawn(
+            &fixtures().join("trainer"),
+            &[
+                "--steps",
+                "2",
+                "--compute-us",
+                "100",
+                "--go-file",
+                go.to_str().unwrap(),
+            ],
+            &[],
+            dir.path(),
+        );
+        let pid = trainer.child.id();
+        let agent_run = agent()
+            .args([
+                "attach",
+                "--profile",
+                "minimal",
+                "--pid",
+                &pid.to_string(),
+                "--out",
+            ])
+            .arg(dir.path().join("out"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(delay_ms));
+        trainer.release();
+        trainer.finish();
+        let out = agent_run.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let code = out.status.code();
+        assert!(
+            code == Some(0) || code == Some(2),
+            "delay {delay_ms} ms: exit {code:?}: {stderr}"
+        );
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        no_programs_left();
+    }
 }

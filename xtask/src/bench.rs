@@ -83,17 +83,7 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
     }
     let lib = super::setup::real_nccl()?;
     let fixtures = super::build_fixtures(root)?;
-    super::run(Command::new("cargo").current_dir(root).args([
-        "build",
-        "--release",
-        "-q",
-        "-p",
-        "nccltrace",
-    ]))?;
-    let agent = root.join("target/release/nccltrace");
-    let work = root.join("target/bench");
-    let _ = std::fs::remove_dir_all(&work);
-    std::fs::create_dir_all(&work)?;
+    let (agent, work) = super::release_agent(root, "bench")?;
     let go = work.join("go");
 
     let mut bare = Vec::new();

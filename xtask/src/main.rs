@@ -94,6 +94,21 @@ fn run(cmd: &mut Command) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Builds the release agent; returns it and a fresh `target/<task>` folder to work in.
+fn release_agent(root: &Path, task: &str) -> anyhow::Result<(PathBuf, PathBuf)> {
+    run(Command::new("cargo").current_dir(root).args([
+        "build",
+        "--release",
+        "-q",
+        "-p",
+        "nccltrace",
+    ]))?;
+    let work = root.join("target").join(task);
+    let _ = std::fs::remove_dir_all(&work);
+    std::fs::create_dir_all(&work).with_context(|| format!("creating {}", work.display()))?;
+    Ok((root.join("target/release/nccltrace"), work))
+}
+
 /// Builds the C fixtures into `target/fixtures` and returns that folder.
 fn build_fixtures(root: &Path) -> anyhow::Result<PathBuf> {
     let out = root.join("target/fixtures");

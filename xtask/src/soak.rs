@@ -23,17 +23,7 @@ pub fn run(root: &Path, minutes: u32, fuzz_seconds: u32) -> anyhow::Result<()> {
         bail!("the soak test loads eBPF programs: run `sudo -E cargo xtask soak`");
     }
     let fixtures = super::build_fixtures(root)?;
-    super::run(Command::new("cargo").current_dir(root).args([
-        "build",
-        "--release",
-        "-q",
-        "-p",
-        "nccltrace",
-    ]))?;
-    let agent = root.join("target/release/nccltrace");
-    let work = root.join("target/soak");
-    let _ = std::fs::remove_dir_all(&work);
-    std::fs::create_dir_all(&work)?;
+    let (agent, work) = super::release_agent(root, "soak")?;
     let go = work.join("go");
     // Short steps, many faults and collectives: tens of thousands of events a second.
     let mut trainer = Command::new(fixtures.join("trainer"))

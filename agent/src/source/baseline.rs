@@ -11,7 +11,9 @@ use aya::programs::UProbe;
 use aya::programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope};
 use tokio::io::unix::AsyncFd;
 
-use super::{PROGRAMS, SourceError, discover, map_error, missing_map, program_error};
+use super::{
+    PROGRAMS, SourceError, discover, map_error, missing_map, program_error, typed_program,
+};
 use crate::host::Host;
 
 /// Attaches the pair to `symbol` in `library` for `pid`; returns the records drained by
@@ -30,11 +32,7 @@ pub async fn bare_pair(pid: u32, library: &Path, symbol: &str) -> Result<u64, cr
         .map_err(|e| SourceError::Load(Box::new(e)))?;
     let place = format!("{}:{symbol}", library.display());
     for name in ["bench_entry", "bench_return"] {
-        let prog: &mut UProbe = ebpf
-            .program_mut(name)
-            .ok_or_else(|| SourceError::MissingProgram { name: name.into() })?
-            .try_into()
-            .map_err(|e| program_error(name, "-", e))?;
+        let prog: &mut UProbe = typed_program(&mut ebpf, name)?;
         prog.load().map_err(|e| program_error(name, "-", e))?;
         let point = UProbeAttachPoint {
             location: UProbeAttachLocation::AbsoluteOffset(site.file_offset),

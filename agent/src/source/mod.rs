@@ -86,6 +86,8 @@ pub enum SourceError {
          launch its ranges never leave the process. Use the automatic steps or --step-symbol"
     )]
     NoNvtx { pid: u32 },
+    #[error("pid {pid} exited while nccltrace was attaching to it: nothing to trace")]
+    ExitedDuringAttach { pid: u32 },
     #[error("the embedded eBPF object has no program {name}: rebuild nccltrace")]
     MissingProgram { name: String },
     #[error(transparent)]
@@ -104,6 +106,7 @@ impl SourceError {
                 | SourceError::NoNccl { .. }
                 | SourceError::NoStepSymbol { .. }
                 | SourceError::NoNvtx { .. }
+                | SourceError::ExitedDuringAttach { .. }
         )
     }
 }
@@ -407,11 +410,7 @@ fn probe_library(
     links: &mut Vec<Link>,
 ) -> Result<(), SourceError> {
     for program in ["uprobe_lib_call", "uretprobe_lib_call"] {
-        let prog: &mut UProbe = ebpf
-            .program_mut(program)
-            .ok_or_else(|| missing_program(program))?
-            .try_into()
-            .map_err(|e| program_error(program, "-", e))?;
+        let prog: &mut UProbe = typed_program(ebpf, program)?;
         for site in &lib.sites {
             let point = UProbeAttachPoint {
                 location: UProbeAttachLocation::AbsoluteOffset(site.file_offset),
@@ -440,11 +439,7 @@ fn sample_threads(
     links: &mut Vec<Link>,
 ) -> Result<(), SourceError> {
     let name = "perf_event_cpu_clock";
-    let prog: &mut PerfEvent = ebpf
-        .program_mut(name)
-        .ok_or_else(|| missing_program(name))?
-        .try_into()
-        .map_err(|e| program_error(name, "-", e))?;
+    let prog: &mut PerfEvent = typed_program(ebpf, name)?;
     for tid in host.threads(pid) {
         let place = format!("thread {tid} of pid {pid}");
         let attached = prog.attach(
@@ -503,9 +498,21 @@ fn register_threads(ebpf: &mut Ebpf, host: &Host, t: &Target) -> Result<(), Sour
 }
 
 /// Loads the programs and attaches everything `profile` asks for to `targets`.
-/// Must run inside a tokio runtime (the ring buffer is registered with it).
-#[allow(clippy::too_many_lines)] // one straight sequence: load, fill maps, attach, take maps
+/// Must run inside a tokio runtime (the ring buffer is registered with it). A target that
+/// exits meanwhile makes whatever failed (its files vanish from /proc/PID/root) a
+/// [`SourceError::ExitedDuringAttach`].
 pub fn attach(targets: &[Target], profile: &Profile) -> Result<Attached, SourceError> {
+    attach_all(targets, profile).map_err(|e| {
+        let host = Host::live();
+        match targets.iter().find(|t| !host.process_alive(t.pid)) {
+            Some(t) => SourceError::ExitedDuringAttach { pid: t.pid },
+            None => e,
+        }
+    })
+}
+
+#[allow(clippy::too_many_lines)] // one straight sequence: load, fill maps, attach, take maps
+fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceError> {
     let started = Instant::now();
     let host = Host::live();
     let tracefs_root = tracefs::ensure_mounted()?;
@@ -543,11 +550,7 @@ pub fn attach(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
         })
         .collect();
     for program in ["uprobe_lib_call", "uretprobe_lib_call"] {
-        let prog: &mut UProbe = ebpf
-            .program_mut(program)
-            .ok_or_else(|| missing_program(program))?
-            .try_into()
-            .map_err(|e| program_error(program, "-", e))?;
+        let prog: &mut UProbe = typed_program(&mut ebpf, program)?;
         prog.load().map_err(|e| program_error(program, "-", e))?;
     }
     // One probe per file, whatever the number of targets: ranks share their libraries,
@@ -578,11 +581,7 @@ pub fn attach(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
             continue;
         }
         let name = format!("tracepoint_{event}");
-        let prog: &mut TracePoint = ebpf
-            .program_mut(&name)
-            .ok_or_else(|| missing_program(&name))?
-            .try_into()
-            .map_err(|e| program_error(&name, "-", e))?;
+        let prog: &mut TracePoint = typed_program(&mut ebpf, &name)?;
         prog.load().map_err(|e| program_error(&name, "-", e))?;
         let place = format!("{category}:{event}");
         let id = prog
@@ -598,11 +597,7 @@ pub fn attach(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
     if profile.sampling.hz > 0 {
         sample_period_ns = 1_000_000_000 / u64::from(profile.sampling.hz);
         let name = "perf_event_cpu_clock";
-        let prog: &mut PerfEvent = ebpf
-            .program_mut(name)
-            .ok_or_else(|| missing_program(name))?
-            .try_into()
-            .map_err(|e| program_error(name, "-", e))?;
+        let prog: &mut PerfEvent = typed_program(&mut ebpf, name)?;
         prog.load().map_err(|e| program_error(name, "-", e))?;
         for t in targets {
             sample_threads(&mut ebpf, &host, t.pid, sample_period_ns, &mut links)?;
@@ -662,6 +657,17 @@ pub fn attach(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
         probed,
         follow: None,
     })
+}
+
+/// The program `name` of the object, as its type.
+fn typed_program<'e, P>(ebpf: &'e mut Ebpf, name: &str) -> Result<&'e mut P, SourceError>
+where
+    &'e mut P: TryFrom<&'e mut aya::programs::Program, Error = ProgramError>,
+{
+    ebpf.program_mut(name)
+        .ok_or_else(|| missing_program(name))?
+        .try_into()
+        .map_err(|e| program_error(name, "-", e))
 }
 
 fn missing_program(name: &str) -> SourceError {
