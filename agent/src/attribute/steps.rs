@@ -78,14 +78,29 @@ fn median(values: &mut [u64]) -> u64 {
 /// training-loop thread's CUDA sync calls (`(start, end)`, sorted by start).
 #[must_use]
 pub fn detect(collectives: &[Collective], syncs: &[(u64, u64)]) -> Option<Detected> {
+    // A thread's syncs arrive in order; `last_sync_end` relies on it.
+    let sorted;
+    let syncs = if syncs.is_sorted() {
+        syncs
+    } else {
+        sorted = {
+            let mut v = syncs.to_vec();
+            v.sort_unstable();
+            v
+        };
+        &sorted
+    };
     by_syncs(collectives, syncs).or_else(|| by_gaps(collectives, syncs))
 }
 
 /// The return of the last sync in `(lo, hi]`.
 fn last_sync_end(syncs: &[(u64, u64)], lo: u64, hi: u64) -> Option<u64> {
-    syncs
+    // Syncs are in start order (one thread's calls): only those starting in [lo, hi).
+    let first = syncs.partition_point(|(s, _)| *s < lo);
+    syncs[first..]
         .iter()
-        .filter(|(s, e)| *s >= lo && *e <= hi)
+        .take_while(|(s, _)| *s < hi)
+        .filter(|(_, e)| *e <= hi)
         .map(|(_, e)| *e)
         .max()
 }
