@@ -614,6 +614,24 @@ fn stripped_library() {
     );
 }
 
+/// The demo trainer for `steps` steps of `compute_us`, waiting for `dir/go` to start.
+fn waiting_trainer(dir: &Path, steps: u32, compute_us: u32) -> Target {
+    let go = dir.join("go");
+    Target::spawn(
+        &fixtures().join("trainer"),
+        &[
+            "--steps",
+            &steps.to_string(),
+            "--compute-us",
+            &compute_us.to_string(),
+            "--go-file",
+            go.to_str().unwrap(),
+        ],
+        &[],
+        dir,
+    )
+}
+
 /// `nccltrace attach EXTRA` on a trainer waiting to start (in `dir`, created), which is
 /// then released: the agent's output.
 fn refused_attach(dir: &Path, extra: &[&str]) -> std::process::Output {
@@ -1232,20 +1250,7 @@ fn disk_full_keeps_what_was_collected() {
         .unwrap();
     assert!(mounted.success());
     let _unmount = Unmount(&small);
-    let go = dir.path().join("go");
-    let trainer = Target::spawn(
-        &fixtures().join("trainer"),
-        &[
-            "--steps",
-            "100",
-            "--compute-us",
-            "2000",
-            "--go-file",
-            go.to_str().unwrap(),
-        ],
-        &[],
-        dir.path(),
-    );
+    let trainer = waiting_trainer(dir.path(), 100, 2000);
     let out = small.join("out");
     let traced = Agent::attach(trainer.child.id(), &out, &[]);
     trainer.release();
@@ -1290,20 +1295,7 @@ fn disk_full_keeps_what_was_collected() {
 fn follow_attaches_to_later_processes() {
     let _guard = privileged();
     let dir = tempfile::tempdir().unwrap();
-    let first_go = dir.path().join("go");
-    let first = Target::spawn(
-        &fixtures().join("trainer"),
-        &[
-            "--steps",
-            "5",
-            "--compute-us",
-            "500",
-            "--go-file",
-            first_go.to_str().unwrap(),
-        ],
-        &[],
-        dir.path(),
-    );
+    let first = waiting_trainer(dir.path(), 5, 500);
     let out = dir.path().join("out");
     let traced = Agent::attach_many(
         &[],
@@ -1322,20 +1314,7 @@ fn follow_attaches_to_later_processes() {
     // The second one starts after the first has exited: an elastic restart.
     let later_dir = dir.path().join("later");
     std::fs::create_dir(&later_dir).unwrap();
-    let later_go = later_dir.join("go");
-    let later = Target::spawn(
-        &fixtures().join("trainer"),
-        &[
-            "--steps",
-            "20",
-            "--compute-us",
-            "500",
-            "--go-file",
-            later_go.to_str().unwrap(),
-        ],
-        &[],
-        &later_dir,
-    );
+    let later = waiting_trainer(&later_dir, 20, 500);
     let later_pid = later.child.id();
     // Released once the agent has had time to find it (it scans every second).
     std::thread::sleep(Duration::from_millis(2500));
@@ -1406,20 +1385,7 @@ fn nested_calls_are_paired() {
 fn mounts_tracefs_when_missing() {
     let _guard = privileged();
     let dir = tempfile::tempdir().unwrap();
-    let go = dir.path().join("go");
-    let trainer = Target::spawn(
-        &fixtures().join("trainer"),
-        &[
-            "--steps",
-            "10",
-            "--compute-us",
-            "500",
-            "--go-file",
-            go.to_str().unwrap(),
-        ],
-        &[],
-        dir.path(),
-    );
+    let trainer = waiting_trainer(dir.path(), 10, 500);
     let out = dir.path().join("out");
     let script = format!(
         "umount /sys/kernel/tracing 2>/dev/null; umount /sys/kernel/debug/tracing 2>/dev/null; \
@@ -1473,20 +1439,7 @@ fn target_exiting_during_attach() {
     let _guard = privileged();
     for delay_ms in [0u64, 20, 60, 120, 200] {
         let dir = tempfile::tempdir().unwrap();
-        let go = dir.path().join("go");
-        let trainer = Target::spawn(
-            &fixtures().join("trainer"),
-            &[
-                "--steps",
-                "2",
-                "--compute-us",
-                "100",
-                "--go-file",
-                go.to_str().unwrap(),
-            ],
-            &[],
-            dir.path(),
-        );
+        let trainer = waiting_trainer(dir.path(), 2, 100);
         let pid = trainer.child.id();
         let agent_run = agent()
             .args([
