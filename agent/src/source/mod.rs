@@ -403,12 +403,19 @@ fn inode(path: &Path) -> (u64, u64) {
     std::fs::metadata(path).map_or((0, 0), |m| (m.dev(), m.ino()))
 }
 
-/// Attaches the entry and return programs (loaded) to every site of `lib`.
+/// Attaches the entry and return programs (loaded) to every site of `lib`, unless a file
+/// in `probed` (device, inode) is the same: probes fire for every process mapping it.
 fn probe_library(
     ebpf: &mut Ebpf,
     lib: &FoundLibrary,
+    probed: &mut Vec<(u64, u64)>,
     links: &mut Vec<Link>,
 ) -> Result<(), SourceError> {
+    let id = inode(&lib.host_path);
+    if id != (0, 0) && probed.contains(&id) {
+        return Ok(());
+    }
+    probed.push(id);
     for program in ["uprobe_lib_call", "uretprobe_lib_call"] {
         let prog: &mut UProbe = typed_program(ebpf, program)?;
         for site in &lib.sites {
@@ -558,12 +565,7 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
     let mut probed: Vec<(u64, u64)> = Vec::new();
     for (_, libs, _) in &infos {
         for lib in libs {
-            let id = inode(&lib.host_path);
-            if id != (0, 0) && probed.contains(&id) {
-                continue;
-            }
-            probed.push(id);
-            probe_library(&mut ebpf, lib, &mut links)?;
+            probe_library(&mut ebpf, lib, &mut probed, &mut links)?;
         }
     }
 
@@ -724,12 +726,7 @@ impl Attached {
         register_threads(ebpf, &host, t)?;
         let (libs, probes) = target_libs(t, &self.profile);
         for lib in libs {
-            let id = inode(&lib.host_path);
-            if id != (0, 0) && self.probed.contains(&id) {
-                continue;
-            }
-            self.probed.push(id);
-            probe_library(ebpf, lib, &mut self.links)?;
+            probe_library(ebpf, lib, &mut self.probed, &mut self.links)?;
         }
         if self.header.sample_period_ns > 0 {
             let period = self.header.sample_period_ns;
