@@ -11,7 +11,7 @@
 
 use std::collections::BTreeMap;
 use std::fs::File;
-use std::io::{self, BufReader, BufWriter, Read, Write};
+use std::io::{self, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -124,6 +124,14 @@ pub struct Header {
     /// `--step-nvtx` of the run: `report` cuts steps the same way unless told otherwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub step_nvtx: Option<String>,
+    /// How page faults were timed when fentry/fexit loaded ("fentry/fexit on
+    /// handle_mm_fault"); `None`: by samples.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fault_timing: Option<String>,
+    /// Why fentry/fexit fault timing was not used (the kernel refused it, or the profile
+    /// has page faults off).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fault_timing_refused: Option<String>,
 }
 
 /// Agent metadata records.
@@ -157,11 +165,20 @@ pub enum Record {
     Meta(Meta),
 }
 
-/// Writes a recording as the run goes.
+/// Writes a recording as the run goes. Records are gathered in memory and written a
+/// megabyte at a time; the file only ever holds whole records: when a write fails (a full
+/// disk) the file is cut back to the last whole record and the records not written stay
+/// available through [`Writer::take_unwritten`], so nothing collected is lost.
 pub struct Writer {
-    out: BufWriter<File>,
+    file: File,
+    buf: Vec<u8>,
+    /// Bytes of whole records known to be in the file.
+    durable: u64,
     records: u64,
+    failed: bool,
 }
+
+const WRITE_CHUNK: usize = 1 << 20;
 
 impl Writer {
     /// Creates `path` (which must not exist) and writes the header.
@@ -174,17 +191,46 @@ impl Writer {
                 path: path.to_owned(),
                 source,
             })?;
-        let mut out = BufWriter::with_capacity(1 << 20, file);
         let json = serde_json::to_vec(header).map_err(|e| RecordError::Write(e.into()))?;
-        out.write_all(MAGIC).map_err(RecordError::Write)?;
-        out.write_all(&FORMAT_VERSION.to_le_bytes())
-            .map_err(RecordError::Write)?;
-        out.write_all(&(json.len() as u32).to_le_bytes())
-            .map_err(RecordError::Write)?;
-        out.write_all(&crc32fast::hash(&json).to_le_bytes())
-            .map_err(RecordError::Write)?;
-        out.write_all(&json).map_err(RecordError::Write)?;
-        Ok(Writer { out, records: 0 })
+        let mut buf = Vec::with_capacity(WRITE_CHUNK + 4096);
+        buf.extend_from_slice(MAGIC);
+        buf.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+        buf.extend_from_slice(&(json.len() as u32).to_le_bytes());
+        buf.extend_from_slice(&crc32fast::hash(&json).to_le_bytes());
+        buf.extend_from_slice(&json);
+        let mut w = Writer {
+            file,
+            buf,
+            durable: 0,
+            records: 0,
+            failed: false,
+        };
+        w.flush()?;
+        Ok(w)
+    }
+
+    /// Writes the gathered records. On failure the file is cut back to its whole records
+    /// and the writer refuses further writes; the records stay in [`Writer::take_unwritten`].
+    pub fn flush(&mut self) -> Result<(), RecordError> {
+        if self.failed {
+            return Err(RecordError::Write(io::Error::other(
+                "an earlier write of the recording failed",
+            )));
+        }
+        if self.buf.is_empty() {
+            return Ok(());
+        }
+        if let Err(e) = self.file.write_all(&self.buf) {
+            self.failed = true;
+            // Part of the chunk may have reached the file: drop it, so that the file ends
+            // on a whole record. Shrinking a file works on a full disk.
+            let _ = self.file.set_len(self.durable);
+            let _ = io::Seek::seek(&mut self.file, io::SeekFrom::Start(self.durable));
+            return Err(RecordError::Write(e));
+        }
+        self.durable += self.buf.len() as u64;
+        self.buf.clear();
+        Ok(())
     }
 
     fn write(&mut self, kind: u8, body: &[u8]) -> Result<(), RecordError> {
@@ -192,15 +238,14 @@ impl Writer {
         hasher.update(&[kind]);
         hasher.update(body);
         let len = (body.len() + 1) as u32;
-        self.out
-            .write_all(&len.to_le_bytes())
-            .map_err(RecordError::Write)?;
-        self.out
-            .write_all(&hasher.finalize().to_le_bytes())
-            .map_err(RecordError::Write)?;
-        self.out.write_all(&[kind]).map_err(RecordError::Write)?;
-        self.out.write_all(body).map_err(RecordError::Write)?;
+        self.buf.extend_from_slice(&len.to_le_bytes());
+        self.buf.extend_from_slice(&hasher.finalize().to_le_bytes());
+        self.buf.push(kind);
+        self.buf.extend_from_slice(body);
         self.records += 1;
+        if self.buf.len() >= WRITE_CHUNK {
+            self.flush()?;
+        }
         Ok(())
     }
 
@@ -221,10 +266,16 @@ impl Writer {
         self.records
     }
 
+    /// After a failed write: the records that are not in the file, in the recording's
+    /// record framing (read them with [`Reader::records_only`]).
+    pub fn take_unwritten(&mut self) -> Vec<u8> {
+        std::mem::take(&mut self.buf)
+    }
+
     /// Flushes everything to disk.
     pub fn finish(mut self) -> Result<(), RecordError> {
-        self.out.flush().map_err(RecordError::Write)?;
-        self.out.get_ref().sync_data().map_err(RecordError::Write)
+        self.flush()?;
+        self.file.sync_data().map_err(RecordError::Write)
     }
 }
 
@@ -327,6 +378,17 @@ impl<R: Read> Reader<R> {
             offset: 20 + u64::from(len),
             header,
         })
+    }
+
+    /// Reads bare records (no file header) from `input`, as [`Writer::take_unwritten`]
+    /// gives them; `header` is the recording's.
+    pub fn records_only(input: R, path: &Path, header: Header) -> Self {
+        Reader {
+            input,
+            path: path.to_owned(),
+            offset: 0,
+            header,
+        }
     }
 
     /// The next record; `Ok(None)` at a clean end of file.

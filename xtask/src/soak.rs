@@ -65,20 +65,30 @@ pub fn run(root: &Path, minutes: u32, fuzz_seconds: u32) -> anyhow::Result<()> {
         }
     }
     std::fs::write(&go, b"")?;
+    // RSS while tracing, and separately while the agent reads the recording back and
+    // writes its outputs (after "tracing stopped").
     let mut samples: Vec<(f64, u64)> = Vec::new();
-    let mut said = Vec::new();
+    let mut after: Vec<u64> = Vec::new();
+    let mut said: Vec<String> = Vec::new();
     while a.try_wait()?.is_none() {
-        std::thread::sleep(Duration::from_secs(5));
+        std::thread::sleep(Duration::from_secs(1));
+        said.extend(rx.try_iter());
+        let stopped = said.iter().any(|l| l.contains("tracing stopped"));
         if let Some(kb) = rss_kb(a.id()) {
             let t = started.elapsed().as_secs_f64();
-            eprintln!(
-                "soak: {:>6.0} s  agent RSS {:>8.1} MB",
-                t,
-                kb as f64 / 1024.0
-            );
-            samples.push((t, kb));
+            if stopped {
+                after.push(kb);
+            } else {
+                if samples.len().is_multiple_of(10) {
+                    eprintln!(
+                        "soak: {:>6.0} s  agent RSS {:>8.1} MB",
+                        t,
+                        kb as f64 / 1024.0
+                    );
+                }
+                samples.push((t, kb));
+            }
         }
-        said.extend(rx.try_iter());
     }
     let _ = trainer.kill();
     let _ = trainer.wait();
@@ -127,6 +137,14 @@ pub fn run(root: &Path, minutes: u32, fuzz_seconds: u32) -> anyhow::Result<()> {
         peak as f64 / 1024.0
     );
     println!("| agent RSS growth, second half | {slope:.1} MB/min |");
+    let attributed = said
+        .iter()
+        .find_map(|l| l.split("attributed in ").nth(1))
+        .unwrap_or("?");
+    println!(
+        "| after the run: reading back, attributing, writing outputs | {attributed}, RSS peak {:.1} MB (1 s samples) |",
+        after.iter().max().copied().unwrap_or(0) as f64 / 1024.0
+    );
     if lost > 0.0 && !warned {
         bail!("{lost} events were lost without a warning during the run");
     }

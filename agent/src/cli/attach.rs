@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use crate::pipeline::Aggregator;
 use crate::profile::Profile;
-use crate::record::{Meta, Writer};
+use crate::record::{Header, Meta, Reader, Writer};
 use crate::source::{self, Sink};
 use crate::{Error, host};
 
@@ -120,31 +120,93 @@ impl AttachArgs {
     }
 }
 
-/// Writes each record to the recording and folds it into the summary.
+/// Where the run's records go: the recording on disk, read back when the run ends, so
+/// the agent's memory stays flat however long it traces; after a failed write (a full
+/// disk), memory, seeded with what the file and the writer's buffer hold.
+enum Store {
+    Disk(Writer),
+    Memory {
+        agg: Box<Aggregator>,
+        /// Why the recording stopped being written.
+        error: crate::record::RecordError,
+    },
+}
+
+/// Saves each record and shows the run's progress.
 struct LiveSink {
-    writer: Writer,
-    /// Why the recording stopped being written (a full disk): tracing goes on in memory.
-    write_error: Option<crate::record::RecordError>,
-    agg: Aggregator,
+    store: Store,
+    path: PathBuf,
+    header: Header,
     nccl_calls: u64,
     records: u64,
     status: bool,
     last: (Instant, u64),
 }
 
+impl LiveSink {
+    /// Moves from disk to memory after `error`: nothing written or gathered is lost.
+    fn spill(&mut self, error: crate::record::RecordError) {
+        eprintln!(
+            "nccltrace: warning: {error}; the recording stops here, tracing goes on in memory \
+             and every other output is written at the end"
+        );
+        let Store::Disk(writer) = &mut self.store else {
+            return;
+        };
+        let unwritten = writer.take_unwritten();
+        let mut agg = Aggregator::new(self.header.clone());
+        if let Ok(mut reader) = Reader::open(&self.path) {
+            agg.feed(&mut reader);
+        }
+        agg.feed(&mut Reader::records_only(
+            std::io::Cursor::new(unwritten),
+            &self.path,
+            self.header.clone(),
+        ));
+        self.store = Store::Memory {
+            agg: Box::new(agg),
+            error,
+        };
+    }
+
+    /// Every record of the run folded into an aggregator (read back from the recording),
+    /// and the writer to close the recording with, or why it was not written in full.
+    fn finish(mut self) -> (Aggregator, Result<Writer, crate::record::RecordError>) {
+        if let Store::Disk(writer) = &mut self.store
+            && let Err(e) = writer.flush()
+        {
+            self.spill(e);
+        }
+        match self.store {
+            Store::Memory { agg, error } => (*agg, Err(error)),
+            Store::Disk(writer) => {
+                let mut agg = Aggregator::new(self.header);
+                match Reader::open(&self.path) {
+                    Ok(mut reader) => agg.feed(&mut reader),
+                    Err(e) => agg.incomplete(e.to_string()),
+                }
+                (agg, Ok(writer))
+            }
+        }
+    }
+}
+
 impl Sink for LiveSink {
     fn record(&mut self, bytes: &[u8]) -> Result<(), Error> {
-        if self.write_error.is_none()
-            && let Err(e) = self.writer.kernel(bytes)
-        {
-            eprintln!(
-                "nccltrace: warning: {e}; the recording stops here, tracing goes on and every \
-                 other output is written at the end"
-            );
-            self.write_error = Some(e);
-        }
         self.records += 1;
-        if let Ok(crate::event::Event::Call(c)) = self.agg.push_raw(bytes) {
+        match &mut self.store {
+            Store::Disk(writer) => {
+                if let Err(e) = writer.kernel(bytes) {
+                    self.spill(e);
+                }
+            }
+            Store::Memory { agg, .. } => {
+                let _ = agg.push_raw(bytes);
+            }
+        }
+        if self.status
+            && let Ok(crate::event::Event::Call(c)) = crate::decode::decode(bytes)
+        {
             self.nccl_calls += u64::from(c.func.library() == crate::event::Library::Nccl);
         }
         Ok(())
@@ -154,13 +216,14 @@ impl Sink for LiveSink {
         let meta = Meta::Target {
             target: Box::new(target.clone()),
         };
-        if self.write_error.is_none()
-            && let Err(e) = self.writer.meta(&meta)
-        {
-            eprintln!("nccltrace: warning: {e}; the recording stops here");
-            self.write_error = Some(e);
+        match &mut self.store {
+            Store::Disk(writer) => {
+                if let Err(e) = writer.meta(&meta) {
+                    self.spill(e);
+                }
+            }
+            Store::Memory { agg, .. } => agg.meta(meta),
         }
-        self.agg.meta(meta);
     }
 
     fn tick(&mut self, lost: u64) {
@@ -291,9 +354,9 @@ async fn trace(settings: Settings, targets: &[source::Target]) -> Result<(), Err
     }
     let writer = Writer::create(&rec_path, &attached.header)?;
     let mut sink = LiveSink {
-        writer,
-        write_error: None,
-        agg: Aggregator::new(attached.header.clone()),
+        store: Store::Disk(writer),
+        path: rec_path,
+        header: attached.header.clone(),
         nccl_calls: 0,
         records: 0,
         status: std::io::stderr().is_terminal(),
@@ -323,21 +386,28 @@ async fn trace(settings: Settings, targets: &[source::Target]) -> Result<(), Err
     };
     // Whatever happened above, keep what was collected: close the recording and write
     // every output before reporting the error.
-    sink.agg.meta(end.clone());
-    let mut outputs = sink.agg.finish(settings.step_rule);
+    eprintln!(
+        "nccltrace: tracing stopped; attributing {} records",
+        sink.records
+    );
+    let started = Instant::now();
+    let (mut agg, writer) = sink.finish();
+    agg.meta(end.clone());
+    let mut outputs = agg.finish(settings.step_rule);
+    eprintln!(
+        "nccltrace: attributed in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
     let kernel_ips = crate::symbolize::kernel_addresses(&outputs.detail.stacks);
     let kernel = std::fs::read_to_string("/proc/kallsyms")
         .map(|text| crate::symbolize::kernel_names(&text, &kernel_ips))
         .unwrap_or_default();
     outputs.kernel_symbols.extend(kernel.iter().cloned());
-    let write_end = match sink.write_error.take() {
-        Some(e) => Err(e),
-        None => sink
-            .writer
-            .meta(&Meta::KernelSymbols { symbols: kernel })
-            .and_then(|()| sink.writer.meta(&end))
-            .and_then(|()| sink.writer.finish()),
-    };
+    let write_end = writer.and_then(|mut w| {
+        w.meta(&Meta::KernelSymbols { symbols: kernel })?;
+        w.meta(&end)?;
+        w.finish()
+    });
     let written =
         crate::pipeline::write_outputs(&settings.out, &outputs, &mut std::io::stdout().lock());
     eprintln!(
