@@ -2,8 +2,9 @@
 //! the event model. Pure; the only place that knows the record layouts and the NCCL ABI.
 
 use nccltrace_common::{
-    CallEvent, FaultEvent, Header, KSTACK_DEPTH, MigrateEvent, NumaTaskEvent, PageMigrationEvent,
-    SampleEvent, SwitchEvent, TaskEvent, USTACK_DEPTH, WakeupEvent, kind, numa_task, switch_flags,
+    CallEvent, FaultEvent, FaultTimeEvent, Header, KSTACK_DEPTH, MigrateEvent, NumaTaskEvent,
+    PageMigrationEvent, SampleEvent, SwitchEvent, TaskEvent, USTACK_DEPTH, WakeupEvent, kind,
+    numa_task, switch_flags,
 };
 
 use crate::event::{Call, Event, Func, NumaTaskKind, Task, datatype_size};
@@ -114,6 +115,15 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
                 address: e.address,
                 ip: e.ip,
                 error_code: e.error_code,
+            }
+        }
+        kind::FAULT_TIME => {
+            let e = read::<FaultTimeEvent>(bytes, "timed page fault record")?;
+            Event::FaultTime {
+                ts_ns: h.ts_ns,
+                task: t,
+                start_ns: e.start_ns.min(h.ts_ns),
+                address: e.address,
             }
         }
         kind::PAGE_MIGRATION => {

@@ -361,6 +361,13 @@ pub enum Event {
         ip: u64,
         error_code: u64,
     },
+    /// A user page fault timed by fentry/fexit on the fault handler.
+    FaultTime {
+        ts_ns: u64,
+        task: Task,
+        start_ns: u64,
+        address: u64,
+    },
     PageMigration {
         ts_ns: u64,
         task: Task,
@@ -415,6 +422,7 @@ impl Event {
             | Event::Fork { task, .. }
             | Event::Exit { task, .. }
             | Event::Fault { task, .. }
+            | Event::FaultTime { task, .. }
             | Event::PageMigration { task, .. }
             | Event::NumaTask { task, .. }
             | Event::Sample { task, .. }
@@ -433,6 +441,7 @@ impl Event {
             | Event::Fork { ts_ns, .. }
             | Event::Exit { ts_ns, .. }
             | Event::Fault { ts_ns, .. }
+            | Event::FaultTime { ts_ns, .. }
             | Event::PageMigration { ts_ns, .. }
             | Event::NumaTask { ts_ns, .. }
             | Event::Sample { ts_ns, .. }
@@ -456,6 +465,7 @@ impl Event {
             k::NUMA_TASK => "numa_task",
             k::SAMPLE => "cpu_sample",
             k::OFFCPU => "offcpu_stack",
+            k::FAULT_TIME => "fault_time",
             _ => "unknown",
         }
     }

@@ -66,6 +66,10 @@ pub struct MemoryStats {
     pub pages_migrated: u64,
     pub page_migrations_failed: u64,
     pub numa_task_events: u64,
+    /// Faults timed by fentry/fexit on the fault handler, where the kernel permits it.
+    pub timed_faults: u64,
+    /// Their time inside the handler.
+    pub fault_handler_ns: u64,
 }
 
 /// A target as the summary lists it.
@@ -213,6 +217,12 @@ impl Aggregator {
             Event::Fork { .. } => self.sched.forks += 1,
             Event::Exit { .. } => self.sched.thread_exits += 1,
             Event::Fault { .. } => self.memory.page_faults += 1,
+            Event::FaultTime {
+                ts_ns, start_ns, ..
+            } => {
+                self.memory.timed_faults += 1;
+                self.memory.fault_handler_ns += ts_ns - start_ns;
+            }
             Event::PageMigration {
                 succeeded, failed, ..
             } => {
@@ -234,6 +244,25 @@ impl Aggregator {
                 self.header.targets.push(*target);
             }
             end @ Meta::End { .. } => self.end = Some(end),
+        }
+    }
+
+    /// Adds every record `reader` has left. A damaged tail is reported on stderr and the
+    /// input marked incomplete; the complete records before it are kept.
+    pub fn feed<R: io::Read>(&mut self, reader: &mut Reader<R>) {
+        loop {
+            match reader.next_record() {
+                Ok(Some(Record::Kernel(bytes))) => {
+                    let _ = self.push_raw(&bytes);
+                }
+                Ok(Some(Record::Meta(meta))) => self.meta(meta),
+                Ok(None) => break,
+                Err(e) => {
+                    eprintln!("nccltrace: warning: {e}; keeping the complete records before it");
+                    self.incomplete(e.to_string());
+                    break;
+                }
+            }
         }
     }
 
@@ -362,20 +391,7 @@ pub fn replay_from<R: io::Read>(
         rule = StepRule::Nvtx(pattern);
     }
     let mut agg = Aggregator::new(reader.header.clone());
-    loop {
-        match reader.next_record() {
-            Ok(Some(Record::Kernel(bytes))) => {
-                let _ = agg.push_raw(&bytes);
-            }
-            Ok(Some(Record::Meta(meta))) => agg.meta(meta),
-            Ok(None) => break,
-            Err(e) => {
-                eprintln!("nccltrace: warning: {e}; keeping the complete records before it");
-                agg.incomplete(e.to_string());
-                break;
-            }
-        }
-    }
+    agg.feed(&mut reader);
     Ok(agg.finish(rule))
 }
 

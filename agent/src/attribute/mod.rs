@@ -232,6 +232,7 @@ enum Change {
     // At equal times, leave states before entering new ones.
     SyncEnd,
     NcclEnd,
+    FaultEnd,
     SwitchIn,
     /// `own`: woken by another thread of the same process.
     Wakeup {
@@ -241,6 +242,7 @@ enum Change {
     SwitchOut {
         runnable: bool,
     },
+    FaultStart,
     NcclStart,
     SyncStart,
 }
@@ -362,6 +364,11 @@ pub struct Timeline {
     calls: Vec<Call>,
     target_pids: Vec<u32>,
     env_ranks: BTreeMap<u32, (String, i32)>,
+    /// Faults were timed by fentry/fexit on the fault handler (FaultTime events): their
+    /// pieces are `page_fault` directly and samples do not estimate it.
+    faults_timed: bool,
+    /// Why fentry/fexit did not time them.
+    fault_timing_refused: Option<String>,
 }
 
 impl Timeline {
@@ -390,6 +397,8 @@ impl Timeline {
                 .iter()
                 .filter_map(|t| t.env_rank.clone().map(|r| (t.pid, r)))
                 .collect(),
+            faults_timed: header.fault_timing.is_some(),
+            fault_timing_refused: header.fault_timing_refused.clone(),
         }
     }
 
@@ -537,6 +546,17 @@ impl Timeline {
                 log.faults.push(*ts_ns);
                 log.last_fault = Some((*ts_ns, *ip));
             }
+            Event::FaultTime {
+                ts_ns,
+                task,
+                start_ns,
+                ..
+            } => {
+                self.faults_timed = true;
+                let log = self.log(task.tid, task.tgid);
+                log.changes.push((*start_ns, Change::FaultStart));
+                log.changes.push((*ts_ns, Change::FaultEnd));
+            }
             Event::Sample {
                 ts_ns,
                 task,
@@ -593,7 +613,9 @@ impl Timeline {
             log.faults.sort_unstable();
             log.wakeups.sort_unstable();
             log.migrations.sort_unstable_by_key(|m| m.0);
-            log.fault_time = weigh_samples(log, period);
+            if !self.faults_timed {
+                log.fault_time = weigh_samples(log, period);
+            }
             log.fault_time.sort_unstable();
         }
         // NCCL outstanding is a property of the process: collectives from any thread.
@@ -787,15 +809,7 @@ impl Timeline {
             rank_pid: rank.map(|r| r.1),
             rank_tid: rank.map(|r| r.0),
             methods: Methods {
-                page_fault: if self.sample_period_ns > 0 {
-                    format!(
-                        "on-CPU samples every {} µs whose kernel stack is in the page-fault \
-                         handler, times the period (fentry/fexit are refused on this kernel)",
-                        self.sample_period_ns / 1000
-                    )
-                } else {
-                    "not measured: on-CPU sampling is off in this profile".into()
-                },
+                page_fault: self.fault_method(),
                 remote_memory: format!(
                     "not measured: needs PMU events (node-loads/node-load-misses), which this \
                      host does not expose{}",
@@ -922,6 +936,27 @@ impl Timeline {
         }
     }
 
+    /// How `page_fault` was measured, for `methods.page_fault`.
+    fn fault_method(&self) -> String {
+        let why_not = self
+            .fault_timing_refused
+            .as_deref()
+            .unwrap_or("fentry/fexit not tried");
+        if self.faults_timed {
+            "fentry/fexit on handle_mm_fault: each user fault of a target thread timed from \
+             the handler's entry to its return, on the CPU or blocked inside it"
+                .into()
+        } else if self.sample_period_ns > 0 {
+            format!(
+                "on-CPU samples every {} µs whose kernel stack is in the page-fault handler, \
+                 times the period ({why_not})",
+                self.sample_period_ns / 1000
+            )
+        } else {
+            format!("not measured: on-CPU sampling is off in this profile ({why_not})")
+        }
+    }
+
     #[allow(clippy::too_many_arguments)] // the step, its thread and its process's calls
     fn step(
         &self,
@@ -992,7 +1027,7 @@ impl Timeline {
             .map(|(_, weight)| weight)
             .sum();
         let fault_ns = fault_ns.min(cat.compute);
-        cat.page_fault = fault_ns;
+        cat.page_fault += fault_ns;
         cat.compute -= fault_ns;
         cat
     }
@@ -1077,6 +1112,8 @@ impl Timeline {
                     state.nccl_depth = state.nccl_depth.saturating_sub(1);
                     state.nccl_blocking &= state.nccl_depth > 0;
                 }
+                Change::FaultStart => state.fault_depth += 1,
+                Change::FaultEnd => state.fault_depth = state.fault_depth.saturating_sub(1),
             }
         }
         charge(t, b, state);
@@ -1210,6 +1247,8 @@ struct State {
     nccl_blocking: bool,
     /// Blocked until another thread of the process wakes it.
     waits_on_own: bool,
+    /// Inside a timed page fault (fentry/fexit).
+    fault_depth: u32,
 }
 
 impl State {
@@ -1221,6 +1260,9 @@ impl State {
     fn category(self) -> Cat {
         if self.in_nccl_sync() || self.nccl_blocking {
             Cat::NcclWait
+        } else if self.fault_depth > 0 && (self.on_cpu || !self.runnable) {
+            // Handling the fault on the CPU, or blocked inside it (reading the page in).
+            Cat::PageFault
         } else if self.on_cpu {
             Cat::Compute
         } else if self.nccl_depth > 0 {
@@ -1414,5 +1456,48 @@ mod tests {
         assert_eq!(t.nccl_wait, 5_000);
         assert_eq!(t.compute, 5_000);
         assert_eq!(t.total(), 10_000);
+    }
+
+    /// Faults timed by fentry/fexit are `page_fault` from the handler's entry to its
+    /// return, on the CPU or blocked inside it (a page read in); samples in the handler no
+    /// longer estimate it, so nothing is counted twice.
+    #[test]
+    fn timed_faults_replace_samples() {
+        let mut h = header();
+        h.fault_timing = Some("fentry/fexit on handle_mm_fault".into());
+        let mut tl = Timeline::new(&h);
+        let fault = |start: u64, end: u64| Event::FaultTime {
+            ts_ns: end,
+            task: task(10),
+            start_ns: start,
+            address: 0x1000,
+        };
+        let mut events = vec![
+            switch(0, false, 0),
+            // A sample in the handler: it would stand for 100 µs if samples estimated it.
+            Event::Sample {
+                ts_ns: 200_000,
+                task: task(10),
+                kstack: vec![0xffff_0010],
+                ustack: vec![],
+            },
+            fault(100_000, 250_000),
+            // A major fault: blocked 2.1..2.9 ms inside it.
+            switch(2_100_000, true, 1),
+            switch(2_900_000, false, 0),
+            fault(2_000_000, 3_000_000),
+        ];
+        events.sort_by_key(Event::ts_ns);
+        for e in &events {
+            tl.push(e);
+        }
+        let (report, detail) = tl.finish(10_000_000, StepRule::Window(10_000_000));
+        let c = &report.threads[0].categories;
+        assert_eq!(c.page_fault, 150_000 + 1_000_000);
+        assert_eq!(c.other_offcpu, 0);
+        assert_eq!(c.total(), 10_000_000);
+        assert!(report.methods.page_fault.starts_with("fentry/fexit"));
+        // The sample inside the fault is drawn as fault time in the flamegraphs.
+        assert_eq!(detail.threads[0].samples[0].2, Cat::PageFault);
     }
 }

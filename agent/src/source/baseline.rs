@@ -11,9 +11,7 @@ use aya::programs::UProbe;
 use aya::programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope};
 use tokio::io::unix::AsyncFd;
 
-use super::{
-    PROGRAMS, SourceError, discover, map_error, missing_map, program_error, typed_program,
-};
+use super::{PROGRAMS, SourceError, discover, load_program, map_error, missing_map, program_error};
 use crate::host::Host;
 
 /// Attaches the pair to `symbol` in `library` for `pid`; returns the records drained by
@@ -32,8 +30,7 @@ pub async fn bare_pair(pid: u32, library: &Path, symbol: &str) -> Result<u64, cr
         .map_err(|e| SourceError::Load(Box::new(e)))?;
     let place = format!("{}:{symbol}", library.display());
     for name in ["bench_entry", "bench_return"] {
-        let prog: &mut UProbe = typed_program(&mut ebpf, name)?;
-        prog.load().map_err(|e| program_error(name, "-", e))?;
+        let prog: &mut UProbe = load_program(&mut ebpf, name)?;
         let point = UProbeAttachPoint {
             location: UProbeAttachLocation::AbsoluteOffset(site.file_offset),
             cookie: None,

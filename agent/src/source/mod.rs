@@ -11,14 +11,16 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use aya::maps::{HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf};
+use aya::programs::fentry::FEntryLink;
+use aya::programs::fexit::FExitLink;
 use aya::programs::perf_event::{
     PerfEventConfig, PerfEventLink, PerfEventScope, SamplePolicy, SoftwareEvent,
 };
 use aya::programs::trace_point::TracePointLink;
 use aya::programs::uprobe::UProbeLink;
 use aya::programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope};
-use aya::programs::{PerfEvent, ProgramError, TracePoint, UProbe};
-use aya::{Ebpf, EbpfLoader};
+use aya::programs::{FEntry, FExit, PerfEvent, ProgramError, TracePoint, UProbe};
+use aya::{Btf, Ebpf, EbpfLoader};
 use nccltrace_common::{counter, kind};
 use tokio::io::unix::AsyncFd;
 
@@ -287,6 +289,48 @@ enum Link {
     Tracepoint(TracePointLink),
     #[allow(dead_code)]
     Perf(PerfEventLink),
+    #[allow(dead_code)]
+    FEntry(FEntryLink),
+    #[allow(dead_code)]
+    FExit(FExitLink),
+}
+
+/// The kernel function whose entry and return time a user page fault.
+const FAULT_FUNCTION: &str = "handle_mm_fault";
+
+/// The innermost cause of an error, as text (the errno behind a refused load).
+fn root_cause(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut cur = e;
+    while let Some(next) = cur.source() {
+        cur = next;
+    }
+    cur.to_string()
+}
+
+/// Times user page faults with fentry/fexit on the fault handler. Many kernels refuse
+/// these programs (no BPF trampoline, or a policy): then why, and faults are measured by
+/// sampling instead. Both links or neither.
+fn time_faults(ebpf: &mut Ebpf) -> Result<(String, [Link; 2]), String> {
+    let btf = Btf::from_sys_fs().map_err(|e| format!("no kernel BTF ({})", root_cause(&e)))?;
+    let refused = |e: ProgramError| {
+        format!(
+            "the kernel refused fentry/fexit on {FAULT_FUNCTION} ({})",
+            root_cause(&e)
+        )
+    };
+    let missing = |e: SourceError| e.to_string();
+    let entry: &mut FEntry = typed_program(ebpf, "fentry_handle_mm_fault").map_err(missing)?;
+    entry.load(FAULT_FUNCTION, &btf).map_err(refused)?;
+    let id = entry.attach().map_err(refused)?;
+    let entry_link = entry.take_link(id).map_err(refused)?;
+    let exit: &mut FExit = typed_program(ebpf, "fexit_handle_mm_fault").map_err(missing)?;
+    exit.load(FAULT_FUNCTION, &btf).map_err(refused)?;
+    let id = exit.attach().map_err(refused)?;
+    let exit_link = exit.take_link(id).map_err(refused)?;
+    Ok((
+        format!("fentry/fexit on {FAULT_FUNCTION}"),
+        [Link::FEntry(entry_link), Link::FExit(exit_link)],
+    ))
 }
 
 /// Kernel functions on the user page-fault path: a sample whose kernel stack passes
@@ -557,8 +601,7 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
         })
         .collect();
     for program in ["uprobe_lib_call", "uretprobe_lib_call"] {
-        let prog: &mut UProbe = typed_program(&mut ebpf, program)?;
-        prog.load().map_err(|e| program_error(program, "-", e))?;
+        load_program::<UProbe>(&mut ebpf, program)?;
     }
     // One probe per file, whatever the number of targets: ranks share their libraries,
     // the kernel filters by TARGETS, and every uprobe costs a grace period to detach.
@@ -583,8 +626,7 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
             continue;
         }
         let name = format!("tracepoint_{event}");
-        let prog: &mut TracePoint = typed_program(&mut ebpf, &name)?;
-        prog.load().map_err(|e| program_error(&name, "-", e))?;
+        let prog: &mut TracePoint = load_program(&mut ebpf, &name)?;
         let place = format!("{category}:{event}");
         let id = prog
             .attach(category, event)
@@ -595,12 +637,23 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
         links.push(Link::Tracepoint(link));
     }
 
+    let (fault_timing, fault_timing_refused) = if profile.probes.page_faults {
+        match time_faults(&mut ebpf) {
+            Ok((how, pair)) => {
+                links.extend(pair);
+                (Some(how), None)
+            }
+            Err(why) => (None, Some(why)),
+        }
+    } else {
+        (None, Some("page faults are off in this profile".to_owned()))
+    };
+
     let mut sample_period_ns = 0;
     if profile.sampling.hz > 0 {
         sample_period_ns = 1_000_000_000 / u64::from(profile.sampling.hz);
         let name = "perf_event_cpu_clock";
-        let prog: &mut PerfEvent = typed_program(&mut ebpf, name)?;
-        prog.load().map_err(|e| program_error(name, "-", e))?;
+        load_program::<PerfEvent>(&mut ebpf, name)?;
         for t in targets {
             sample_threads(&mut ebpf, &host, t.pid, sample_period_ns, &mut links)?;
         }
@@ -643,6 +696,8 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
         sample_period_ns,
         fault_handler_ranges,
         step_nvtx: None,
+        fault_timing,
+        fault_timing_refused,
     };
     Ok(Attached {
         ebpf: Some(ebpf),
@@ -659,6 +714,37 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
         probed,
         follow: None,
     })
+}
+
+/// A program type that loads with no arguments.
+pub trait Loadable {
+    fn load_into_kernel(&mut self) -> Result<(), ProgramError>;
+}
+
+macro_rules! loadable {
+    ($($t:ty),*) => {$(
+        impl Loadable for $t {
+            fn load_into_kernel(&mut self) -> Result<(), ProgramError> {
+                self.load()
+            }
+        }
+    )*};
+}
+loadable!(UProbe, TracePoint, PerfEvent);
+
+/// Loads the program `name` of `ebpf` into the kernel. A rejection by the verifier names
+/// the program and the kernel release, with the verifier's output.
+pub fn load_program<'e, P: Loadable>(
+    ebpf: &'e mut Ebpf,
+    name: &str,
+) -> Result<&'e mut P, SourceError>
+where
+    &'e mut P: TryFrom<&'e mut aya::programs::Program, Error = ProgramError>,
+{
+    let prog: &mut P = typed_program(ebpf, name)?;
+    prog.load_into_kernel()
+        .map_err(|e| program_error(name, "-", e))?;
+    Ok(prog)
 }
 
 /// The program `name` of the object, as its type.

@@ -32,8 +32,11 @@ pub mod kind {
     pub const SAMPLE: u16 = 10;
     /// A target thread's stacks as it leaves the CPU (`SampleEvent` layout).
     pub const OFFCPU: u16 = 11;
+    /// A target thread's user page fault timed by fentry/fexit on `handle_mm_fault`, where
+    /// the kernel permits those programs (`FaultTimeEvent`; the header's time is the end).
+    pub const FAULT_TIME: u16 = 12;
     /// One past the largest kind: the size of per-kind tables.
-    pub const COUNT: usize = 12;
+    pub const COUNT: usize = 13;
 }
 
 /// Indices into the per-CPU `COUNTERS` array. Ids below `kind::COUNT` count events of that
@@ -265,6 +268,22 @@ pub struct FaultEvent {
     pub error_code: u64,
 }
 const _: () = assert!(core::mem::size_of::<FaultEvent>() == 48);
+
+/// `handle_mm_fault`'s `FAULT_FLAG_USER`: the fault came from user mode.
+pub const FAULT_FLAG_USER: u32 = 1 << 6;
+
+/// A user page fault of a target thread, timed from entry to return of `handle_mm_fault`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FaultTimeEvent {
+    pub hdr: Header,
+    pub start_ns: u64,
+    pub address: u64,
+    /// `handle_mm_fault`'s `FAULT_FLAG_*` and its `vm_fault_t` result, high half.
+    pub flags: u32,
+    pub result: u32,
+}
+const _: () = assert!(core::mem::size_of::<FaultTimeEvent>() == 48);
 
 /// Pages migrated between nodes in a target thread's context (NUMA balancing, mbind...).
 #[repr(C)]

@@ -17,15 +17,19 @@ use aya_ebpf::{
         bpf_get_attach_cookie, bpf_get_current_pid_tgid, bpf_get_smp_processor_id, bpf_get_stack,
         bpf_ktime_get_ns, bpf_probe_read_user, bpf_probe_read_user_str_bytes,
     },
-    macros::{map, perf_event, tracepoint, uprobe, uretprobe},
+    macros::{fentry, fexit, map, perf_event, tracepoint, uprobe, uretprobe},
     maps::{Array, HashMap, PerCpuArray, RingBuf},
-    programs::{PerfEventContext, ProbeContext, RetProbeContext, TracePointContext},
+    programs::{
+        FEntryContext, FExitContext, PerfEventContext, ProbeContext, RetProbeContext,
+        TracePointContext,
+    },
 };
 use aya_log_ebpf::warn;
 use nccltrace_common::{
-    CALL_SLOTS, CallEvent, CallSlot, Config, FaultEvent, Header, KSTACK_DEPTH, MAX_ARGS,
-    MigrateEvent, NumaTaskEvent, PageMigrationEvent, PendingCall, SampleEvent, SwitchEvent,
-    TaskEvent, TpOffsets, USTACK_DEPTH, WakeupEvent, counter, func, kind, numa_task, switch_flags,
+    CALL_SLOTS, CallEvent, CallSlot, Config, FAULT_FLAG_USER, FaultEvent, FaultTimeEvent, Header,
+    KSTACK_DEPTH, MAX_ARGS, MigrateEvent, NumaTaskEvent, PageMigrationEvent, PendingCall,
+    SampleEvent, SwitchEvent, TaskEvent, TpOffsets, USTACK_DEPTH, WakeupEvent, counter, func, kind,
+    numa_task, switch_flags,
 };
 
 /// Every record, in one ring buffer (sized by user space at load).
@@ -490,6 +494,64 @@ pub fn tracepoint_page_fault_user(ctx: TracePointContext) -> u32 {
             address: read_tp::<u64>(&ctx, offset!(fault_address)).unwrap_or(0),
             ip: read_tp::<u64>(&ctx, offset!(fault_ip)).unwrap_or(0),
             error_code: read_tp::<u64>(&ctx, offset!(fault_error_code)).unwrap_or(0),
+        },
+    );
+    0
+}
+
+/// Entry times of the user page faults target threads are handling, by thread id.
+#[map]
+static FAULT_START: HashMap<u32, FaultStart> = HashMap::with_max_entries(16384, 0);
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct FaultStart {
+    ts_ns: u64,
+    flags: u32,
+    _pad: u32,
+}
+
+/// Entry of the fault handler (loaded only where the kernel permits fentry): a target
+/// thread's user fault starts.
+#[fentry(function = "handle_mm_fault")]
+pub fn fentry_handle_mm_fault(ctx: FEntryContext) -> u32 {
+    let (tgid, tid) = current();
+    if !is_target(tgid) {
+        return 0;
+    }
+    let flags: u32 = ctx.arg(2);
+    if flags & FAULT_FLAG_USER == 0 {
+        return 0;
+    }
+    let start = FaultStart {
+        // SAFETY: helper without preconditions.
+        ts_ns: unsafe { bpf_ktime_get_ns() },
+        flags,
+        _pad: 0,
+    };
+    let _ = FAULT_START.insert(&tid, &start, 0);
+    0
+}
+
+/// Return of the fault handler: one record with the fault's start and end.
+#[fexit(function = "handle_mm_fault")]
+pub fn fexit_handle_mm_fault(ctx: FExitContext) -> u32 {
+    let (tgid, tid) = current();
+    // SAFETY: copied out at once.
+    let Some(start) = (unsafe { FAULT_START.get(&tid) }).copied() else {
+        return 0;
+    };
+    let _ = FAULT_START.remove(&tid);
+    let address: u64 = ctx.arg(1);
+    let result: u32 = ctx.ret().unwrap_or(0);
+    emit(
+        kind::FAULT_TIME,
+        FaultTimeEvent {
+            hdr: header(kind::FAULT_TIME, tgid, tid),
+            start_ns: start.ts_ns,
+            address,
+            flags: start.flags,
+            result,
         },
     );
     0
