@@ -1438,12 +1438,66 @@ fn nested_calls_are_paired() {
 fn mounts_tracefs_when_missing() {
     let _guard = privileged();
     let dir = tempfile::tempdir().unwrap();
-    let trainer = waiting_trainer(dir.path(), 10, 500);
-    let out = dir.path().join("out");
-    let script = format!(
+    let (truth, summary, said) = attach_in_private_mounts(
+        dir.path(),
         "umount /sys/kernel/tracing 2>/dev/null; umount /sys/kernel/debug/tracing 2>/dev/null; \
-         if [ -d /sys/kernel/tracing/events ]; then echo 'tracefs still mounted' >&2; exit 3; fi; \
-         exec {agent} attach --profile minimal --pid {pid} --out {out}",
+         if [ -d /sys/kernel/tracing/events ]; then echo 'tracefs still mounted' >&2; exit 3; fi",
+        "minimal",
+    );
+    for (op, calls) in truth["total"]["calls"].as_object().unwrap() {
+        assert_eq!(
+            summary["nccl"]["by_op"][op]["calls"], *calls,
+            "{op} calls: {said:?}"
+        );
+    }
+    assert!(
+        Path::new("/sys/kernel/tracing/events").is_dir(),
+        "the host's tracefs is untouched"
+    );
+}
+
+/// No kernel BTF (/sys/kernel/btf hidden under an empty tmpfs, in the agent's own mount
+/// namespace): the programs need none and load; fault timing by fentry/fexit, which does,
+/// is not tried and steps.json says why; every collective counted.
+#[test]
+fn works_without_kernel_btf() {
+    let _guard = privileged();
+    let dir = tempfile::tempdir().unwrap();
+    let (truth, summary, said) = attach_in_private_mounts(
+        dir.path(),
+        "mount -t tmpfs none /sys/kernel/btf; \
+         if [ -e /sys/kernel/btf/vmlinux ]; then echo 'BTF still visible' >&2; exit 3; fi",
+        "default",
+    );
+    for (op, calls) in truth["total"]["calls"].as_object().unwrap() {
+        assert_eq!(
+            summary["nccl"]["by_op"][op]["calls"], *calls,
+            "{op} calls: {said:?}"
+        );
+    }
+    let steps: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("out/steps.json")).unwrap())
+            .unwrap();
+    let method = steps["methods"]["page_fault"].as_str().unwrap();
+    assert!(method.contains("no kernel BTF"), "{method}");
+    assert!(
+        Path::new("/sys/kernel/btf/vmlinux").exists(),
+        "the host's BTF is untouched"
+    );
+}
+
+/// Runs the agent (profile `profile`) on a waiting trainer from a private mount namespace
+/// prepared by the shell commands `prepare`; returns the trainer's truth, the agent's
+/// summary.json (from `dir/out`) and what the agent said.
+fn attach_in_private_mounts(
+    dir: &Path,
+    prepare: &str,
+    profile: &str,
+) -> (Value, Value, Vec<String>) {
+    let trainer = waiting_trainer(dir, 10, 500);
+    let out = dir.join("out");
+    let script = format!(
+        "{prepare}; exec {agent} attach --profile {profile} --pid {pid} --out {out}",
         agent = env!("CARGO_BIN_EXE_nccltrace"),
         pid = trainer.child.id(),
         out = out.display()
@@ -1474,13 +1528,7 @@ fn mounts_tracefs_when_missing() {
     assert!(child.wait().unwrap().success(), "{said:?}");
     let summary: Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
-    for (op, calls) in truth["total"]["calls"].as_object().unwrap() {
-        assert_eq!(summary["nccl"]["by_op"][op]["calls"], *calls, "{op} calls");
-    }
-    assert!(
-        Path::new("/sys/kernel/tracing/events").is_dir(),
-        "the host's tracefs is untouched"
-    );
+    (truth, summary, said)
 }
 
 /// A target that exits while the agent discovers and attaches (released a little before or
