@@ -10,7 +10,7 @@ use serde::Serialize;
 use crate::attribute::{StepRule, StepsReport, Timeline};
 use crate::decode::{self, DecodeError};
 use crate::event::{Event, Func, Library};
-use crate::record::{self, Header, Meta, Reader, Record};
+use crate::record::{self, Header, Meta, RawRecord, Reader};
 
 /// Per-NCCL-function totals.
 #[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
@@ -251,11 +251,11 @@ impl Aggregator {
     /// input marked incomplete; the complete records before it are kept.
     pub fn feed<R: io::Read>(&mut self, reader: &mut Reader<R>) {
         loop {
-            match reader.next_record() {
-                Ok(Some(Record::Kernel(bytes))) => {
-                    let _ = self.push_raw(&bytes);
+            match reader.next_raw() {
+                Ok(Some(RawRecord::Kernel(bytes))) => {
+                    let _ = self.push_raw(bytes);
                 }
-                Ok(Some(Record::Meta(meta))) => self.meta(meta),
+                Ok(Some(RawRecord::Meta(meta))) => self.meta(meta),
                 Ok(None) => break,
                 Err(e) => {
                     eprintln!("nccltrace: warning: {e}; keeping the complete records before it");
@@ -390,13 +390,59 @@ pub fn replay_from<R: io::Read>(
     {
         rule = StepRule::Nvtx(pattern);
     }
+    let started = std::time::Instant::now();
     let mut agg = Aggregator::new(reader.header.clone());
     agg.feed(&mut reader);
-    Ok(agg.finish(rule))
+    log::debug!("read and decoded in {:?}", started.elapsed());
+    let started = std::time::Instant::now();
+    let outputs = agg.finish(rule);
+    log::debug!("attributed in {:?}", started.elapsed());
+    Ok(outputs)
+}
+
+/// Creates `dir/name` and fills it with `write`; the failure names the file.
+fn write_file(
+    dir: &Path,
+    name: &str,
+    write: &mut dyn FnMut(&mut io::BufWriter<std::fs::File>) -> io::Result<()>,
+) -> Result<(), (std::path::PathBuf, io::Error)> {
+    let path = dir.join(name);
+    let started = std::time::Instant::now();
+    let result = std::fs::File::create(&path).and_then(|f| {
+        let mut out = io::BufWriter::with_capacity(1 << 20, f);
+        write(&mut out)?;
+        io::Write::flush(&mut out)
+    });
+    log::debug!("{name} written in {:?}", started.elapsed());
+    result.map_err(|e| (path, e))
 }
 
 /// Writes every output of this stage into `dir` and the summary in words to `text`.
+/// trace.json, the largest, is written on a thread of its own meanwhile.
 pub fn write_outputs(
+    dir: &Path,
+    outputs: &Outputs,
+    text: &mut impl io::Write,
+) -> Result<(), (std::path::PathBuf, io::Error)> {
+    std::thread::scope(|scope| {
+        let trace = scope.spawn(|| {
+            write_file(dir, "trace.json", &mut |out| {
+                crate::render::trace::write(&outputs.header, &outputs.detail, &outputs.steps, out)
+            })
+        });
+        let others = write_others(dir, outputs, text);
+        let trace = trace.join().unwrap_or_else(|_| {
+            Err((
+                dir.join("trace.json"),
+                io::Error::other("writing trace.json panicked"),
+            ))
+        });
+        others.and(trace)
+    })
+}
+
+/// Every output but trace.json, and the text summary.
+fn write_others(
     dir: &Path,
     outputs: &Outputs,
     text: &mut impl io::Write,
@@ -407,24 +453,20 @@ pub fn write_outputs(
     let mut failed: Option<(std::path::PathBuf, io::Error)> = None;
     let mut file =
         |name: &str, write: &mut dyn FnMut(&mut io::BufWriter<std::fs::File>) -> io::Result<()>| {
-            let path = dir.join(name);
-            let result = std::fs::File::create(&path).and_then(|f| {
-                let mut out = io::BufWriter::new(f);
-                write(&mut out)?;
-                io::Write::flush(&mut out)
-            });
-            if let Err(e) = result {
-                failed.get_or_insert((path, e));
+            if let Err(e) = write_file(dir, name, write) {
+                failed.get_or_insert(e);
             }
         };
     file("summary.json", &mut |out| {
         render::summary::write_json(&outputs.summary, out)
     });
+    let started = std::time::Instant::now();
     let symbols = crate::symbolize::symbolize(
         &outputs.header,
         &outputs.detail.stacks,
         &outputs.kernel_symbols,
     );
+    log::debug!("symbolized in {:?}", started.elapsed());
     let mut steps = outputs.steps.clone();
     for kind in render::flamegraph::Kind::ALL {
         let lines = render::flamegraph::folded(&outputs.detail, &symbols, kind);
@@ -444,9 +486,6 @@ pub fn write_outputs(
     });
     file("steps.csv", &mut |out| {
         render::steps::write_csv(&steps, out)
-    });
-    file("trace.json", &mut |out| {
-        render::trace::write(&outputs.header, &outputs.detail, &outputs.steps, out)
     });
     let stdout = Path::new("(standard output)");
     let mut print = || -> io::Result<()> {

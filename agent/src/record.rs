@@ -290,6 +290,8 @@ pub struct Reader<R> {
     input: R,
     path: PathBuf,
     offset: u64,
+    /// The current record's payload (reused).
+    payload: Vec<u8>,
     pub header: Header,
 }
 
@@ -376,6 +378,7 @@ impl<R: Read> Reader<R> {
             input,
             path: path.to_owned(),
             offset: 20 + u64::from(len),
+            payload: Vec::new(),
             header,
         })
     }
@@ -387,12 +390,22 @@ impl<R: Read> Reader<R> {
             input,
             path: path.to_owned(),
             offset: 0,
+            payload: Vec::new(),
             header,
         }
     }
 
     /// The next record; `Ok(None)` at a clean end of file.
     pub fn next_record(&mut self) -> Result<Option<Record>, RecordError> {
+        Ok(self.next_raw()?.map(|r| match r {
+            RawRecord::Kernel(bytes) => Record::Kernel(bytes.to_vec()),
+            RawRecord::Meta(meta) => Record::Meta(meta),
+        }))
+    }
+
+    /// As [`Reader::next_record`], a kernel record borrowed from the reader's buffer (no
+    /// allocation per record).
+    pub fn next_raw(&mut self) -> Result<Option<RawRecord<'_>>, RecordError> {
         let start = self.offset;
         let damaged = |expected: String| RecordError::Damaged {
             path: self.path.clone(),
@@ -419,29 +432,37 @@ impl<R: Read> Reader<R> {
                 "a record length between 1 and {MAX_RECORD}, found {len}"
             )));
         }
-        let mut payload = vec![0u8; len as usize];
-        let got = read_full(&mut self.input, &mut payload).map_err(|source| RecordError::Open {
-            path: self.path.clone(),
-            source,
-        })?;
-        if got < payload.len() {
+        self.payload.resize(len as usize, 0);
+        let got =
+            read_full(&mut self.input, &mut self.payload).map_err(|source| RecordError::Open {
+                path: self.path.clone(),
+                source,
+            })?;
+        if got < self.payload.len() {
             return Err(damaged(format!(
                 "a {len}-byte record, found {got} (file is truncated)"
             )));
         }
-        if checksum_differs(&payload, crc) {
+        if checksum_differs(&self.payload, crc) {
             return Err(damaged("a record matching its checksum".into()));
         }
         self.offset += 8 + u64::from(len);
-        let body = payload.split_off(1);
-        match payload[0] {
-            TYPE_KERNEL => Ok(Some(Record::Kernel(body))),
-            TYPE_META => serde_json::from_slice(&body)
-                .map(|m| Some(Record::Meta(m)))
+        let (kind, body) = (self.payload[0], &self.payload[1..]);
+        match kind {
+            TYPE_KERNEL => Ok(Some(RawRecord::Kernel(body))),
+            TYPE_META => serde_json::from_slice(body)
+                .map(|m| Some(RawRecord::Meta(m)))
                 .map_err(|e| damaged(format!("valid metadata JSON ({e})"))),
             other => Err(damaged(format!("record type 1 or 2, found {other}"))),
         }
     }
+}
+
+/// One record read back, a kernel record borrowed from the reader.
+#[derive(Debug, PartialEq, Eq)]
+pub enum RawRecord<'a> {
+    Kernel(&'a [u8]),
+    Meta(Meta),
 }
 
 #[cfg(test)]

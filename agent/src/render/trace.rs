@@ -128,14 +128,23 @@ struct CallArgs<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     peer_or_root: Option<i32>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    comm: Option<String>,
+    comm: Option<Hex>,
     /// The n-th collective on a communicator: the same operation on every rank.
     #[serde(skip_serializing_if = "Option::is_none")]
     seq: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    stream: Option<String>,
+    stream: Option<Hex>,
     #[serde(skip_serializing_if = "Option::is_none")]
     rank: Option<i32>,
+}
+
+/// A pointer-like value written as a hex string, without an allocation per event.
+struct Hex(u64);
+
+impl Serialize for Hex {
+    fn serialize<S: serde::Serializer>(&self, ser: S) -> Result<S::Ok, S::Error> {
+        ser.collect_str(&format_args!("{:#x}", self.0))
+    }
 }
 
 #[derive(Serialize)]
@@ -251,15 +260,27 @@ pub fn write(
     }
     let mut sequence: std::collections::BTreeMap<(u32, u64), u64> =
         std::collections::BTreeMap::new();
+    // Slice names made once per function (NVTX names once per call).
+    let mut names: std::collections::HashMap<crate::event::Func, String> =
+        std::collections::HashMap::new();
+    let mut nvtx_name: String;
     for c in &detail.calls {
-        let (name, cat) = match c.func.library() {
-            Library::Nccl => (format!("nccl{}", c.func.name()), "nccl"),
-            Library::Cuda => (c.func.name().to_owned(), "cuda_sync"),
-            Library::Marker => ("step marker".to_owned(), "step_marker"),
-            Library::Nvtx => (
-                format!("NVTX {}", c.message.as_deref().unwrap_or("?")),
-                "nvtx",
-            ),
+        let library = c.func.library();
+        let cat = match library {
+            Library::Nccl => "nccl",
+            Library::Cuda => "cuda_sync",
+            Library::Marker => "step_marker",
+            Library::Nvtx => "nvtx",
+        };
+        let name: &str = if library == Library::Nvtx {
+            nvtx_name = format!("NVTX {}", c.message.as_deref().unwrap_or("?"));
+            &nvtx_name
+        } else {
+            names.entry(c.func).or_insert_with(|| match library {
+                Library::Nccl => format!("nccl{}", c.func.name()),
+                Library::Marker => "step marker".to_owned(),
+                _ => c.func.name().to_owned(),
+            })
         };
         let comm = c.comm;
         let seq = comm.filter(|_| c.func.is_collective()).map(|comm| {
@@ -274,15 +295,15 @@ pub fn write(
             datatype: c.datatype.map(datatype_name),
             op: c.redop.map(redop_name),
             peer_or_root: c.peer,
-            comm: comm.map(|comm| format!("{comm:#x}")),
+            comm: comm.map(Hex),
             seq,
-            stream: c.stream.map(|s| format!("{s:#x}")),
+            stream: c.stream.map(Hex),
             rank: c.rank,
         };
         let (ts, d) = (w.ts(c.start_ns), dur(c.start_ns, c.end_ns));
         w.event(&Ev::slice(
             cat,
-            &name,
+            name,
             c.task.tgid,
             u64::from(c.task.tid),
             ts,
