@@ -1093,6 +1093,15 @@ fn flamegraphs_and_trace_are_valid(out: &Path, summary: &Value) {
             );
         }
     }
+    // The default profile captures each CUDA sync's entry stack: the wait is drawn at the
+    // trainer's call site (main calls cuStreamSynchronize).
+    let wait = std::fs::read_to_string(out.join("flamegraph-nccl-wait.folded")).unwrap();
+    assert!(
+        wait.lines()
+            .any(|l| l.contains(";main;")
+                && l.contains("cuStreamSynchronize;[in cuStreamSynchronize] ")),
+        "{wait}"
+    );
     let attributed = std::fs::read_to_string(out.join("flamegraph-attributed.folded")).unwrap();
     assert!(attributed.lines().any(|l| l.starts_with("nccl_wait;")));
     assert!(attributed.lines().any(|l| l.starts_with("page_fault;")));

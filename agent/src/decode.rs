@@ -154,7 +154,7 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
                 dst_nid: e.dst_nid,
             }
         }
-        kind::SAMPLE | kind::OFFCPU => {
+        kind::SAMPLE | kind::OFFCPU | kind::CALL_STACK => {
             let e = read::<SampleEvent>(bytes, "stack record")?;
             let k = (e.kstack_len as usize).min(KSTACK_DEPTH);
             let u = (e.ustack_len as usize).min(USTACK_DEPTH);
@@ -164,6 +164,12 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
                     ts_ns: h.ts_ns,
                     task: t,
                     kstack,
+                    ustack,
+                }
+            } else if h.kind == kind::CALL_STACK {
+                Event::CallStack {
+                    ts_ns: h.ts_ns,
+                    task: t,
                     ustack,
                 }
             } else {

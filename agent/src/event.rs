@@ -400,6 +400,12 @@ pub enum Event {
         kstack: Vec<u64>,
         ustack: Vec<u64>,
     },
+    /// The user stack at the entry of a traced call (made just after the call's start).
+    CallStack {
+        ts_ns: u64,
+        task: Task,
+        ustack: Vec<u64>,
+    },
 }
 
 /// What a NUMA-balancing tracepoint said.
@@ -426,7 +432,8 @@ impl Event {
             | Event::PageMigration { task, .. }
             | Event::NumaTask { task, .. }
             | Event::Sample { task, .. }
-            | Event::OffCpu { task, .. } => *task,
+            | Event::OffCpu { task, .. }
+            | Event::CallStack { task, .. } => *task,
         }
     }
 
@@ -445,7 +452,8 @@ impl Event {
             | Event::PageMigration { ts_ns, .. }
             | Event::NumaTask { ts_ns, .. }
             | Event::Sample { ts_ns, .. }
-            | Event::OffCpu { ts_ns, .. } => *ts_ns,
+            | Event::OffCpu { ts_ns, .. }
+            | Event::CallStack { ts_ns, .. } => *ts_ns,
         }
     }
 
@@ -466,6 +474,7 @@ impl Event {
             k::SAMPLE => "cpu_sample",
             k::OFFCPU => "offcpu_stack",
             k::FAULT_TIME => "fault_time",
+            k::CALL_STACK => "call_stack",
             _ => "unknown",
         }
     }

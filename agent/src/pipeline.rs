@@ -107,6 +107,8 @@ pub struct Summary {
     pub cpu_samples: u64,
     /// Stacks captured as target threads left the CPU.
     pub offcpu_stacks: u64,
+    /// Stacks captured at the entry of traced calls (profile `call_stacks`).
+    pub call_stacks: u64,
     pub undecodable_records: u64,
     pub lost_events: u64,
     pub lost_by_kind: BTreeMap<String, u64>,
@@ -136,6 +138,7 @@ pub struct Aggregator {
     threads: BTreeSet<u32>,
     samples: u64,
     offcpu_stacks: u64,
+    call_stacks: u64,
     timeline: Timeline,
     kernel_symbols: BTreeMap<u64, String>,
     end: Option<Meta>,
@@ -158,6 +161,7 @@ impl Aggregator {
             threads: BTreeSet::new(),
             samples: 0,
             offcpu_stacks: 0,
+            call_stacks: 0,
             kernel_symbols: BTreeMap::new(),
             end: None,
             incomplete: None,
@@ -232,6 +236,7 @@ impl Aggregator {
             Event::NumaTask { .. } => self.memory.numa_task_events += 1,
             Event::Sample { .. } => self.samples += 1,
             Event::OffCpu { .. } => self.offcpu_stacks += 1,
+            Event::CallStack { .. } => self.call_stacks += 1,
         }
     }
 
@@ -342,6 +347,7 @@ impl Aggregator {
             events: self.events,
             cpu_samples: self.samples,
             offcpu_stacks: self.offcpu_stacks,
+            call_stacks: self.call_stacks,
             undecodable_records: self.undecodable,
             lost_events: lost_by_kind.values().sum(),
             lost_by_kind,

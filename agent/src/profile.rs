@@ -29,6 +29,33 @@ pub struct Probes {
     pub numa: bool,
     /// Kernel and user stacks each time a target thread leaves the CPU.
     pub offcpu_stacks: bool,
+    /// User stacks at the entry of traced calls, so that waits are drawn by call site:
+    /// "off", "sync" (CUDA sync calls) or "all" (and NCCL calls). Off when not given.
+    #[serde(default)]
+    pub call_stacks: CallStacks,
+}
+
+/// Which traced calls get their entry stack.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum CallStacks {
+    #[default]
+    Off,
+    Sync,
+    All,
+}
+
+impl CallStacks {
+    /// The kernel program's setting (`Config::call_stacks`).
+    #[must_use]
+    pub fn setting(self) -> u32 {
+        use nccltrace_common::call_stacks as c;
+        match self {
+            CallStacks::Off => c::OFF,
+            CallStacks::Sync => c::SYNC,
+            CallStacks::All => c::ALL,
+        }
+    }
 }
 
 /// Buffer sizes.

@@ -210,7 +210,7 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
         attach_rss_kb as f64 / 1024.0
     );
     println!(
-        "| agent peak RSS, {CALLS} calls traced and reported | {:.1} MB | | |",
+        "| agent peak RSS while tracing {CALLS} calls (before the end-of-run report) | {:.1} MB | | |",
         rss_traced_kb as f64 / 1024.0
     );
     println!(

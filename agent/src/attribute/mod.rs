@@ -269,6 +269,8 @@ struct ThreadLog {
     stack_samples: Vec<(u64, u32, bool)>,
     /// Stacks at switch-out: (time, stack id).
     offcpu_stacks: Vec<(u64, u32)>,
+    /// Stacks at the entry of traced calls: (time, stack id).
+    call_stacks: Vec<(u64, u32)>,
     /// Wakeups: (time, waker tid, waker tgid).
     wakeups: Vec<(u64, u32, u32)>,
     /// Migrations: (time, from CPU, to CPU).
@@ -318,6 +320,8 @@ pub struct ThreadDetail {
     pub offcpu: Vec<OffCpu>,
     pub migrations: Vec<(u64, i32, i32)>,
     pub faults: Vec<u64>,
+    /// User stacks at the entry of traced calls: (time, stack id), by time.
+    pub call_stacks: Vec<(u64, u32)>,
 }
 
 impl ThreadDetail {
@@ -546,6 +550,14 @@ impl Timeline {
                 log.faults.push(*ts_ns);
                 log.last_fault = Some((*ts_ns, *ip));
             }
+            Event::CallStack {
+                ts_ns,
+                task,
+                ustack,
+            } => {
+                let id = self.intern(task.tgid, &[], ustack);
+                self.log(task.tid, task.tgid).call_stacks.push((*ts_ns, id));
+            }
             Event::FaultTime {
                 ts_ns,
                 task,
@@ -612,6 +624,7 @@ impl Timeline {
             log.collectives.sort_by_key(|c| c.start_ns);
             log.faults.sort_unstable();
             log.wakeups.sort_unstable();
+            log.call_stacks.sort_unstable();
             log.migrations.sort_unstable_by_key(|m| m.0);
             if !self.faults_timed {
                 log.fault_time = weigh_samples(log, period);
@@ -873,6 +886,7 @@ impl Timeline {
                 offcpu: Vec::new(),
                 migrations: log.migration_cpus.clone(),
                 faults: log.faults.clone(),
+                call_stacks: log.call_stacks.clone(),
             };
             let fault_weight: BTreeMap<u64, u64> = log.fault_time.iter().copied().collect();
             for &(ts, stack, in_fault) in &log.stack_samples {

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use std::io::{self, Write};
 
 use crate::attribute::{Cat, Detail, ThreadDetail};
+use crate::event::{Func, Library};
 use crate::symbolize::Symbols;
 
 /// The flamegraphs nccltrace draws.
@@ -77,6 +78,52 @@ fn add(folded: &mut BTreeMap<String, u64>, frames: &[String], ns: u64) {
 }
 
 /// Overlap of `[a, b)` with the thread's pieces of category `cat`.
+/// Weight-key suffixes at or above this name the traced call (`CALL_SUFFIX + func id`).
+const CALL_SUFFIX: u32 = 1 << 16;
+
+/// Adds, per thread, each CUDA sync or NCCL call's nccl_wait time at its entry stack;
+/// returns per thread the `[start, end)` of the calls so drawn, by time.
+fn waits_at_call_sites(
+    detail: &Detail,
+    weights: &mut BTreeMap<(Option<Cat>, usize, u32, u32), u64>,
+) -> Vec<Vec<(u64, u64)>> {
+    let mut covered = vec![Vec::new(); detail.threads.len()];
+    let index: std::collections::HashMap<u32, usize> = detail
+        .threads
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.tid, i))
+        .collect();
+    for c in &detail.calls {
+        if !matches!(c.func.library(), Library::Cuda | Library::Nccl) {
+            continue;
+        }
+        let Some(&ti) = index.get(&c.task.tid) else {
+            continue;
+        };
+        let t = &detail.threads[ti];
+        // The entry stack is recorded by the entry program, just after the start time.
+        let i = t.call_stacks.partition_point(|(ts, _)| *ts < c.start_ns);
+        let Some(&(_, stack)) = t.call_stacks.get(i).filter(|(ts, _)| *ts <= c.end_ns) else {
+            continue;
+        };
+        let wait: u64 = overlap(t, c.start_ns, c.end_ns, |x| x == Cat::NcclWait)
+            .iter()
+            .map(|(_, d)| d)
+            .sum();
+        if wait > 0 {
+            *weights
+                .entry((None, ti, stack, CALL_SUFFIX + c.func.id()))
+                .or_default() += wait;
+        }
+        covered[ti].push((c.start_ns, c.end_ns));
+    }
+    for c in &mut covered {
+        c.sort_unstable();
+    }
+    covered
+}
+
 fn overlap(t: &ThreadDetail, a: u64, b: u64, mut keep: impl FnMut(Cat) -> bool) -> Vec<(Cat, u64)> {
     let first = t.segments.partition_point(|(_, e, _)| *e <= a);
     t.segments[first..]
@@ -119,8 +166,21 @@ fn overlap_in_steps(detail: &Detail, t: &ThreadDetail, a: u64, b: u64) -> Vec<(C
 pub fn folded(detail: &Detail, symbols: &Symbols, kind: Kind) -> Vec<String> {
     // Weights are summed per (root, thread, stack, suffix) first and each distinct stack
     // is symbolized and joined once: traces hold far more samples than stacks.
-    let mut weights: BTreeMap<(Option<Cat>, usize, u32, u8), u64> = BTreeMap::new();
+    let mut weights: BTreeMap<(Option<Cat>, usize, u32, u32), u64> = BTreeMap::new();
+    // NCCL waits inside calls whose entry stack was captured are drawn at that call site,
+    // weighted by the call's nccl_wait time; samples and off-CPU stacks inside those calls
+    // are then left out, so nothing is counted twice.
+    let covered = if kind == Kind::NcclWait {
+        waits_at_call_sites(detail, &mut weights)
+    } else {
+        vec![Vec::new(); detail.threads.len()]
+    };
     for (ti, t) in detail.threads.iter().enumerate() {
+        let inside_covered = |ts: u64| {
+            let c = &covered[ti];
+            let i = c.partition_point(|(_, e)| *e <= ts);
+            c.get(i).is_some_and(|(s, _)| *s <= ts)
+        };
         if kind == Kind::Attributed && detail.rank_tid.is_some_and(|r| r != t.tid) {
             continue;
         }
@@ -130,7 +190,7 @@ pub fn folded(detail: &Detail, symbols: &Symbols, kind: Kind) -> Vec<String> {
             }
             let root = match kind {
                 Kind::OnCpu => None,
-                Kind::NcclWait if cat == Cat::NcclWait => None,
+                Kind::NcclWait if cat == Cat::NcclWait && !inside_covered(ts) => None,
                 Kind::Attributed => Some(cat),
                 Kind::NcclWait | Kind::OffCpu => continue,
             };
@@ -141,6 +201,9 @@ pub fn folded(detail: &Detail, symbols: &Symbols, kind: Kind) -> Vec<String> {
         }
         for off in &t.offcpu {
             let Some(stack) = off.stack else { continue };
+            if kind == Kind::NcclWait && inside_covered(off.start_ns) {
+                continue;
+            }
             let pieces: Vec<(Option<Cat>, u64)> = match kind {
                 Kind::OffCpu => vec![(None, off.end_ns.saturating_sub(off.start_ns))],
                 Kind::NcclWait => overlap(t, off.start_ns, off.end_ns, |c| c == Cat::NcclWait)
@@ -168,6 +231,10 @@ pub fn folded(detail: &Detail, symbols: &Symbols, kind: Kind) -> Vec<String> {
         match suffix {
             1 => frames.push("[preempted]".into()),
             2 => frames.push("[blocked]".into()),
+            CALL_SUFFIX.. => {
+                let name = Func::from_id(suffix - CALL_SUFFIX).map_or("call", |f| f.symbols()[0]);
+                frames.push(format!("[in {name}]"));
+            }
             _ => {}
         }
         add(&mut out, &frames, ns);
@@ -254,6 +321,32 @@ pub fn short_stack_share(detail: &Detail) -> Option<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// With the sync call's entry stack captured, its NCCL wait (3 ms) is drawn at that
+    /// call site, and the off-CPU stack inside the call no longer adds to the graph.
+    #[test]
+    fn nccl_wait_at_call_site() {
+        let (mut detail, symbols) = crate::render::fixture::detail();
+        let before = folded(&detail, &symbols, Kind::NcclWait);
+        assert!(
+            before.iter().any(|l| l.ends_with("[blocked] 2000")),
+            "{before:?}"
+        );
+        detail.stacks.push(crate::attribute::StackKey {
+            pid: 10,
+            kstack: Vec::new(),
+            ustack: vec![0x1300, 0x1100],
+        });
+        detail.threads[0].call_stacks = vec![(4_000_001, 3)];
+        let lines = folded(&detail, &symbols, Kind::NcclWait);
+        assert_eq!(
+            lines,
+            vec![
+                "trainer 10 (main (rank));main;cuStreamSynchronize;[in cuStreamSynchronize] 3000"
+                    .to_owned()
+            ]
+        );
+    }
 
     /// The four folded outputs of a fixed timeline, against golden files.
     #[test]

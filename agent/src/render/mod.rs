@@ -89,6 +89,7 @@ pub(crate) mod fixture {
             ],
             migrations: vec![(7_000_000, 0, 1)],
             faults: vec![1_900_000, 1_950_000, 2_100_000],
+            call_stacks: Vec::new(),
         };
         let call = |func, start, end| Call {
             task: Task {

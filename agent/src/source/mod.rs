@@ -400,7 +400,7 @@ fn load(offsets: &nccltrace_common::TpOffsets, profile: &Profile) -> Result<Ebpf
     loader.override_global("OFFSETS", offsets, true);
     let config = nccltrace_common::Config {
         offcpu_stacks: u32::from(profile.probes.offcpu_stacks && profile.probes.sched),
-        _pad: 0,
+        call_stacks: profile.probes.call_stacks.setting(),
         // Woken early at an eighth full; otherwise drained every `DRAIN_EVERY`.
         wakeup_bytes: u64::from(profile.ring_buffer_bytes() / 8),
     };

@@ -35,8 +35,11 @@ pub mod kind {
     /// A target thread's user page fault timed by fentry/fexit on `handle_mm_fault`, where
     /// the kernel permits those programs (`FaultTimeEvent`; the header's time is the end).
     pub const FAULT_TIME: u16 = 12;
+    /// A target thread's user stack at the entry of a traced call (`SampleEvent` layout,
+    /// no kernel frames), made just after the call's start time was taken.
+    pub const CALL_STACK: u16 = 13;
     /// One past the largest kind: the size of per-kind tables.
-    pub const COUNT: usize = 13;
+    pub const COUNT: usize = 14;
 }
 
 /// Indices into the per-CPU `COUNTERS` array. Ids below `kind::COUNT` count events of that
@@ -130,6 +133,25 @@ pub mod func {
             NCCL_COMM_INIT_RANK | NCCL_COMM_INIT_RANK_CONFIG | NCCL_COMM_INIT_ALL => Some(0),
             NCCL_COMM_SPLIT => Some(3),
             _ => None,
+        }
+    }
+}
+
+/// Values of [`Config::call_stacks`].
+pub mod call_stacks {
+    pub const OFF: u32 = 0;
+    pub const SYNC: u32 = 1;
+    pub const ALL: u32 = 2;
+
+    /// Whether a call of function `id` gets its entry stack under `setting`.
+    #[must_use]
+    pub const fn wanted(setting: u32, id: u32) -> bool {
+        if id >= super::func::FIRST_CUDA && id < super::func::STEP_MARKER {
+            setting >= SYNC
+        } else if id < super::func::FIRST_CUDA {
+            setting >= ALL
+        } else {
+            false
         }
     }
 }
@@ -340,7 +362,9 @@ const _: () = assert!(core::mem::size_of::<SampleEvent>() == 800);
 pub struct Config {
     /// Nonzero: capture stacks when a target thread leaves the CPU.
     pub offcpu_stacks: u32,
-    pub _pad: u32,
+    /// Stacks at the entry of traced calls: 0 none, 1 CUDA sync calls, 2 those and NCCL
+    /// calls (`call_stacks` module).
+    pub call_stacks: u32,
     /// Records are submitted without waking the reader (which polls on a timer) until this
     /// many bytes wait in the ring buffer; then the submit wakes it. 0: wake on every record.
     pub wakeup_bytes: u64,

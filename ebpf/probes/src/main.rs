@@ -28,8 +28,8 @@ use aya_log_ebpf::warn;
 use nccltrace_common::{
     CALL_SLOTS, CallEvent, CallSlot, Config, FAULT_FLAG_USER, FaultEvent, FaultTimeEvent, Header,
     KSTACK_DEPTH, MAX_ARGS, MigrateEvent, NumaTaskEvent, PageMigrationEvent, PendingCall,
-    SampleEvent, SwitchEvent, TaskEvent, TpOffsets, USTACK_DEPTH, WakeupEvent, counter, func, kind,
-    numa_task, switch_flags,
+    SampleEvent, SwitchEvent, TaskEvent, TpOffsets, USTACK_DEPTH, WakeupEvent, call_stacks,
+    counter, func, kind, numa_task, switch_flags,
 };
 
 /// Every record, in one ring buffer (sized by user space at load).
@@ -98,7 +98,7 @@ static OFFSETS: TpOffsets = TpOffsets {
 #[unsafe(no_mangle)]
 static CONFIG: Config = Config {
     offcpu_stacks: 0,
-    _pad: 0,
+    call_stacks: 0,
     wakeup_bytes: 0,
 };
 
@@ -200,6 +200,12 @@ pub fn uprobe_lib_call(ctx: ProbeContext) -> u32 {
             regs.rdi, regs.rsi, regs.rdx, regs.rcx, regs.r8, regs.r9, 0, 0,
         ],
     };
+    // SAFETY: a plain read of a read-only global.
+    let stacks = unsafe { core::ptr::read_volatile(&raw const CONFIG.call_stacks) };
+    if call_stacks::wanted(stacks, func_id) {
+        // Where the call was made from: the wait inside it is drawn at this call site.
+        emit_entry_stack(ctx.as_ptr(), regs.rsp, tgid, tid);
+    }
     if func_id == func::NVTX_RANGE_PUSH_A {
         // The range's name, into the argument slots the function does not use.
         let mut message = [0u8; func::NVTX_MESSAGE_BYTES];
@@ -666,6 +672,43 @@ pub fn perf_event_cpu_clock(ctx: PerfEventContext) -> u32 {
 
 /// Submits the current task's kernel and user stacks as a `SampleEvent` of `kind`.
 #[inline(always)]
+/// The user stack at the first instruction of a traced function. Frame-pointer unwinding
+/// there skips the caller (the callee has not pushed its frame yet, so the frame pointer
+/// is still the caller's): the caller's return address is read from the top of the stack
+/// and put second, after the function itself.
+#[inline(always)]
+fn emit_entry_stack(ctx: *mut core::ffi::c_void, rsp: u64, tgid: u32, tid: u32) {
+    let Some(mut entry) = EVENTS.reserve::<SampleEvent>(0) else {
+        bump(u32::from(kind::CALL_STACK));
+        return;
+    };
+    let event = entry.as_mut_ptr();
+    // SAFETY: `event` points at reserved ring-buffer memory of the right size; the fields
+    // user space reads are written here; the user read is checked by the helper.
+    unsafe {
+        (*event).hdr = header(kind::CALL_STACK, tgid, tid);
+        (*event).kstack_len = 0;
+        let stack = &raw mut (*event).ustack;
+        let u = bpf_get_stack(
+            ctx,
+            stack.cast::<u64>().add(1).cast(),
+            ((USTACK_DEPTH - 1) * 8) as u32,
+            u64::from(BPF_F_USER_STACK),
+        );
+        let frames = if u > 0 { (u / 8) as usize } else { 0 };
+        let caller = bpf_probe_read_user(rsp as *const u64).unwrap_or(0);
+        if frames > 0 && caller != 0 {
+            // [function, caller, the caller's callers...]
+            (*stack)[0] = (*stack)[1];
+            (*stack)[1] = caller;
+            (*event).ustack_len = (frames + 1) as u32;
+        } else {
+            (*event).ustack_len = 0;
+        }
+    }
+    entry.submit(wake_flags());
+}
+
 fn emit_stacks(ctx: *mut core::ffi::c_void, kind: u16, tgid: u32, tid: u32) {
     let Some(mut entry) = EVENTS.reserve::<SampleEvent>(0) else {
         bump(u32::from(kind));
