@@ -670,8 +670,6 @@ pub fn perf_event_cpu_clock(ctx: PerfEventContext) -> u32 {
     0
 }
 
-/// Submits the current task's kernel and user stacks as a `SampleEvent` of `kind`.
-#[inline(always)]
 /// The user stack at the first instruction of a traced function. Frame-pointer unwinding
 /// there skips the caller (the callee has not pushed its frame yet, so the frame pointer
 /// is still the caller's): the caller's return address is read from the top of the stack
@@ -709,6 +707,8 @@ fn emit_entry_stack(ctx: *mut core::ffi::c_void, rsp: u64, tgid: u32, tid: u32) 
     entry.submit(wake_flags());
 }
 
+/// Submits the current task's kernel and user stacks as a `SampleEvent` of `kind`.
+#[inline(always)]
 fn emit_stacks(ctx: *mut core::ffi::c_void, kind: u16, tgid: u32, tid: u32) {
     let Some(mut entry) = EVENTS.reserve::<SampleEvent>(0) else {
         bump(u32::from(kind));
