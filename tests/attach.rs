@@ -226,7 +226,12 @@ fn no_programs_left() {
 /// Trains `steps` steps with the stand-in NCCL and CUDA, attached from the first step.
 fn traced_trainer(steps: u32, env: &[(&str, &str)]) -> (Value, Value, PathBuf, tempfile::TempDir) {
     let (truth, summary, out, dir, _) =
-        traced_trainer_with(steps, env, &["--compute-us", "500"], &[]);
+        traced_trainer_with(
+            steps,
+            env,
+            &["--compute-us", "500", "--fault-pages", "512"],
+            &[],
+        );
     (truth, summary, out, dir)
 }
 
@@ -292,8 +297,9 @@ fn counts_every_call_of_the_trainer() {
     assert_eq!(summary["lost_events"], 0);
     assert_eq!(summary["stop_reason"], "every target exited");
     assert_eq!(summary["nccl"]["errors"], 0);
-    // 64 fresh pages a step, each a fault.
-    assert!(summary["memory"]["page_faults"].as_u64().unwrap() >= 25 * 64);
+    // 512 fresh pages a step, each a fault (enough fault time, over 10 ms, that the
+    // default 999 Hz sampling surely lands in some: the attributed graph's page_fault).
+    assert!(summary["memory"]["page_faults"].as_u64().unwrap() >= 25 * 512);
     if std::thread::available_parallelism().map_or(1, usize::from) > 1 {
         assert!(summary["sched"]["migrations"].as_u64().unwrap() >= 1);
     }
@@ -1598,4 +1604,30 @@ fn verifier_rejection_names_program_and_kernel() {
     );
     assert!(text.contains("invalid mem access"), "{text}");
     assert_eq!(nccltrace::Error::from(err).exit_code(), 1);
+}
+
+/// JIT-compiled code (the trainer's `--jit` trampoline, named in /tmp/perf-PID.map the way
+/// Python 3.12's perf trampolines name Python functions): the on-CPU flamegraph names it
+/// between `main` and `compute`; the names are kept in the recording, so `report` gives
+/// them after the map file is gone.
+#[test]
+fn jit_frames_named_from_perf_map() {
+    let _serial = privileged();
+    let (_, summary, out, dir, _) =
+        traced_trainer_with(20, &[("FAKE_NCCL_US", "300")], &["--jit"], &[]);
+    let pid = summary["targets"][0]["pid"].as_u64().unwrap();
+    let oncpu = std::fs::read_to_string(out.join("flamegraph-oncpu.folded")).unwrap();
+    std::fs::remove_file(format!("/tmp/perf-{pid}.map")).unwrap();
+    let frame = ";main;py::train_step:/app/train.py;compute";
+    assert!(oncpu.lines().any(|l| l.contains(frame)), "{oncpu}");
+    let again = dir.path().join("again");
+    let report = agent()
+        .args(["report", "--out"])
+        .arg(&again)
+        .arg(out.join("recording.nctr"))
+        .output()
+        .unwrap();
+    assert_eq!(report.status.code(), Some(0));
+    let replayed = std::fs::read_to_string(again.join("flamegraph-oncpu.folded")).unwrap();
+    assert!(replayed.lines().any(|l| l.contains(frame)), "{replayed}");
 }

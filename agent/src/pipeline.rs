@@ -141,6 +141,7 @@ pub struct Aggregator {
     call_stacks: u64,
     timeline: Timeline,
     kernel_symbols: BTreeMap<u64, String>,
+    jit_symbols: BTreeMap<u32, Vec<(u64, u64, String)>>,
     end: Option<Meta>,
     incomplete: Option<String>,
 }
@@ -163,6 +164,7 @@ impl Aggregator {
             offcpu_stacks: 0,
             call_stacks: 0,
             kernel_symbols: BTreeMap::new(),
+            jit_symbols: BTreeMap::new(),
             end: None,
             incomplete: None,
         }
@@ -244,6 +246,9 @@ impl Aggregator {
     pub fn meta(&mut self, meta: Meta) {
         match meta {
             Meta::KernelSymbols { symbols } => self.kernel_symbols.extend(symbols),
+            Meta::JitSymbols { pid, symbols } => {
+                self.jit_symbols.entry(pid).or_default().extend(symbols);
+            }
             Meta::Target { target } => {
                 self.timeline.add_target(&target);
                 self.header.targets.push(*target);
@@ -296,9 +301,8 @@ impl Aggregator {
                 };
                 (end_monotonic_ns, Some(reason), lost_by_kind, counters)
             }
-            Some(Meta::KernelSymbols { .. } | Meta::Target { .. }) | None => {
-                (self.last_ts, None, BTreeMap::new(), BTreeMap::new())
-            }
+            Some(Meta::KernelSymbols { .. } | Meta::JitSymbols { .. } | Meta::Target { .. })
+            | None => (self.last_ts, None, BTreeMap::new(), BTreeMap::new()),
         };
         let incomplete = self.incomplete.or_else(|| {
             stop_reason.is_none().then(|| {
@@ -362,6 +366,7 @@ impl Aggregator {
             steps,
             detail,
             kernel_symbols: self.kernel_symbols,
+            jit_symbols: self.jit_symbols,
             header: self.header,
         }
     }
@@ -375,6 +380,8 @@ pub struct Outputs {
     pub detail: crate::attribute::Detail,
     /// Kernel frame names recorded at the end of the live run.
     pub kernel_symbols: BTreeMap<u64, String>,
+    /// JIT code names per target (perf map files), recorded at the end of the live run.
+    pub jit_symbols: BTreeMap<u32, Vec<(u64, u64, String)>>,
     pub header: Header,
 }
 
@@ -471,6 +478,7 @@ fn write_others(
         &outputs.header,
         &outputs.detail.stacks,
         &outputs.kernel_symbols,
+        &outputs.jit_symbols,
     );
     log::debug!("symbolized in {:?}", started.elapsed());
     let mut steps = outputs.steps.clone();

@@ -154,6 +154,12 @@ pub enum Meta {
     /// Names of the kernel frames seen in stacks, from /proc/kallsyms at the end of the
     /// live run, so `report` symbolizes kernel frames on any machine.
     KernelSymbols { symbols: Vec<(u64, String)> },
+    /// Names of a target's JIT-compiled code (from its `/tmp/perf-PID.map`, as Python
+    /// 3.12's perf trampolines write it), the entries its stacks touch: (start, size, name).
+    JitSymbols {
+        pid: u32,
+        symbols: Vec<(u64, u64, String)>,
+    },
     /// A target attached during the run (`--follow`): it joins the header's targets.
     Target { target: Box<TargetInfo> },
 }

@@ -1,6 +1,8 @@
 //! Symbolize stage: user frames with blazesym (ELF symbols and DWARF, demangled), one pass
 //! per file, from the maps kept in the recording; kernel frames from the names recorded
-//! out of /proc/kallsyms at the end of the live run. Works after the target has exited.
+//! out of /proc/kallsyms at the end of the live run; JIT-compiled code (Python 3.12's perf
+//! trampolines, other JITs) from the target's `/tmp/perf-PID.map`, also recorded then.
+//! Works after the target has exited.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
@@ -60,6 +62,65 @@ pub fn kernel_addresses(stacks: &[StackKey]) -> BTreeSet<u64> {
         .collect()
 }
 
+/// Entries of a perf map file (`START SIZE NAME`, hex, one per line; the convention JITs
+/// share with `perf`): (start, size, name), by start. Lines that do not parse are skipped.
+#[must_use]
+pub fn parse_perf_map(text: &str) -> Vec<(u64, u64, String)> {
+    let hex = |s: &str| u64::from_str_radix(s.trim_start_matches("0x"), 16).ok();
+    let mut out: Vec<(u64, u64, String)> = text
+        .lines()
+        .filter_map(|line| {
+            let mut parts = line.splitn(3, ' ');
+            let start = hex(parts.next()?)?;
+            let size = hex(parts.next()?)?;
+            let name = parts.next()?.trim();
+            (!name.is_empty() && size > 0).then(|| (start, size, name.to_owned()))
+        })
+        .collect();
+    out.sort_by_key(|e| e.0);
+    out
+}
+
+/// The index of the JIT entry covering `addr`, from entries sorted by start.
+fn jit_index(entries: &[(u64, u64, String)], addr: u64) -> Option<usize> {
+    let i = entries.partition_point(|e| e.0 <= addr).checked_sub(1)?;
+    let (start, size, _) = &entries[i];
+    (addr < start.saturating_add(*size)).then_some(i)
+}
+
+/// The address to look up for the `i`-th frame (innermost first) of a user stack: outer
+/// frames are return addresses, so the call instruction is just before them.
+fn lookup_address(i: usize, addr: u64) -> u64 {
+    if i == 0 { addr } else { addr.saturating_sub(1) }
+}
+
+/// The perf map entries of process `pid` that cover an address of its user stacks: read
+/// from `/tmp/perf-N.map` in its mount namespace (N its pid there) while it runs, else from
+/// this host's /tmp.
+#[must_use]
+pub fn jit_symbols(pid: u32, stacks: &[StackKey]) -> Vec<(u64, u64, String)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let ns_pid = status
+        .lines()
+        .find_map(|l| l.strip_prefix("NSpid:"))
+        .and_then(|v| v.split_whitespace().last())
+        .and_then(|v| v.parse::<u32>().ok())
+        .unwrap_or(pid);
+    let text = std::fs::read_to_string(readable(pid, &format!("/tmp/perf-{ns_pid}.map")))
+        .or_else(|_| std::fs::read_to_string(format!("/tmp/perf-{pid}.map")));
+    let Ok(text) = text else {
+        return Vec::new();
+    };
+    let entries = parse_perf_map(&text);
+    let mut used = BTreeSet::new();
+    for s in stacks.iter().filter(|s| s.pid == pid) {
+        for (i, addr) in s.ustack.iter().enumerate() {
+            used.extend(jit_index(&entries, lookup_address(i, *addr)));
+        }
+    }
+    used.into_iter().map(|j| entries[j].clone()).collect()
+}
+
 /// The file to read for `path` of process `pid`: through its root while it runs, else
 /// the same path here.
 fn readable(pid: u32, path: &str) -> PathBuf {
@@ -77,7 +138,13 @@ fn readable(pid: u32, path: &str) -> PathBuf {
 /// Symbolizes every user frame of `stacks` (one blazesym pass per file) and takes the
 /// kernel names as recorded.
 #[must_use]
-pub fn symbolize(header: &Header, stacks: &[StackKey], kernel: &BTreeMap<u64, String>) -> Symbols {
+pub fn symbolize(
+    header: &Header,
+    stacks: &[StackKey],
+    kernel: &BTreeMap<u64, String>,
+    jit: &BTreeMap<u32, Vec<(u64, u64, String)>>,
+) -> Symbols {
+    let mut user = HashMap::new();
     let maps: HashMap<u32, Vec<MapEntry>> = header
         .targets
         .iter()
@@ -94,21 +161,24 @@ pub fn symbolize(header: &Header, stacks: &[StackKey], kernel: &BTreeMap<u64, St
     let mut by_file: BTreeMap<(u32, String), Vec<(u64, u64)>> = BTreeMap::new();
     let mut seen = BTreeSet::new();
     for s in stacks {
-        let Some(entries) = maps.get(&s.pid) else {
-            continue;
-        };
+        let entries = maps.get(&s.pid).map_or(&[][..], Vec::as_slice);
         for (i, addr) in s.ustack.iter().copied().enumerate() {
             if !seen.insert((s.pid, addr)) {
                 continue;
             }
-            // Outer frames are return addresses: look up the call instruction before them.
-            let lookup = if i == 0 { addr } else { addr.saturating_sub(1) };
+            let lookup = lookup_address(i, addr);
             let j = entries.partition_point(|m| m.start <= lookup);
             let Some(m) = j
                 .checked_sub(1)
                 .map(|j| &entries[j])
                 .filter(|m| lookup < m.end)
             else {
+                // Not in a file: JIT-compiled code, named by the target's perf map.
+                if let Some(entries) = jit.get(&s.pid)
+                    && let Some(j) = jit_index(entries, lookup)
+                {
+                    user.insert((s.pid, addr), entries[j].2.clone());
+                }
                 continue;
             };
             let path = m.path.clone().unwrap_or_default();
@@ -119,7 +189,6 @@ pub fn symbolize(header: &Header, stacks: &[StackKey], kernel: &BTreeMap<u64, St
         }
     }
     let symbolizer = Symbolizer::new();
-    let mut user = HashMap::new();
     for ((pid, path), addrs) in by_file {
         let offsets: Vec<u64> = addrs.iter().map(|(_, off)| *off).collect();
         let source = Source::Elf(Elf::new(readable(pid, &path)));
@@ -146,6 +215,31 @@ pub fn symbolize(header: &Header, stacks: &[StackKey], kernel: &BTreeMap<u64, St
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Perf map lines parse (bad ones skipped); an address not in any mapped file is named
+    /// by the entry covering it, a return address by the entry covering the call before it.
+    #[test]
+    fn jit_frames_from_perf_map() {
+        let entries = parse_perf_map(
+            "7f0000001000 20 py::train_step:/app/train.py\n\
+             garbage\n\
+             7f0000000000 10 py::<module>:/app/train.py\n\
+             zz 10 bad\n",
+        );
+        assert_eq!(entries.len(), 2);
+        assert_eq!(entries[0].2, "py::<module>:/app/train.py");
+        let jit: BTreeMap<u32, Vec<(u64, u64, String)>> = [(1, entries)].into();
+        let stacks = vec![StackKey {
+            pid: 1,
+            kstack: vec![],
+            ustack: vec![0x7f00_0000_1005, 0x7f00_0000_1020, 0x7f00_0000_0400],
+        }];
+        let s = symbolize(&Header::default(), &stacks, &BTreeMap::new(), &jit);
+        assert_eq!(s.user(1, 0x7f00_0000_1005), "py::train_step:/app/train.py");
+        // A return address just past the entry's end: the call was inside it.
+        assert_eq!(s.user(1, 0x7f00_0000_1020), "py::train_step:/app/train.py");
+        assert!(s.user(1, 0x7f00_0000_0400).starts_with("[unknown]"));
+    }
 
     /// An address inside a function is named after it; one before the first is not.
     #[test]
@@ -186,7 +280,7 @@ mod tests {
             ustack: vec![0x1_0000_0000 + main_off],
         }];
         let kernel: BTreeMap<u64, String> = [(5, "schedule".to_owned())].into();
-        let s = symbolize(&header, &stacks, &kernel);
+        let s = symbolize(&header, &stacks, &kernel, &BTreeMap::new());
         assert_eq!(s.user(1, 0x1_0000_0000 + main_off), "main");
         assert_eq!(s.kernel(5), "schedule");
         assert!(s.user(1, 7).starts_with("[unknown]"));

@@ -320,6 +320,30 @@ fn health_report(out: &std::path::Path, pid: u32) -> Result<(), Error> {
     Ok(())
 }
 
+/// Names that only this host knows at the end of the run, added to `outputs` and returned
+/// as records for the recording (so `report` elsewhere names the same frames): kernel
+/// frames from /proc/kallsyms, JIT code (Python's perf trampolines) from each target's
+/// perf map, which may be gone by the time a report is made.
+fn record_symbols(outputs: &mut crate::pipeline::Outputs) -> Vec<Meta> {
+    let kernel_ips = crate::symbolize::kernel_addresses(&outputs.detail.stacks);
+    let kernel = std::fs::read_to_string("/proc/kallsyms")
+        .map(|text| crate::symbolize::kernel_names(&text, &kernel_ips))
+        .unwrap_or_default();
+    outputs.kernel_symbols.extend(kernel.iter().cloned());
+    let mut records = vec![Meta::KernelSymbols { symbols: kernel }];
+    for t in &outputs.header.targets {
+        let symbols = crate::symbolize::jit_symbols(t.pid, &outputs.detail.stacks);
+        if !symbols.is_empty() {
+            outputs.jit_symbols.insert(t.pid, symbols.clone());
+            records.push(Meta::JitSymbols {
+                pid: t.pid,
+                symbols,
+            });
+        }
+    }
+    records
+}
+
 async fn trace(settings: Settings, targets: &[source::Target]) -> Result<(), Error> {
     if let Some(first) = targets.first() {
         health_report(&settings.out, first.pid)?;
@@ -398,13 +422,11 @@ async fn trace(settings: Settings, targets: &[source::Target]) -> Result<(), Err
         "nccltrace: attributed in {:.1} s",
         started.elapsed().as_secs_f64()
     );
-    let kernel_ips = crate::symbolize::kernel_addresses(&outputs.detail.stacks);
-    let kernel = std::fs::read_to_string("/proc/kallsyms")
-        .map(|text| crate::symbolize::kernel_names(&text, &kernel_ips))
-        .unwrap_or_default();
-    outputs.kernel_symbols.extend(kernel.iter().cloned());
+    let symbols = record_symbols(&mut outputs);
     let write_end = writer.and_then(|mut w| {
-        w.meta(&Meta::KernelSymbols { symbols: kernel })?;
+        for m in &symbols {
+            w.meta(m)?;
+        }
         w.meta(&end)?;
         w.finish()
     });
