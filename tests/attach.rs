@@ -225,13 +225,12 @@ fn no_programs_left() {
 
 /// Trains `steps` steps with the stand-in NCCL and CUDA, attached from the first step.
 fn traced_trainer(steps: u32, env: &[(&str, &str)]) -> (Value, Value, PathBuf, tempfile::TempDir) {
-    let (truth, summary, out, dir, _) =
-        traced_trainer_with(
-            steps,
-            env,
-            &["--compute-us", "500", "--fault-pages", "512"],
-            &[],
-        );
+    let (truth, summary, out, dir, _) = traced_trainer_with(
+        steps,
+        env,
+        &["--compute-us", "500", "--fault-pages", "512"],
+        &[],
+    );
     (truth, summary, out, dir)
 }
 
