@@ -194,15 +194,16 @@ impl Aggregator {
                 Library::Nccl => {
                     let s = self.nccl.entry(call.func).or_default();
                     s.calls += 1;
-                    s.bytes += call.bytes.unwrap_or(0);
-                    s.enqueue_ns += call.duration_ns();
+                    // Saturating: a damaged recording may carry any value.
+                    s.bytes = s.bytes.saturating_add(call.bytes.unwrap_or(0));
+                    s.enqueue_ns = s.enqueue_ns.saturating_add(call.duration_ns());
                     s.errors += u64::from(call.ret != 0);
                     self.threads.insert(call.task.tid);
                 }
                 Library::Cuda => {
                     let s = self.cuda.entry(call.func).or_default();
                     s.calls += 1;
-                    s.wait_ns += call.duration_ns();
+                    s.wait_ns = s.wait_ns.saturating_add(call.duration_ns());
                 }
                 Library::Marker | Library::Nvtx => {}
             },
@@ -227,13 +228,17 @@ impl Aggregator {
                 ts_ns, start_ns, ..
             } => {
                 self.memory.timed_faults += 1;
-                self.memory.fault_handler_ns += ts_ns - start_ns;
+                self.memory.fault_handler_ns = self
+                    .memory
+                    .fault_handler_ns
+                    .saturating_add(ts_ns.saturating_sub(*start_ns));
             }
             Event::PageMigration {
                 succeeded, failed, ..
             } => {
-                self.memory.pages_migrated += succeeded;
-                self.memory.page_migrations_failed += failed;
+                self.memory.pages_migrated = self.memory.pages_migrated.saturating_add(*succeeded);
+                self.memory.page_migrations_failed =
+                    self.memory.page_migrations_failed.saturating_add(*failed);
             }
             Event::NumaTask { .. } => self.memory.numa_task_events += 1,
             Event::Sample { .. } => self.samples += 1,
@@ -315,14 +320,14 @@ impl Aggregator {
         let mut nccl = NcclStats::default();
         for (func, s) in self.nccl {
             nccl.calls += s.calls;
-            nccl.bytes += s.bytes;
+            nccl.bytes = nccl.bytes.saturating_add(s.bytes);
             nccl.errors += s.errors;
             nccl.by_op.insert(func.name().to_owned(), s);
         }
         let mut cuda_sync = CudaSyncStats::default();
         for (func, s) in self.cuda {
             cuda_sync.calls += s.calls;
-            cuda_sync.wait_ns += s.wait_ns;
+            cuda_sync.wait_ns = cuda_sync.wait_ns.saturating_add(s.wait_ns);
             cuda_sync.by_func.insert(func.name().to_owned(), s);
         }
         let mut sched = self.sched;
@@ -522,4 +527,44 @@ fn write_others(
         failed.get_or_insert((stdout.to_owned(), e));
     }
     failed.map_or(Ok(()), Err)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::event::{Call, Task};
+
+    /// Totals from a damaged recording saturate instead of overflowing: the fuzzer found
+    /// two calls whose byte counts add past u64::MAX (a panic with overflow checks on).
+    #[test]
+    fn totals_saturate() {
+        let mut agg = Aggregator::new(Header::default());
+        for func in [Func::AllReduce, Func::AllReduce, Func::CuStreamSynchronize] {
+            agg.push(&Event::Call(Call {
+                task: Task {
+                    tgid: 1,
+                    tid: 1,
+                    cpu: 0,
+                },
+                func,
+                start_ns: 0,
+                end_ns: u64::MAX,
+                ret: 0,
+                count: None,
+                datatype: None,
+                bytes: Some(u64::MAX - 1),
+                redop: None,
+                peer: None,
+                comm: Some(1),
+                stream: None,
+                new_comm: None,
+                rank: None,
+                nranks: None,
+                message: None,
+            }));
+        }
+        let out = agg.finish(StepRule::Auto);
+        assert_eq!(out.summary.nccl.bytes, u64::MAX);
+        assert_eq!(out.summary.nccl.by_op["AllReduce"].enqueue_ns, u64::MAX);
+    }
 }

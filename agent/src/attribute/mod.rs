@@ -771,7 +771,7 @@ impl Timeline {
                     rank_source: id.rank_source.clone(),
                     nccl: ranks::RankNccl {
                         calls: colls.len() as u64,
-                        bytes: colls.iter().map(|c| c.bytes).sum(),
+                        bytes: colls.iter().fold(0u64, |n, c| n.saturating_add(c.bytes)),
                     },
                     categories: loop_threads
                         .get(&id.pid)
@@ -989,7 +989,7 @@ impl Timeline {
             .take_while(|c| c.start_ns < b)
             .fold(NcclCount::default(), |n, c| NcclCount {
                 calls: n.calls + 1,
-                bytes: n.bytes + c.bytes,
+                bytes: n.bytes.saturating_add(c.bytes),
             });
         let faults =
             log.faults.partition_point(|t| *t < b) - log.faults.partition_point(|t| *t < a);
