@@ -238,6 +238,9 @@ mod tests {
             topology::pages_per_node("7f00 default anon=3 N0=2 N1=1\n7f01 N1=5"),
             [(0, 2), (1, 6)].into()
         );
+        // Damaged counts saturate (a fuzzer-found overflow).
+        let huge = format!("N0={m} N0={m}", m = u64::MAX);
+        assert_eq!(topology::pages_per_node(&huge), [(0, u64::MAX)].into());
     }
 
     /// One node, one GPU, the rank on it: nothing to fix.

@@ -197,7 +197,8 @@ pub fn pages_per_node(numa_maps: &str) -> BTreeMap<i32, u64> {
             continue;
         };
         if let (Ok(node), Ok(count)) = (node.parse::<i32>(), count.parse::<u64>()) {
-            *pages.entry(node).or_insert(0) += count;
+            let n = pages.entry(node).or_insert(0u64);
+            *n = n.saturating_add(count);
         }
     }
     pages
