@@ -8,6 +8,8 @@ BIN=${1:?usage: faults.sh NCCLTRACE_BINARY FIXTURES_DIR}
 FIX=${2:?usage: faults.sh NCCLTRACE_BINARY FIXTURES_DIR}
 OUT=${OUT:-./gpu-out}/faults
 PY=${PYTHON:-python3}
+# shellcheck source=lib.sh
+. "$(cd "$(dirname "$0")" && pwd)/lib.sh"
 mkdir -p "$OUT"
 # The stand-in libnccl must find the stand-in libcuda, not a real one on the library path.
 export LD_LIBRARY_PATH="$FIX"
@@ -17,17 +19,10 @@ for mode in blocking sleeping spinning; do
     sleeping) envs="FAKE_NCCL_US=300" ;;
     spinning) envs="FAKE_NCCL_US=300 FAKE_CUDA_SPIN=1" ;;
   esac
-  go="$OUT/$mode.go"; rm -f "$go"
-  env $envs "$FIX/trainer" --steps 60 --compute-us 2000 --fault-pages 1000 --go-file "$go" \
-    > "$OUT/$mode-truth.json" &
-  pid=$!
-  for _ in $(seq 100); do grep -q ready "$OUT/$mode-truth.json" 2>/dev/null && break; sleep 0.1; done
-  "$BIN" attach --sample-hz 20000 --pid "$pid" --out "$OUT/$mode" --force > "$OUT/$mode-stdout.txt" 2> "$OUT/$mode-stderr.txt" &
-  agent=$!
-  for _ in $(seq 300); do grep -q "attached to pid" "$OUT/$mode-stderr.txt" 2>/dev/null && break; sleep 0.1; done
-  touch "$go"
-  wait "$pid"; wait "$agent"; echo "agent exit $?" >> "$OUT/$mode-stderr.txt"
-  "$PY" - "$OUT/$mode-truth.json" "$OUT/$mode/steps.json" "$mode" <<'PYEOF'
+  # shellcheck disable=SC2086 # $envs is a list of NAME=VALUE words
+  traced "$OUT/$mode" "$OUT/$mode" --sample-hz 20000 -- \
+    env $envs "$FIX/trainer" --steps 60 --compute-us 2000 --fault-pages 1000
+  "$PY" - "$OUT/$mode-traced.json" "$OUT/$mode/steps.json" "$mode" <<'PYEOF'
 import json, statistics, sys
 truth = [json.loads(l) for l in open(sys.argv[1]) if l.startswith('{"step"')]
 report = json.load(open(sys.argv[2]))

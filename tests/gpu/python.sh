@@ -9,20 +9,14 @@ STEPS=${2:-100}
 OUT=${OUT:-./gpu-out}/python
 HERE=$(cd "$(dirname "$0")" && pwd)
 PY=${PYTHON:-python3}
+# shellcheck source=lib.sh
+. "$HERE/lib.sh"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT"
 "$PY" -c 'import sys, sysconfig; print(sys.version.split()[0], sysconfig.get_config_var("CFLAGS"))' > "$OUT/python.txt" 2>&1
-go="$OUT/go"; rm -f "$go"
-PYTHONPERFSUPPORT=1 "$PY" "$HERE/train.py" --mode ddp --steps "$STEPS" --go-file "$go" > "$OUT/traced.json" 2> "$OUT/traced.err" &
-pid=$!
-for _ in $(seq 600); do grep -q ready "$OUT/traced.json" 2>/dev/null && break; sleep 0.1; done
-"$BIN" attach --pid "$pid" --out "$OUT/ddp" --force > "$OUT/stdout.txt" 2> "$OUT/stderr.txt" &
-agent=$!
-for _ in $(seq 600); do grep -q "attached to pid" "$OUT/stderr.txt" 2>/dev/null && break; sleep 0.1; done
-touch "$go"
-wait "$pid"; wait "$agent"; echo "agent exit $?" >> "$OUT/stderr.txt"
+traced "$OUT/ddp" "$OUT/ddp" -- env PYTHONPERFSUPPORT=1 "$PY" "$HERE/train.py" --mode ddp --steps "$STEPS"
 echo "== python: $(cat "$OUT/python.txt")"
-tail -2 "$OUT/stderr.txt"
+tail -2 "$OUT/ddp-stderr.txt"
 for f in oncpu nccl-wait offcpu attributed; do
   folded="$OUT/ddp/flamegraph-$f.folded"
   echo "$f: $(grep -c 'py::' "$folded") of $(wc -l < "$folded") stacks name Python functions"

@@ -8,6 +8,8 @@ STEPS=${2:-300}
 OUT=${OUT:-./gpu-out}
 HERE=$(cd "$(dirname "$0")" && pwd)
 PY=${PYTHON:-python3}
+# shellcheck source=lib.sh
+. "$HERE/lib.sh"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
@@ -16,16 +18,7 @@ nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
 for mode in ddp allreduce; do
   # Untraced before and after the traced run, so drift shows as a difference between them.
   "$PY" "$HERE/train.py" --mode "$mode" --steps "$STEPS" > "$OUT/$mode-untraced-before.json" 2> "$OUT/$mode-untraced-before.err"
-  go="$OUT/$mode.go"; rm -f "$go"
-  "$PY" "$HERE/train.py" --mode "$mode" --steps "$STEPS" --go-file "$go" > "$OUT/$mode-traced.json" 2> "$OUT/$mode-traced.err" &
-  pid=$!
-  for _ in $(seq 600); do grep -q ready "$OUT/$mode-traced.json" 2>/dev/null && break; sleep 0.1; done
-  "$BIN" attach --pid "$pid" --out "$OUT/$mode" --force > "$OUT/$mode-stdout.txt" 2> "$OUT/$mode-stderr.txt" &
-  agent=$!
-  for _ in $(seq 600); do grep -q "attached to pid" "$OUT/$mode-stderr.txt" 2>/dev/null && break; sleep 0.1; done
-  touch "$go"
-  wait "$pid"; echo "trainer exit $?" >> "$OUT/$mode-stderr.txt"
-  wait "$agent"; echo "agent exit $?" >> "$OUT/$mode-stderr.txt"
+  traced "$OUT/$mode" "$OUT/$mode" -- "$PY" "$HERE/train.py" --mode "$mode" --steps "$STEPS"
   "$PY" "$HERE/train.py" --mode "$mode" --steps "$STEPS" > "$OUT/$mode-untraced.json" 2> "$OUT/$mode-untraced.err"
   echo "== $mode"; cat "$OUT/$mode-untraced-before.json" "$OUT/$mode-traced.json" "$OUT/$mode-untraced.json"; tail -3 "$OUT/$mode-stderr.txt"
   cat "$OUT/$mode-stdout.txt"

@@ -871,22 +871,25 @@ impl Timeline {
     }
 
     /// Per-thread timelines with categorized pieces, samples and off-CPU stretches.
-    fn detail(&self, rank_tid: Option<u32>, end_ns: u64) -> Detail {
+    /// What the renderers need, moved out of the logs (the last use of them: each log is
+    /// dropped once its thread is done, so the run is not held twice).
+    fn detail(&mut self, rank_tid: Option<u32>, end_ns: u64) -> Detail {
+        // The interning index repeats every stack: not needed past this point.
+        self.stack_ids = std::collections::HashMap::new();
         let mut threads = Vec::new();
-        for (tid, log) in &self.threads {
-            let segments = log.segments.clone();
-            let name = self.thread_names.get(tid).cloned().unwrap_or_default();
+        for (tid, mut log) in std::mem::take(&mut self.threads) {
+            let name = self.thread_names.get(&tid).cloned().unwrap_or_default();
             let mut thread = ThreadDetail {
-                tid: *tid,
+                tid,
                 pid: log.pid,
-                role: role(Some(*tid) == rank_tid, &name),
+                role: role(Some(tid) == rank_tid, &name),
                 name,
-                segments,
+                segments: std::mem::take(&mut log.segments),
                 samples: Vec::new(),
                 offcpu: Vec::new(),
-                migrations: log.migration_cpus.clone(),
-                faults: log.faults.clone(),
-                call_stacks: log.call_stacks.clone(),
+                migrations: std::mem::take(&mut log.migration_cpus),
+                faults: std::mem::take(&mut log.faults),
+                call_stacks: std::mem::take(&mut log.call_stacks),
             };
             let fault_weight: BTreeMap<u64, u64> = log.fault_time.iter().copied().collect();
             for &(ts, stack, in_fault) in &log.stack_samples {
@@ -941,8 +944,8 @@ impl Timeline {
             first_ns: self.first_ns,
             end_ns,
             threads,
-            stacks: self.stacks.clone(),
-            calls: self.calls.clone(),
+            stacks: std::mem::take(&mut self.stacks),
+            calls: std::mem::take(&mut self.calls),
             cpu_nodes: self.cpu_nodes.clone(),
             sample_period_ns: self.sample_period_ns,
             step_bounds: Vec::new(),

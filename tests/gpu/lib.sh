@@ -1,0 +1,26 @@
+# Shared by the GPU-host scripts (sourced). BIN must name the nccltrace binary.
+#
+# traced PREFIX AGENT_OUT [AGENT_ARGS...] -- COMMAND...
+#   Starts COMMAND --go-file PREFIX.go (it prints "ready", then waits for that file), attaches
+#   `nccltrace attach AGENT_ARGS --out AGENT_OUT` to it, releases it and waits for both.
+#   COMMAND's output: PREFIX-traced.json / PREFIX-traced.err; nccltrace's: PREFIX-stdout.txt /
+#   PREFIX-stderr.txt, with both exit codes appended to the latter.
+traced() {
+  local prefix=$1 agent_out=$2
+  shift 2
+  local args=()
+  while [ "$#" -gt 0 ] && [ "$1" != "--" ]; do args+=("$1"); shift; done
+  shift
+  local go="$prefix.go"
+  rm -f "$go"
+  "$@" --go-file "$go" > "$prefix-traced.json" 2> "$prefix-traced.err" &
+  local pid=$!
+  for _ in $(seq 600); do grep -q ready "$prefix-traced.json" 2>/dev/null && break; sleep 0.1; done
+  "$BIN" attach "${args[@]}" --pid "$pid" --out "$agent_out" --force \
+    > "$prefix-stdout.txt" 2> "$prefix-stderr.txt" &
+  local agent=$!
+  for _ in $(seq 600); do grep -q "attached to pid" "$prefix-stderr.txt" 2>/dev/null && break; sleep 0.1; done
+  touch "$go"
+  wait "$pid"; echo "target exit $?" >> "$prefix-stderr.txt"
+  wait "$agent"; echo "agent exit $?" >> "$prefix-stderr.txt"
+}
