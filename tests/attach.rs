@@ -1618,3 +1618,44 @@ fn jit_frames_named_from_perf_map() {
     let replayed = std::fs::read_to_string(again.join("flamegraph-oncpu.folded")).unwrap();
     assert!(replayed.lines().any(|l| l.contains(frame)), "{replayed}");
 }
+
+/// `--max-attributed-events`: when the run ends, only the last N events are attributed
+/// (bounded memory); the totals still count every call, the summary and steps.json say
+/// what was covered, and `report` on the recording attributes the whole run.
+#[test]
+fn attribution_bounded_to_the_last_events() {
+    let _serial = privileged();
+    let (truth, summary, out, dir, _) = traced_trainer_with(
+        40,
+        &[("FAKE_NCCL_US", "300")],
+        &["--compute-us", "500"],
+        &["--max-attributed-events", "2000"],
+    );
+    for (op, calls) in truth["calls"].as_object().unwrap() {
+        assert_eq!(summary["nccl"]["by_op"][op]["calls"], *calls, "{op} calls");
+    }
+    let covered = summary["attributed"].as_str().unwrap();
+    assert!(covered.contains("the last 2000 of"), "{covered}");
+    let read_steps = |dir: &Path| -> Value {
+        serde_json::from_str(&std::fs::read_to_string(dir.join("steps.json")).unwrap()).unwrap()
+    };
+    let limited = read_steps(&out);
+    assert!(
+        limited["reason"]
+            .as_str()
+            .unwrap()
+            .contains("--max-attributed-events"),
+        "{}",
+        limited["reason"]
+    );
+    let full = read_steps(&report(&out, dir.path()));
+    let (n_limited, n_full) = (
+        limited["steps"].as_array().unwrap().len(),
+        full["steps"].as_array().unwrap().len(),
+    );
+    assert!(n_full.abs_diff(40) <= 1, "{n_full} steps in the whole run");
+    assert!(
+        n_limited > 0 && n_limited < n_full,
+        "{n_limited} steps attributed at the end, {n_full} in the whole run"
+    );
+}

@@ -123,6 +123,8 @@ pub struct Summary {
     /// Set when the recording ended without its closing record (the agent was killed, or
     /// the file was cut): the numbers cover what was recorded.
     pub incomplete: Option<String>,
+    /// Set when only the end of the run was attributed (`--max-attributed-events`).
+    pub attributed: Option<String>,
 }
 
 /// Folds events into the summary.
@@ -142,6 +144,8 @@ pub struct Aggregator {
     timeline: Timeline,
     kernel_symbols: BTreeMap<u64, String>,
     jit_symbols: BTreeMap<u32, Vec<(u64, u64, String)>>,
+    /// Attribution covers only the records after this many, from this time.
+    window: Option<(u64, u64)>,
     end: Option<Meta>,
     incomplete: Option<String>,
 }
@@ -165,6 +169,7 @@ impl Aggregator {
             call_stacks: 0,
             kernel_symbols: BTreeMap::new(),
             jit_symbols: BTreeMap::new(),
+            window: None,
             end: None,
             incomplete: None,
         }
@@ -186,8 +191,14 @@ impl Aggregator {
 
     /// Adds one event.
     pub fn push(&mut self, event: &Event) {
-        self.events += 1;
         self.timeline.push(event);
+        self.count(event);
+    }
+
+    /// Counts one event in the totals without attributing it (it is before the window
+    /// the attribution covers).
+    fn count(&mut self, event: &Event) {
+        self.events += 1;
         self.last_ts = self.last_ts.max(event.ts_ns());
         match event {
             Event::Call(call) => match call.func.library() {
@@ -265,9 +276,29 @@ impl Aggregator {
     /// Adds every record `reader` has left. A damaged tail is reported on stderr and the
     /// input marked incomplete; the complete records before it are kept.
     pub fn feed<R: io::Read>(&mut self, reader: &mut Reader<R>) {
+        self.feed_last(reader, 0);
+    }
+
+    /// As [`Aggregator::feed`], attributing only the kernel records after the first `skip`
+    /// (those are counted in the totals): memory bounded by what is attributed.
+    pub fn feed_last<R: io::Read>(&mut self, reader: &mut Reader<R>, skip: u64) {
+        let mut seen = 0u64;
         loop {
             match reader.next_raw() {
                 Ok(Some(RawRecord::Kernel(bytes))) => {
+                    seen += 1;
+                    if seen <= skip {
+                        match decode::decode(bytes) {
+                            Ok(event) => self.count(&event),
+                            Err(_) => self.undecodable += 1,
+                        }
+                        continue;
+                    }
+                    if seen == skip + 1 && skip > 0 {
+                        let from = decode::decode(bytes).map_or(self.last_ts, |e| e.ts_ns());
+                        self.timeline.start_at(from);
+                        self.window = Some((skip, from));
+                    }
                     let _ = self.push_raw(bytes);
                 }
                 Ok(Some(RawRecord::Meta(meta))) => self.meta(meta),
@@ -316,7 +347,20 @@ impl Aggregator {
                     .to_owned()
             })
         });
-        let (steps, detail) = self.timeline.finish(end_ns, rule);
+        let (mut steps, detail) = self.timeline.finish(end_ns, rule);
+        let attributed = self.window.map(|(skipped, from)| {
+            format!(
+                "steps, categories, flamegraphs and trace.json cover the last {} of {} \
+                 events (from {:.1} s into the run; --max-attributed-events); the totals \
+                 cover all of them; `nccltrace report recording.nctr` attributes the whole run",
+                self.events - skipped,
+                self.events,
+                from.saturating_sub(start) as f64 / 1e9
+            )
+        });
+        if let Some(why) = &attributed {
+            steps.reason = format!("{}; {why}", steps.reason);
+        }
         let mut nccl = NcclStats::default();
         for (func, s) in self.nccl {
             nccl.calls += s.calls;
@@ -365,6 +409,7 @@ impl Aggregator {
             straggler: steps.straggler.clone(),
             agent,
             incomplete,
+            attributed,
         };
         Outputs {
             summary,

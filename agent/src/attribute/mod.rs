@@ -406,6 +406,13 @@ impl Timeline {
         }
     }
 
+    /// Attribution starts at `ts` (the earlier records were only counted): thread states
+    /// are not known before it.
+    pub fn start_at(&mut self, ts: u64) {
+        self.first_ns = self.first_ns.max(ts);
+        self.last_ns = self.last_ns.max(ts);
+    }
+
     /// A target that joined during the run (`--follow`).
     pub fn add_target(&mut self, t: &crate::record::TargetInfo) {
         self.thread_names.extend(t.threads.iter().cloned());

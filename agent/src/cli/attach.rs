@@ -52,6 +52,12 @@ pub struct AttachArgs {
     /// (nvtxRangePushA of libnvToolsExt or another library exporting it).
     #[arg(long, conflicts_with_all = ["step_window", "step_symbol"])]
     step_nvtx: Option<String>,
+    /// When the run ends, attribute (steps, categories, flamegraphs, trace) at most the
+    /// last N events, so the agent's memory at the end stays bounded (about 60 bytes an
+    /// event); totals count every event, and `nccltrace report` attributes the whole
+    /// recording. 0: no limit.
+    #[arg(long, default_value_t = 5_000_000)]
+    max_attributed_events: u64,
 }
 
 /// Validated attach settings.
@@ -65,6 +71,7 @@ struct Settings {
     step_symbol: Option<String>,
     step_nvtx: Option<String>,
     follow: bool,
+    max_attributed_events: u64,
 }
 
 impl AttachArgs {
@@ -116,6 +123,7 @@ impl AttachArgs {
             step_symbol: self.step_symbol,
             step_nvtx: self.step_nvtx,
             follow: self.follow,
+            max_attributed_events: self.max_attributed_events,
         })
     }
 }
@@ -171,7 +179,7 @@ impl LiveSink {
 
     /// Every record of the run folded into an aggregator (read back from the recording),
     /// and the writer to close the recording with, or why it was not written in full.
-    fn finish(mut self) -> (Aggregator, Result<Writer, crate::record::RecordError>) {
+    fn finish(mut self, limit: u64) -> (Aggregator, Result<Writer, crate::record::RecordError>) {
         if let Store::Disk(writer) = &mut self.store
             && let Err(e) = writer.flush()
         {
@@ -181,8 +189,13 @@ impl LiveSink {
             Store::Memory { agg, error } => (*agg, Err(error)),
             Store::Disk(writer) => {
                 let mut agg = Aggregator::new(self.header);
+                let skip = if limit == 0 {
+                    0
+                } else {
+                    self.records.saturating_sub(limit)
+                };
                 match Reader::open(&self.path) {
-                    Ok(mut reader) => agg.feed(&mut reader),
+                    Ok(mut reader) => agg.feed_last(&mut reader, skip),
                     Err(e) => agg.incomplete(e.to_string()),
                 }
                 (agg, Ok(writer))
@@ -415,7 +428,7 @@ async fn trace(settings: Settings, targets: &[source::Target]) -> Result<(), Err
         sink.records
     );
     let started = Instant::now();
-    let (mut agg, writer) = sink.finish();
+    let (mut agg, writer) = sink.finish(settings.max_attributed_events);
     agg.meta(end.clone());
     let mut outputs = agg.finish(settings.step_rule);
     eprintln!(

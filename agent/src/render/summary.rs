@@ -77,6 +77,9 @@ pub fn write_text(s: &Summary, out: &mut impl Write) -> io::Result<()> {
     for (kind, n) in s.lost_by_kind.iter().filter(|(_, n)| **n > 0) {
         writeln!(out, "  lost {kind}: {n}")?;
     }
+    if let Some(what) = &s.attributed {
+        writeln!(out, "Attributed: {what}")?;
+    }
     if let Some(why) = &s.incomplete {
         writeln!(out, "Incomplete: {why}")?;
     }
