@@ -305,13 +305,14 @@ fn unpark(tid: u32, func_id: u32) -> Option<PendingCall> {
 #[uretprobe]
 pub fn uretprobe_lib_call(ctx: RetProbeContext) -> u32 {
     let (tgid, tid) = current();
-    if !is_target(tgid) {
-        return 0;
-    }
     // SAFETY: as in the entry program.
     let func_id = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } as u32;
+    // Only target threads' entries are kept, so a found entry means a target: the target
+    // lookup is needed only when none is found.
     let Some(pending) = unpark(tid, func_id) else {
-        bump(counter::UNPAIRED_RETURN);
+        if is_target(tgid) {
+            bump(counter::UNPAIRED_RETURN);
+        }
         return 0;
     };
     let ret: i64 = ctx.ret();
