@@ -294,12 +294,16 @@ impl Aggregator {
                         }
                         continue;
                     }
-                    if seen == skip + 1 && skip > 0 {
-                        let from = decode::decode(bytes).map_or(self.last_ts, |e| e.ts_ns());
-                        self.timeline.start_at(from);
-                        self.window = Some((skip, from));
+                    match decode::decode(bytes) {
+                        Ok(event) => {
+                            if seen == skip + 1 && skip > 0 {
+                                self.timeline.start_at(event.ts_ns());
+                                self.window = Some((skip, event.ts_ns()));
+                            }
+                            self.push(&event);
+                        }
+                        Err(_) => self.undecodable += 1,
                     }
-                    let _ = self.push_raw(bytes);
                 }
                 Ok(Some(RawRecord::Meta(meta))) => self.meta(meta),
                 Ok(None) => break,
