@@ -77,7 +77,6 @@ fn add(folded: &mut BTreeMap<String, u64>, frames: &[String], ns: u64) {
     *folded.entry(line).or_insert(0) += us;
 }
 
-/// Overlap of `[a, b)` with the thread's pieces of category `cat`.
 /// Weight-key suffixes at or above this name the traced call (`CALL_SUFFIX + func id`).
 const CALL_SUFFIX: u32 = 1 << 16;
 
@@ -124,6 +123,7 @@ fn waits_at_call_sites(
     covered
 }
 
+/// Overlap of `[a, b)` with the thread's pieces of category `cat`.
 fn overlap(t: &ThreadDetail, a: u64, b: u64, mut keep: impl FnMut(Cat) -> bool) -> Vec<(Cat, u64)> {
     let first = t.segments.partition_point(|(_, e, _)| *e <= a);
     t.segments[first..]

@@ -113,17 +113,18 @@ impl SourceError {
     }
 }
 
+/// An error and its sources, outermost first.
+fn causes<'e>(
+    err: &'e (dyn std::error::Error + 'static),
+) -> impl Iterator<Item = &'e (dyn std::error::Error + 'static)> {
+    std::iter::successors(Some(err), |e| e.source())
+}
+
 fn is_eperm(err: &(dyn std::error::Error + 'static)) -> bool {
-    let mut cur = Some(err);
-    while let Some(e) = cur {
-        if let Some(io) = e.downcast_ref::<std::io::Error>()
-            && io.raw_os_error() == Some(libc::EPERM)
-        {
-            return true;
-        }
-        cur = e.source();
-    }
-    false
+    causes(err).any(|e| {
+        e.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.raw_os_error() == Some(libc::EPERM))
+    })
 }
 
 fn program_error(program: &str, target: &str, e: ProgramError) -> SourceError {
@@ -300,11 +301,9 @@ const FAULT_FUNCTION: &str = "handle_mm_fault";
 
 /// The innermost cause of an error, as text (the errno behind a refused load).
 fn root_cause(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut cur = e;
-    while let Some(next) = cur.source() {
-        cur = next;
-    }
-    cur.to_string()
+    causes(e)
+        .last()
+        .map_or_else(String::new, ToString::to_string)
 }
 
 /// Times user page faults with fentry/fexit on the fault handler. Many kernels refuse
