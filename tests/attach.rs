@@ -1130,6 +1130,11 @@ fn flamegraphs_and_trace_are_valid(out: &Path, summary: &Value) {
     }
     assert_eq!(nccl_slices, summary["nccl"]["calls"].as_u64().unwrap());
     assert!(step_slices > 0);
+    // The default profile leaves streams on the user stack unread (~100 ns a call): only
+    // those passed in a register are shown, none as 0x0.
+    let in_registers = calls_of(summary, &REGISTER_STREAM);
+    assert!(in_registers > 0 && calls_of(summary, &STACK_STREAM) > 0);
+    assert_eq!(slices_with_stream(out), (in_registers, in_registers));
     assert!(events.iter().any(|e| {
         e["ph"] == "M"
             && e["args"]["name"]
@@ -1427,8 +1432,12 @@ fn follow_attaches_to_later_processes() {
 #[test]
 fn nested_calls_are_paired() {
     let _serial = privileged();
-    let (_, summary, _, _, _) =
-        traced_trainer_with(3, &[], &["--compute-us", "200", "--split-at-end"], &[]);
+    let (_, summary, out, _dir, _) = traced_trainer_with(
+        3,
+        &[],
+        &["--compute-us", "200", "--split-at-end"],
+        &["--profile", "full"],
+    );
     let by_op = &summary["nccl"]["by_op"];
     assert_eq!(by_op["CommSplit"]["calls"], 1, "{by_op}");
     assert_eq!(by_op["CommInitRank"]["calls"], 1, "{by_op}");
@@ -1444,6 +1453,48 @@ fn nested_calls_are_paired() {
         "{}",
         summary["counters"]
     );
+    // The full profile reads each collective's stream off the user stack (ncclReduce's
+    // eighth argument, the others' seventh); the trainer passes 0x5000 to all of them.
+    let collectives = calls_of(&summary, &[REGISTER_STREAM, STACK_STREAM].concat());
+    assert_eq!(
+        slices_with_stream(&out),
+        (collectives, collectives),
+        "{by_op}"
+    );
+}
+
+/// Collectives whose stream is the sixth argument (a register) and those whose stream is
+/// on the user stack.
+const REGISTER_STREAM: [&str; 5] = ["AllGather", "AlltoAll", "Bcast", "Send", "Recv"];
+const STACK_STREAM: [&str; 5] = [
+    "AllReduce",
+    "ReduceScatter",
+    "Broadcast",
+    "Gather",
+    "Reduce",
+];
+
+/// Calls of these operations in summary.json.
+fn calls_of(summary: &Value, ops: &[&str]) -> u64 {
+    ops.iter()
+        .filter_map(|op| summary["nccl"]["by_op"][op]["calls"].as_u64())
+        .sum()
+}
+
+/// (NCCL slices in trace.json with a stream argument, those whose stream is the trainer's
+/// 0x5000).
+fn slices_with_stream(out: &Path) -> (u64, u64) {
+    let trace: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("trace.json")).unwrap()).unwrap();
+    let streams: Vec<&Value> = trace["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["cat"] == "nccl")
+        .filter_map(|e| e["args"].get("stream"))
+        .collect();
+    let trainers = streams.iter().filter(|s| **s == "0x5000").count();
+    (streams.len() as u64, trainers as u64)
 }
 
 /// tracefs not mounted (a private mount namespace where it was unmounted): the agent mounts

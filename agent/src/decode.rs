@@ -2,9 +2,9 @@
 //! the event model. Pure; the only place that knows the record layouts and the NCCL ABI.
 
 use nccltrace_common::{
-    CallEvent, FaultEvent, FaultTimeEvent, Header, KSTACK_DEPTH, MigrateEvent, NumaTaskEvent,
-    PageMigrationEvent, SampleEvent, SwitchEvent, TaskEvent, USTACK_DEPTH, WakeupEvent, kind,
-    numa_task, switch_flags,
+    CallEvent, FaultEvent, FaultTimeEvent, Header, KSTACK_DEPTH, MigrateEvent, NOT_READ,
+    NumaTaskEvent, PageMigrationEvent, SampleEvent, SwitchEvent, TaskEvent, USTACK_DEPTH,
+    WakeupEvent, kind, numa_task, switch_flags,
 };
 
 use crate::event::{Call, Event, Func, NumaTaskKind, Task, datatype_size};
@@ -227,7 +227,7 @@ fn decode_call(e: &CallEvent) -> Result<Call, DecodeError> {
         call.redop = redop.map(|i| a[i] as u32);
         call.peer = peer.map(|i| a[i] as i32);
         call.comm = Some(a[comm]);
-        call.stream = Some(a[stream]);
+        call.stream = Some(a[stream]).filter(|s| *s != NOT_READ);
     }
     match func {
         Func::CommInitRank | Func::CommInitRankConfig => {
@@ -312,6 +312,36 @@ mod tests {
         assert_eq!(c.bytes, Some(80));
         assert_eq!(c.peer, Some(3));
         assert_eq!((c.comm, c.stream), (Some(0x70), Some(0x80)));
+    }
+
+    /// A stream the kernel program left unread (profile `streams = false`) is no stream,
+    /// not stream 0 (the legacy default stream); the communicator is still there.
+    #[test]
+    fn unread_stream_is_none() {
+        let rec = call_record(
+            func::NCCL_ALL_REDUCE,
+            [1, 2, 10, 7, 0, 0x77, NOT_READ, NOT_READ],
+        );
+        let Event::Call(c) = decode(&as_bytes(&rec)).unwrap() else {
+            panic!("not a call")
+        };
+        assert_eq!((c.comm, c.stream), (Some(0x77), None));
+        let rec = call_record(func::NCCL_REDUCE, [1, 2, 10, 8, 2, 3, 0x70, NOT_READ]);
+        let Event::Call(c) = decode(&as_bytes(&rec)).unwrap() else {
+            panic!("not a call")
+        };
+        assert_eq!((c.comm, c.stream), (Some(0x70), None));
+    }
+
+    /// The entry program reads the stack only for what the profile asks: ncclReduce's
+    /// communicator always, streams only with `streams = true`.
+    #[test]
+    fn stack_arguments_read() {
+        assert_eq!(func::stack_args(func::NCCL_ALL_REDUCE, false), 0);
+        assert_eq!(func::stack_args(func::NCCL_ALL_REDUCE, true), 1);
+        assert_eq!(func::stack_args(func::NCCL_REDUCE, false), 1);
+        assert_eq!(func::stack_args(func::NCCL_REDUCE, true), 2);
+        assert_eq!(func::stack_args(func::NCCL_SEND, true), 0);
     }
 
     /// ncclCommInitRank passes the 128-byte ncclUniqueId in memory, so rank is the third

@@ -33,6 +33,10 @@ pub struct Probes {
     /// "off", "sync" (CUDA sync calls) or "all" (and NCCL calls). Off when not given.
     #[serde(default)]
     pub call_stacks: CallStacks,
+    /// Read each collective's CUDA stream (its seventh or eighth argument, on the user
+    /// stack: about 100 ns more a call). Off when not given.
+    #[serde(default)]
+    pub streams: bool,
 }
 
 /// Which traced calls get their entry stack.

@@ -400,6 +400,8 @@ fn load(offsets: &nccltrace_common::TpOffsets, profile: &Profile) -> Result<Ebpf
     let config = nccltrace_common::Config {
         offcpu_stacks: u32::from(profile.probes.offcpu_stacks && profile.probes.sched),
         call_stacks: profile.probes.call_stacks.setting(),
+        streams: u32::from(profile.probes.streams),
+        _pad: 0,
         // Woken early at an eighth full; otherwise drained every `DRAIN_EVERY`.
         wakeup_bytes: u64::from(profile.ring_buffer_bytes() / 8),
     };

@@ -27,7 +27,7 @@ use aya_ebpf::{
 use aya_log_ebpf::warn;
 use nccltrace_common::{
     CALL_SLOTS, CallEvent, CallSlot, Config, FAULT_FLAG_USER, FaultEvent, FaultTimeEvent, Header,
-    KSTACK_DEPTH, MAX_ARGS, MigrateEvent, NumaTaskEvent, PageMigrationEvent, PendingCall,
+    KSTACK_DEPTH, MAX_ARGS, MigrateEvent, NOT_READ, NumaTaskEvent, PageMigrationEvent, PendingCall,
     SampleEvent, SwitchEvent, TaskEvent, TpOffsets, USTACK_DEPTH, WakeupEvent, call_stacks,
     counter, func, kind, numa_task, switch_flags,
 };
@@ -99,6 +99,8 @@ static OFFSETS: TpOffsets = TpOffsets {
 static CONFIG: Config = Config {
     offcpu_stacks: 0,
     call_stacks: 0,
+    streams: 0,
+    _pad: 0,
     wakeup_bytes: 0,
 };
 
@@ -197,7 +199,7 @@ pub fn uprobe_lib_call(ctx: ProbeContext) -> u32 {
     let mut pending = PendingCall {
         start_ns: unsafe { bpf_ktime_get_ns() },
         args: [
-            regs.rdi, regs.rsi, regs.rdx, regs.rcx, regs.r8, regs.r9, 0, 0,
+            regs.rdi, regs.rsi, regs.rdx, regs.rcx, regs.r8, regs.r9, NOT_READ, NOT_READ,
         ],
     };
     // SAFETY: a plain read of a read-only global.
@@ -219,11 +221,20 @@ pub fn uprobe_lib_call(ctx: ProbeContext) -> u32 {
             pending.args[(1 + i) & (MAX_ARGS - 1)] = u64::from_le_bytes(word);
         }
     }
-    if func::nargs(func_id) > 6 {
+    // SAFETY: a plain read of a read-only global.
+    let streams = unsafe { core::ptr::read_volatile(&raw const CONFIG.streams) } != 0;
+    let on_stack = func::stack_args(func_id, streams);
+    if on_stack > 0 {
         // The seventh and eighth arguments sit above the return address.
-        let stack = (regs.rsp + 8) as *const [u64; MAX_ARGS - 6];
-        // SAFETY: bpf_probe_read_user checks the address.
-        match unsafe { bpf_probe_read_user(stack) } {
+        let base = regs.rsp + 8;
+        let read = if on_stack == 1 {
+            // SAFETY: bpf_probe_read_user checks the address.
+            unsafe { bpf_probe_read_user(base as *const u64) }.map(|word| [word, NOT_READ])
+        } else {
+            // SAFETY: as above.
+            unsafe { bpf_probe_read_user(base as *const [u64; MAX_ARGS - 6]) }
+        };
+        match read {
             Ok(extra) => {
                 pending.args[6] = extra[0];
                 pending.args[7] = extra[1];
