@@ -155,10 +155,29 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
             }
         }
         kind::SAMPLE | kind::OFFCPU | kind::CALL_STACK => {
-            let e = read::<SampleEvent>(bytes, "stack record")?;
-            let k = (e.kstack_len as usize).min(KSTACK_DEPTH);
-            let u = (e.ustack_len as usize).min(USTACK_DEPTH);
-            let (kstack, ustack) = (e.kstack[..k].to_vec(), e.ustack[..u].to_vec());
+            // The frames in use, straight from the record (not copying its 800 bytes).
+            if bytes.len() < size_of::<SampleEvent>() {
+                return Err(DecodeError::TooShort {
+                    what: "stack record",
+                    len: bytes.len(),
+                    expected: size_of::<SampleEvent>(),
+                });
+            }
+            let word =
+                |at: usize| u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap_or_default());
+            let frames = |at: usize, n: usize| -> Vec<u64> {
+                bytes[at..at + 8 * n]
+                    .chunks_exact(8)
+                    .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
+                    .collect()
+            };
+            let kstack_at = std::mem::offset_of!(SampleEvent, kstack);
+            let ustack_at = std::mem::offset_of!(SampleEvent, ustack);
+            let k =
+                (word(std::mem::offset_of!(SampleEvent, kstack_len)) as usize).min(KSTACK_DEPTH);
+            let u =
+                (word(std::mem::offset_of!(SampleEvent, ustack_len)) as usize).min(USTACK_DEPTH);
+            let (kstack, ustack) = (frames(kstack_at, k), frames(ustack_at, u));
             if h.kind == kind::SAMPLE {
                 Event::Sample {
                     ts_ns: h.ts_ns,

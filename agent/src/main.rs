@@ -5,7 +5,9 @@ use std::process::ExitCode;
 use clap::Parser as _;
 
 fn main() -> ExitCode {
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn"))
+        .format_timestamp_micros()
+        .init();
     let cli = nccltrace::cli::Cli::parse();
     match cli.run() {
         Ok(()) => ExitCode::SUCCESS,

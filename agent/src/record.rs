@@ -11,7 +11,7 @@
 
 use std::collections::BTreeMap;
 use std::fs::File;
-use std::io::{self, BufReader, Read, Write};
+use std::io::{self, BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -296,8 +296,11 @@ pub struct Reader<R> {
     input: R,
     path: PathBuf,
     offset: u64,
-    /// The current record's payload (reused).
+    /// The current record's payload when it was copied (reused).
     payload: Vec<u8>,
+    /// Bytes of the input's buffer the record last returned lies in, consumed at the
+    /// next read.
+    consume: usize,
     pub header: Header,
 }
 
@@ -326,7 +329,7 @@ fn read_full(input: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
     Ok(filled)
 }
 
-impl<R: Read> Reader<R> {
+impl<R: BufRead> Reader<R> {
     /// Reads the header from `input`; `path` is only used in messages.
     pub fn new(mut input: R, path: &Path) -> Result<Self, RecordError> {
         let open_err = |source| RecordError::Open {
@@ -385,6 +388,7 @@ impl<R: Read> Reader<R> {
             path: path.to_owned(),
             offset: 20 + u64::from(len),
             payload: Vec::new(),
+            consume: 0,
             header,
         })
     }
@@ -397,6 +401,7 @@ impl<R: Read> Reader<R> {
             path: path.to_owned(),
             offset: 0,
             payload: Vec::new(),
+            consume: 0,
             header,
         }
     }
@@ -410,22 +415,47 @@ impl<R: Read> Reader<R> {
     }
 
     /// As [`Reader::next_record`], a kernel record borrowed from the reader's buffer (no
-    /// allocation per record).
+    /// allocation per record; no copy when the record lies whole in the input's buffer).
     pub fn next_raw(&mut self) -> Result<Option<RawRecord<'_>>, RecordError> {
+        self.input.consume(std::mem::take(&mut self.consume));
         let start = self.offset;
         let damaged = |expected: String| RecordError::Damaged {
             path: self.path.clone(),
             offset: start,
             expected,
         };
-        let mut prefix = [0u8; 8];
-        let got = read_full(&mut self.input, &mut prefix).map_err(|source| RecordError::Open {
+        let open = |source| RecordError::Open {
             path: self.path.clone(),
             source,
-        })?;
-        if got == 0 {
-            return Ok(None);
+        };
+        // (length, checksum) of a record lying whole in the input's buffer.
+        let whole = {
+            let buffered = self.input.fill_buf().map_err(open)?;
+            if buffered.is_empty() {
+                return Ok(None);
+            }
+            let field =
+                |at: usize| u32::from_le_bytes(buffered[at..at + 4].try_into().unwrap_or_default());
+            (buffered.len() >= 8)
+                .then(|| (field(0), field(4)))
+                .filter(|(len, _)| {
+                    (1..=MAX_RECORD).contains(len) && buffered.len() - 8 >= *len as usize
+                })
+        };
+        if let Some((len, crc)) = whole {
+            self.offset += 8 + u64::from(len);
+            self.consume = 8 + len as usize;
+            // The buffer is not empty, so this returns it again without reading.
+            let buffered = self.input.fill_buf().map_err(open)?;
+            let payload = &buffered[8..8 + len as usize];
+            if checksum_differs(payload, crc) {
+                return Err(damaged("a record matching its checksum".into()));
+            }
+            return parse_payload(payload, damaged);
         }
+        // A record across the end of the input's buffer (or a damaged length): copied.
+        let mut prefix = [0u8; 8];
+        let got = read_full(&mut self.input, &mut prefix).map_err(open)?;
         if got < 8 {
             return Err(damaged(
                 "an 8-byte record prefix (file is truncated)".into(),
@@ -439,11 +469,7 @@ impl<R: Read> Reader<R> {
             )));
         }
         self.payload.resize(len as usize, 0);
-        let got =
-            read_full(&mut self.input, &mut self.payload).map_err(|source| RecordError::Open {
-                path: self.path.clone(),
-                source,
-            })?;
+        let got = read_full(&mut self.input, &mut self.payload).map_err(open)?;
         if got < self.payload.len() {
             return Err(damaged(format!(
                 "a {len}-byte record, found {got} (file is truncated)"
@@ -453,14 +479,22 @@ impl<R: Read> Reader<R> {
             return Err(damaged("a record matching its checksum".into()));
         }
         self.offset += 8 + u64::from(len);
-        let (kind, body) = (self.payload[0], &self.payload[1..]);
-        match kind {
-            TYPE_KERNEL => Ok(Some(RawRecord::Kernel(body))),
-            TYPE_META => serde_json::from_slice(body)
-                .map(|m| Some(RawRecord::Meta(m)))
-                .map_err(|e| damaged(format!("valid metadata JSON ({e})"))),
-            other => Err(damaged(format!("record type 1 or 2, found {other}"))),
-        }
+        parse_payload(&self.payload, damaged)
+    }
+}
+
+/// A record's payload (after its length and checksum): its type byte, then the body.
+fn parse_payload(
+    payload: &[u8],
+    damaged: impl Fn(String) -> RecordError,
+) -> Result<Option<RawRecord<'_>>, RecordError> {
+    let (kind, body) = (payload[0], &payload[1..]);
+    match kind {
+        TYPE_KERNEL => Ok(Some(RawRecord::Kernel(body))),
+        TYPE_META => serde_json::from_slice(body)
+            .map(|m| Some(RawRecord::Meta(m)))
+            .map_err(|e| damaged(format!("valid metadata JSON ({e})"))),
+        other => Err(damaged(format!("record type 1 or 2, found {other}"))),
     }
 }
 
@@ -547,6 +581,42 @@ mod tests {
         assert!(r.next_record().unwrap().is_some());
         let err = r.next_record().unwrap_err();
         assert!(err.to_string().contains("offset"), "{err}");
+    }
+
+    /// Records are read in place when they lie whole in the input's buffer and copied when
+    /// they cross its end: every buffer size gives the same records, and damage is found
+    /// either way.
+    #[test]
+    fn records_across_buffer_edges() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = write_sample(dir.path());
+        let expected = read_all(&path).unwrap();
+        let read_with = |capacity: usize| -> Result<Vec<Record>, RecordError> {
+            let file = BufReader::with_capacity(capacity, File::open(&path).unwrap());
+            let mut r = Reader::new(file, &path)?;
+            let mut out = Vec::new();
+            while let Some(rec) = r.next_record()? {
+                out.push(rec);
+            }
+            Ok(out)
+        };
+        for capacity in [1, 7, 8, 9, 13, 30, 64, 4096] {
+            assert_eq!(
+                read_with(capacity).unwrap(),
+                expected,
+                "buffer of {capacity}"
+            );
+        }
+        let mut bytes = std::fs::read(&path).unwrap();
+        let n = bytes.len();
+        bytes[n - 10] ^= 0xff;
+        std::fs::write(&path, &bytes).unwrap();
+        for capacity in [7, 4096] {
+            assert!(matches!(
+                read_with(capacity),
+                Err(RecordError::Damaged { .. })
+            ));
+        }
     }
 
     /// A flipped byte in a record fails its checksum; empty and foreign files are named.

@@ -4,6 +4,7 @@
 //! trampolines, other JITs) from the target's `/tmp/perf-PID.map`, also recorded then.
 //! Works after the target has exited.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
@@ -24,20 +25,18 @@ pub struct Symbols {
 impl Symbols {
     /// A user frame's name (`addr` as it appears in the stack).
     #[must_use]
-    pub fn user(&self, pid: u32, addr: u64) -> String {
+    pub fn user(&self, pid: u32, addr: u64) -> Cow<'_, str> {
         self.user
             .get(&(pid, addr))
-            .cloned()
-            .unwrap_or_else(|| format!("[unknown] {addr:#x}"))
+            .map_or_else(|| format!("[unknown] {addr:#x}").into(), Into::into)
     }
 
     /// A kernel frame's name.
     #[must_use]
-    pub fn kernel(&self, addr: u64) -> String {
+    pub fn kernel(&self, addr: u64) -> Cow<'_, str> {
         self.kernel
             .get(&addr)
-            .cloned()
-            .unwrap_or_else(|| format!("[kernel] {addr:#x}"))
+            .map_or_else(|| format!("[kernel] {addr:#x}").into(), Into::into)
     }
 }
 
@@ -188,21 +187,18 @@ pub fn symbolize(
                 .push((addr, lookup - m.start + m.offset));
         }
     }
-    let symbolizer = Symbolizer::new();
+    let symbolizer = Symbolizer::builder()
+        .enable_code_info(false)
+        .enable_inlined_fns(false)
+        .build();
     for ((pid, path), addrs) in by_file {
         let offsets: Vec<u64> = addrs.iter().map(|(_, off)| *off).collect();
-        let source = Source::Elf(Elf::new(readable(pid, &path)));
+        let names = file_names(&symbolizer, pid, &path, &offsets);
         let base = Path::new(&path)
             .file_name()
             .map_or(path.clone(), |n| n.to_string_lossy().into_owned());
-        let names = symbolizer
-            .symbolize(&source, Input::FileOffset(&offsets))
-            .unwrap_or_default();
-        for (i, (addr, offset)) in addrs.iter().enumerate() {
-            let name = match names.get(i) {
-                Some(Symbolized::Sym(sym)) => sym.name.to_string(),
-                _ => format!("[{base}+{offset:#x}]"),
-            };
+        for ((addr, offset), name) in addrs.iter().zip(names) {
+            let name = name.unwrap_or_else(|| format!("[{base}+{offset:#x}]"));
             user.insert((pid, *addr), name);
         }
     }
@@ -210,6 +206,104 @@ pub fn symbolize(
         user,
         kernel: kernel.clone(),
     }
+}
+
+/// Names of the functions at `offsets` of file `path` (as mapped by process `pid`), from
+/// the cheapest table that has them: the file's own ELF symbols; then the symbol table of
+/// its separate debug file (found by build id, as distributions install them: libc6-dbg),
+/// looked up by virtual address; DWARF only for a file without such a debug file. DWARF
+/// sections are often compressed: inflating libc's took a fifth of `report` on a small
+/// recording, for the names the debug file's symbol table gives as well.
+fn file_names(
+    symbolizer: &Symbolizer,
+    pid: u32,
+    path: &str,
+    offsets: &[u64],
+) -> Vec<Option<String>> {
+    let file = readable(pid, path);
+    let lookup = |elf: PathBuf, dwarf: bool, input: Input<&[u64]>| -> Vec<Option<String>> {
+        let mut source = Elf::new(elf);
+        source.debug_syms = dwarf;
+        let found = symbolizer
+            .symbolize(&Source::Elf(source), input)
+            .unwrap_or_default();
+        (0..input.as_inner_ref().len())
+            .map(|i| match found.get(i) {
+                Some(Symbolized::Sym(sym)) => Some(sym.name.to_string()),
+                _ => None,
+            })
+            .collect()
+    };
+    let mut names = lookup(file.clone(), false, Input::FileOffset(offsets));
+    let missing: Vec<usize> = (0..names.len()).filter(|i| names[*i].is_none()).collect();
+    if missing.is_empty() {
+        return names;
+    }
+    let wanted: Vec<u64> = missing.iter().map(|i| offsets[*i]).collect();
+    let debug_file = blazesym::helper::read_elf_build_id(&file)
+        .ok()
+        .flatten()
+        .map(|id| readable(pid, &build_id_path(&id)))
+        .filter(|p| p.is_file());
+    let more = match (debug_file, elf_head(&file)) {
+        (Some(debug), Some(bytes)) => {
+            let virt: Vec<u64> = wanted
+                .iter()
+                .map(|off| virtual_address(&bytes, *off).unwrap_or(u64::MAX))
+                .collect();
+            lookup(debug, false, Input::VirtOffset(&virt))
+        }
+        _ => lookup(file, true, Input::FileOffset(&wanted)),
+    };
+    for (i, name) in missing.into_iter().zip(more) {
+        names[i] = name;
+    }
+    names
+}
+
+/// The first 64 KiB of a file: an ELF file's header and program headers.
+fn elf_head(path: &Path) -> Option<Vec<u8>> {
+    use std::io::Read;
+    let mut head = Vec::new();
+    std::fs::File::open(path)
+        .ok()?
+        .take(64 << 10)
+        .read_to_end(&mut head)
+        .ok()?;
+    Some(head)
+}
+
+/// Where distributions install the debug file of the binary with this build id.
+fn build_id_path(id: &[u8]) -> String {
+    let hex = id.iter().fold(String::new(), |mut hex, b| {
+        use std::fmt::Write as _;
+        let _ = write!(hex, "{b:02x}");
+        hex
+    });
+    let (dir, rest) = hex.split_at(2.min(hex.len()));
+    format!("/usr/lib/debug/.build-id/{dir}/{rest}.debug")
+}
+
+/// The virtual address of file offset `offset` of a 64-bit little-endian ELF file (its
+/// loadable segment's address plus the offset into it); `None` outside every segment or
+/// for another kind of file.
+fn virtual_address(elf: &[u8], offset: u64) -> Option<u64> {
+    let u16_at = |at: usize| Some(u16::from_le_bytes(elf.get(at..at + 2)?.try_into().ok()?));
+    let u32_at = |at: usize| Some(u32::from_le_bytes(elf.get(at..at + 4)?.try_into().ok()?));
+    let u64_at = |at: usize| Some(u64::from_le_bytes(elf.get(at..at + 8)?.try_into().ok()?));
+    // ELFCLASS64, ELFDATA2LSB.
+    if elf.get(..6)? != b"\x7fELF\x02\x01" {
+        return None;
+    }
+    let phoff = usize::try_from(u64_at(0x20)?).ok()?;
+    let (size, count) = (usize::from(u16_at(0x36)?), usize::from(u16_at(0x38)?));
+    (0..count).find_map(|i| {
+        let ph = phoff.checked_add(i.checked_mul(size)?)?;
+        let (p_offset, p_vaddr, p_filesz) = (u64_at(ph + 8)?, u64_at(ph + 16)?, u64_at(ph + 32)?);
+        // PT_LOAD
+        (u32_at(ph)? == 1 && offset >= p_offset && offset - p_offset < p_filesz)
+            .then(|| p_vaddr + (offset - p_offset))
+    })
 }
 
 #[cfg(test)]
@@ -249,6 +343,33 @@ mod tests {
         assert_eq!(
             kernel_names(text, &ips),
             vec![(0xffff_ffff_8100_0150, "exc_page_fault".to_owned())]
+        );
+    }
+
+    /// A file offset and the virtual address `virtual_address` gives for it name the same
+    /// function (the lookup in a separate debug file goes by virtual address); offsets
+    /// outside every segment and other files give none.
+    #[test]
+    fn virtual_address_of_a_file_offset() {
+        let exe = std::env::current_exe().unwrap();
+        let resolved =
+            crate::source::discover::resolve(&exe, &["main"], crate::source::discover::Tables::All)
+                .unwrap();
+        let offset = resolved["main"].file_offset;
+        let head = elf_head(&exe).unwrap();
+        let virt = virtual_address(&head, offset).unwrap();
+        let symbolizer = Symbolizer::new();
+        let mut elf = Elf::new(&exe);
+        elf.debug_syms = false;
+        let by_virt = symbolizer
+            .symbolize_single(&Source::Elf(elf), Input::VirtOffset(virt))
+            .unwrap();
+        assert_eq!(by_virt.as_sym().map(|s| s.name.as_ref()), Some("main"));
+        assert_eq!(virtual_address(&head, u64::MAX / 2), None);
+        assert_eq!(virtual_address(b"#!/bin/sh\n", 0), None);
+        assert_eq!(
+            build_id_path(&[0x93, 0xac, 0x61]),
+            "/usr/lib/debug/.build-id/93/ac61.debug"
         );
     }
 

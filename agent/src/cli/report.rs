@@ -28,6 +28,10 @@ pub fn run(args: ReportArgs) -> Result<(), Error> {
     let rule = super::step_rule(args.step_window.as_deref(), args.step_nvtx.as_deref())?;
     let outputs = crate::pipeline::replay(&args.recording, rule)?;
     let out = super::prepare_output(&args.out, args.force)?;
-    crate::pipeline::write_outputs(&out, &outputs, &mut std::io::stdout().lock())
-        .map_err(|(path, source)| Error::Output { path, source })
+    let written = crate::pipeline::write_outputs(&out, &outputs, &mut std::io::stdout().lock())
+        .map_err(|(path, source)| Error::Output { path, source });
+    log::debug!("outputs written");
+    drop(outputs);
+    log::debug!("memory freed");
+    written
 }

@@ -45,36 +45,38 @@ impl Kind {
     }
 }
 
-fn stack_frames(out: &mut Vec<String>, detail: &Detail, symbols: &Symbols, stack: u32) {
+/// Appends `frame` to a folded line (`;` separates frames, so one inside a name becomes
+/// `:`).
+fn push_frame(line: &mut String, frame: &str) {
+    if !line.is_empty() {
+        line.push(';');
+    }
+    if frame.contains(';') {
+        line.extend(frame.chars().map(|c| if c == ';' { ':' } else { c }));
+    } else {
+        line.push_str(frame);
+    }
+}
+
+/// A stack's frames as part of a folded line, root first: user frames outermost first,
+/// then kernel frames.
+fn stack_line(detail: &Detail, symbols: &Symbols, stack: u32) -> String {
+    let mut line = String::new();
     let Some(s) = detail.stacks.get(stack as usize) else {
-        return;
+        return line;
     };
-    // Root first: user frames outermost first, then kernel frames.
     for addr in s.ustack.iter().rev() {
-        out.push(symbols.user(s.pid, *addr));
+        push_frame(&mut line, &symbols.user(s.pid, *addr));
     }
     for addr in s.kstack.iter().rev() {
-        out.push(format!("{}_[k]", symbols.kernel(*addr)));
+        push_frame(&mut line, &format!("{}_[k]", symbols.kernel(*addr)));
     }
+    line
 }
 
 fn thread_frame(t: &ThreadDetail) -> String {
     let name = if t.name.is_empty() { "thread" } else { &t.name };
     format!("{name} {} ({})", t.tid, t.role)
-}
-
-fn add(folded: &mut BTreeMap<String, u64>, frames: &[String], ns: u64) {
-    let us = ns / 1000;
-    if us == 0 || frames.is_empty() {
-        return;
-    }
-    // ';' separates frames in the folded format.
-    let line = frames
-        .iter()
-        .map(|f| f.replace(';', ":"))
-        .collect::<Vec<_>>()
-        .join(";");
-    *folded.entry(line).or_insert(0) += us;
 }
 
 /// Weight-key suffixes at or above this name the traced call (`CALL_SUFFIX + func id`).
@@ -222,22 +224,38 @@ pub fn folded(detail: &Detail, symbols: &Symbols, kind: Kind) -> Vec<String> {
             }
         }
     }
-    let mut out = BTreeMap::new();
+    // Each thread's frame and each stack's frames are made once, not per weight.
+    let threads: Vec<String> = detail.threads.iter().map(thread_frame).collect();
+    let mut stacks: std::collections::HashMap<u32, String> = std::collections::HashMap::new();
+    let mut out: BTreeMap<String, u64> = BTreeMap::new();
     for ((root, ti, stack, suffix), ns) in weights {
-        let t = &detail.threads[ti];
-        let mut frames: Vec<String> = root.map(|c| c.name().to_owned()).into_iter().collect();
-        frames.push(thread_frame(t));
-        stack_frames(&mut frames, detail, symbols, stack);
+        let us = ns / 1000;
+        if us == 0 {
+            continue;
+        }
+        let mut line = String::new();
+        if let Some(c) = root {
+            push_frame(&mut line, c.name());
+        }
+        push_frame(&mut line, &threads[ti]);
+        let frames = stacks
+            .entry(stack)
+            .or_insert_with(|| stack_line(detail, symbols, stack));
+        if !frames.is_empty() {
+            // Already joined and cleaned.
+            line.push(';');
+            line.push_str(frames);
+        }
         match suffix {
-            1 => frames.push("[preempted]".into()),
-            2 => frames.push("[blocked]".into()),
+            1 => push_frame(&mut line, "[preempted]"),
+            2 => push_frame(&mut line, "[blocked]"),
             CALL_SUFFIX.. => {
                 let name = Func::from_id(suffix - CALL_SUFFIX).map_or("call", |f| f.symbols()[0]);
-                frames.push(format!("[in {name}]"));
+                push_frame(&mut line, &format!("[in {name}]"));
             }
             _ => {}
         }
-        add(&mut out, &frames, ns);
+        *out.entry(line).or_insert(0) += us;
     }
     out.into_iter()
         .map(|(stack, us)| format!("{stack} {us}"))
