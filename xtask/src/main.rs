@@ -134,6 +134,9 @@ fn gpu_check(root: &Path, print: bool) -> anyhow::Result<()> {
          \x20  times beside nccltrace's summary and step table; outputs under $OUT/<mode>/\n\
          4. compare: AllReduce calls = the script's allreduce_calls; steps found = steps ± 1;\n\
          \x20  record the numbers and the date in docs/validation.md\n\
+         5. drain rate on a many-core host (carry target/fixtures/ too, built by\n\
+         \x20  `make -C tests/fixtures OUT=$PWD/target/fixtures`):\n\
+         \x20  bash tests/gpu/drain.sh \"$PWD/.carry/nccltrace\" \"$PWD/target/fixtures\" LIBNCCL 14 2000000\n\
          (workspace: {})",
         root.display()
     );
