@@ -299,7 +299,10 @@ impl Aggregator {
                 .name("nccltrace-read".into())
                 .spawn_scoped(scope, read)
             {
-                self.incomplete(format!("cannot start the reading thread: {e}"));
+                self.incomplete(format!(
+                    "cannot start the reading thread ({e}): no record was read; \
+                     `nccltrace report` reads the recording again"
+                ));
             }
             let mut seen = 0u64;
             for mut batch in full_rx {

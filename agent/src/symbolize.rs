@@ -1,8 +1,8 @@
-//! Symbolize stage: user frames with blazesym (ELF symbols and DWARF, demangled), one pass
-//! per file, from the maps kept in the recording; kernel frames from the names recorded
-//! out of /proc/kallsyms at the end of the live run; JIT-compiled code (Python 3.12's perf
-//! trampolines, other JITs) from the target's `/tmp/perf-PID.map`, also recorded then.
-//! Works after the target has exited.
+//! Symbolize stage: user frames with blazesym (the file's ELF symbols, then its debug
+//! file's, then DWARF; demangled), one pass per file, from the maps kept in the recording;
+//! kernel frames from the names recorded out of /proc/kallsyms at the end of the live run;
+//! JIT-compiled code (Python 3.12's perf trampolines, other JITs) from the target's
+//! `/tmp/perf-PID.map`, also recorded then. Works after the target has exited.
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -346,16 +346,22 @@ mod tests {
         );
     }
 
-    /// A file offset and the virtual address `virtual_address` gives for it name the same
-    /// function (the lookup in a separate debug file goes by virtual address); offsets
-    /// outside every segment and other files give none.
-    #[test]
-    fn virtual_address_of_a_file_offset() {
+    /// This test binary and the file offset of its `main`.
+    fn main_of_this_test() -> (PathBuf, u64) {
         let exe = std::env::current_exe().unwrap();
         let resolved =
             crate::source::discover::resolve(&exe, &["main"], crate::source::discover::Tables::All)
                 .unwrap();
         let offset = resolved["main"].file_offset;
+        (exe, offset)
+    }
+
+    /// A file offset and the virtual address `virtual_address` gives for it name the same
+    /// function (the lookup in a separate debug file goes by virtual address); offsets
+    /// outside every segment and other files give none.
+    #[test]
+    fn virtual_address_of_a_file_offset() {
+        let (exe, offset) = main_of_this_test();
         let head = elf_head(&exe).unwrap();
         let virt = virtual_address(&head, offset).unwrap();
         let symbolizer = Symbolizer::new();
@@ -377,11 +383,7 @@ mod tests {
     /// maps line covering the file.
     #[test]
     fn user_frames_from_maps() {
-        let exe = std::env::current_exe().unwrap();
-        let resolved =
-            crate::source::discover::resolve(&exe, &["main"], crate::source::discover::Tables::All)
-                .unwrap();
-        let main_off = resolved["main"].file_offset;
+        let (exe, main_off) = main_of_this_test();
         let size = std::fs::metadata(&exe).unwrap().len();
         let header = Header {
             targets: vec![crate::record::TargetInfo {
