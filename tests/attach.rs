@@ -303,6 +303,7 @@ fn counts_every_call_of_the_trainer() {
         assert!(summary["sched"]["migrations"].as_u64().unwrap() >= 1);
     }
     assert!(out.join("recording.nctr").is_file());
+    recording_in_time_order(&out);
     flamegraphs_and_trace_are_valid(&out, &summary);
     // The health report written at attach.
     let doctor: Value =
@@ -837,6 +838,34 @@ fn three_ranks_one_straggler() {
         .sum::<u64>()
         / steps.len() as u64;
     assert!(wait0 > 2_000_000, "rank 0 waited {wait0} ns a step");
+    recording_in_time_order(&out);
+}
+
+/// The recording's kernel records are in time order: records of different CPUs come from
+/// different ring buffers and are merged by time as they are drained. What a drain pass
+/// can leave out of order is what was written while it ran; nothing may be more than a
+/// millisecond behind a record before it.
+fn recording_in_time_order(out: &Path) {
+    let mut reader = nccltrace::record::Reader::open(&out.join("recording.nctr")).unwrap();
+    let (mut latest, mut records, mut behind) = (0u64, 0u64, Vec::new());
+    while let Some(record) = reader.next_raw().unwrap() {
+        let nccltrace::record::RawRecord::Kernel(bytes) = record else {
+            continue;
+        };
+        let ts = u64::from_le_bytes(bytes[..8].try_into().unwrap());
+        records += 1;
+        if ts + 1_000_000 < latest {
+            behind.push((records, latest - ts));
+        }
+        latest = latest.max(ts);
+    }
+    assert!(records > 1000, "{records} records");
+    assert!(
+        behind.is_empty(),
+        "{} of {records} records over 1 ms behind (record, ns): {:?}",
+        behind.len(),
+        &behind[..behind.len().min(10)]
+    );
 }
 
 /// Bad input: exit code 2 and a message naming the problem and the fix.

@@ -3,6 +3,7 @@
 
 pub mod baseline;
 pub mod discover;
+pub mod rings;
 pub mod tracefs;
 
 use std::collections::BTreeMap;
@@ -10,7 +11,7 @@ use std::os::unix::fs::MetadataExt as _;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use aya::maps::{HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf};
+use aya::maps::{HashMap as BpfHashMap, MapData, PerCpuArray};
 use aya::programs::fentry::FEntryLink;
 use aya::programs::fexit::FExitLink;
 use aya::programs::perf_event::{
@@ -22,7 +23,6 @@ use aya::programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope
 use aya::programs::{FEntry, FExit, PerfEvent, ProgramError, TracePoint, UProbe};
 use aya::{Btf, Ebpf, EbpfLoader};
 use nccltrace_common::{counter, kind};
-use tokio::io::unix::AsyncFd;
 
 use crate::event::{Event, Library};
 use crate::host::{self, Host};
@@ -351,7 +351,7 @@ pub struct Attached {
     targets: BpfHashMap<MapData, u32, u32>,
     /// CLOCK_MONOTONIC when tracing stopped (the programs were disarmed).
     pub stopped_ns: Option<u64>,
-    ring: AsyncFd<RingBuf<MapData>>,
+    rings: rings::Rings,
     counters: PerCpuArray<MapData, u64>,
     pub header: Header,
     pub pids: Vec<u32>,
@@ -388,6 +388,13 @@ impl Follow {
 /// How often the ring buffer is drained when the programs have not woken the reader.
 const DRAIN_EVERY: Duration = Duration::from_millis(10);
 
+/// Ring buffers for this host (one per group of CPUs, see `rings`).
+fn ring_shards() -> u32 {
+    // SAFETY: sysconf has no preconditions.
+    let cpus = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_CONF) };
+    rings::shards_for(usize::try_from(cpus).unwrap_or(1))
+}
+
 /// Loads the programs with this kernel's tracepoint offsets and the profile's switches.
 fn load(offsets: &nccltrace_common::TpOffsets, profile: &Profile) -> Result<Ebpf, SourceError> {
     if PROGRAMS.is_empty() {
@@ -397,16 +404,17 @@ fn load(offsets: &nccltrace_common::TpOffsets, profile: &Profile) -> Result<Ebpf
     }
     let mut loader = EbpfLoader::new();
     loader.override_global("OFFSETS", offsets, true);
+    let shards = ring_shards();
     let config = nccltrace_common::Config {
         offcpu_stacks: u32::from(profile.probes.offcpu_stacks && profile.probes.sched),
         call_stacks: profile.probes.call_stacks.setting(),
         streams: u32::from(profile.probes.streams),
-        _pad: 0,
+        shards,
         // Woken early at an eighth full; otherwise drained every `DRAIN_EVERY`.
-        wakeup_bytes: u64::from(profile.ring_buffer_bytes() / 8),
+        wakeup_bytes: u64::from(profile.ring_buffer_bytes() / shards / 8),
     };
     loader.override_global("CONFIG", &config, true);
-    loader.map_max_entries("EVENTS", profile.ring_buffer_bytes());
+    rings::size(&mut loader, shards, profile.ring_buffer_bytes());
     loader.load(PROGRAMS).map_err(|e| {
         if is_eperm(&e) {
             SourceError::Permission {
@@ -663,15 +671,7 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
         .map(|text| host::kallsyms_ranges(&text, &FAULT_HANDLERS))
         .unwrap_or_default();
 
-    let ring = RingBuf::try_from(
-        ebpf.take_map("EVENTS")
-            .ok_or_else(|| missing_map("EVENTS"))?,
-    )
-    .map_err(map_error("EVENTS"))?;
-    // SAFETY: the RingBuf owns its map fd, which stays open and unchanged until the
-    // AsyncFd (which owns the RingBuf) is dropped.
-    let ring = unsafe { AsyncFd::register_with_interest(ring, tokio::io::Interest::READABLE) }
-        .map_err(|e| SourceError::Drain(e.into()))?;
+    let rings = rings::Rings::take(&mut ebpf, ring_shards())?;
     let counters = PerCpuArray::try_from(
         ebpf.take_map("COUNTERS")
             .ok_or_else(|| missing_map("COUNTERS"))?,
@@ -706,7 +706,7 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
         logger,
         targets: map_targets,
         stopped_ns: None,
-        ring,
+        rings,
         counters,
         header,
         pids: targets.iter().map(|t| t.pid).collect(),
@@ -886,18 +886,6 @@ impl Attached {
         (lost, other)
     }
 
-    /// Drains at most `budget` records (`usize::MAX`: everything there).
-    fn drain_ready(&mut self, sink: &mut impl Sink, budget: usize) -> Result<usize, crate::Error> {
-        let mut n = 0;
-        let ring = self.ring.get_mut();
-        while n < budget {
-            let Some(item) = ring.next() else { break };
-            sink.record(&item)?;
-            n += 1;
-        }
-        Ok(n)
-    }
-
     /// Drains until every target has exited, `duration` passes, or a signal arrives;
     /// then detaches every program and drains what is left.
     pub async fn run(
@@ -925,7 +913,7 @@ impl Attached {
         let mut more = true;
         let reason = loop {
             if more {
-                more = self.drain_ready(sink, BUDGET)? == BUDGET;
+                more = self.rings.drain(sink, BUDGET)?;
             }
             tokio::select! {
                 biased;
@@ -964,9 +952,8 @@ impl Attached {
                 // The kernel only signals readiness once the consumer has caught up, so
                 // with records left over the loop goes round again without waiting.
                 () = tokio::task::yield_now(), if more => {}
-                guard = self.ring.readable_mut(), if !more => {
-                    let mut guard = guard.map_err(|e| crate::Error::Source(SourceError::Drain(e)))?;
-                    guard.clear_ready();
+                ready = self.rings.readable(), if !more => {
+                    ready?;
                     more = true;
                 }
             }
@@ -980,7 +967,7 @@ impl Attached {
             }
         }
         self.disarm();
-        self.drain_ready(sink, usize::MAX)?;
+        self.rings.drain(sink, usize::MAX)?;
         Ok(reason)
     }
 

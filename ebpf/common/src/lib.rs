@@ -173,6 +173,9 @@ pub mod call_stacks {
 /// Maximum arguments captured per call (six in registers, two from the stack).
 pub const MAX_ARGS: usize = 8;
 
+/// Ring buffers the programs declare (`EVENTS_0`…); user space uses a power of two of them.
+pub const RING_SHARDS: u32 = 8;
+
 /// The value of an argument slot the entry program did not read (a stream left out by
 /// [`func::stack_args`]); no stream or communicator handle has it.
 pub const NOT_READ: u64 = u64::MAX;
@@ -386,7 +389,9 @@ pub struct Config {
     /// Nonzero: read the stream argument of collectives (off the user stack,
     /// [`func::stack_args`]).
     pub streams: u32,
-    pub _pad: u32,
+    /// Ring buffers in use (a power of two, at most [`RING_SHARDS`]): CPU `c` writes to
+    /// buffer `c % shards`.
+    pub shards: u32,
     /// Records are submitted without waking the reader (which polls on a timer) until this
     /// many bytes wait in the ring buffer; then the submit wakes it. 0: wake on every record.
     pub wakeup_bytes: u64,

@@ -28,13 +28,48 @@ use aya_log_ebpf::warn;
 use nccltrace_common::{
     CALL_SLOTS, CallEvent, CallSlot, Config, FAULT_FLAG_USER, FaultEvent, FaultTimeEvent, Header,
     KSTACK_DEPTH, MAX_ARGS, MigrateEvent, NOT_READ, NumaTaskEvent, PageMigrationEvent, PendingCall,
-    SampleEvent, SwitchEvent, TaskEvent, TpOffsets, USTACK_DEPTH, WakeupEvent, call_stacks,
-    counter, func, kind, numa_task, switch_flags,
+    RING_SHARDS, SampleEvent, SwitchEvent, TaskEvent, TpOffsets, USTACK_DEPTH, WakeupEvent,
+    call_stacks, counter, func, kind, numa_task, switch_flags,
 };
 
-/// Every record, in one ring buffer (sized by user space at load).
+/// Every record, in ring buffers shared by groups of CPUs (`CONFIG.shards` of them in use,
+/// each sized by user space at load): one buffer for all CPUs makes every producer fight
+/// over its reservation lock (measured on 16 cores: the return program 162 ns with one
+/// producer, 4.9 µs with fourteen). User space merges them by time.
 #[map]
-static EVENTS: RingBuf = RingBuf::with_byte_size(8 << 20, 0);
+static EVENTS_0: RingBuf = RingBuf::with_byte_size(1 << 20, 0);
+#[map]
+static EVENTS_1: RingBuf = RingBuf::with_byte_size(4096, 0);
+#[map]
+static EVENTS_2: RingBuf = RingBuf::with_byte_size(4096, 0);
+#[map]
+static EVENTS_3: RingBuf = RingBuf::with_byte_size(4096, 0);
+#[map]
+static EVENTS_4: RingBuf = RingBuf::with_byte_size(4096, 0);
+#[map]
+static EVENTS_5: RingBuf = RingBuf::with_byte_size(4096, 0);
+#[map]
+static EVENTS_6: RingBuf = RingBuf::with_byte_size(4096, 0);
+#[map]
+static EVENTS_7: RingBuf = RingBuf::with_byte_size(4096, 0);
+
+/// This CPU's ring buffer.
+#[inline(always)]
+fn ring() -> &'static RingBuf {
+    // SAFETY: a helper without preconditions; a plain read of a read-only global.
+    let cpu = unsafe { bpf_get_smp_processor_id() };
+    let shards = unsafe { core::ptr::read_volatile(&raw const CONFIG.shards) };
+    match cpu & shards.wrapping_sub(1) & (RING_SHARDS - 1) {
+        0 => &EVENTS_0,
+        1 => &EVENTS_1,
+        2 => &EVENTS_2,
+        3 => &EVENTS_3,
+        4 => &EVENTS_4,
+        5 => &EVENTS_5,
+        6 => &EVENTS_6,
+        _ => &EVENTS_7,
+    }
+}
 
 /// Drops and errors, indexed by [`counter`] (and by [`kind`] for lost records).
 #[map]
@@ -100,7 +135,7 @@ static CONFIG: Config = Config {
     offcpu_stacks: 0,
     call_stacks: 0,
     streams: 0,
-    _pad: 0,
+    shards: 1,
     wakeup_bytes: 0,
 };
 
@@ -149,12 +184,12 @@ fn header(kind: u16, tgid: u32, tid: u32) -> Header {
 /// per record costs the traced thread an interrupt and a cross-CPU wake-up; the reader
 /// polls on a timer and is woken early only when the buffer starts to fill.
 #[inline(always)]
-fn wake_flags() -> u64 {
+fn wake_flags(ring: &RingBuf) -> u64 {
     // SAFETY: a plain read of a read-only global.
     let threshold = unsafe { core::ptr::read_volatile(&raw const CONFIG.wakeup_bytes) };
     if threshold == 0 {
         0
-    } else if EVENTS.query(u64::from(BPF_RB_AVAIL_DATA)) >= threshold {
+    } else if ring.query(u64::from(BPF_RB_AVAIL_DATA)) >= threshold {
         u64::from(BPF_RB_FORCE_WAKEUP)
     } else {
         u64::from(BPF_RB_NO_WAKEUP)
@@ -164,10 +199,11 @@ fn wake_flags() -> u64 {
 /// Submits `value` as one record, counting it lost under `kind` when the buffer is full.
 #[inline(always)]
 fn emit<T: 'static>(kind: u16, value: T) {
-    match EVENTS.reserve::<T>(0) {
+    let ring = ring();
+    match ring.reserve::<T>(0) {
         Some(mut entry) => {
             entry.write(value);
-            entry.submit(wake_flags());
+            entry.submit(wake_flags(ring));
         }
         None => bump(u32::from(kind)),
     }
@@ -336,7 +372,8 @@ pub fn uretprobe_lib_call(ctx: RetProbeContext) -> u32 {
             Err(_) => bump(counter::READ_FAILED),
         }
     }
-    match EVENTS.reserve::<CallEvent>(0) {
+    let ring = ring();
+    match ring.reserve::<CallEvent>(0) {
         Some(mut entry) => {
             entry.write(CallEvent {
                 hdr: header(kind::CALL, tgid, tid),
@@ -346,7 +383,7 @@ pub fn uretprobe_lib_call(ctx: RetProbeContext) -> u32 {
                 args: pending.args,
                 out,
             });
-            entry.submit(wake_flags());
+            entry.submit(wake_flags(ring));
         }
         None => bump(u32::from(kind::CALL)),
     }
@@ -688,7 +725,8 @@ pub fn perf_event_cpu_clock(ctx: PerfEventContext) -> u32 {
 /// and put second, after the function itself.
 #[inline(always)]
 fn emit_entry_stack(ctx: *mut core::ffi::c_void, rsp: u64, tgid: u32, tid: u32) {
-    let Some(mut entry) = EVENTS.reserve::<SampleEvent>(0) else {
+    let ring = ring();
+    let Some(mut entry) = ring.reserve::<SampleEvent>(0) else {
         bump(u32::from(kind::CALL_STACK));
         return;
     };
@@ -716,13 +754,14 @@ fn emit_entry_stack(ctx: *mut core::ffi::c_void, rsp: u64, tgid: u32, tid: u32) 
             (*event).ustack_len = 0;
         }
     }
-    entry.submit(wake_flags());
+    entry.submit(wake_flags(ring));
 }
 
 /// Submits the current task's kernel and user stacks as a `SampleEvent` of `kind`.
 #[inline(always)]
 fn emit_stacks(ctx: *mut core::ffi::c_void, kind: u16, tgid: u32, tid: u32) {
-    let Some(mut entry) = EVENTS.reserve::<SampleEvent>(0) else {
+    let ring = ring();
+    let Some(mut entry) = ring.reserve::<SampleEvent>(0) else {
         bump(u32::from(kind));
         return;
     };
@@ -746,7 +785,7 @@ fn emit_stacks(ctx: *mut core::ffi::c_void, kind: u16, tgid: u32, tid: u32) {
         );
         (*event).ustack_len = if u > 0 { (u / 8) as u32 } else { 0 };
     }
-    entry.submit(wake_flags());
+    entry.submit(wake_flags(ring));
 }
 
 #[cfg(not(test))]
@@ -770,7 +809,7 @@ pub fn bench_entry(_ctx: ProbeContext) -> u32 {
 /// See [`bench_entry`].
 #[uretprobe]
 pub fn bench_return(_ctx: RetProbeContext) -> u32 {
-    if let Some(mut entry) = EVENTS.reserve::<u64>(0) {
+    if let Some(mut entry) = EVENTS_0.reserve::<u64>(0) {
         // SAFETY: a helper without preconditions.
         entry.write(unsafe { bpf_ktime_get_ns() });
         entry.submit(0);
