@@ -100,7 +100,7 @@ impl Rings {
             .ready
             .readable_mut()
             .await
-            .map_err(|e| SourceError::Drain(e))?;
+            .map_err(SourceError::Drain)?;
         // Empty the epoll instance's ready list (the buffers are drained next).
         let mut events = [libc::epoll_event { events: 0, u64: 0 }; 8];
         // SAFETY: the descriptor is open; `events` has room for its length.
