@@ -24,7 +24,8 @@ pub enum DecodeError {
     UnknownFunc { id: u32 },
 }
 
-fn read<T: Copy>(bytes: &[u8], what: &'static str) -> Result<T, DecodeError> {
+/// Fails unless `bytes` hold a whole `T`.
+fn long_enough<T>(bytes: &[u8], what: &'static str) -> Result<(), DecodeError> {
     let expected = size_of::<T>();
     if bytes.len() < expected {
         return Err(DecodeError::TooShort {
@@ -33,6 +34,11 @@ fn read<T: Copy>(bytes: &[u8], what: &'static str) -> Result<T, DecodeError> {
             expected,
         });
     }
+    Ok(())
+}
+
+fn read<T: Copy>(bytes: &[u8], what: &'static str) -> Result<T, DecodeError> {
+    long_enough::<T>(bytes, what)?;
     // SAFETY: length checked; T is a #[repr(C)] integer-only record from nccltrace-common,
     // valid for any bit pattern; read_unaligned because ring-buffer slices are 8-aligned
     // but recording buffers need not be.
@@ -156,13 +162,7 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
         }
         kind::SAMPLE | kind::OFFCPU | kind::CALL_STACK => {
             // The frames in use, straight from the record (not copying its 800 bytes).
-            if bytes.len() < size_of::<SampleEvent>() {
-                return Err(DecodeError::TooShort {
-                    what: "stack record",
-                    len: bytes.len(),
-                    expected: size_of::<SampleEvent>(),
-                });
-            }
+            long_enough::<SampleEvent>(bytes, "stack record")?;
             let word =
                 |at: usize| u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap_or_default());
             let frames = |at: usize, n: usize| -> Vec<u64> {

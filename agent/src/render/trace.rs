@@ -174,13 +174,9 @@ impl<W: Write> Writer<W> {
     /// Writes one event: its fixed fields by hand (their keys need no escaping; each
     /// event's `args` through serde_json). Three times faster than serializing `Ev`.
     fn event<A: Serialize>(&mut self, ev: &Ev<'_, A>) -> io::Result<()> {
+        self.separator()?;
         let out = &mut self.out;
-        out.write_all(if self.first {
-            b"\n{\"ph\":"
-        } else {
-            b",\n{\"ph\":"
-        })?;
-        self.first = false;
+        out.write_all(b"{\"ph\":")?;
         serde_json::to_writer(&mut *out, ev.ph)?;
         if let Some(s) = ev.s {
             out.write_all(b",\"s\":")?;
@@ -213,11 +209,16 @@ impl<W: Write> Writer<W> {
 
     /// Writes one event given whole (the few metadata events).
     fn raw(&mut self, value: &impl Serialize) -> io::Result<()> {
-        self.out
-            .write_all(if self.first { b"\n" } else { b",\n" })?;
-        self.first = false;
+        self.separator()?;
         serde_json::to_writer(&mut self.out, value)?;
         Ok(())
+    }
+
+    /// What goes before an event: a newline, and a comma after the first.
+    fn separator(&mut self) -> io::Result<()> {
+        let sep: &[u8] = if self.first { b"\n" } else { b",\n" };
+        self.first = false;
+        self.out.write_all(sep)
     }
 
     /// Nanoseconds since the start of the trace.
