@@ -447,11 +447,7 @@ impl<R: BufRead> Reader<R> {
             self.consume = 8 + len as usize;
             // The buffer is not empty, so this returns it again without reading.
             let buffered = self.input.fill_buf().map_err(open)?;
-            let payload = &buffered[8..8 + len as usize];
-            if checksum_differs(payload, crc) {
-                return Err(damaged("a record matching its checksum".into()));
-            }
-            return parse_payload(payload, damaged);
+            return parse_payload(&buffered[8..8 + len as usize], crc, damaged);
         }
         // A record across the end of the input's buffer (or a damaged length): copied.
         let mut prefix = [0u8; 8];
@@ -475,19 +471,21 @@ impl<R: BufRead> Reader<R> {
                 "a {len}-byte record, found {got} (file is truncated)"
             )));
         }
-        if checksum_differs(&self.payload, crc) {
-            return Err(damaged("a record matching its checksum".into()));
-        }
         self.offset += 8 + u64::from(len);
-        parse_payload(&self.payload, damaged)
+        parse_payload(&self.payload, crc, damaged)
     }
 }
 
-/// A record's payload (after its length and checksum): its type byte, then the body.
+/// A record's payload (after its length and checksum): checked against `crc`, then its
+/// type byte and the body.
 fn parse_payload(
     payload: &[u8],
+    crc: u32,
     damaged: impl Fn(String) -> RecordError,
 ) -> Result<Option<RawRecord<'_>>, RecordError> {
+    if checksum_differs(payload, crc) {
+        return Err(damaged("a record matching its checksum".into()));
+    }
     let (kind, body) = (payload[0], &payload[1..]);
     match kind {
         TYPE_KERNEL => Ok(Some(RawRecord::Kernel(body))),
