@@ -245,32 +245,14 @@ fn file_names(
         .flatten()
         .map(|id| readable(pid, &build_id_path(&id)))
         .filter(|p| p.is_file());
-    let more = match (debug_file, elf_head(&file)) {
-        (Some(debug), Some(bytes)) => {
-            let virt: Vec<u64> = wanted
-                .iter()
-                .map(|off| virtual_address(&bytes, *off).unwrap_or(u64::MAX))
-                .collect();
-            lookup(debug, false, Input::VirtOffset(&virt))
-        }
+    let more = match (debug_file, virtual_addresses(&file, &wanted)) {
+        (Some(debug), Some(virt)) => lookup(debug, false, Input::VirtOffset(&virt)),
         _ => lookup(file, true, Input::FileOffset(&wanted)),
     };
     for (i, name) in missing.into_iter().zip(more) {
         names[i] = name;
     }
     names
-}
-
-/// The first 64 KiB of a file: an ELF file's header and program headers.
-fn elf_head(path: &Path) -> Option<Vec<u8>> {
-    use std::io::Read;
-    let mut head = Vec::new();
-    std::fs::File::open(path)
-        .ok()?
-        .take(64 << 10)
-        .read_to_end(&mut head)
-        .ok()?;
-    Some(head)
 }
 
 /// Where distributions install the debug file of the binary with this build id.
@@ -284,26 +266,30 @@ fn build_id_path(id: &[u8]) -> String {
     format!("/usr/lib/debug/.build-id/{dir}/{rest}.debug")
 }
 
-/// The virtual address of file offset `offset` of a 64-bit little-endian ELF file (its
-/// loadable segment's address plus the offset into it); `None` outside every segment or
-/// for another kind of file.
-fn virtual_address(elf: &[u8], offset: u64) -> Option<u64> {
-    let u16_at = |at: usize| Some(u16::from_le_bytes(elf.get(at..at + 2)?.try_into().ok()?));
-    let u32_at = |at: usize| Some(u32::from_le_bytes(elf.get(at..at + 4)?.try_into().ok()?));
-    let u64_at = |at: usize| Some(u64::from_le_bytes(elf.get(at..at + 8)?.try_into().ok()?));
-    // ELFCLASS64, ELFDATA2LSB.
-    if elf.get(..6)? != b"\x7fELF\x02\x01" {
-        return None;
-    }
-    let phoff = usize::try_from(u64_at(0x20)?).ok()?;
-    let (size, count) = (usize::from(u16_at(0x36)?), usize::from(u16_at(0x38)?));
-    (0..count).find_map(|i| {
-        let ph = phoff.checked_add(i.checked_mul(size)?)?;
-        let (p_offset, p_vaddr, p_filesz) = (u64_at(ph + 8)?, u64_at(ph + 16)?, u64_at(ph + 32)?);
-        // PT_LOAD
-        (u32_at(ph)? == 1 && offset >= p_offset && offset - p_offset < p_filesz)
-            .then(|| p_vaddr + (offset - p_offset))
-    })
+/// The virtual addresses of file offsets of ELF file `path` (a loadable segment's address
+/// plus the offset into it; `u64::MAX` outside every segment), read as `discover` reads
+/// objects; `None` when the file is not an ELF object.
+fn virtual_addresses(path: &Path, offsets: &[u64]) -> Option<Vec<u64>> {
+    use object::{Object as _, ObjectSegment as _};
+    let file = std::fs::File::open(path).ok()?;
+    // SAFETY: a read-only map, used only within this call.
+    let map = unsafe { memmap2::Mmap::map(&file) }.ok()?;
+    let obj = object::File::parse(&*map).ok()?;
+    // The loadable segments: (file offset, size, address).
+    let segments: Vec<(u64, u64, u64)> = obj
+        .segments()
+        .map(|s| {
+            let (start, size) = s.file_range();
+            (start, size, s.address())
+        })
+        .collect();
+    let virt = |offset: u64| {
+        segments
+            .iter()
+            .find(|(start, size, _)| offset >= *start && offset - start < *size)
+            .map_or(u64::MAX, |(start, _, address)| address + (offset - start))
+    };
+    Some(offsets.iter().map(|o| virt(*o)).collect())
 }
 
 #[cfg(test)]
@@ -356,14 +342,15 @@ mod tests {
         (exe, offset)
     }
 
-    /// A file offset and the virtual address `virtual_address` gives for it name the same
+    /// A file offset and the virtual address `virtual_addresses` gives for it name the same
     /// function (the lookup in a separate debug file goes by virtual address); offsets
     /// outside every segment and other files give none.
     #[test]
     fn virtual_address_of_a_file_offset() {
         let (exe, offset) = main_of_this_test();
-        let head = elf_head(&exe).unwrap();
-        let virt = virtual_address(&head, offset).unwrap();
+        let virt = virtual_addresses(&exe, &[offset, u64::MAX / 2]).unwrap();
+        assert_eq!(virt[1], u64::MAX);
+        let virt = virt[0];
         let symbolizer = Symbolizer::new();
         let mut elf = Elf::new(&exe);
         elf.debug_syms = false;
@@ -371,8 +358,9 @@ mod tests {
             .symbolize_single(&Source::Elf(elf), Input::VirtOffset(virt))
             .unwrap();
         assert_eq!(by_virt.as_sym().map(|s| s.name.as_ref()), Some("main"));
-        assert_eq!(virtual_address(&head, u64::MAX / 2), None);
-        assert_eq!(virtual_address(b"#!/bin/sh\n", 0), None);
+        let script = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(script.path(), "#!/bin/sh\n").unwrap();
+        assert_eq!(virtual_addresses(script.path(), &[0]), None);
         assert_eq!(
             build_id_path(&[0x93, 0xac, 0x61]),
             "/usr/lib/debug/.build-id/93/ac61.debug"
