@@ -395,8 +395,13 @@ fn ring_shards() -> u32 {
     rings::shards_for(usize::try_from(cpus).unwrap_or(1))
 }
 
-/// Loads the programs with this kernel's tracepoint offsets and the profile's switches.
-fn load(offsets: &nccltrace_common::TpOffsets, profile: &Profile) -> Result<Ebpf, SourceError> {
+/// Loads the programs with this kernel's tracepoint offsets, the profile's switches and `shards`
+/// ring buffers in use.
+fn load(
+    offsets: &nccltrace_common::TpOffsets,
+    profile: &Profile,
+    shards: u32,
+) -> Result<Ebpf, SourceError> {
     if PROGRAMS.is_empty() {
         return Err(SourceError::MissingProgram {
             name: "(all: built with AYA_BUILD_SKIP=1)".into(),
@@ -404,7 +409,6 @@ fn load(offsets: &nccltrace_common::TpOffsets, profile: &Profile) -> Result<Ebpf
     }
     let mut loader = EbpfLoader::new();
     loader.override_global("OFFSETS", offsets, true);
-    let shards = ring_shards();
     let config = nccltrace_common::Config {
         offcpu_stacks: u32::from(profile.probes.offcpu_stacks && profile.probes.sched),
         call_stacks: profile.probes.call_stacks.setting(),
@@ -578,7 +582,8 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
     let tracefs_root = tracefs::ensure_mounted()?;
     let (offsets, available) = tracefs::offsets(&tracefs_root)?;
 
-    let mut ebpf = load(&offsets, profile)?;
+    let shards = ring_shards();
+    let mut ebpf = load(&offsets, profile, shards)?;
 
     let logger = match aya_log::EbpfLogger::init(&mut ebpf) {
         Ok(logger) => Some(logger),
@@ -671,7 +676,7 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
         .map(|text| host::kallsyms_ranges(&text, &FAULT_HANDLERS))
         .unwrap_or_default();
 
-    let rings = rings::Rings::take(&mut ebpf, ring_shards())?;
+    let rings = rings::Rings::take(&mut ebpf, shards)?;
     let counters = PerCpuArray::try_from(
         ebpf.take_map("COUNTERS")
             .ok_or_else(|| missing_map("COUNTERS"))?,
