@@ -51,9 +51,25 @@ pub enum Error {
     Runtime(#[source] std::io::Error),
 }
 
+/// An error and its sources, outermost first.
+pub(crate) fn causes<'e>(
+    err: &'e (dyn std::error::Error + 'static),
+) -> impl Iterator<Item = &'e (dyn std::error::Error + 'static)> {
+    std::iter::successors(Some(err), |e| e.source())
+}
+
+/// The system error code of `e`, or of an `io::Error` it wraps (a writer library's own
+/// `io::Error` around the one the write returned; `io::Error::source` skips the wrapped
+/// error itself, so it is reached through `get_ref`).
+fn os_error(e: &std::io::Error) -> Option<i32> {
+    e.raw_os_error().or_else(|| {
+        causes(e.get_ref()?).find_map(|c| c.downcast_ref::<std::io::Error>().and_then(os_error))
+    })
+}
+
 /// What to do about an output that cannot be written.
 fn output_fix(e: &std::io::Error) -> &'static str {
-    match e.raw_os_error() {
+    match os_error(e) {
         Some(libc::ENOSPC | libc::EDQUOT) => {
             ": free space there or choose another --out (the summary above is complete; \
              `nccltrace report` reads what the recording holds)"
@@ -79,5 +95,28 @@ impl Error {
             Error::Output { .. } | Error::Runtime(_) => false,
         };
         if bad_input { 2 } else { 1 }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A full disk is named with its fix even when the system error arrives wrapped in
+    /// another `io::Error` (as a flamegraph writer's failure did: CI once printed the
+    /// bare "No space left on device" for an SVG).
+    #[test]
+    fn full_disk_fix_through_a_wrapped_error() {
+        for source in [
+            std::io::Error::from_raw_os_error(libc::ENOSPC),
+            std::io::Error::other(std::io::Error::from_raw_os_error(libc::ENOSPC)),
+        ] {
+            let text = Error::Output {
+                path: PathBuf::from("out/flamegraph-oncpu.svg"),
+                source,
+            }
+            .to_string();
+            assert!(text.contains("choose another --out"), "{text}");
+        }
     }
 }

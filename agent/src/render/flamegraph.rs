@@ -280,11 +280,9 @@ pub fn write_svg(kind: Kind, lines: &[String], out: &mut impl Write) -> io::Resu
     if lines.is_empty() {
         options.subtitle = Some("no stacks in this recording".to_owned());
         let empty = ["no-stacks 1"];
-        return inferno::flamegraph::from_lines(&mut options, empty.iter().copied(), out)
-            .map_err(io::Error::other);
+        return inferno::flamegraph::from_lines(&mut options, empty.iter().copied(), out);
     }
     inferno::flamegraph::from_lines(&mut options, lines.iter().map(String::as_str), out)
-        .map_err(io::Error::other)
 }
 
 /// The `n` heaviest stacks under root frame `category` of attributed folded lines (the

@@ -113,15 +113,8 @@ impl SourceError {
     }
 }
 
-/// An error and its sources, outermost first.
-fn causes<'e>(
-    err: &'e (dyn std::error::Error + 'static),
-) -> impl Iterator<Item = &'e (dyn std::error::Error + 'static)> {
-    std::iter::successors(Some(err), |e| e.source())
-}
-
 fn is_eperm(err: &(dyn std::error::Error + 'static)) -> bool {
-    causes(err).any(|e| {
+    crate::causes(err).any(|e| {
         e.downcast_ref::<std::io::Error>()
             .is_some_and(|io| io.raw_os_error() == Some(libc::EPERM))
     })
@@ -301,7 +294,7 @@ const FAULT_FUNCTION: &str = "handle_mm_fault";
 
 /// The innermost cause of an error, as text (the errno behind a refused load).
 fn root_cause(e: &(dyn std::error::Error + 'static)) -> String {
-    causes(e)
+    crate::causes(e)
         .last()
         .map_or_else(String::new, ToString::to_string)
 }
