@@ -74,8 +74,27 @@ pub struct Buffers {
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct Sampling {
-    /// Samples per second per thread (0: off). Page-fault time is measured from these.
+    /// Samples per second of a target thread's CPU time (0: off). Page-fault time is
+    /// measured from these.
     pub hz: u32,
+    /// Where the sampling clocks run (`cpu` when the profile does not say).
+    #[serde(default)]
+    pub scope: SampleScope,
+}
+
+/// Where the on-CPU sampling clocks run.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum SampleScope {
+    /// One clock per CPU, samples of other processes dropped in the kernel (as `perf record
+    /// -a` and bpftrace's `profile:hz` do): every CPU is interrupted `hz` times a second,
+    /// but a target thread's context switches and migrations cost nothing extra.
+    #[default]
+    Cpu,
+    /// One clock per target thread, inherited by the threads it creates: no interrupts on
+    /// other CPUs, but each switch and migration of a target thread stops and restarts its
+    /// clock (about 30 µs a migration on a 2-vCPU VM, docs/benchmarks.md).
+    Thread,
 }
 
 /// A parsed profile.
@@ -191,6 +210,29 @@ mod tests {
         }
         let min = Profile::load("minimal").unwrap();
         assert!(!min.probes.page_faults && !min.probes.cuda_sync && min.probes.sched);
+    }
+
+    /// Sampling clocks per CPU unless a profile asks for one per thread; a profile that
+    /// leaves `scope` out samples per CPU; an unknown scope is named in the error.
+    #[test]
+    fn sampling_scope() {
+        for (name, _) in SHIPPED {
+            assert_eq!(
+                Profile::load(name).unwrap().sampling.scope,
+                SampleScope::Cpu
+            );
+        }
+        let default = SHIPPED[0].1;
+        let thread = Profile::parse(
+            "t",
+            &default.replace("scope = \"cpu\"", "scope = \"thread\""),
+        );
+        assert_eq!(thread.unwrap().sampling.scope, SampleScope::Thread);
+        let left_out = Profile::parse("l", &default.replace("scope = \"cpu\"", ""));
+        assert_eq!(left_out.unwrap().sampling.scope, SampleScope::Cpu);
+        let err = Profile::parse("c", &default.replace("scope = \"cpu\"", "scope = \"core\""))
+            .unwrap_err();
+        assert!(err.to_string().contains("core"), "{err}");
     }
 
     /// Profiles from a file; typos and unknown names get errors naming the problem.

@@ -39,7 +39,7 @@ pub struct AttachArgs {
     /// Cut steps into fixed windows (100ms, 1s) instead of finding them.
     #[arg(long)]
     step_window: Option<String>,
-    /// On-CPU samples per second per thread (overrides the profile; 0: off).
+    /// On-CPU samples per second of a target thread's CPU time (overrides the profile; 0: off).
     #[arg(long)]
     sample_hz: Option<u32>,
     /// If a target has not loaded NCCL yet, wait until it does (or exits), then attach.

@@ -17,16 +17,17 @@ use aya::programs::fexit::FExitLink;
 use aya::programs::perf_event::{
     PerfEventConfig, PerfEventLink, PerfEventScope, SamplePolicy, SoftwareEvent,
 };
+use aya::programs::raw_trace_point::RawTracePointLink;
 use aya::programs::trace_point::TracePointLink;
 use aya::programs::uprobe::UProbeLink;
 use aya::programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope};
-use aya::programs::{FEntry, FExit, PerfEvent, ProgramError, TracePoint, UProbe};
+use aya::programs::{FEntry, FExit, PerfEvent, ProgramError, RawTracePoint, TracePoint, UProbe};
 use aya::{Btf, Ebpf, EbpfLoader};
 use nccltrace_common::{counter, kind};
 
 use crate::event::{Event, Library};
 use crate::host::{self, Host};
-use crate::profile::Profile;
+use crate::profile::{Profile, SampleScope};
 use crate::record::{ClockRef, FORMAT_VERSION, Header, ProbeInfo, TargetInfo};
 use discover::FoundLibrary;
 
@@ -96,6 +97,15 @@ pub enum SourceError {
     Tracefs(#[from] tracefs::TracefsError),
     #[error("reading the ring buffer failed: {0}")]
     Drain(#[source] std::io::Error),
+    #[error(
+        "cannot read the online CPUs from {path} ({source}) to sample each of them: sample each \
+         target thread instead with `scope = \"thread\"` under [sampling] in a profile file"
+    )]
+    OnlineCpus {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 impl SourceError {
@@ -281,6 +291,8 @@ enum Link {
     Uprobe(UProbeLink),
     #[allow(dead_code)]
     Tracepoint(TracePointLink),
+    #[allow(dead_code)]
+    RawTracepoint(RawTracePointLink),
     #[allow(dead_code)]
     Perf(PerfEventLink),
     #[allow(dead_code)]
@@ -486,8 +498,35 @@ fn probe_library(
     Ok(())
 }
 
-/// One software cpu-clock event per thread of `pid`, inherited by threads it creates:
-/// costs nothing while the thread is off-CPU, unlike per-CPU events.
+/// One software cpu-clock event per online CPU (`SampleScope::Cpu`); the program keeps the
+/// samples of target threads only.
+fn sample_cpus(ebpf: &mut Ebpf, period_ns: u64, links: &mut Vec<Link>) -> Result<(), SourceError> {
+    let name = "perf_event_cpu_clock";
+    let prog: &mut PerfEvent = typed_program(ebpf, name)?;
+    let cpus = aya::util::online_cpus().map_err(|(path, source)| SourceError::OnlineCpus {
+        path: path.to_owned(),
+        source,
+    })?;
+    for cpu in cpus {
+        let place = format!("CPU {cpu}");
+        let id = prog
+            .attach(
+                PerfEventConfig::Software(SoftwareEvent::CpuClock),
+                PerfEventScope::AllProcessesOneCpu { cpu },
+                SamplePolicy::Period(period_ns),
+                false,
+            )
+            .map_err(|e| program_error(name, &place, e))?;
+        let link = prog
+            .take_link(id)
+            .map_err(|e| program_error(name, &place, e))?;
+        links.push(Link::Perf(link));
+    }
+    Ok(())
+}
+
+/// One software cpu-clock event per thread of `pid`, inherited by threads it creates
+/// (`SampleScope::Thread`).
 fn sample_threads(
     ebpf: &mut Ebpf,
     host: &Host,
@@ -632,9 +671,21 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
         if !wanted || !available.contains(&event) {
             continue;
         }
+        let place = format!("{category}:{event}");
+        if event == "page_fault_user" {
+            let name = "raw_page_fault_user";
+            let prog: &mut RawTracePoint = load_program(&mut ebpf, name)?;
+            let id = prog
+                .attach(event)
+                .map_err(|e| program_error(name, &place, e))?;
+            let link = prog
+                .take_link(id)
+                .map_err(|e| program_error(name, &place, e))?;
+            links.push(Link::RawTracepoint(link));
+            continue;
+        }
         let name = format!("tracepoint_{event}");
         let prog: &mut TracePoint = load_program(&mut ebpf, &name)?;
-        let place = format!("{category}:{event}");
         let id = prog
             .attach(category, event)
             .map_err(|e| program_error(&name, &place, e))?;
@@ -661,8 +712,13 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
         sample_period_ns = 1_000_000_000 / u64::from(profile.sampling.hz);
         let name = "perf_event_cpu_clock";
         load_program::<PerfEvent>(&mut ebpf, name)?;
-        for t in targets {
-            sample_threads(&mut ebpf, &host, t.pid, sample_period_ns, &mut links)?;
+        match profile.sampling.scope {
+            SampleScope::Cpu => sample_cpus(&mut ebpf, sample_period_ns, &mut links)?,
+            SampleScope::Thread => {
+                for t in targets {
+                    sample_threads(&mut ebpf, &host, t.pid, sample_period_ns, &mut links)?;
+                }
+            }
         }
     }
     let fault_handler_ranges = std::fs::read_to_string("/proc/kallsyms")
@@ -729,7 +785,7 @@ macro_rules! loadable {
         }
     )*};
 }
-loadable!(UProbe, TracePoint, PerfEvent);
+loadable!(UProbe, TracePoint, RawTracePoint, PerfEvent);
 
 /// Loads the program `name` of `ebpf` into the kernel. A rejection by the verifier names
 /// the program and the kernel release, with the verifier's output.
@@ -801,7 +857,7 @@ pub trait Sink {
 impl Attached {
     /// Attaches to a target found after the start (`--follow`): its threads and pid join
     /// the maps, its libraries are probed unless an earlier target maps the same files, its
-    /// threads get sampling events. Returns what the recording keeps about it.
+    /// threads get sampling events when they are sampled per thread. Returns what the recording keeps about it.
     pub fn add_target(&mut self, t: &Target) -> Result<TargetInfo, SourceError> {
         let host = Host::live();
         let ebpf = self
@@ -813,7 +869,7 @@ impl Attached {
         for lib in libs {
             probe_library(ebpf, lib, &mut self.probed, &mut self.links)?;
         }
-        if self.header.sample_period_ns > 0 {
+        if self.header.sample_period_ns > 0 && self.profile.sampling.scope == SampleScope::Thread {
             let period = self.header.sample_period_ns;
             sample_threads(ebpf, &host, t.pid, period, &mut self.links)?;
         }

@@ -144,11 +144,8 @@ pub fn offsets(root: &Path) -> Result<(TpOffsets, Vec<&'static str>), TracefsErr
             "sched_process_exit" => {
                 o.exit_group_dead = field_offset(&format, "group_dead").unwrap_or(0);
             }
-            "page_fault_user" => {
-                o.fault_address = get("address")?;
-                o.fault_ip = get("ip")?;
-                o.fault_error_code = get("error_code")?;
-            }
+            // A raw tracepoint: its arguments, not the format's fields.
+            "page_fault_user" => {}
             "mm_migrate_pages" => {
                 o.pages_succeeded = get("succeeded")?;
                 o.pages_failed = get("failed")?;

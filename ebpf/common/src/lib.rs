@@ -414,9 +414,6 @@ pub struct TpOffsets {
     pub migrate_dest_cpu: u32,
     pub fork_child_pid: u32,
     pub exit_group_dead: u32,
-    pub fault_address: u32,
-    pub fault_ip: u32,
-    pub fault_error_code: u32,
     pub pages_succeeded: u32,
     pub pages_failed: u32,
     pub pages_mode: u32,
@@ -438,7 +435,7 @@ pub struct TpOffsets {
     pub swap_dst_nid: u32,
     pub _pad: u32,
 }
-const _: () = assert!(core::mem::size_of::<TpOffsets>() == 128);
+const _: () = assert!(core::mem::size_of::<TpOffsets>() == 116);
 
 #[cfg(feature = "user")]
 mod pod {
