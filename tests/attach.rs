@@ -1739,3 +1739,53 @@ fn attribution_bounded_to_the_last_events() {
         "{n_limited} steps attributed at the end, {n_full} in the whole run"
     );
 }
+
+/// On-CPU samples with the sampling clocks per CPU (the default) and per target thread
+/// (`scope = "thread"` in a profile file): about `hz` samples a second of the trainer's CPU
+/// time either way, every one of them the trainer's (per-CPU clocks also fire while other
+/// processes run, or none: the program must drop those).
+#[test]
+fn samples_with_clocks_per_cpu_and_per_thread() {
+    let _serial = privileged();
+    let dir = tempfile::tempdir().unwrap();
+    let default = std::fs::read_to_string(workspace().join("profiles/default.toml")).unwrap();
+    assert!(
+        default.contains("scope = \"cpu\""),
+        "the default profile names its scope"
+    );
+    let thread = dir.path().join("thread.toml");
+    std::fs::write(
+        &thread,
+        default.replace("scope = \"cpu\"", "scope = \"thread\""),
+    )
+    .unwrap();
+    let hz = 2000.0;
+    for profile in ["default", thread.to_str().unwrap()] {
+        let (_, summary, out, _dir, steps) = traced_trainer_with(
+            50,
+            &[],
+            &["--compute-us", "2000", "--fault-pages", "16"],
+            &["--profile", profile, "--sample-hz", "2000"],
+        );
+        // The trainer's CPU time: its compute and its faults (the rest of a step waits).
+        let cpu_s: f64 = steps
+            .iter()
+            .map(|s| s["compute_ns"].as_f64().unwrap() + s["fault_ns"].as_f64().unwrap())
+            .sum::<f64>()
+            / 1e9;
+        let samples = summary["cpu_samples"].as_f64().unwrap();
+        let expected = cpu_s * hz;
+        assert!(
+            (0.65 * expected..=1.35 * expected).contains(&samples),
+            "{profile}: {samples} samples for {cpu_s:.3} s of CPU at {hz} Hz"
+        );
+        let folded = std::fs::read_to_string(out.join("flamegraph-oncpu.folded")).unwrap();
+        assert!(!folded.is_empty(), "{profile}: no on-CPU stacks");
+        for line in folded.lines() {
+            assert!(
+                line.starts_with("trainer "),
+                "{profile}: a sample of another process: {line}"
+            );
+        }
+    }
+}

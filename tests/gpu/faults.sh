@@ -7,7 +7,6 @@ set -uo pipefail
 BIN=${1:?usage: faults.sh NCCLTRACE_BINARY FIXTURES_DIR}
 FIX=${2:?usage: faults.sh NCCLTRACE_BINARY FIXTURES_DIR}
 OUT=${OUT:-./gpu-out}/faults
-PY=${PYTHON:-python3}
 # shellcheck source=lib.sh
 . "$(cd "$(dirname "$0")" && pwd)/lib.sh"
 mkdir -p "$OUT"

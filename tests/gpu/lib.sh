@@ -1,5 +1,10 @@
 # Shared by the GPU-host scripts (sourced). BIN must name the nccltrace binary.
 #
+# PY: the Python that has PyTorch ($PYTHON, else python3). NVLink multicast stays off in
+# every job these scripts start (the device's rule).
+PY=${PYTHON:-python3}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+#
 # traced PREFIX AGENT_OUT [AGENT_ARGS...] -- COMMAND...
 #   Starts COMMAND --go-file PREFIX.go (it prints "ready", then waits for that file), attaches
 #   `nccltrace attach AGENT_ARGS --out AGENT_OUT` to it, releases it and waits for both.

@@ -10,10 +10,8 @@ ROUNDS=${3:?rounds}
 shift 3
 OUT=${OUT:-./gpu-out}/overhead
 HERE=$(cd "$(dirname "$0")" && pwd)
-PY=${PYTHON:-python3}
 # shellcheck source=lib.sh
 . "$HERE/lib.sh"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT"
 for round in $(seq "$ROUNDS"); do
   for profile in "$@"; do

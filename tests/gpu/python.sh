@@ -8,10 +8,8 @@ BIN=${1:?usage: python.sh NCCLTRACE_BINARY [STEPS]}
 STEPS=${2:-100}
 OUT=${OUT:-./gpu-out}/python
 HERE=$(cd "$(dirname "$0")" && pwd)
-PY=${PYTHON:-python3}
 # shellcheck source=lib.sh
 . "$HERE/lib.sh"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT"
 "$PY" -c 'import sys, sysconfig; print(sys.version.split()[0], sysconfig.get_config_var("CFLAGS"))' > "$OUT/python.txt" 2>&1
 traced "$OUT/ddp" "$OUT/ddp" -- env PYTHONPERFSUPPORT=1 "$PY" "$HERE/train.py" --mode ddp --steps "$STEPS"

@@ -7,10 +7,8 @@ BIN=${1:?usage: run.sh NCCLTRACE_BINARY [STEPS]}
 STEPS=${2:-300}
 OUT=${OUT:-./gpu-out}
 HERE=$(cd "$(dirname "$0")" && pwd)
-PY=${PYTHON:-python3}
 # shellcheck source=lib.sh
 . "$HERE/lib.sh"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 uname -r >> "$OUT/gpu.txt"

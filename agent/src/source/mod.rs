@@ -508,20 +508,24 @@ fn sample_cpus(ebpf: &mut Ebpf, period_ns: u64, links: &mut Vec<Link>) -> Result
         source,
     })?;
     for cpu in cpus {
-        let place = format!("CPU {cpu}");
-        let id = prog
-            .attach(
-                PerfEventConfig::Software(SoftwareEvent::CpuClock),
-                PerfEventScope::AllProcessesOneCpu { cpu },
-                SamplePolicy::Period(period_ns),
-                false,
-            )
-            .map_err(|e| program_error(name, &place, e))?;
-        let link = prog
-            .take_link(id)
-            .map_err(|e| program_error(name, &place, e))?;
-        links.push(Link::Perf(link));
+        let scope = PerfEventScope::AllProcessesOneCpu { cpu };
+        attach_clock(prog, scope, period_ns, false, links)
+            .map_err(|e| program_error(name, &format!("CPU {cpu}"), e))?;
     }
+    Ok(())
+}
+
+/// Attaches the sampling program to one software cpu-clock event of `scope`.
+fn attach_clock(
+    prog: &mut PerfEvent,
+    scope: PerfEventScope,
+    period_ns: u64,
+    inherit: bool,
+    links: &mut Vec<Link>,
+) -> Result<(), ProgramError> {
+    let config = PerfEventConfig::Software(SoftwareEvent::CpuClock);
+    let id = prog.attach(config, scope, SamplePolicy::Period(period_ns), inherit)?;
+    links.push(Link::Perf(prog.take_link(id)?));
     Ok(())
 }
 
@@ -537,26 +541,22 @@ fn sample_threads(
     let name = "perf_event_cpu_clock";
     let prog: &mut PerfEvent = typed_program(ebpf, name)?;
     for tid in host.threads(pid) {
-        let place = format!("thread {tid} of pid {pid}");
-        let attached = prog.attach(
-            PerfEventConfig::Software(SoftwareEvent::CpuClock),
-            PerfEventScope::OneProcess {
-                pid: tid,
-                cpu: None,
-            },
-            SamplePolicy::Period(period_ns),
-            true,
-        );
-        let id = match attached {
-            Ok(id) => id,
-            // The thread exited between listing and attaching.
-            Err(_) if !host.path(&format!("proc/{pid}/task/{tid}")).exists() => continue,
-            Err(e) => return Err(program_error(name, &place, e)),
+        let scope = PerfEventScope::OneProcess {
+            pid: tid,
+            cpu: None,
         };
-        let link = prog
-            .take_link(id)
-            .map_err(|e| program_error(name, &place, e))?;
-        links.push(Link::Perf(link));
+        match attach_clock(prog, scope, period_ns, true, links) {
+            Ok(()) => {}
+            // The thread exited between listing and attaching.
+            Err(_) if !host.path(&format!("proc/{pid}/task/{tid}")).exists() => {}
+            Err(e) => {
+                return Err(program_error(
+                    name,
+                    &format!("thread {tid} of pid {pid}"),
+                    e,
+                ));
+            }
+        }
     }
     Ok(())
 }
