@@ -103,6 +103,8 @@ struct Agent {
     /// What it prints on stdout, read as it comes (so a long table never blocks it).
     stdout: std::thread::JoinHandle<String>,
     out: PathBuf,
+    /// Its "attached to pid" line.
+    attached: String,
 }
 
 impl Agent {
@@ -149,11 +151,13 @@ impl Agent {
                 "attach took over 60 s"
             );
         }
+        let attached = said.pop().unwrap_or_default();
         Agent {
             child,
             stderr,
             stdout,
             out: out.to_owned(),
+            attached,
         }
     }
 
@@ -790,6 +794,7 @@ fn three_ranks_one_straggler() {
         stderr,
         stdout: std::thread::spawn(String::new),
         out: out.clone(),
+        attached: String::new(),
     };
     std::fs::write(&go, b"").unwrap();
     let truths: Vec<Value> = trainers.into_iter().map(Target::finish).collect();
@@ -1788,4 +1793,71 @@ fn samples_with_clocks_per_cpu_and_per_thread() {
             );
         }
     }
+}
+
+/// A stand-in libnccl built with -fcf-protection (CET), every function opening with
+/// endbr64, which the kernel would single-step under a uprobe: the agent says its probes sit
+/// past it, and still counts every call and byte, reads the arguments and pairs each return.
+#[test]
+fn cet_library_probed_past_endbr64() {
+    let _serial = privileged();
+    let cet = fixtures().join("cet");
+    let dir = tempfile::tempdir().unwrap();
+    let go = dir.path().join("go");
+    let trainer = Target::spawn(
+        &fixtures().join("trainer"),
+        &[
+            "--steps",
+            "20",
+            "--compute-us",
+            "300",
+            "--go-file",
+            go.to_str().unwrap(),
+        ],
+        &[("LD_LIBRARY_PATH", cet.to_str().unwrap())],
+        dir.path(),
+    );
+    let pid = trainer.child.id();
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+    assert!(
+        maps.contains("/cet/libnccl.so.2"),
+        "the trainer runs on the CET build"
+    );
+    let out = dir.path().join("out");
+    let agent = Agent::attach(pid, &out, &["--profile", "full"]);
+    let agent_line = agent.attached.clone();
+    trainer.release();
+    let truth = trainer.finish()["total"].clone();
+    let (code, summary, stderr) = agent.wait(Duration::from_secs(60));
+    assert_eq!(code, 0, "{stderr}");
+    for (op, calls) in truth["calls"].as_object().unwrap() {
+        assert_eq!(summary["nccl"]["by_op"][op]["calls"], *calls, "{op} calls");
+        assert_eq!(
+            summary["nccl"]["by_op"][op]["bytes"], truth["bytes"][op],
+            "{op} bytes"
+        );
+    }
+    assert_eq!(summary["lost_events"], 0);
+    // Each collective's stream (an argument read at the entry probe) is the trainer's.
+    let (with_stream, trainers) = slices_with_stream(&out);
+    assert_eq!(with_stream, trainers, "streams read past endbr64");
+    assert!(
+        trainers >= 20 * 10,
+        "{trainers} collectives with the trainer's stream"
+    );
+    // The probes on the CET build sit past endbr64 (at least the trainer's 11 NCCL
+    // functions); those on the stand-in libcuda, built without CET, do not.
+    let number_before = |marker: &str| -> usize {
+        let head = &agent_line[..agent_line.find(marker).expect(marker)];
+        head.rsplit(|c: char| !c.is_ascii_digit())
+            .find(|w| !w.is_empty())
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    let (probes, past) = (
+        number_before(" probes ("),
+        number_before(" past the endbr64 their function opens with"),
+    );
+    assert!(past >= 11 && past < probes, "{agent_line}");
 }

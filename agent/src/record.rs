@@ -74,7 +74,11 @@ pub struct ProbeInfo {
     pub func: String,
     pub symbol: String,
     pub library: String,
+    /// Where the probes sit.
     pub file_offset: u64,
+    /// 4 bytes past the symbol, over the `endbr64` it opens with (a CET build).
+    #[serde(default)]
+    pub past_endbr64: bool,
 }
 
 /// A traced process.

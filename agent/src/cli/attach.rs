@@ -357,22 +357,36 @@ fn record_symbols(outputs: &mut crate::pipeline::Outputs) -> Vec<Meta> {
     records
 }
 
+/// The line saying what nccltrace attached to in target `t`.
+fn attached_line(t: &crate::record::TargetInfo, attach_ms: u128, profile: &str) -> String {
+    // Functions of a CET build open with endbr64, which the kernel would single-step.
+    let past = t.probes.iter().filter(|p| p.past_endbr64).count();
+    let probes = if past > 0 {
+        format!(
+            "{} probes ({past} past the endbr64 their function opens with)",
+            t.probes.len()
+        )
+    } else {
+        format!("{} probes", t.probes.len())
+    };
+    format!(
+        "nccltrace: attached to pid {} ({}) in {attach_ms} ms: {probes}; NCCL {}; CUDA {}; profile \
+         {profile}",
+        t.pid,
+        t.comm,
+        t.nccl_library.as_deref().unwrap_or("-"),
+        t.cuda_library.as_deref().unwrap_or("not mapped"),
+    )
+}
+
 async fn trace(settings: Settings, targets: &[source::Target]) -> Result<(), Error> {
     if let Some(first) = targets.first() {
         health_report(&settings.out, first.pid)?;
     }
     let mut attached = source::attach(targets, &settings.profile)?;
     for t in &attached.header.targets {
-        eprintln!(
-            "nccltrace: attached to pid {} ({}) in {} ms: {} probes; NCCL {}; CUDA {}; profile {}",
-            t.pid,
-            t.comm,
-            attached.attach_time.as_millis(),
-            t.probes.len(),
-            t.nccl_library.as_deref().unwrap_or("-"),
-            t.cuda_library.as_deref().unwrap_or("not mapped"),
-            settings.profile.name,
-        );
+        let ms = attached.attach_time.as_millis();
+        eprintln!("{}", attached_line(t, ms, &settings.profile.name));
     }
     attached.header.step_nvtx.clone_from(&settings.step_nvtx);
     if settings.follow {

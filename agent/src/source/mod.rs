@@ -454,6 +454,7 @@ fn target_libs<'t>(t: &'t Target, profile: &Profile) -> (Vec<&'t FoundLibrary>, 
                 symbol: site.symbol.clone(),
                 library: lib.path.clone(),
                 file_offset: site.file_offset,
+                past_endbr64: site.past_endbr64,
             })
         })
         .collect();
