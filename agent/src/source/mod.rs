@@ -858,7 +858,8 @@ pub trait Sink {
 impl Attached {
     /// Attaches to a target found after the start (`--follow`): its threads and pid join
     /// the maps, its libraries are probed unless an earlier target maps the same files, its
-    /// threads get sampling events when they are sampled per thread. Returns what the recording keeps about it.
+    /// threads get sampling events when they are sampled per thread. Returns what the
+    /// recording keeps about it.
     pub fn add_target(&mut self, t: &Target) -> Result<TargetInfo, SourceError> {
         let host = Host::live();
         let ebpf = self
