@@ -455,40 +455,128 @@ fn signals_detach_and_write_outputs() {
     }
 }
 
-/// A second SIGINT while the agent detaches ends it by the signal (no waiting for the
-/// orderly detach), and the kernel still removes every program. The process still lasts
-/// until the kernel has released each probe (about 70-130 ms each here, measured 6 s for
-/// the default profile), since closing the descriptors at exit waits the same way.
+/// The files every complete run writes.
+const OUTPUTS: [&str; 7] = [
+    "recording.nctr",
+    "summary.json",
+    "steps.json",
+    "steps.csv",
+    "trace.json",
+    "doctor.json",
+    "flamegraph-attributed.svg",
+];
+
+/// Regression (issue 17): a wrapper forwards one stop request as two signals within
+/// milliseconds (`timeout -s INT` signals the agent and then its process group; so do
+/// `srun` and shells). Both forms are one request: every output is written, nothing says
+/// the exit was forced, and the recording ends with its closing record.
 #[test]
-fn second_sigint_ends_the_agent() {
+fn repeated_signals_within_a_second_are_one_request() {
+    let _serial = privileged();
+    for wrapped in [true, false] {
+        let dir = tempfile::tempdir().unwrap();
+        let trainer = waiting_trainer(dir.path(), 100_000, 200);
+        trainer.release();
+        let out = dir.path().join("out");
+        let (code, stderr) = if wrapped {
+            let run = Command::new("timeout")
+                .args(["-s", "INT", "2"])
+                .arg(env!("CARGO_BIN_EXE_nccltrace"))
+                .args(["attach", "--pid", &trainer.child.id().to_string(), "--out"])
+                .arg(&out)
+                .output()
+                .unwrap();
+            // timeout's own code when the time ran out and the command then exited.
+            assert_eq!(run.status.code(), Some(124), "{run:?}");
+            (0, String::from_utf8_lossy(&run.stderr).into_owned())
+        } else {
+            let agent = Agent::attach(trainer.child.id(), &out, &[]);
+            std::thread::sleep(Duration::from_millis(500));
+            let pid = agent.child.id() as i32;
+            unsafe { libc::kill(pid, libc::SIGINT) };
+            std::thread::sleep(Duration::from_millis(10));
+            unsafe { libc::kill(pid, libc::SIGINT) };
+            let (code, _, stderr) = agent.wait_for_exit(Duration::from_secs(60));
+            (code, stderr)
+        };
+        let mut trainer = trainer;
+        let _ = trainer.child.kill();
+        let _ = trainer.child.wait();
+        assert_eq!(code, 0, "wrapped {wrapped}: {stderr}");
+        assert!(!stderr.contains("at once"), "wrapped {wrapped}: {stderr}");
+        for name in OUTPUTS {
+            assert!(
+                out.join(name).exists(),
+                "wrapped {wrapped}: no {name}: {stderr}"
+            );
+        }
+        let summary: Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap())
+                .unwrap();
+        assert_eq!(summary["stop_reason"], "SIGINT received");
+        assert!(summary["incomplete"].is_null(), "{summary}");
+        no_programs_left();
+    }
+}
+
+/// Regression (issue 17): a second SIGINT well after the first (a user insisting) ends
+/// the agent at once with 130, but only once the recording holds its closing record, and
+/// it prints the exact command that rebuilds every output; that command works. (The agent
+/// is held stopped between the two signals so that the second surely comes before the
+/// outputs are written.)
+#[test]
+fn forced_exit_keeps_a_closed_recording() {
     let _serial = privileged();
     let dir = tempfile::tempdir().unwrap();
     let trainer = waiting_trainer(dir.path(), 100_000, 200);
     trainer.release();
-    let traced = Agent::attach(trainer.child.id(), &dir.path().join("out"), &[]);
+    let out = dir.path().join("out");
+    let mut traced = Agent::attach(trainer.child.id(), &out, &[]);
     let pid = traced.child.id() as i32;
-    std::thread::sleep(Duration::from_millis(500));
+    std::thread::sleep(Duration::from_millis(1500));
     unsafe { libc::kill(pid, libc::SIGINT) };
-    // Once the outputs are written it detaches; the second Ctrl-C comes then.
-    let outputs = dir.path().join("out").join("trace.json");
-    let started = Instant::now();
-    while !outputs.exists() && started.elapsed() < Duration::from_secs(30) {
-        std::thread::sleep(Duration::from_millis(20));
+    let mut said = Vec::new();
+    for line in traced.stderr.by_ref().map_while(Result::ok) {
+        let stopped = line.contains("tracing stopped");
+        said.push(line);
+        if stopped {
+            break;
+        }
     }
-    std::thread::sleep(Duration::from_millis(300));
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    std::thread::sleep(Duration::from_millis(1200));
     unsafe { libc::kill(pid, libc::SIGINT) };
-    let (code, _, stderr) = traced.wait_for_exit(Duration::from_secs(30));
+    unsafe { libc::kill(pid, libc::SIGCONT) };
+    let (code, _, stderr) = traced.wait_for_exit(Duration::from_secs(60));
     let mut trainer = trainer;
     let _ = trainer.child.kill();
     let _ = trainer.child.wait();
-    assert_eq!(
-        code, -1,
-        "ended by the second SIGINT, not a normal exit: {stderr}"
-    );
+    let stderr = format!("{}\n{stderr}", said.join("\n"));
+    assert_eq!(code, 130, "{stderr}");
     assert!(
-        dir.path().join("out/summary.json").exists(),
-        "outputs written before"
+        stderr.contains("stopped at once by a second SIGINT"),
+        "{stderr}"
     );
+    let command = stderr
+        .lines()
+        .map(str::trim)
+        .find(|l| l.starts_with("nccltrace report "))
+        .unwrap_or_else(|| panic!("no report command: {stderr}"));
+    let words: Vec<&str> = command.split_whitespace().collect();
+    let rebuilt = agent()
+        .args(&words[1..])
+        .stdout(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(rebuilt.status.success(), "{command}: {rebuilt:?}");
+    for name in OUTPUTS {
+        assert!(out.join(name).exists(), "no {name} after {command}");
+    }
+    let summary: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["stop_reason"], "SIGINT received", "{summary}");
+    assert!(summary["incomplete"].is_null(), "closing record: {summary}");
+    assert!(summary["nccl"]["calls"].as_u64().unwrap() > 0);
     no_programs_left();
 }
 
@@ -725,6 +813,79 @@ fn unknown_step_symbol_is_bad_input() {
         stderr.contains("no function no_such_function") && stderr.contains("SYMBOL@LIBRARY"),
         "{stderr}"
     );
+    // Regression (issue 17): the failed attach left an empty --out that refused the retry.
+    assert!(
+        !dir.path().join("out").exists(),
+        "a failed attach left its folder"
+    );
+}
+
+/// Regression (issue 17): `--wait-for-nccl` on a process that never loads NCCL ends with
+/// the true reason and leaves no folder: the process exited (it said "check the pid with
+/// ps"), `--duration` passed (it did not bound the wait), or Ctrl-C (exit 130).
+#[test]
+fn waiting_for_nccl_ends_with_the_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let wait = |seconds: &str, extra: &[&str]| {
+        let mut target = Command::new("sleep").arg(seconds).spawn().unwrap();
+        let pid = target.id();
+        let run = agent()
+            .args([
+                "attach",
+                "--wait-for-nccl",
+                "--pid",
+                &target.id().to_string(),
+                "--out",
+            ])
+            .arg(&out)
+            .args(extra)
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        (pid, run, move || {
+            let _ = target.kill();
+            let _ = target.wait();
+        })
+    };
+    let (_, run, mut end) = wait("1", &[]);
+    let result = run.wait_with_output().unwrap();
+    end();
+    let stderr = String::from_utf8_lossy(&result.stderr);
+    assert_eq!(result.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("exited after") && stderr.contains("without loading NCCL"),
+        "{stderr}"
+    );
+    assert!(!out.exists());
+
+    let (_, run, mut end) = wait("30", &["--duration", "700ms"]);
+    let started = Instant::now();
+    let result = run.wait_with_output().unwrap();
+    end();
+    let stderr = String::from_utf8_lossy(&result.stderr);
+    assert_eq!(result.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("did not load NCCL within --duration"),
+        "{stderr}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(20));
+    assert!(!out.exists());
+
+    let (_, mut run, mut end) = wait("30", &[]);
+    let mut lines = BufReader::new(run.stderr.take().unwrap()).lines();
+    let first = lines.next().unwrap().unwrap();
+    assert!(first.contains("waiting for pid"), "{first}");
+    unsafe { libc::kill(run.id() as i32, libc::SIGINT) };
+    let status = run.wait().unwrap();
+    let rest: Vec<String> = lines.map_while(Result::ok).collect();
+    end();
+    assert_eq!(status.code(), Some(130), "{rest:?}");
+    assert!(
+        rest.join("\n").contains("SIGINT received while waiting"),
+        "{rest:?}"
+    );
+    assert!(!out.exists());
 }
 
 /// Three ranks whose stand-in collectives complete only when all have arrived (shared
@@ -959,10 +1120,7 @@ fn bad_input_exits_2() {
         ),
     ]);
     for (args, expected) in cases {
-        let out = agent().args(&args).output().unwrap();
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
-        assert!(stderr.contains(expected), "{args:?}: {stderr}");
+        refused_with(dir.path(), &args, expected);
     }
     // An existing output folder is refused without --force.
     let existing = dir.path().join("exists");
@@ -974,6 +1132,99 @@ fn bad_input_exits_2() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--force"));
+}
+
+/// Runs `nccltrace ARGS` in `dir`: exit code 2 and `expected` in the message.
+fn refused_with(dir: &Path, args: &[String], expected: &str) {
+    let out = agent().current_dir(dir).args(args).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+    assert!(stderr.contains(expected), "{args:?}: {stderr}");
+}
+
+/// Regression (issue 17): an --out that is a file or cannot be made, a negative or zero
+/// --duration, --follow without --all: each was exit 1, a misleading reason, or accepted.
+/// Now exit 2 with the rule said, and no failed command leaves a folder behind (the
+/// default --out included).
+#[test]
+fn bad_output_and_arguments_exit_2() {
+    let dir = tempfile::tempdir().unwrap();
+    // Regression (issue 17): each of these was exit 1, a misleading reason, or accepted.
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, b"").unwrap();
+    let me = std::process::id().to_string();
+    let issue_17: Vec<(Vec<String>, &str)> = vec![
+        (
+            vec![
+                "attach".into(),
+                "--pid".into(),
+                me.clone(),
+                "--out".into(),
+                file.display().to_string(),
+            ],
+            "is a file, not a folder",
+        ),
+        (
+            vec![
+                "attach".into(),
+                "--pid".into(),
+                me.clone(),
+                "--force".into(),
+                "--out".into(),
+                file.display().to_string(),
+            ],
+            "is a file, not a folder",
+        ),
+        (
+            vec![
+                "attach".into(),
+                "--pid".into(),
+                me.clone(),
+                "--out".into(),
+                "/proc/x".into(),
+            ],
+            "choose an --out folder this user can create and write",
+        ),
+        (
+            vec![
+                "attach".into(),
+                "--pid".into(),
+                me.clone(),
+                "--duration".into(),
+                "-5s".into(),
+            ],
+            "a length of time above 0",
+        ),
+        (
+            vec![
+                "attach".into(),
+                "--pid".into(),
+                me.clone(),
+                "--duration".into(),
+                "0".into(),
+            ],
+            "a length of time above 0",
+        ),
+        (
+            vec![
+                "attach".into(),
+                "--pid".into(),
+                me.clone(),
+                "--follow".into(),
+            ],
+            "--all --follow",
+        ),
+    ];
+    for (args, expected) in issue_17 {
+        refused_with(dir.path(), &args, expected);
+    }
+    // No failed command above left a folder behind (the default --out included).
+    let mut left: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    left.sort();
+    assert_eq!(left, ["a-file"], "folders left by failed runs");
 }
 
 fn median(mut v: Vec<f64>) -> f64 {

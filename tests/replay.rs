@@ -94,3 +94,49 @@ fn h200_allreduce_recording() {
         assert_eq!(s["nccl"]["calls"], 12, "step {}", s["index"]);
     }
 }
+
+/// Decompresses a stored recording into `dir`; returns its path.
+fn unpacked(name: &str, dir: &Path) -> PathBuf {
+    let rec = dir.join(format!("{name}.nctr"));
+    let xz = Command::new("xz")
+        .arg("-dc")
+        .arg(data(&format!("{name}.nctr.xz")))
+        .output()
+        .expect("xz (Debian's xz-utils)");
+    assert!(xz.status.success());
+    std::fs::write(&rec, xz.stdout).unwrap();
+    rec
+}
+
+/// Regression (issue 17): `report … | head -1` exited 1 ("Broken pipe") and `report … 2>&1
+/// | head -4` sometimes 101 (a panic written to the closed pipe). With stdout and stderr
+/// both closed pipes, the report ends quietly with every file written in full.
+#[test]
+fn closed_stdout_and_stderr_end_quietly() {
+    let dir = tempfile::tempdir().unwrap();
+    let rec = unpacked("allreduce", dir.path());
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let out = dir.path().join("out");
+    let status = Command::new(env!("CARGO_BIN_EXE_nccltrace"))
+        .arg("report")
+        .arg(&rec)
+        .arg("--out")
+        .arg(&out)
+        .stdout(writer.try_clone().unwrap())
+        .stderr(writer)
+        .status()
+        .unwrap();
+    assert_eq!(status.code(), Some(0));
+    let summary: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    assert!(summary["nccl"]["calls"].as_u64().unwrap() > 0);
+    let trace: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("trace.json")).unwrap()).unwrap();
+    assert!(
+        trace["traceEvents"]
+            .as_array()
+            .is_some_and(|e| !e.is_empty())
+    );
+    assert!(out.join("flamegraph-attributed.svg").exists());
+}

@@ -15,9 +15,20 @@ pub mod profile;
 pub mod record;
 pub mod render;
 pub mod source;
+pub mod stop;
 pub mod symbolize;
 
 use std::path::PathBuf;
+
+/// As `eprintln!`, but a closed stderr (`nccltrace … 2>&1 | head`) is ignored instead of
+/// panicking: what is still to be written to files must not be lost for a message.
+#[macro_export]
+macro_rules! note {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
 
 /// Every error the binary can report, by layer.
 #[derive(Debug, thiserror::Error)]
@@ -30,6 +41,22 @@ pub enum Error {
     Profile(#[from] profile::ProfileError),
     #[error("output folder {path} already exists: choose another --out or pass --force")]
     OutputExists { path: PathBuf },
+    #[error("--out {path} is a file, not a folder: choose a folder for the outputs")]
+    OutputNotFolder { path: PathBuf },
+    #[error(
+        "cannot make the output folder {path}: {source}: choose an --out folder this user can \
+         create and write (for example under the current folder)"
+    )]
+    OutputFolder {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{signal} received while {during}: nothing was traced")]
+    Interrupted {
+        signal: &'static str,
+        during: String,
+    },
     #[error("cannot write output {path}: {source}{}", output_fix(source))]
     Output {
         path: PathBuf,
@@ -88,8 +115,11 @@ impl Error {
         let bad_input = match self {
             Error::Source(e) => e.is_bad_input(),
             Error::Record(e) => e.is_bad_input(),
+            Error::Interrupted { signal, .. } => return stop::exit_code(signal),
             Error::Profile(_)
             | Error::OutputExists { .. }
+            | Error::OutputNotFolder { .. }
+            | Error::OutputFolder { .. }
             | Error::InvalidArgument { .. }
             | Error::NotPrivileged { .. } => true,
             Error::Output { .. } | Error::Runtime(_) => false,

@@ -13,13 +13,13 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             let message = err.to_string();
-            eprintln!("nccltrace: error: {message}");
+            nccltrace::note!("nccltrace: error: {message}");
             // Causes not already quoted in the message (verifier logs, syscall errors).
             let mut source = std::error::Error::source(&err);
             while let Some(cause) = source {
                 let text = cause.to_string();
                 if !message.contains(&text) {
-                    eprintln!("  caused by: {text}");
+                    nccltrace::note!("  caused by: {text}");
                 }
                 source = cause.source();
             }

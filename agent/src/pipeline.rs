@@ -326,7 +326,7 @@ impl Aggregator {
                         }
                         Decoded::Meta(meta) => self.meta(meta),
                         Decoded::Damaged(e) => {
-                            eprintln!(
+                            crate::note!(
                                 "nccltrace: warning: {e}; keeping the complete records before it"
                             );
                             self.incomplete(e.to_string());
@@ -650,7 +650,11 @@ fn write_others(
         }
         Ok(())
     };
-    if let Err(e) = print() {
+    // A closed stdout (`nccltrace report … | head`) is the reader's choice, not a failure:
+    // the files are complete.
+    if let Err(e) = print()
+        && e.kind() != io::ErrorKind::BrokenPipe
+    {
         failed.get_or_insert((stdout.to_owned(), e));
     }
     failed.map_or(Ok(()), Err)

@@ -282,10 +282,15 @@ impl Writer {
         std::mem::take(&mut self.buf)
     }
 
-    /// Flushes everything to disk.
-    pub fn finish(mut self) -> Result<(), RecordError> {
+    /// Writes everything gathered and waits until it is on disk.
+    pub fn sync(&mut self) -> Result<(), RecordError> {
         self.flush()?;
         self.file.sync_data().map_err(RecordError::Write)
+    }
+
+    /// Flushes everything to disk.
+    pub fn finish(mut self) -> Result<(), RecordError> {
+        self.sync()
     }
 }
 

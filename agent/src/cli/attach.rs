@@ -1,6 +1,6 @@
 //! `nccltrace attach --pid PID`: join running ranks, trace, write every output.
 
-use std::io::IsTerminal as _;
+use std::io::{IsTerminal as _, Write as _};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -27,8 +27,9 @@ pub struct AttachArgs {
     /// Folder for the outputs (refused if it exists, unless --force).
     #[arg(long, short, default_value = "nccltrace-out")]
     out: PathBuf,
-    /// Stop after this long (500ms, 30s, 2m); default: until the targets exit or Ctrl-C.
-    #[arg(long, short)]
+    /// Stop after this long (500ms, 30s, 2m, 1h; a bare number is seconds); it also bounds
+    /// --wait-for-nccl. Default: until the targets exit or Ctrl-C.
+    #[arg(long, short, allow_hyphen_values = true)]
     duration: Option<String>,
     /// Probe preset: default, minimal, full, or a TOML file.
     #[arg(long, default_value = "default")]
@@ -63,7 +64,7 @@ pub struct AttachArgs {
 /// Validated attach settings.
 struct Settings {
     pids: Vec<u32>,
-    out: PathBuf,
+    out: super::OutDir,
     duration: Option<Duration>,
     profile: Profile,
     step_rule: crate::attribute::StepRule,
@@ -81,6 +82,14 @@ impl AttachArgs {
             .as_deref()
             .map(super::parse_duration)
             .transpose()?;
+        // clap's `requires` counts a flag's default (false) as given: checked here.
+        if self.follow && !self.all {
+            return Err(Error::InvalidArgument {
+                what: "--follow",
+                value: "without --all".into(),
+                expected: "--all --follow (attach to every process that maps NCCL, now and later)",
+            });
+        }
         let mut profile = Profile::load(&self.profile)?;
         if let Some(hz) = self.sample_hz {
             profile.set_sample_hz(hz)?;
@@ -95,7 +104,7 @@ impl AttachArgs {
                     expected: "a running job that has initialised NCCL (or use --pid with --wait-for-nccl)",
                 });
             }
-            eprintln!(
+            crate::note!(
                 "nccltrace: --all found {} process(es) mapping NCCL: {found:?}",
                 found.len()
             );
@@ -112,7 +121,8 @@ impl AttachArgs {
                 expected: "a process id above 0",
             });
         }
-        let out = super::prepare_output(&self.out, self.force)?;
+        // Last: a folder is made only for a command that is otherwise valid.
+        let out = super::OutDir::create(&self.out, self.force)?;
         Ok(Settings {
             pids,
             out,
@@ -154,7 +164,7 @@ struct LiveSink {
 impl LiveSink {
     /// Moves from disk to memory after `error`: nothing written or gathered is lost.
     fn spill(&mut self, error: crate::record::RecordError) {
-        eprintln!(
+        crate::note!(
             "nccltrace: warning: {error}; the recording stops here, tracing goes on in memory \
              and every other output is written at the end"
         );
@@ -175,6 +185,18 @@ impl LiveSink {
             agg: Box::new(agg),
             error,
         };
+    }
+
+    /// Writes the closing record and puts the recording on disk.
+    fn close(&mut self, end: &Meta) {
+        match &mut self.store {
+            Store::Disk(writer) => {
+                if let Err(e) = writer.meta(end).and_then(|()| writer.sync()) {
+                    self.spill(e);
+                }
+            }
+            Store::Memory { agg, .. } => agg.meta(end.clone()),
+        }
     }
 
     /// Every record of the run folded into an aggregator (read back from the recording),
@@ -241,7 +263,7 @@ impl Sink for LiveSink {
 
     fn tick(&mut self, lost: u64) {
         if lost > 0 && !self.status {
-            eprintln!("nccltrace: warning: {lost} events lost so far (ring buffer full)");
+            crate::note!("nccltrace: warning: {lost} events lost so far (ring buffer full)");
         }
         if !self.status {
             return;
@@ -249,27 +271,58 @@ impl Sink for LiveSink {
         let (at, before) = self.last;
         let rate = (self.records - before) as f64 / at.elapsed().as_secs_f64().max(1e-3);
         self.last = (Instant::now(), self.records);
-        eprint!(
+        let _ = write!(
+            std::io::stderr(),
             "\rnccltrace: {rate:>9.0} events/s  {:>8} NCCL calls  {lost:>6} lost ",
             self.nccl_calls
         );
     }
 }
 
-/// Finds NCCL in `pid`; with `wait`, polls until the process loads it or exits.
-fn discover(host: &host::Host, pid: u32, settings: &Settings) -> Result<source::Target, Error> {
+/// Finds NCCL in `pid`; with `--wait-for-nccl`, polls until the process loads it, exits,
+/// `--duration` passes or a signal comes.
+fn discover(
+    host: &host::Host,
+    pid: u32,
+    settings: &Settings,
+    stop: &crate::stop::Stop,
+) -> Result<source::Target, Error> {
+    let started = Instant::now();
     let mut announced = false;
     loop {
         let nvtx = settings.step_nvtx.is_some();
         match source::discover(host, pid, settings.step_symbol.as_deref(), nvtx) {
-            Err(source::SourceError::NoNccl { .. })
-                if settings.wait_for_nccl && host.process_alive(pid) =>
-            {
+            Err(source::SourceError::NoNccl { .. }) if settings.wait_for_nccl => {
+                if let Some(signal) = stop.signalled() {
+                    return Err(Error::Interrupted {
+                        signal,
+                        during: format!("waiting for pid {pid} to load NCCL"),
+                    });
+                }
+                if !host.process_alive(pid) {
+                    return Err(source::SourceError::ExitedBeforeNccl {
+                        pid,
+                        waited_s: started.elapsed().as_secs_f64(),
+                    }
+                    .into());
+                }
+                if let Some(duration) = settings.duration
+                    && started.elapsed() >= duration
+                {
+                    return Err(source::SourceError::NcclNotLoadedInTime { pid, duration }.into());
+                }
                 if !announced {
-                    eprintln!("nccltrace: waiting for pid {pid} to load NCCL (--wait-for-nccl)");
+                    crate::note!("nccltrace: waiting for pid {pid} to load NCCL (--wait-for-nccl)");
                     announced = true;
                 }
                 std::thread::sleep(Duration::from_millis(200));
+            }
+            Err(source::SourceError::NoSuchProcess { .. }) if announced => {
+                return Err(source::SourceError::ExitedBeforeNccl {
+                    pid,
+                    waited_s: started.elapsed().as_secs_f64(),
+                }
+                .into());
             }
             other => return other.map_err(Error::from),
         }
@@ -287,17 +340,18 @@ pub fn run(args: AttachArgs) -> Result<(), Error> {
         });
     }
     let settings = args.validate()?;
+    let stop = crate::stop::Stop::install().map_err(Error::Runtime)?;
     let host = host::Host::live();
     let targets = settings
         .pids
         .iter()
-        .map(|pid| discover(&host, *pid, &settings))
+        .map(|pid| discover(&host, *pid, &settings, &stop))
         .collect::<Result<Vec<_>, _>>()?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .map_err(Error::Runtime)?;
-    runtime.block_on(trace(settings, &targets))
+    runtime.block_on(trace(settings, &targets, stop))
 }
 
 /// The health report at attach: `OUT/doctor.json` and the warnings on stderr.
@@ -316,10 +370,10 @@ fn health_report(out: &std::path::Path, pid: u32) -> Result<(), Error> {
         .filter(|f| f.severity >= crate::doctor::findings::Severity::Warn)
         .collect();
     if serious.is_empty() {
-        eprintln!("nccltrace: doctor: no placement problems found for pid {pid} (doctor.json)");
+        crate::note!("nccltrace: doctor: no placement problems found for pid {pid} (doctor.json)");
     }
     for f in serious {
-        eprintln!(
+        crate::note!(
             "nccltrace: doctor: {:?} [{}] {}{}",
             f.severity,
             f.id,
@@ -379,51 +433,10 @@ fn attached_line(t: &crate::record::TargetInfo, attach_ms: u128, profile: &str) 
     )
 }
 
-async fn trace(settings: Settings, targets: &[source::Target]) -> Result<(), Error> {
-    if let Some(first) = targets.first() {
-        health_report(&settings.out, first.pid)?;
-    }
-    let mut attached = source::attach(targets, &settings.profile)?;
-    for t in &attached.header.targets {
-        let ms = attached.attach_time.as_millis();
-        eprintln!("{}", attached_line(t, ms, &settings.profile.name));
-    }
-    attached.header.step_nvtx.clone_from(&settings.step_nvtx);
-    if settings.follow {
-        attached.follow = Some(source::Follow::new(
-            settings.step_symbol.clone(),
-            settings.step_nvtx.is_some(),
-        ));
-        eprintln!("nccltrace: --follow: attaching to processes that load NCCL until stopped");
-    }
-    let rec_path = settings.out.join("recording.nctr");
-    if rec_path.exists() {
-        std::fs::remove_file(&rec_path).map_err(|source| Error::Output {
-            path: rec_path.clone(),
-            source,
-        })?;
-    }
-    let writer = Writer::create(&rec_path, &attached.header)?;
-    let mut sink = LiveSink {
-        store: Store::Disk(writer),
-        path: rec_path,
-        header: attached.header.clone(),
-        nccl_calls: 0,
-        records: 0,
-        status: std::io::stderr().is_terminal(),
-        last: (Instant::now(), 0),
-    };
-    let outcome = attached.run(settings.duration, &mut sink).await;
-    attached.disarm();
+/// The recording's closing record: why the run stopped, what was lost, what it cost.
+fn end_record(attached: &source::Attached, reason: String) -> Meta {
     let (lost_by_kind, counters) = attached.counters();
-    let reason = match &outcome {
-        Ok(r) => r.to_string(),
-        Err(e) => format!("stopped by an error: {e}"),
-    };
-    if sink.status {
-        eprintln!();
-    }
-    let end = Meta::End {
+    Meta::End {
         end_monotonic_ns: attached
             .stopped_ns
             .unwrap_or_else(|| host::clock_ns(libc::CLOCK_MONOTONIC)),
@@ -434,18 +447,79 @@ async fn trace(settings: Settings, targets: &[source::Target]) -> Result<(), Err
         agent_peak_rss_kb: host::Host::live()
             .peak_rss_kb(std::process::id())
             .unwrap_or(0),
+    }
+}
+
+async fn trace(
+    mut settings: Settings,
+    targets: &[source::Target],
+    mut stop: crate::stop::Stop,
+) -> Result<(), Error> {
+    if let Some(first) = targets.first() {
+        health_report(&settings.out.path, first.pid)?;
+    }
+    let mut attached = source::attach(targets, &settings.profile)?;
+    for t in &attached.header.targets {
+        let ms = attached.attach_time.as_millis();
+        crate::note!("{}", attached_line(t, ms, &settings.profile.name));
+    }
+    attached.header.step_nvtx.clone_from(&settings.step_nvtx);
+    if settings.follow {
+        attached.follow = Some(source::Follow::new(
+            settings.step_symbol.clone(),
+            settings.step_nvtx.is_some(),
+        ));
+        crate::note!("nccltrace: --follow: attaching to processes that load NCCL until stopped");
+    }
+    let out = settings.out.path.clone();
+    let rec_path = out.join("recording.nctr");
+    if rec_path.exists() {
+        std::fs::remove_file(&rec_path).map_err(|source| Error::Output {
+            path: rec_path.clone(),
+            source,
+        })?;
+    }
+    let writer = Writer::create(&rec_path, &attached.header)?;
+    settings.out.keep();
+    stop.tracing_started();
+    let mut sink = LiveSink {
+        store: Store::Disk(writer),
+        path: rec_path.clone(),
+        header: attached.header.clone(),
+        nccl_calls: 0,
+        records: 0,
+        status: std::io::stderr().is_terminal(),
+        last: (Instant::now(), 0),
     };
-    // Whatever happened above, keep what was collected: close the recording and write
-    // every output before reporting the error.
-    eprintln!(
-        "nccltrace: tracing stopped; attributing {} records",
+    let outcome = attached.run(settings.duration, &mut sink, &mut stop).await;
+    attached.disarm();
+    let reason = match &outcome {
+        Ok(r) => r.to_string(),
+        Err(e) => format!("stopped by an error: {e}"),
+    };
+    if sink.status {
+        crate::note!();
+    }
+    let end = end_record(&attached, reason.clone());
+    // Whatever happened above, keep what was collected: the closing record goes to disk
+    // first (a forced exit from here on loses no record), then every output is written
+    // before the error is reported.
+    sink.close(&end);
+    stop.recording_closed(format!(
+        "nccltrace report {} --out {} --force",
+        crate::stop::shell_word(&rec_path.to_string_lossy()),
+        crate::stop::shell_word(&out.to_string_lossy()),
+    ));
+    let (detaching, probes) = attached.detach_in_background();
+    crate::note!(
+        "nccltrace: tracing stopped ({reason}); attributing {} records while the kernel \
+         releases {probes} probes",
         sink.records
     );
     let started = Instant::now();
-    let (mut agg, writer) = sink.finish(settings.max_attributed_events);
-    agg.meta(end.clone());
+    let (agg, writer) = sink.finish(settings.max_attributed_events);
     let mut outputs = agg.finish(settings.step_rule);
-    eprintln!(
+    crate::note!(
         "nccltrace: attributed in {:.1} s",
         started.elapsed().as_secs_f64()
     );
@@ -454,16 +528,20 @@ async fn trace(settings: Settings, targets: &[source::Target]) -> Result<(), Err
         for m in &symbols {
             w.meta(m)?;
         }
-        w.meta(&end)?;
         w.finish()
     });
-    let written =
-        crate::pipeline::write_outputs(&settings.out, &outputs, &mut std::io::stdout().lock());
-    eprintln!(
-        "nccltrace: outputs in {}; detaching probes",
-        settings.out.display()
-    );
-    attached.detach();
+    let written = crate::pipeline::write_outputs(&out, &outputs, &mut std::io::stdout().lock());
+    stop.outputs_complete();
+    if let Some(thread) = detaching {
+        if !thread.is_finished() {
+            crate::note!(
+                "nccltrace: outputs complete in {}; the kernel is still releasing the probes \
+                 (about 0.1 s each)",
+                out.display()
+            );
+        }
+        let _ = thread.join();
+    }
     outcome?;
     written.map_err(|(path, source)| Error::Output { path, source })?;
     write_end?;

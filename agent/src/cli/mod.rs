@@ -75,7 +75,7 @@ pub fn parse_duration(text: &str) -> Result<Duration, Error> {
     let invalid = || Error::InvalidArgument {
         what: "duration",
         value: text.to_owned(),
-        expected: "a number with a unit: 500ms, 30s, 2m, 1h",
+        expected: "a length of time above 0: 500ms, 30s, 2m, 1h (a bare number is seconds)",
     };
     let t = text.trim();
     let split = t
@@ -119,18 +119,57 @@ pub fn step_rule(
     })
 }
 
-/// Creates the output folder: refused when it exists unless `force`.
-pub fn prepare_output(dir: &Path, force: bool) -> Result<PathBuf, Error> {
-    if dir.exists() && !force {
-        return Err(Error::OutputExists {
+/// An output folder, made by this run unless it existed (`--force`). A folder this run
+/// made is removed again when the run fails before [`OutDir::keep`] (nothing written into
+/// it yet), so that the retry is not refused.
+pub struct OutDir {
+    pub path: PathBuf,
+    /// The outermost folder this run made, while it may still be removed.
+    made: Option<PathBuf>,
+}
+
+impl OutDir {
+    /// Makes `dir`: refused when it exists unless `force`, and when it is a file.
+    pub fn create(dir: &Path, force: bool) -> Result<OutDir, Error> {
+        if let Ok(meta) = std::fs::metadata(dir) {
+            if !meta.is_dir() {
+                return Err(Error::OutputNotFolder {
+                    path: dir.to_owned(),
+                });
+            }
+            if !force {
+                return Err(Error::OutputExists {
+                    path: dir.to_owned(),
+                });
+            }
+        }
+        let made = dir
+            .ancestors()
+            .take_while(|a| !a.as_os_str().is_empty() && std::fs::symlink_metadata(a).is_err())
+            .last()
+            .map(Path::to_path_buf);
+        std::fs::create_dir_all(dir).map_err(|source| Error::OutputFolder {
             path: dir.to_owned(),
-        });
+            source,
+        })?;
+        Ok(OutDir {
+            path: dir.to_owned(),
+            made,
+        })
     }
-    std::fs::create_dir_all(dir).map_err(|source| Error::Output {
-        path: dir.to_owned(),
-        source,
-    })?;
-    Ok(dir.to_owned())
+
+    /// Something of this run is in the folder now: it stays, whatever happens next.
+    pub fn keep(&mut self) {
+        self.made = None;
+    }
+}
+
+impl Drop for OutDir {
+    fn drop(&mut self) {
+        if let Some(made) = self.made.take() {
+            let _ = std::fs::remove_dir_all(made);
+        }
+    }
 }
 
 #[cfg(test)]

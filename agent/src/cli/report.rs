@@ -8,8 +8,8 @@ use crate::Error;
 pub struct ReportArgs {
     /// A recording.nctr written by `nccltrace attach`.
     recording: PathBuf,
-    /// Folder for the outputs.
-    #[arg(long, short)]
+    /// Folder for the outputs (refused if it exists, unless --force).
+    #[arg(long, short, default_value = "nccltrace-report")]
     out: PathBuf,
     /// Write into --out even if it exists.
     #[arg(long)]
@@ -27,9 +27,11 @@ pub struct ReportArgs {
 pub fn run(args: ReportArgs) -> Result<(), Error> {
     let rule = super::step_rule(args.step_window.as_deref(), args.step_nvtx.as_deref())?;
     let outputs = crate::pipeline::replay(&args.recording, rule)?;
-    let out = super::prepare_output(&args.out, args.force)?;
-    let written = crate::pipeline::write_outputs(&out, &outputs, &mut std::io::stdout().lock())
-        .map_err(|(path, source)| Error::Output { path, source });
+    let mut out = super::OutDir::create(&args.out, args.force)?;
+    out.keep();
+    let written =
+        crate::pipeline::write_outputs(&out.path, &outputs, &mut std::io::stdout().lock())
+            .map_err(|(path, source)| Error::Output { path, source });
     log::debug!("outputs written");
     drop(outputs);
     log::debug!("memory freed");

@@ -30,12 +30,14 @@ pub fn run(args: SnapshotArgs) -> Result<(), Error> {
             expected: "a running process",
         });
     }
-    let out = super::prepare_output(&args.out, args.force)?;
+    let mut dir = super::OutDir::create(&args.out, args.force)?;
+    let out = dir.path.clone();
     let n = crate::doctor::snapshot(&host, args.pid, &out).map_err(|e| Error::Output {
         path: out.clone(),
         source: std::io::Error::other(e.to_string()),
     })?;
-    eprintln!(
+    dir.keep();
+    crate::note!(
         "nccltrace: {n} files captured in {}; diagnose with `nccltrace doctor --root {}{}`",
         out.display(),
         out.display(),

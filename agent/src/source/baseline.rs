@@ -53,7 +53,7 @@ pub async fn bare_pair(pid: u32, library: &Path, symbol: &str) -> Result<u64, cr
     // SAFETY: the RingBuf owns its map fd, open until the AsyncFd that owns it is dropped.
     let mut ring = unsafe { AsyncFd::register_with_interest(ring, tokio::io::Interest::READABLE) }
         .map_err(|e| SourceError::Drain(e.into()))?;
-    eprintln!("nccltrace bench-pair: attached to pid {pid} at {place}");
+    crate::note!("nccltrace bench-pair: attached to pid {pid} at {place}");
     let host = Host::live();
     let mut records = 0u64;
     let mut poll = tokio::time::interval(Duration::from_millis(100));

@@ -40,6 +40,17 @@ pub enum SourceError {
     #[error("no process with pid {pid}: check the pid with `ps`")]
     NoSuchProcess { pid: u32 },
     #[error(
+        "cannot read /proc/{pid}/maps of pid {pid} ({comm}): {source}. The process exists but \
+         the kernel refuses its memory map to nccltrace (it runs in another user namespace, or \
+         is not dumpable): trace the training ranks, as root in their PID namespace"
+    )]
+    UnreadableProcess {
+        pid: u32,
+        comm: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(
         "pid {pid} ({comm}) has not loaded NCCL: no mapped object defines ncclAllReduce. \
          Attach once the job has initialised NCCL, or pass --wait-for-nccl to attach as soon as \
          it does"
@@ -89,6 +100,19 @@ pub enum SourceError {
          launch its ranges never leave the process. Use the automatic steps or --step-symbol"
     )]
     NoNvtx { pid: u32 },
+    #[error(
+        "pid {pid} exited after {waited_s:.1} s without loading NCCL (--wait-for-nccl): nothing \
+         was traced; pass the pid of a rank that initialises NCCL"
+    )]
+    ExitedBeforeNccl { pid: u32, waited_s: f64 },
+    #[error(
+        "pid {pid} did not load NCCL within --duration {duration:?} (--wait-for-nccl): nothing \
+         was traced; pass a longer --duration, or none to wait until it does"
+    )]
+    NcclNotLoadedInTime {
+        pid: u32,
+        duration: std::time::Duration,
+    },
     #[error("pid {pid} exited while nccltrace was attaching to it: nothing to trace")]
     ExitedDuringAttach { pid: u32 },
     #[error("the embedded eBPF object has no program {name}: rebuild nccltrace")]
@@ -115,10 +139,13 @@ impl SourceError {
         matches!(
             self,
             SourceError::NoSuchProcess { .. }
+                | SourceError::UnreadableProcess { .. }
                 | SourceError::NoNccl { .. }
                 | SourceError::NoStepSymbol { .. }
                 | SourceError::NoNvtx { .. }
                 | SourceError::ExitedDuringAttach { .. }
+                | SourceError::ExitedBeforeNccl { .. }
+                | SourceError::NcclNotLoadedInTime { .. }
         )
     }
 }
@@ -235,8 +262,18 @@ pub fn discover(
     step_symbol: Option<&str>,
     nvtx: bool,
 ) -> Result<Target, SourceError> {
-    let maps_text = std::fs::read_to_string(host.path(&format!("proc/{pid}/maps")))
-        .map_err(|_| SourceError::NoSuchProcess { pid })?;
+    let maps_text =
+        std::fs::read_to_string(host.path(&format!("proc/{pid}/maps"))).map_err(|source| {
+            if host.path(&format!("proc/{pid}")).exists() {
+                SourceError::UnreadableProcess {
+                    pid,
+                    comm: host.comm(pid),
+                    source,
+                }
+            } else {
+                SourceError::NoSuchProcess { pid }
+            }
+        })?;
     let maps = discover::parse_maps(&maps_text);
     let files = discover::mapped_files(&maps);
     let root = host.path(&format!("proc/{pid}/root"));
@@ -898,7 +935,7 @@ impl Attached {
                 .and_then(|t| self.add_target(&t));
             match attached {
                 Ok(info) => {
-                    eprintln!(
+                    crate::note!(
                         "nccltrace: --follow: attached to pid {pid} ({}): {} probes",
                         info.comm,
                         info.probes.len()
@@ -906,7 +943,7 @@ impl Attached {
                     sink.target_added(&info);
                 }
                 Err(e) => {
-                    eprintln!("nccltrace: --follow: warning: pid {pid} not traced: {e}");
+                    crate::note!("nccltrace: --follow: warning: pid {pid} not traced: {e}");
                     follow.refused.push(pid);
                 }
             }
@@ -942,21 +979,17 @@ impl Attached {
         (lost, other)
     }
 
-    /// Drains until every target has exited, `duration` passes, or a signal arrives;
-    /// then detaches every program and drains what is left.
+    /// Drains until every target has exited, `duration` passes, or `stop` is signalled;
+    /// then disarms every program and drains what is left.
     pub async fn run(
         &mut self,
         duration: Option<Duration>,
         sink: &mut impl Sink,
+        stop: &mut crate::stop::Stop,
     ) -> Result<StopReason, crate::Error> {
-        use tokio::signal::unix::{SignalKind, signal};
         // Records handled between checks of the stop conditions: a producer faster than
         // the drain must not keep the loop from seeing Ctrl-C or the deadline.
         const BUDGET: usize = 16_384;
-        let sig = |kind| signal(kind).map_err(|e| crate::Error::Source(SourceError::Drain(e)));
-        let mut sigint = sig(SignalKind::interrupt())?;
-        let mut sigterm = sig(SignalKind::terminate())?;
-        let mut sighup = sig(SignalKind::hangup())?;
         let deadline = duration.map(|d| tokio::time::Instant::now() + d);
         // The programs wake the reader only when the buffer fills (see `wake_flags` in the
         // kernel programs); otherwise it is drained on this timer.
@@ -973,9 +1006,7 @@ impl Attached {
             }
             tokio::select! {
                 biased;
-                _ = sigint.recv() => break StopReason::Signal("SIGINT"),
-                _ = sigterm.recv() => break StopReason::Signal("SIGTERM"),
-                _ = sighup.recv() => break StopReason::Signal("SIGHUP"),
+                name = stop.requested() => break StopReason::Signal(name),
                 () = async {
                     match deadline {
                         Some(d) => tokio::time::sleep_until(d).await,
@@ -1014,14 +1045,6 @@ impl Attached {
                 }
             }
         };
-        if matches!(reason, StopReason::Signal(_)) {
-            // A second Ctrl-C ends the process at once; the kernel detaches every program
-            // when it closes the process's descriptors.
-            // SAFETY: restoring the default disposition of a signal.
-            unsafe {
-                libc::signal(libc::SIGINT, libc::SIG_DFL);
-            }
-        }
         self.disarm();
         self.rings.drain(sink, usize::MAX)?;
         Ok(reason)
@@ -1040,12 +1063,20 @@ impl Attached {
         self.stopped_ns = Some(host::clock_ns(libc::CLOCK_MONOTONIC));
     }
 
-    /// Detaches and unloads every program (the maps user space holds stay readable).
-    pub fn detach(&mut self) {
-        // Each detach waits for an RCU grace period under a kernel-wide mutex (~70-130 ms
-        // each here; closing from many threads did not overlap them), which is why
-        // outputs are written before this is called.
-        self.links.clear();
-        self.ebpf = None;
+    /// Detaches and unloads every program (the maps user space holds stay readable), on
+    /// a thread of its own: each detach waits for an RCU grace period under a kernel-wide
+    /// mutex (~70-130 ms each here; closing from many threads did not overlap them), so
+    /// the outputs are made meanwhile. Returns the thread (`None`: detached here, no thread
+    /// to be had) and how many attachments it releases.
+    pub fn detach_in_background(&mut self) -> (Option<std::thread::JoinHandle<()>>, usize) {
+        let links = std::mem::take(&mut self.links);
+        let count = links.len();
+        let owned = (links, self.ebpf.take());
+        // When no thread can be had, the closure (and what it owns) is dropped here.
+        let thread = std::thread::Builder::new()
+            .name("nccltrace-detach".into())
+            .spawn(move || drop(owned))
+            .ok();
+        (thread, count)
     }
 }
