@@ -140,3 +140,45 @@ fn closed_stdout_and_stderr_end_quietly() {
     );
     assert!(out.join("flamegraph-attributed.svg").exists());
 }
+
+/// Regression (issue 17): a damaged byte in the middle of a recording dropped every record
+/// after it (half the run). Now the report resumes at the next whole record: the summary
+/// names the skipped stretch, and nearly every NCCL call is still counted.
+#[test]
+fn damage_in_the_middle_loses_only_its_record() {
+    let dir = tempfile::tempdir().unwrap();
+    let rec = unpacked("allreduce", dir.path());
+    let report = |rec: &Path, out: &Path| -> Value {
+        let run = Command::new(env!("CARGO_BIN_EXE_nccltrace"))
+            .arg("report")
+            .arg(rec)
+            .arg("--out")
+            .arg(out)
+            .output()
+            .unwrap();
+        assert!(run.status.success(), "{run:?}");
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap()
+    };
+    let clean = report(&rec, &dir.path().join("clean"));
+    let mut bytes = std::fs::read(&rec).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0xff;
+    let damaged_rec = dir.path().join("damaged.nctr");
+    std::fs::write(&damaged_rec, &bytes).unwrap();
+    let damaged = report(&damaged_rec, &dir.path().join("damaged"));
+    assert!(clean["damaged"].is_null());
+    let what = damaged["damaged"].as_str().expect("damage named");
+    assert!(what.contains("1 damaged stretch"), "{what}");
+    assert!(
+        damaged["incomplete"].is_null(),
+        "the closing record is read: {damaged}"
+    );
+    let calls = |s: &Value| s["nccl"]["calls"].as_u64().unwrap();
+    assert!(
+        calls(&damaged) + 1 >= calls(&clean) && calls(&damaged) <= calls(&clean),
+        "{} of {}",
+        calls(&damaged),
+        calls(&clean)
+    );
+    assert!(damaged["events"].as_u64().unwrap() + 1 >= clean["events"].as_u64().unwrap());
+}

@@ -125,6 +125,9 @@ pub struct Summary {
     pub incomplete: Option<String>,
     /// Set when only the end of the run was attributed (`--max-attributed-events`).
     pub attributed: Option<String>,
+    /// Set when damaged stretches in the middle of the recording were skipped (reading
+    /// resumed at the next whole record): how many, how many bytes, where the first was.
+    pub damaged: Option<String>,
 }
 
 /// Folds events into the summary.
@@ -148,6 +151,7 @@ pub struct Aggregator {
     window: Option<(u64, u64)>,
     end: Option<Meta>,
     incomplete: Option<String>,
+    damaged: Option<record::Damage>,
 }
 
 impl Aggregator {
@@ -172,6 +176,7 @@ impl Aggregator {
             window: None,
             end: None,
             incomplete: None,
+            damaged: None,
         }
     }
 
@@ -275,7 +280,7 @@ impl Aggregator {
 
     /// Adds every record `reader` has left. A damaged tail is reported on stderr and the
     /// input marked incomplete; the complete records before it are kept.
-    pub fn feed<R: io::BufRead + Send>(&mut self, reader: &mut Reader<R>) {
+    pub fn feed<R: io::BufRead + io::Seek + Send>(&mut self, reader: &mut Reader<R>) {
         self.feed_last(reader, 0);
     }
 
@@ -285,7 +290,11 @@ impl Aggregator {
     /// Reading, checking and decoding run on a thread of their own, a batch of records
     /// ahead of the attribution (on the 5.3 M-event soak recording they are half the
     /// work before the outputs).
-    pub fn feed_last<R: io::BufRead + Send>(&mut self, reader: &mut Reader<R>, skip: u64) {
+    pub fn feed_last<R: io::BufRead + io::Seek + Send>(
+        &mut self,
+        reader: &mut Reader<R>,
+        skip: u64,
+    ) {
         let (full_tx, full_rx) = std::sync::mpsc::sync_channel::<Vec<Decoded>>(2);
         let (empty_tx, empty_rx) = std::sync::mpsc::channel::<Vec<Decoded>>();
         std::thread::scope(|scope| {
@@ -325,6 +334,13 @@ impl Aggregator {
                             self.undecodable += 1;
                         }
                         Decoded::Meta(meta) => self.meta(meta),
+                        Decoded::Skipped(damage) => {
+                            crate::note!(
+                                "nccltrace: warning: the recording is damaged: {damage}; the \
+                                 records around them are kept"
+                            );
+                            self.damaged = Some(damage);
+                        }
                         Decoded::Damaged(e) => {
                             crate::note!(
                                 "nccltrace: warning: {e}; keeping the complete records before it"
@@ -437,6 +453,7 @@ impl Aggregator {
             agent,
             incomplete,
             attributed,
+            damaged: self.damaged.map(|d| d.to_string()),
         };
         Outputs {
             summary,
@@ -467,6 +484,8 @@ enum Decoded {
     Event(Event),
     Undecodable,
     Meta(Meta),
+    /// Damaged stretches skipped in the middle: just before the end (or the damaged tail).
+    Skipped(record::Damage),
     /// The damaged tail: the last item.
     Damaged(record::RecordError),
 }
@@ -477,7 +496,7 @@ const BATCH: usize = 4096;
 /// Reads and decodes every record `reader` has left, in batches sent to `full`; batches
 /// come back through `empty` to be refilled. Stops at the end, at damage, or when the
 /// receiver is gone.
-fn decode_batches<R: io::BufRead>(
+fn decode_batches<R: io::BufRead + io::Seek>(
     reader: &mut Reader<R>,
     full: &std::sync::mpsc::SyncSender<Vec<Decoded>>,
     empty: &std::sync::mpsc::Receiver<Vec<Decoded>>,
@@ -496,11 +515,18 @@ fn decode_batches<R: io::BufRead>(
                 Ok(Some(RawRecord::Meta(meta))) => batch.push(Decoded::Meta(meta)),
                 Ok(None) => done = true,
                 Err(e) => {
+                    if reader.damage().regions > 0 {
+                        batch.push(Decoded::Skipped(reader.damage().clone()));
+                    }
                     batch.push(Decoded::Damaged(e));
                     done = true;
+                    break;
                 }
             }
             if done {
+                if reader.damage().regions > 0 {
+                    batch.push(Decoded::Skipped(reader.damage().clone()));
+                }
                 break;
             }
         }
@@ -517,7 +543,7 @@ pub fn replay(path: &Path, rule: StepRule) -> Result<Outputs, record::RecordErro
 }
 
 /// As [`replay`], from any reader (the fuzzer feeds it bytes).
-pub fn replay_from<R: io::BufRead + Send>(
+pub fn replay_from<R: io::BufRead + io::Seek + Send>(
     mut reader: Reader<R>,
     mut rule: StepRule,
 ) -> Result<Outputs, record::RecordError> {

@@ -7,11 +7,13 @@
 //! payload: u8 type (1 = kernel record as the ring buffer gave it, 2 = agent metadata JSON) | body
 //! ```
 //! Raw kernel records go in unchanged so `report` runs the very decoder the live run used.
-//! A truncated or damaged file is detected by the lengths and checksums.
+//! A truncated or damaged file is detected by the lengths and checksums; past damage in
+//! the middle, reading resumes at the next record whose length and checksum hold, and the
+//! bytes skipped are counted ([`Reader::damage`]).
 
 use std::collections::BTreeMap;
 use std::fs::File;
-use std::io::{self, BufRead, BufReader, Read, Write};
+use std::io::{self, BufRead, BufReader, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -310,8 +312,42 @@ pub struct Reader<R> {
     /// Bytes of the input's buffer the record last returned lies in, consumed at the
     /// next read.
     consume: usize,
+    damage: Damage,
     pub header: Header,
 }
+
+/// Damaged stretches a reader skipped to resume at the next whole record.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Damage {
+    /// How many damaged stretches.
+    pub regions: u64,
+    /// Bytes skipped over them.
+    pub bytes: u64,
+    /// Where the first began (offset in the file), and what was expected there.
+    pub first: Option<(u64, String)>,
+}
+
+impl std::fmt::Display for Damage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} damaged stretch(es) skipped, {} bytes in all (the records in them are lost)",
+            self.regions, self.bytes
+        )?;
+        if let Some((offset, expected)) = &self.first {
+            write!(
+                f,
+                "; the first at offset {offset}, where {expected} was expected"
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// Candidate starts examined per read while looking for the next whole record: with a
+/// window of twice this (plus a prefix), a record of the largest size starting at any
+/// candidate lies whole in the window.
+const SCAN_STEP: usize = MAX_RECORD as usize;
 
 impl Reader<BufReader<File>> {
     /// Opens `path` and reads its header.
@@ -398,6 +434,7 @@ impl<R: BufRead> Reader<R> {
             offset: 20 + u64::from(len),
             payload: Vec::new(),
             consume: 0,
+            damage: Damage::default(),
             header,
         })
     }
@@ -411,10 +448,19 @@ impl<R: BufRead> Reader<R> {
             offset: 0,
             payload: Vec::new(),
             consume: 0,
+            damage: Damage::default(),
             header,
         }
     }
 
+    /// The damaged stretches skipped so far.
+    #[must_use]
+    pub fn damage(&self) -> &Damage {
+        &self.damage
+    }
+}
+
+impl<R: BufRead + Seek> Reader<R> {
     /// The next record; `Ok(None)` at a clean end of file.
     pub fn next_record(&mut self) -> Result<Option<Record>, RecordError> {
         Ok(self.next_raw()?.map(|r| match r {
@@ -425,7 +471,98 @@ impl<R: BufRead> Reader<R> {
 
     /// As [`Reader::next_record`], a kernel record borrowed from the reader's buffer (no
     /// allocation per record; no copy when the record lies whole in the input's buffer).
+    /// Past a damaged record, reading resumes at the next whole one (counted in
+    /// [`Reader::damage`]); damage with no whole record after it (a cut file) is the error.
     pub fn next_raw(&mut self) -> Result<Option<RawRecord<'_>>, RecordError> {
+        let located = loop {
+            let start = self.offset;
+            let expected = match self.locate() {
+                Err(RecordError::Damaged { expected, .. }) => expected,
+                other => break other?,
+            };
+            let resynced = self.resync(start + 1);
+            let Some(found) = resynced.map_err(|source| RecordError::Open {
+                path: self.path.clone(),
+                source,
+            })?
+            else {
+                return Err(RecordError::Damaged {
+                    path: self.path.clone(),
+                    offset: start,
+                    expected,
+                });
+            };
+            self.damage.regions += 1;
+            self.damage.bytes += found - start;
+            self.damage.first.get_or_insert((start, expected));
+        };
+        let Some(located) = located else {
+            return Ok(None);
+        };
+        Ok(Some(match located {
+            Located::Meta(meta) => RawRecord::Meta(meta),
+            Located::Copied => RawRecord::Kernel(&self.payload[1..]),
+            Located::InBuffer { len } => {
+                // The record was not consumed yet: this returns the same buffer, unread.
+                let buffered = self.input.fill_buf().map_err(|source| RecordError::Open {
+                    path: self.path.clone(),
+                    source,
+                })?;
+                RawRecord::Kernel(&buffered[9..8 + len])
+            }
+        }))
+    }
+
+    /// Finds the first offset at or after `from` where a whole record lies (its length in
+    /// range, its checksum matching, a known type, valid metadata) and positions the input
+    /// there. `None`: no such record before the end.
+    fn resync(&mut self, from: u64) -> io::Result<Option<u64>> {
+        self.consume = 0;
+        let mut base = from;
+        let mut window: Vec<u8> = Vec::with_capacity(2 * SCAN_STEP + 8);
+        loop {
+            self.input.seek(SeekFrom::Start(base))?;
+            window.resize(2 * SCAN_STEP + 8, 0);
+            let got = read_full(&mut self.input, &mut window)?;
+            window.truncate(got);
+            let candidates = got.min(SCAN_STEP);
+            for i in 0..candidates {
+                if whole_record_at(&window[i..]) {
+                    let found = base + i as u64;
+                    self.input.seek(SeekFrom::Start(found))?;
+                    self.offset = found;
+                    return Ok(Some(found));
+                }
+            }
+            if got <= SCAN_STEP {
+                return Ok(None);
+            }
+            base += SCAN_STEP as u64;
+        }
+    }
+}
+
+/// Whether `bytes` open with a whole, valid record.
+fn whole_record_at(bytes: &[u8]) -> bool {
+    let Some(prefix) = bytes.get(..8) else {
+        return false;
+    };
+    let len = u32::from_le_bytes(prefix[..4].try_into().unwrap_or_default());
+    let crc = u32::from_le_bytes(prefix[4..].try_into().unwrap_or_default());
+    if !(1..=MAX_RECORD).contains(&len) {
+        return false;
+    }
+    let Some(payload) = bytes.get(8..8 + len as usize) else {
+        return false;
+    };
+    !checksum_differs(payload, crc)
+        && parse_payload(payload, crc, |_| RecordError::Write(io::Error::other(""))).is_ok()
+}
+
+impl<R: BufRead> Reader<R> {
+    /// Checks the next record as it lies (damage is an error) and moves past it; a kernel
+    /// record's bytes stay where [`Located`] says.
+    fn locate(&mut self) -> Result<Option<Located>, RecordError> {
         self.input.consume(std::mem::take(&mut self.consume));
         let start = self.offset;
         let damaged = |expected: String| RecordError::Damaged {
@@ -456,7 +593,12 @@ impl<R: BufRead> Reader<R> {
             self.consume = 8 + len as usize;
             // The buffer is not empty, so this returns it again without reading.
             let buffered = self.input.fill_buf().map_err(open)?;
-            return parse_payload(&buffered[8..8 + len as usize], crc, damaged);
+            return Ok(
+                parse_payload(&buffered[8..8 + len as usize], crc, damaged)?.map(|r| match r {
+                    RawRecord::Kernel(_) => Located::InBuffer { len: len as usize },
+                    RawRecord::Meta(meta) => Located::Meta(meta),
+                }),
+            );
         }
         // A record across the end of the input's buffer (or a damaged length): copied.
         let mut prefix = [0u8; 8];
@@ -481,8 +623,24 @@ impl<R: BufRead> Reader<R> {
             )));
         }
         self.offset += 8 + u64::from(len);
-        parse_payload(&self.payload, crc, damaged)
+        Ok(
+            parse_payload(&self.payload, crc, damaged)?.map(|r| match r {
+                RawRecord::Kernel(_) => Located::Copied,
+                RawRecord::Meta(meta) => Located::Meta(meta),
+            }),
+        )
     }
+}
+
+/// Where a checked record lies.
+enum Located {
+    /// Whole in the input's buffer, `len` payload bytes after the 8-byte prefix.
+    InBuffer {
+        len: usize,
+    },
+    /// In the reader's own payload buffer.
+    Copied,
+    Meta(Meta),
 }
 
 /// A record's payload (after its length and checksum): checked against `crc`, then its
@@ -640,5 +798,64 @@ mod tests {
         assert!(matches!(read_all(&path), Err(RecordError::Empty { .. })));
         std::fs::write(&path, b"{\"not\": \"a recording\"}").unwrap();
         assert!(matches!(read_all(&path), Err(RecordError::Foreign { .. })));
+    }
+
+    /// Regression (issue 17): one damaged byte in the middle dropped every record after it.
+    /// Now reading resumes at the next whole record, whatever was damaged (a payload byte,
+    /// a length, a checksum) and however the input is buffered, and the skipped stretch
+    /// is counted; several megabytes of garbage are crossed too.
+    #[test]
+    fn resumes_after_damage_in_the_middle() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("r.nctr");
+        let mut w = Writer::create(&path, &header()).unwrap();
+        let mut starts = Vec::new();
+        let header_len = std::fs::metadata(&path).unwrap().len() as usize;
+        let mut at = header_len;
+        for i in 0..100u32 {
+            let body = vec![(i % 251) as u8; 10 + (i as usize * 37) % 300];
+            starts.push(at);
+            at += 8 + 1 + body.len();
+            w.kernel(&body).unwrap();
+        }
+        w.finish().unwrap();
+        let clean = std::fs::read(&path).unwrap();
+        let read_with = |bytes: &[u8], capacity: usize| {
+            let mut r = Reader::new(
+                BufReader::with_capacity(capacity, io::Cursor::new(bytes)),
+                &path,
+            )
+            .unwrap();
+            let mut out = Vec::new();
+            while let Some(rec) = r.next_record().unwrap() {
+                out.push(rec);
+            }
+            (out, r.damage().clone())
+        };
+        // Record 50's payload, its length field, its checksum.
+        for (what, at) in [
+            ("payload", starts[50] + 12),
+            ("length", starts[50] + 2),
+            ("crc", starts[50] + 5),
+        ] {
+            let mut bytes = clean.clone();
+            bytes[at] ^= 0x5a;
+            for capacity in [7, 64, 4096, 1 << 20] {
+                let (records, damage) = read_with(&bytes, capacity);
+                assert_eq!(records.len(), 99, "{what}, buffer {capacity}");
+                assert_eq!(damage.regions, 1, "{what}");
+                assert_eq!(damage.bytes as usize, starts[51] - starts[50], "{what}");
+                assert_eq!(damage.first.as_ref().unwrap().0 as usize, starts[50]);
+                let expected = Record::Kernel(vec![51; 10 + (51 * 37) % 300]);
+                assert_eq!(records[50], expected, "{what}: the record after resumes");
+            }
+        }
+        // 3 MiB of garbage between records 20 and 21.
+        let mut bytes = clean[..starts[21]].to_vec();
+        bytes.extend((0..3 << 20).map(|i: u32| (i.wrapping_mul(2_654_435_761) >> 13) as u8));
+        bytes.extend_from_slice(&clean[starts[21]..]);
+        let (records, damage) = read_with(&bytes, 1 << 20);
+        assert_eq!(records.len(), 100);
+        assert_eq!((damage.regions, damage.bytes), (1, 3 << 20));
     }
 }

@@ -83,5 +83,8 @@ pub fn write_text(s: &Summary, out: &mut impl Write) -> io::Result<()> {
     if let Some(why) = &s.incomplete {
         writeln!(out, "Incomplete: {why}")?;
     }
+    if let Some(what) = &s.damaged {
+        writeln!(out, "Damaged: {what}")?;
+    }
     Ok(())
 }
