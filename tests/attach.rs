@@ -321,16 +321,19 @@ fn counts_every_call_of_the_trainer() {
     no_programs_left();
 }
 
-/// `report` on the recording rebuilds the same summary, without the target.
+/// `report` on the recording rebuilds the same summary, without the target, and the same
+/// doctor.json (regression, issue 17: it did not rebuild doctor.json at all).
 #[test]
 fn report_rebuilds_the_summary() {
     let _serial = privileged();
     let (_, live, out, dir) = traced_trainer(5, &[]);
     let again = report(&out, dir.path());
-    let replayed: Value =
-        serde_json::from_str(&std::fs::read_to_string(again.join("summary.json")).unwrap())
-            .unwrap();
-    assert_eq!(live, replayed);
+    let read =
+        |p: &Path| -> Value { serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap() };
+    assert_eq!(live, read(&again.join("summary.json")));
+    let doctor = read(&out.join("doctor.json"));
+    assert!(doctor["findings"].is_array(), "{doctor}");
+    assert_eq!(doctor, read(&again.join("doctor.json")));
 }
 
 /// Host-blocking collectives: the time is inside the NCCL call itself (enqueue_ns), and

@@ -152,6 +152,7 @@ pub struct Aggregator {
     end: Option<Meta>,
     incomplete: Option<String>,
     damaged: Option<record::Damage>,
+    doctor: Option<serde_json::Value>,
 }
 
 impl Aggregator {
@@ -177,6 +178,7 @@ impl Aggregator {
             end: None,
             incomplete: None,
             damaged: None,
+            doctor: None,
         }
     }
 
@@ -275,6 +277,7 @@ impl Aggregator {
                 self.header.targets.push(*target);
             }
             end @ Meta::End { .. } => self.end = Some(end),
+            Meta::Doctor { report } => self.doctor = Some(report),
         }
     }
 
@@ -380,7 +383,12 @@ impl Aggregator {
                 };
                 (end_monotonic_ns, Some(reason), lost_by_kind, counters)
             }
-            Some(Meta::KernelSymbols { .. } | Meta::JitSymbols { .. } | Meta::Target { .. })
+            Some(
+                Meta::KernelSymbols { .. }
+                | Meta::JitSymbols { .. }
+                | Meta::Target { .. }
+                | Meta::Doctor { .. },
+            )
             | None => (self.last_ts, None, BTreeMap::new(), BTreeMap::new()),
         };
         let incomplete = self.incomplete.or_else(|| {
@@ -461,6 +469,7 @@ impl Aggregator {
             detail,
             kernel_symbols: self.kernel_symbols,
             jit_symbols: self.jit_symbols,
+            doctor: self.doctor,
             header: self.header,
         }
     }
@@ -476,6 +485,9 @@ pub struct Outputs {
     pub kernel_symbols: BTreeMap<u64, String>,
     /// JIT code names per target (perf map files), recorded at the end of the live run.
     pub jit_symbols: BTreeMap<u32, Vec<(u64, u64, String)>>,
+    /// The placement health report made at attach (`doctor.json`), when the recording
+    /// keeps it.
+    pub doctor: Option<serde_json::Value>,
     pub header: Header,
 }
 
@@ -631,6 +643,12 @@ fn write_others(
     file("summary.json", &mut |out| {
         render::summary::write_json(&outputs.summary, out)
     });
+    if let Some(doctor) = &outputs.doctor {
+        file("doctor.json", &mut |out| {
+            serde_json::to_writer_pretty(&mut *out, doctor)?;
+            io::Write::write_all(out, b"\n")
+        });
+    }
     let started = std::time::Instant::now();
     let symbols = crate::symbolize::symbolize(
         &outputs.header,

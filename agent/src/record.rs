@@ -168,6 +168,9 @@ pub enum Meta {
     },
     /// A target attached during the run (`--follow`): it joins the header's targets.
     Target { target: Box<TargetInfo> },
+    /// The placement health report made at attach (`doctor.json`), so that `report`
+    /// rebuilds it elsewhere.
+    Doctor { report: serde_json::Value },
 }
 
 /// One record read back.

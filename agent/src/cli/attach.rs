@@ -355,7 +355,7 @@ pub fn run(args: AttachArgs) -> Result<(), Error> {
 }
 
 /// The health report at attach: `OUT/doctor.json` and the warnings on stderr.
-fn health_report(out: &std::path::Path, pid: u32) -> Result<(), Error> {
+fn health_report(out: &std::path::Path, pid: u32) -> Result<serde_json::Value, Error> {
     let report = crate::doctor::diagnose(&host::Host::live(), Some(pid));
     let path = out.join("doctor.json");
     let mut file = std::fs::File::create(&path).map_err(|source| Error::Output {
@@ -384,7 +384,7 @@ fn health_report(out: &std::path::Path, pid: u32) -> Result<(), Error> {
                 .unwrap_or_default()
         );
     }
-    Ok(())
+    Ok(serde_json::to_value(&report).unwrap_or_default())
 }
 
 /// Names that only this host knows at the end of the run, added to `outputs` and returned
@@ -455,9 +455,10 @@ async fn trace(
     targets: &[source::Target],
     mut stop: crate::stop::Stop,
 ) -> Result<(), Error> {
-    if let Some(first) = targets.first() {
-        health_report(&settings.out.path, first.pid)?;
-    }
+    let doctor = match targets.first() {
+        Some(first) => Some(health_report(&settings.out.path, first.pid)?),
+        None => None,
+    };
     let mut attached = source::attach(targets, &settings.profile)?;
     for t in &attached.header.targets {
         let ms = attached.attach_time.as_millis();
@@ -479,7 +480,10 @@ async fn trace(
             source,
         })?;
     }
-    let writer = Writer::create(&rec_path, &attached.header)?;
+    let mut writer = Writer::create(&rec_path, &attached.header)?;
+    if let Some(report) = doctor {
+        writer.meta(&Meta::Doctor { report })?;
+    }
     settings.out.keep();
     stop.tracing_started();
     let mut sink = LiveSink {

@@ -27,6 +27,13 @@ pub struct ReportArgs {
 pub fn run(args: ReportArgs) -> Result<(), Error> {
     let rule = super::step_rule(args.step_window.as_deref(), args.step_nvtx.as_deref())?;
     let outputs = crate::pipeline::replay(&args.recording, rule)?;
+    if outputs.doctor.is_none() {
+        crate::note!(
+            "nccltrace: doctor.json not rebuilt: the recording does not keep the placement \
+             report (made by an earlier nccltrace, or with no target); `nccltrace doctor --pid \
+             PID` checks a live rank"
+        );
+    }
     let mut out = super::OutDir::create(&args.out, args.force)?;
     out.keep();
     let written =
