@@ -383,13 +383,8 @@ impl Aggregator {
                 };
                 (end_monotonic_ns, Some(reason), lost_by_kind, counters)
             }
-            Some(
-                Meta::KernelSymbols { .. }
-                | Meta::JitSymbols { .. }
-                | Meta::Target { .. }
-                | Meta::Doctor { .. },
-            )
-            | None => (self.last_ts, None, BTreeMap::new(), BTreeMap::new()),
+            // Only the closing record is kept in `end`.
+            _ => (self.last_ts, None, BTreeMap::new(), BTreeMap::new()),
         };
         let incomplete = self.incomplete.or_else(|| {
             stop_reason.is_none().then(|| {
