@@ -68,7 +68,7 @@ fn h200_ddp_recording() {
     assert_eq!(steps["rank_tid"], steps["rank_pid"]);
     let (mut other, mut wall) = (0, 0);
     for s in steps["steps"].as_array().unwrap() {
-        other += s["categories"]["other_offcpu"].as_u64().unwrap();
+        other += s["categories_ns"]["other_offcpu"].as_u64().unwrap();
         wall += s["wall_ns"].as_u64().unwrap();
     }
     assert!(other * 20 < wall, "other_offcpu is {other} of {wall} ns");
@@ -91,7 +91,7 @@ fn h200_allreduce_recording() {
     );
     assert_eq!(steps["period"], 12);
     for s in steps["steps"].as_array().unwrap() {
-        assert_eq!(s["nccl"]["calls"], 12, "step {}", s["index"]);
+        assert_eq!(s["nccl"]["collectives"], 12, "step {}", s["index"]);
     }
 }
 

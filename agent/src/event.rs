@@ -165,6 +165,15 @@ impl Func {
             .map(|(f, _, _)| *f)
     }
 
+    /// The function with this output name ([`Func::name`]).
+    #[must_use]
+    pub fn from_name(name: &str) -> Option<Func> {
+        Self::ALL
+            .iter()
+            .map(|(f, _, _)| *f)
+            .find(|f| f.name() == name)
+    }
+
     /// The id used as BPF cookie and in recordings.
     #[must_use]
     pub fn id(self) -> u32 {

@@ -26,7 +26,12 @@ pub struct OpStats {
 /// NCCL totals.
 #[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
 pub struct NcclStats {
+    /// Every traced NCCL API call: collectives, send/receive, group start/end,
+    /// communicator setup and teardown.
     pub calls: u64,
+    /// The calls that move data (collectives, send and receive): what `ranks[].nccl`
+    /// and the steps count.
+    pub collectives: u64,
     pub bytes: u64,
     pub errors: u64,
     pub by_op: BTreeMap<String, OpStats>,
@@ -407,13 +412,7 @@ impl Aggregator {
         if let Some(why) = &attributed {
             steps.reason = format!("{}; {why}", steps.reason);
         }
-        let mut nccl = NcclStats::default();
-        for (func, s) in self.nccl {
-            nccl.calls += s.calls;
-            nccl.bytes = nccl.bytes.saturating_add(s.bytes);
-            nccl.errors += s.errors;
-            nccl.by_op.insert(func.name().to_owned(), s);
-        }
+        let nccl = nccl_totals(self.nccl);
         let mut cuda_sync = CudaSyncStats::default();
         for (func, s) in self.cuda {
             cuda_sync.calls += s.calls;
@@ -468,6 +467,21 @@ impl Aggregator {
             header: self.header,
         }
     }
+}
+
+/// NCCL totals from the per-function ones.
+fn nccl_totals(by_func: BTreeMap<Func, OpStats>) -> NcclStats {
+    let mut nccl = NcclStats::default();
+    for (func, s) in by_func {
+        nccl.calls += s.calls;
+        if func.is_collective() {
+            nccl.collectives += s.calls;
+        }
+        nccl.bytes = nccl.bytes.saturating_add(s.bytes);
+        nccl.errors += s.errors;
+        nccl.by_op.insert(func.name().to_owned(), s);
+    }
+    nccl
 }
 
 /// Everything the pipeline produces.

@@ -25,7 +25,7 @@ for mode in blocking sleeping spinning; do
 import json, statistics, sys
 truth = [json.loads(l) for l in open(sys.argv[1]) if l.startswith('{"step"')]
 report = json.load(open(sys.argv[2]))
-ours = [s["categories"] for s in report["steps"]]
+ours = [s["categories_ns"] for s in report["steps"]]
 theirs = truth[1:]  # our first step starts at the end of the trainer's first
 med = lambda v: statistics.median(v)
 rows = [

@@ -29,8 +29,9 @@ use crate::event::{Call, Event, Library};
 use crate::record::Header;
 use steps::{Collective, Method};
 
-/// Time per category, in ns.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+/// Time per category, in ns. Serialized as a map of the seven names, a category the
+/// profile could not measure as `null` (never 0).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Categories {
     pub compute: u64,
     pub nccl_wait: u64,
@@ -40,6 +41,29 @@ pub struct Categories {
     pub cpu_migration: u64,
     pub runqueue: u64,
     pub other_offcpu: u64,
+    /// Which of the others the profile could not measure.
+    pub unmeasured: Unmeasured,
+}
+
+/// Categories a run could not measure (the reason is in the report's `methods`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Unmeasured {
+    /// No CUDA sync probe was attached: waits for NCCL in syncs cannot be told apart.
+    pub nccl_wait: bool,
+    /// No on-CPU sampling and no fault timing: fault time stays in `compute`.
+    pub page_fault: bool,
+}
+
+impl Serialize for Categories {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap as _;
+        let named = self.named();
+        let mut map = serializer.serialize_map(Some(named.len()))?;
+        for (name, value) in named {
+            map.serialize_entry(name, &value)?;
+        }
+        map.end()
+    }
 }
 
 impl Categories {
@@ -48,8 +72,14 @@ impl Categories {
     pub fn named(&self) -> [(&'static str, Option<u64>); 7] {
         [
             ("compute", Some(self.compute)),
-            ("nccl_wait", Some(self.nccl_wait)),
-            ("page_fault", Some(self.page_fault)),
+            (
+                "nccl_wait",
+                (!self.unmeasured.nccl_wait).then_some(self.nccl_wait),
+            ),
+            (
+                "page_fault",
+                (!self.unmeasured.page_fault).then_some(self.page_fault),
+            ),
             ("remote_memory", self.remote_memory),
             ("cpu_migration", Some(self.cpu_migration)),
             ("runqueue", Some(self.runqueue)),
@@ -63,6 +93,7 @@ impl Categories {
     }
 
     fn add(&mut self, other: &Categories) {
+        self.unmeasured = other.unmeasured;
         self.compute += other.compute;
         self.nccl_wait += other.nccl_wait;
         self.page_fault += other.page_fault;
@@ -115,7 +146,9 @@ impl Categories {
 /// NCCL traffic in a step.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct NcclCount {
-    pub calls: u64,
+    /// Calls that move data (collectives, send and receive); group and communicator
+    /// calls are left out.
+    pub collectives: u64,
     pub bytes: u64,
 }
 
@@ -126,6 +159,8 @@ pub struct Step {
     pub start_ns: u64,
     pub end_ns: u64,
     pub wall_ns: u64,
+    /// Where the wall time went, ns per category.
+    #[serde(rename = "categories_ns")]
     pub categories: Categories,
     pub nccl: NcclCount,
     pub faults: u64,
@@ -145,6 +180,7 @@ pub struct Step {
 pub struct StepRank {
     pub rank: i32,
     pub pid: u32,
+    #[serde(rename = "categories_ns")]
     pub categories: Categories,
 }
 
@@ -155,6 +191,7 @@ pub struct ThreadReport {
     pub pid: u32,
     pub name: String,
     pub role: &'static str,
+    #[serde(rename = "categories_ns")]
     pub categories: Categories,
     pub nccl_calls: u64,
     pub faults: u64,
@@ -162,9 +199,10 @@ pub struct ThreadReport {
     pub cross_node_migrations: u64,
 }
 
-/// How `remote_memory` and `page_fault` were obtained.
+/// How `nccl_wait`, `remote_memory` and `page_fault` were obtained, or why not.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Methods {
+    pub nccl_wait: String,
     pub page_fault: String,
     pub remote_memory: String,
     pub remote_memory_estimated: bool,
@@ -173,6 +211,11 @@ pub struct Methods {
 /// `steps.json`.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct StepsReport {
+    /// The clock of every `*_ns` timestamp (not durations) in this file.
+    pub clock: &'static str,
+    /// Steps found that began before tracing was armed, left out of `steps` and of every
+    /// statistic (their beginning was not traced).
+    pub partial_steps_left_out: usize,
     pub method: Method,
     pub reason: String,
     /// Collectives per step, when found automatically.
@@ -373,6 +416,15 @@ pub struct Timeline {
     faults_timed: bool,
     /// Why fentry/fexit did not time them.
     fault_timing_refused: Option<String>,
+    /// A CUDA sync function was probed in some target: `nccl_wait` is measured.
+    sync_probed: bool,
+}
+
+/// Whether `t` had a CUDA sync function probed.
+fn syncs_probed(t: &crate::record::TargetInfo) -> bool {
+    t.probes.iter().any(|p| {
+        crate::event::Func::from_name(&p.func).is_some_and(|f| f.library() == Library::Cuda)
+    })
 }
 
 impl Timeline {
@@ -403,6 +455,7 @@ impl Timeline {
                 .collect(),
             faults_timed: header.fault_timing.is_some(),
             fault_timing_refused: header.fault_timing_refused.clone(),
+            sync_probed: header.targets.iter().any(syncs_probed),
         }
     }
 
@@ -415,6 +468,7 @@ impl Timeline {
 
     /// A target that joined during the run (`--follow`).
     pub fn add_target(&mut self, t: &crate::record::TargetInfo) {
+        self.sync_probed |= syncs_probed(t);
         self.thread_names.extend(t.threads.iter().cloned());
         self.target_pids.push(t.pid);
         if let Some(r) = t.env_rank.clone() {
@@ -750,7 +804,14 @@ impl Timeline {
         if let Some((tid, pid)) = rank {
             let log = &self.threads[&tid];
             let colls = &process_collectives[&pid];
-            for (index, (a, b)) in detected.bounds.iter().copied().enumerate() {
+            // A step that began before tracing was armed (the probes attach one by one
+            // before the recording's start) was not traced whole: left out, and said.
+            let whole = detected
+                .bounds
+                .iter()
+                .copied()
+                .filter(|(a, _)| *a >= first_ns);
+            for (index, (a, b)) in whole.enumerate() {
                 let mut step = self.step(index, log, tid, colls, a, b);
                 if loop_threads.len() > 1 {
                     step.slowest_rank = ranks::slowest_in(&lateness, a, b).map(rank_of);
@@ -777,7 +838,7 @@ impl Timeline {
                     rank: id.rank,
                     rank_source: id.rank_source.clone(),
                     nccl: ranks::RankNccl {
-                        calls: colls.len() as u64,
+                        collectives: colls.len() as u64,
                         bytes: colls.iter().fold(0u64, |n, c| n.saturating_add(c.bytes)),
                     },
                     categories: loop_threads
@@ -822,13 +883,62 @@ impl Timeline {
         let mut detail = self.detail(rank.map(|r| r.0), end_ns);
         detail.step_bounds = steps_out.iter().map(|s| (s.start_ns, s.end_ns)).collect();
         detail.rank_tid = rank.map(|r| r.0);
+        let unmeasured = Unmeasured {
+            nccl_wait: !self.sync_probed,
+            page_fault: !self.faults_timed && period == 0,
+        };
+        for step in &mut steps_out {
+            step.categories.unmeasured = unmeasured;
+            for r in &mut step.ranks {
+                r.categories.unmeasured = unmeasured;
+            }
+        }
+        let mut rank_reports = rank_reports;
+        for r in &mut rank_reports {
+            r.categories.unmeasured = unmeasured;
+        }
+        for t in &mut threads {
+            t.categories.unmeasured = unmeasured;
+        }
+        let left_out = detected
+            .bounds
+            .iter()
+            .filter(|(a, _)| *a < first_ns)
+            .count();
+        let mut reason = detected.reason.clone();
+        if left_out > 0 && rank.is_some() {
+            let _ = std::fmt::Write::write_fmt(
+                &mut reason,
+                format_args!(
+                    "; {left_out} step(s) that began before tracing was armed are left out \
+                     (not traced whole)"
+                ),
+            );
+        }
         let report = StepsReport {
+            partial_steps_left_out: if rank.is_some() { left_out } else { 0 },
+            clock: "every *_ns timestamp (start_ns, end_ns) is CLOCK_MONOTONIC of the traced \
+                    host in ns; summary.json's start_unix_ns is the wall-clock time (ns since \
+                    1970) of the recording's start, duration_ns counted from it",
             method: detected.method,
-            reason: detected.reason.clone(),
+            reason,
             period: detected.period,
             rank_pid: rank.map(|r| r.1),
             rank_tid: rank.map(|r| r.0),
             methods: Methods {
+                nccl_wait: if self.sync_probed {
+                    "time inside CUDA sync calls (cuStreamSynchronize, cuEventSynchronize, \
+                     cuCtxSynchronize and their _ptsz forms) while NCCL work issued before \
+                     them is outstanding, spinning or blocked, and inside NCCL calls that \
+                     block the host"
+                        .into()
+                } else {
+                    "not measured: no CUDA sync function was probed (the profile has \
+                     cuda_sync off, or no libcuda was mapped), so waits for NCCL cannot be \
+                     told from other work: a spinning wait counts as compute, a blocking one \
+                     as other_offcpu. Use the default profile to measure it"
+                        .into()
+                },
                 page_fault: self.fault_method(),
                 remote_memory: format!(
                     "not measured: needs PMU events (node-loads/node-load-misses), which this \
@@ -998,7 +1108,7 @@ impl Timeline {
             .iter()
             .take_while(|c| c.start_ns < b)
             .fold(NcclCount::default(), |n, c| NcclCount {
-                calls: n.calls + 1,
+                collectives: n.collectives + 1,
                 bytes: n.bytes.saturating_add(c.bytes),
             });
         let faults =
@@ -1330,8 +1440,51 @@ mod tests {
             cpu_nodes: vec![0, 0, 1, 1],
             sample_period_ns: 100_000,
             fault_handler_ranges: vec![(0xffff_0000, 0xffff_1000)],
+            targets: vec![crate::record::TargetInfo {
+                pid: 10,
+                probes: vec![crate::record::ProbeInfo {
+                    func: "cuStreamSynchronize".into(),
+                    symbol: "cuStreamSynchronize".into(),
+                    library: "libcuda.so.1".into(),
+                    file_offset: 0,
+                    past_endbr64: false,
+                }],
+                ..Default::default()
+            }],
             ..Header::default()
         }
+    }
+
+    /// Regression (issue 17): `--profile minimal` (no CUDA sync probe) showed nccl_wait
+    /// 0.000 and `--sample-hz 0` page_fault 0. A category the run could not measure is
+    /// null in every output, with the reason in `methods`; the categories measured still
+    /// add up.
+    #[test]
+    fn unmeasured_categories_are_null() {
+        let mut bare = header();
+        bare.targets[0].probes.clear();
+        bare.sample_period_ns = 0;
+        let mut tl = Timeline::new(&bare);
+        tl.push(&call(Func::AllReduce, 3_000, 3_100));
+        let (report, _) = tl.finish(10_000, StepRule::Window(10_000));
+        let json = serde_json::to_value(&report).unwrap();
+        for c in [
+            &json["steps"][0]["categories_ns"],
+            &json["threads"][0]["categories_ns"],
+        ] {
+            assert!(c["nccl_wait"].is_null(), "{c}");
+            assert!(c["page_fault"].is_null(), "{c}");
+            assert_eq!(c["compute"], 10_000, "{c}");
+        }
+        assert!(report.methods.nccl_wait.starts_with("not measured"));
+        assert!(report.methods.page_fault.starts_with("not measured"));
+        // Measured (the sync probed, sampling on): numbers, not null.
+        let mut tl = Timeline::new(&header());
+        tl.push(&call(Func::AllReduce, 3_000, 3_100));
+        let (report, _) = tl.finish(10_000, StepRule::Window(10_000));
+        let json = serde_json::to_value(&report).unwrap();
+        assert_eq!(json["threads"][0]["categories_ns"]["nccl_wait"], 0);
+        assert_eq!(json["threads"][0]["categories_ns"]["page_fault"], 0);
     }
 
     fn task(tid: u32) -> Task {
@@ -1456,7 +1609,7 @@ mod tests {
         assert_eq!(
             s.nccl,
             NcclCount {
-                calls: 1,
+                collectives: 1,
                 bytes: 1024
             }
         );

@@ -27,7 +27,9 @@ pub struct RankIdentity {
 /// NCCL traffic of a rank.
 #[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
 pub struct RankNccl {
-    pub calls: u64,
+    /// Calls that move data (collectives, send and receive), as `nccl.collectives` in
+    /// summary.json counts them.
+    pub collectives: u64,
     pub bytes: u64,
 }
 
@@ -38,7 +40,8 @@ pub struct RankReport {
     pub rank: i32,
     pub rank_source: String,
     pub nccl: RankNccl,
-    /// Its training-loop thread over the traced interval.
+    /// Its training-loop thread over the traced interval, ns per category.
+    #[serde(rename = "categories_ns")]
     pub categories: Categories,
 }
 

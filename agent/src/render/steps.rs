@@ -24,7 +24,7 @@ pub const CSV_COLUMNS: [&str; 18] = [
     "cpu_migration",
     "runqueue",
     "other_offcpu",
-    "nccl_calls",
+    "nccl_collectives",
     "nccl_bytes",
     "faults",
     "migrations",
@@ -33,28 +33,25 @@ pub const CSV_COLUMNS: [&str; 18] = [
     "numa_task_moves",
 ];
 
-/// Writes `steps.csv`: one row per step, categories in ns (`remote_memory` empty when
-/// not measured).
+/// Writes `steps.csv`: one row per step, categories in ns (empty when not measured).
 pub fn write_csv(report: &StepsReport, out: &mut impl Write) -> io::Result<()> {
     writeln!(out, "{}", CSV_COLUMNS.join(","))?;
     for s in &report.steps {
-        let c = &s.categories;
-        let remote = c.remote_memory.map(|v| v.to_string()).unwrap_or_default();
+        let mut categories = String::new();
+        for (_, value) in s.categories.named() {
+            if let Some(v) = value {
+                let _ = write!(categories, "{v}");
+            }
+            categories.push(',');
+        }
         writeln!(
             out,
-            "{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
+            "{},{},{},{},{categories}{},{},{},{},{},{},{}",
             s.index,
             s.start_ns,
             s.end_ns,
             s.wall_ns,
-            c.compute,
-            c.nccl_wait,
-            c.page_fault,
-            remote,
-            c.cpu_migration,
-            c.runqueue,
-            c.other_offcpu,
-            s.nccl.calls,
+            s.nccl.collectives,
             s.nccl.bytes,
             s.faults,
             s.migrations,
@@ -98,14 +95,60 @@ fn dominant(c: &Categories) -> (&'static str, u64) {
         .unwrap_or(("nccl_wait", 0))
 }
 
-fn describe(category: &str) -> &'static str {
+/// What time in `category` means, in words; `c` says what the run could measure.
+fn describe(category: &str, c: &Categories) -> &'static str {
     match category {
         "nccl_wait" => "waits on NCCL",
         "page_fault" => "handles page faults",
         "remote_memory" => "stalls on remote-NUMA memory",
         "cpu_migration" => "waits for a CPU after migrations",
         "runqueue" => "waits in the run queue",
+        _ if c.unmeasured.nccl_wait => {
+            "is blocked off-CPU (I/O, locks, or waits for the GPU and NCCL: without CUDA sync \
+             probes this profile cannot tell them apart)"
+        }
         _ => "is blocked off-CPU (I/O, locks)",
+    }
+}
+
+/// What made `step` slower than the median step: the category with the largest excess
+/// over its own median across `steps`, and that excess.
+fn slowest_cause(step: &Step, steps: &[Step]) -> Option<(&'static str, u64)> {
+    let named = step.categories.named();
+    (0..named.len())
+        .filter_map(|i| {
+            let (name, value) = named[i];
+            let value = value?;
+            let mut all: Vec<u64> = steps
+                .iter()
+                .map(|s| s.categories.named()[i].1.unwrap_or(0))
+                .collect();
+            Some((name, value.saturating_sub(quantile(&mut all, 0.5))))
+        })
+        .filter(|(_, excess)| *excess > 0)
+        .max_by_key(|(_, excess)| *excess)
+}
+
+/// A blocking stack (frames root first, `;`-separated) in short: the innermost user
+/// frame, where the program asked to block, then the kernel frames it blocked in.
+fn blocked_in(stack: &str) -> String {
+    let frames: Vec<&str> = stack.split(';').collect();
+    let is_kernel = |f: &str| f.ends_with("_[k]");
+    // The first frame names the thread; pseudo-frames ("[blocked]") are in brackets.
+    let user = frames
+        .iter()
+        .skip(1)
+        .rfind(|f| !is_kernel(f) && !f.starts_with('['));
+    let kernel: Vec<&str> = frames.iter().copied().filter(|f| is_kernel(f)).collect();
+    let leaf = &kernel[kernel.len().saturating_sub(3)..];
+    let kernel_part = if leaf.is_empty() {
+        String::new()
+    } else {
+        format!(" → {}", leaf.join(" > "))
+    };
+    match user {
+        Some(user) => format!("{user}{kernel_part}"),
+        None => format!("(no user frame captured){kernel_part}"),
     }
 }
 
@@ -115,7 +158,11 @@ pub fn verdict(report: &StepsReport) -> String {
     let sum = total(&report.steps);
     let wall: u64 = report.steps.iter().map(|s| s.wall_ns).sum();
     let (name, value) = dominant(&sum);
-    let mut line = format!("{:.0}% of step time {}", pct(value, wall), describe(name));
+    let mut line = format!(
+        "{:.0}% of step time {}",
+        pct(value, wall),
+        describe(name, &sum)
+    );
     if let Some(tid) = report.rank_tid {
         let migrations: u64 = report.steps.iter().map(|s| s.migrations).sum();
         let cross: u64 = report.steps.iter().map(|s| s.cross_node_migrations).sum();
@@ -183,26 +230,41 @@ pub fn write_table(report: &StepsReport, out: &mut impl Write) -> io::Result<()>
             pct(*value, wall)
         )?;
     }
+    // Time no measured category holds (a category the profile could not measure).
+    let unattributed = wall.saturating_sub(sum.total());
+    if unattributed > 0 {
+        writeln!(
+            out,
+            "  {:<14} {:>10} {:>10} {:>10} {:>6.1}%  (in no measured category)",
+            "unattributed",
+            "-",
+            "-",
+            "-",
+            pct(unattributed, wall)
+        )?;
+    }
     let mut slowest: Vec<&Step> = steps.iter().collect();
     slowest.sort_by_key(|s| std::cmp::Reverse(s.wall_ns));
-    write!(out, "  slowest steps:")?;
+    let mut walls: Vec<u64> = steps.iter().map(|s| s.wall_ns).collect();
+    let median_wall = quantile(&mut walls, 0.5);
+    write!(
+        out,
+        "  slowest steps (against the median step, {} ms):",
+        ms(median_wall)
+    )?;
     for s in slowest.iter().take(3) {
-        let (name, value) = dominant(&s.categories);
-        write!(
-            out,
-            " #{} {} ms ({name} {} ms);",
-            s.index,
-            ms(s.wall_ns),
-            ms(value)
-        )?;
+        write!(out, " #{} {} ms", s.index, ms(s.wall_ns))?;
+        match slowest_cause(s, steps) {
+            Some((name, excess)) => write!(out, " ({name} +{} ms);", ms(excess))?,
+            None => write!(out, ";")?,
+        }
     }
     writeln!(out)?;
     if let Some(top) = report.other_offcpu_top_stacks.first() {
-        let leaf: Vec<&str> = top.stack.rsplit(';').take(4).collect();
         writeln!(
             out,
             "  blocked most in: {} ({} ms over the steps; all in steps.json)",
-            leaf.into_iter().rev().collect::<Vec<_>>().join(" > "),
+            blocked_in(&top.stack),
             ms(top.total_ns)
         )?;
     }
@@ -222,5 +284,60 @@ mod tests {
         assert_eq!(quantile(&mut v, 0.99), 99);
         assert_eq!(quantile(&mut [], 0.5), 0);
         assert_eq!(quantile(&mut [7], 0.99), 7);
+    }
+
+    fn step(index: usize, compute: u64, nccl_wait: u64) -> Step {
+        Step {
+            index,
+            start_ns: 0,
+            end_ns: compute + nccl_wait,
+            wall_ns: compute + nccl_wait,
+            categories: Categories {
+                compute,
+                nccl_wait,
+                ..Categories::default()
+            },
+            nccl: crate::attribute::NcclCount::default(),
+            faults: 0,
+            migrations: 0,
+            cross_node_migrations: 0,
+            numa_page_migrations: 0,
+            numa_task_moves: 0,
+            slowest_rank: None,
+            ranks: vec![],
+        }
+    }
+
+    /// Regression (issue 17): "#267 28.261 ms (nccl_wait 2.067 ms)" named a typical wait
+    /// while compute made the step slow. The cause is the category furthest above its
+    /// own median.
+    #[test]
+    fn slowest_step_names_its_excess() {
+        let steps: Vec<Step> = (0..9)
+            .map(|i| step(i, 3_000_000, 2_000_000))
+            .chain([step(9, 25_000_000, 2_100_000)])
+            .collect();
+        assert_eq!(
+            slowest_cause(&steps[9], &steps),
+            Some(("compute", 22_000_000))
+        );
+        assert_eq!(slowest_cause(&steps[0], &steps), None);
+    }
+
+    /// Regression (issue 17): "blocked most in:" showed only leaf kernel frames; the
+    /// innermost user frame comes first now.
+    #[test]
+    fn blocked_stack_names_the_user_frame() {
+        let stack = "trainer 7 (main (rank));main;train_step;sched_setaffinity;\
+                     entry_SYSCALL_64_[k];__x64_sys_sched_setaffinity_[k];stop_one_cpu_[k];\
+                     wait_for_completion_[k];schedule_[k];[blocked]";
+        assert_eq!(
+            blocked_in(stack),
+            "sched_setaffinity → stop_one_cpu_[k] > wait_for_completion_[k] > schedule_[k]"
+        );
+        assert_eq!(
+            blocked_in("t 7;a_[k];b_[k];[blocked]"),
+            "(no user frame captured) → a_[k] > b_[k]"
+        );
     }
 }

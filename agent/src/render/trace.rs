@@ -100,7 +100,7 @@ impl Serialize for StepArgs<'_> {
         for (name, value) in s.categories.named() {
             map.serialize_entry(&format_args!("{name}_ms"), &value.map(|v| v as f64 / 1e6))?;
         }
-        map.serialize_entry("nccl_calls", &s.nccl.calls)?;
+        map.serialize_entry("nccl_collectives", &s.nccl.collectives)?;
         map.serialize_entry("nccl_bytes", &s.nccl.bytes)?;
         map.serialize_entry("faults", &s.faults)?;
         map.serialize_entry("migrations", &s.migrations)?;
@@ -224,6 +224,12 @@ impl<W: Write> Writer<W> {
     /// Nanoseconds since the start of the trace.
     fn ts(&self, ns: u64) -> u64 {
         ns.saturating_sub(self.base_ns)
+    }
+
+    /// Whether `ns` is on the traced time axis: what began while the probes were being
+    /// attached (before the recording's start) is left out rather than drawn at 0.
+    fn traced(&self, ns: u64) -> bool {
+        ns >= self.base_ns
     }
 }
 
@@ -361,6 +367,9 @@ pub fn write(
             stream: c.stream.map(Hex),
             rank: c.rank,
         };
+        if !w.traced(c.start_ns) {
+            continue;
+        }
         let (ts, d) = (w.ts(c.start_ns), dur(c.start_ns, c.end_ns));
         w.event(&Ev::slice(
             cat,
@@ -386,6 +395,9 @@ pub fn write(
             } else {
                 "off-CPU: blocked"
             };
+            if !w.traced(off.start_ns) {
+                continue;
+            }
             let args = Woken {
                 woken_by_tid: off.waker.map(|w| w.0),
                 woken_by_pid: off.waker.map(|w| w.1),
@@ -401,7 +413,8 @@ pub fn write(
                 args,
             ))?;
         }
-        for &(ts, from, to) in &t.migrations {
+        let base = w.base_ns;
+        for &(ts, from, to) in t.migrations.iter().filter(|m| m.0 >= base) {
             let args = Moved {
                 from_cpu: from,
                 to_cpu: to,
@@ -421,6 +434,10 @@ pub fn write(
         let mut i = 0;
         while i < t.faults.len() {
             let start = t.faults[i];
+            if !w.traced(start) {
+                i += 1;
+                continue;
+            }
             let mut j = i;
             while j + 1 < t.faults.len() && t.faults[j + 1] - t.faults[j] < BURST_GAP_NS {
                 j += 1;
@@ -462,6 +479,9 @@ pub fn write(
     for (ts, pid, delta) in changes {
         let n = runnable.entry(pid).or_insert(0);
         *n += delta;
+        if !w.traced(ts) {
+            continue;
+        }
         let args = Runnable {
             waiting: (*n).max(0),
         };
@@ -552,7 +572,7 @@ mod tests {
                 ..Categories::default()
             },
             nccl: NcclCount {
-                calls: 1,
+                collectives: 1,
                 bytes: 4096,
             },
             faults: 3,
@@ -564,12 +584,15 @@ mod tests {
             ranks: vec![],
         };
         let steps = StepsReport {
+            clock: "",
+            partial_steps_left_out: 0,
             method: Method::Auto,
             reason: String::new(),
             period: Some(1),
             rank_pid: Some(10),
             rank_tid: Some(10),
             methods: Methods {
+                nccl_wait: String::new(),
                 page_fault: String::new(),
                 remote_memory: String::new(),
                 remote_memory_estimated: false,
