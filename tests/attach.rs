@@ -1675,6 +1675,56 @@ fn not_root_is_bad_input() {
     assert!(!out.exists(), "an output folder was made");
 }
 
+/// Regression (issue 17): without root, `doctor` said the target's files "were not there"
+/// when they were unreadable, and `snapshot` skipped them silently with exit 0. Both now
+/// say permission denied and to run as root, exit 2; `doctor` still prints what it could
+/// read and `snapshot` keeps what it captured.
+#[test]
+fn unreadable_files_are_named_without_root() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(
+        dir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o777),
+    )
+    .unwrap();
+    let me = std::process::id().to_string();
+    let as_nobody = |args: &[&str]| {
+        Command::new("setpriv")
+            .args([
+                "--reuid=65534",
+                "--regid=65534",
+                "--clear-groups",
+                "--inh-caps=-all",
+            ])
+            .arg(env!("CARGO_BIN_EXE_nccltrace"))
+            .args(args)
+            .output()
+            .expect("setpriv (util-linux)")
+    };
+    let doctor = as_nobody(&["doctor", "--pid", &me]);
+    let stdout = String::from_utf8_lossy(&doctor.stdout);
+    let stderr = String::from_utf8_lossy(&doctor.stderr);
+    assert_eq!(doctor.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("permission denied") && stderr.contains("root"),
+        "{stderr}"
+    );
+    assert!(stdout.contains("may not read"), "{stdout}");
+    assert!(
+        !stdout.contains(&format!("proc/{me}/environ) were not there")),
+        "{stdout}"
+    );
+    let snap = dir.path().join("snap");
+    let snapshot = as_nobody(&["snapshot", "--pid", &me, "-o", snap.to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&snapshot.stderr);
+    assert_eq!(snapshot.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("partial capture") && stderr.contains("root"),
+        "{stderr}"
+    );
+    assert!(snap.join("proc").is_dir(), "what was captured is kept");
+}
+
 /// A job in a container: the libraries exist only in the target's own mount namespace
 /// (a tmpfs the host does not see). They are found and probed through /proc/PID/root and
 /// every collective is counted.

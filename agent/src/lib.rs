@@ -52,6 +52,17 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    #[error(
+        "{count} file(s) that {command} reads are there but this user may not read them (e.g. \
+         {example}: permission denied): {consequence}. Run it as root (or with \
+         CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH)"
+    )]
+    Unreadable {
+        command: &'static str,
+        count: usize,
+        example: String,
+        consequence: String,
+    },
     #[error("{signal} received while {during}: nothing was traced")]
     Interrupted {
         signal: &'static str,
@@ -119,6 +130,7 @@ impl Error {
             Error::Profile(_)
             | Error::OutputExists { .. }
             | Error::OutputNotFolder { .. }
+            | Error::Unreadable { .. }
             | Error::OutputFolder { .. }
             | Error::InvalidArgument { .. }
             | Error::NotPrivileged { .. } => true,

@@ -49,10 +49,20 @@ pub fn run(args: DoctorArgs) -> Result<(), Error> {
     };
     match written {
         // `doctor | head`: the reader went away; nothing is lost.
-        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {}
         other => other.map_err(|source| Error::Output {
             path: PathBuf::from("-"),
             source,
-        }),
+        })?,
     }
+    let unreadable = &report.topology.unreadable;
+    if let Some(example) = unreadable.first() {
+        return Err(Error::Unreadable {
+            command: "doctor",
+            count: unreadable.len(),
+            example: format!("/{example}"),
+            consequence: "the findings above are partial".into(),
+        });
+    }
+    Ok(())
 }

@@ -32,11 +32,20 @@ pub fn run(args: SnapshotArgs) -> Result<(), Error> {
     }
     let mut dir = super::OutDir::create(&args.out, args.force)?;
     let out = dir.path.clone();
-    let n = crate::doctor::snapshot(&host, args.pid, &out).map_err(|e| Error::Output {
-        path: out.clone(),
-        source: std::io::Error::other(e.to_string()),
-    })?;
+    let (n, unreadable) =
+        crate::doctor::snapshot(&host, args.pid, &out).map_err(|e| Error::Output {
+            path: out.clone(),
+            source: std::io::Error::other(e.to_string()),
+        })?;
     dir.keep();
+    if let Some(example) = unreadable.first() {
+        return Err(Error::Unreadable {
+            command: "snapshot",
+            count: unreadable.len(),
+            example: format!("/{example}"),
+            consequence: format!("the {n} files in {} are a partial capture", out.display()),
+        });
+    }
     crate::note!(
         "nccltrace: {n} files captured in {}; diagnose with `nccltrace doctor --root {}{}`",
         out.display(),

@@ -97,6 +97,15 @@ pub fn write_text(report: &Report, out: &mut impl Write) -> io::Result<()> {
             writeln!(out, "        fix: {fix}")?;
         }
     }
+    if !t.unreadable.is_empty() {
+        writeln!(
+            out,
+            "  note: {} file(s) are there but this user may not read them (e.g. {}: \
+             permission denied); the findings are partial: run as root",
+            t.unreadable.len(),
+            t.unreadable[0]
+        )?;
+    }
     if !t.missing.is_empty() {
         writeln!(
             out,
@@ -121,9 +130,14 @@ pub enum SnapshotError {
 
 /// Copies every file the doctor reads for `pid` into `out` (as `out/proc/...`,
 /// `out/sys/...`; `/dev` fd links kept as links; the environment reduced to the variables
-/// the doctor reports). Returns how many files were written.
-pub fn snapshot(host: &Host, pid: Option<u32>, out: &Path) -> Result<usize, SnapshotError> {
-    let (_, files, links) = topology::read_traced(host, pid);
+/// the doctor reports). Returns how many files were written, and the files this user may
+/// not read (left out).
+pub fn snapshot(
+    host: &Host,
+    pid: Option<u32>,
+    out: &Path,
+) -> Result<(usize, Vec<String>), SnapshotError> {
+    let (topology, files, links) = topology::read_traced(host, pid);
     let write_err = |path: &Path| {
         let path = path.to_owned();
         move |source| SnapshotError::Write { path, source }
@@ -159,7 +173,7 @@ pub fn snapshot(host: &Host, pid: Option<u32>, out: &Path) -> Result<usize, Snap
             n += 1;
         }
     }
-    Ok(n)
+    Ok((n, topology.unreadable))
 }
 
 #[cfg(test)]
@@ -446,7 +460,7 @@ mod tests {
                 || live.topology.missing.iter().any(|m| m.contains("node"))
         );
         let dir = tempfile::tempdir().unwrap();
-        let n = snapshot(&Host::live(), Some(pid), dir.path()).unwrap();
+        let (n, _) = snapshot(&Host::live(), Some(pid), dir.path()).unwrap();
         assert!(n > 5);
         let offline = diagnose(&Host::at(dir.path()), Some(pid));
         assert_eq!(

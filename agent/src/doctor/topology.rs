@@ -107,8 +107,12 @@ pub struct Topology {
     pub nics: Vec<Nic>,
     pub numa_balancing: Option<u32>,
     pub target: Option<Target>,
-    /// Files that were expected but could not be read.
+    /// Files that were expected but were not there.
     pub missing: Vec<String>,
+    /// Files that were there but this user may not read (permission denied): a diagnosis
+    /// without them is partial; run as root.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unreadable: Vec<String>,
 }
 
 /// Environment variables worth reporting (never the whole environment: it holds secrets).
@@ -132,6 +136,7 @@ fn interesting_env(name: &str) -> bool {
 struct Reader<'a> {
     host: &'a Host,
     missing: Vec<String>,
+    unreadable: Vec<String>,
     /// Files read, and links followed: what `snapshot` copies.
     read: Vec<String>,
     links: Vec<String>,
@@ -139,25 +144,49 @@ struct Reader<'a> {
 
 impl Reader<'_> {
     fn read(&mut self, rel: &str) -> Option<String> {
-        if let Ok(text) = std::fs::read_to_string(self.host.path(rel)) {
-            self.read.push(rel.to_owned());
-            Some(text)
+        match std::fs::read_to_string(self.host.path(rel)) {
+            Ok(text) => {
+                self.read.push(rel.to_owned());
+                Some(text)
+            }
+            Err(e) => {
+                self.not_read(rel, &e);
+                None
+            }
+        }
+    }
+
+    /// Files the user may not read are told apart from files that are not there.
+    fn not_read(&mut self, rel: &str, e: &std::io::Error) {
+        if e.kind() == std::io::ErrorKind::PermissionDenied {
+            self.unreadable.push(rel.to_owned());
         } else {
             self.missing.push(rel.to_owned());
-            None
         }
     }
 
     fn read_opt(&mut self, rel: &str) -> Option<String> {
-        let text = std::fs::read_to_string(self.host.path(rel)).ok()?;
-        self.read.push(rel.to_owned());
-        Some(text)
+        match std::fs::read_to_string(self.host.path(rel)) {
+            Ok(text) => {
+                self.read.push(rel.to_owned());
+                Some(text)
+            }
+            Err(e) => {
+                if e.kind() == std::io::ErrorKind::PermissionDenied {
+                    self.unreadable.push(rel.to_owned());
+                }
+                None
+            }
+        }
     }
 
     fn list(&mut self, rel: &str) -> Vec<String> {
-        let Ok(dir) = std::fs::read_dir(self.host.path(rel)) else {
-            self.missing.push(rel.to_owned());
-            return Vec::new();
+        let dir = match std::fs::read_dir(self.host.path(rel)) {
+            Ok(dir) => dir,
+            Err(e) => {
+                self.not_read(rel, &e);
+                return Vec::new();
+            }
         };
         let mut names: Vec<String> = dir
             .flatten()
@@ -487,6 +516,7 @@ pub fn read_traced(host: &Host, pid: Option<u32>) -> (Topology, Vec<String>, Vec
     let mut r = Reader {
         host,
         missing: Vec::new(),
+        unreadable: Vec::new(),
         read: Vec::new(),
         links: Vec::new(),
     };
@@ -500,6 +530,9 @@ pub fn read_traced(host: &Host, pid: Option<u32>) -> (Topology, Vec<String>, Vec
     let mut missing = r.missing;
     missing.sort();
     missing.dedup();
+    let mut unreadable = r.unreadable;
+    unreadable.sort();
+    unreadable.dedup();
     (
         Topology {
             nodes,
@@ -508,6 +541,7 @@ pub fn read_traced(host: &Host, pid: Option<u32>) -> (Topology, Vec<String>, Vec
             numa_balancing,
             target,
             missing,
+            unreadable,
         },
         r.read,
         r.links,
