@@ -1,9 +1,10 @@
-//! Developer tasks: `cargo xtask setup | test | demo`. Every task runs `setup` first, so
-//! each works on a fresh machine.
+//! Developer tasks: `cargo xtask setup | test | demo | bench | man | fuzz | soak`. Every
+//! task runs `setup` first, so each works on a fresh machine.
 
 mod bench;
 mod demo;
 mod fuzz;
+mod man;
 mod setup;
 mod soak;
 mod test;
@@ -35,6 +36,8 @@ enum Task {
     Demo,
     /// The agent's cost beside its baselines (docs/benchmarks.md).
     Bench,
+    /// Man pages and shell completions into target/man/ and target/completions/.
+    Man,
     /// Run the cargo fuzz targets (fuzz/) for a while each.
     Fuzz {
         #[arg(long, default_value_t = 60)]
@@ -68,6 +71,7 @@ fn main() -> anyhow::Result<()> {
         Task::Test { args } => test::run(&root, &args),
         Task::Demo => demo::run(&root),
         Task::Bench => bench::run(&root),
+        Task::Man => man::run(&root),
         Task::Fuzz { seconds } => fuzz::run(&root, seconds),
         Task::Soak {
             minutes,

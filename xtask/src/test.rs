@@ -40,8 +40,10 @@ pub fn run(root: &Path, args: &[String]) -> anyhow::Result<()> {
             .env("NCCLTRACE_REAL_NCCL", &real_nccl)
             .env("NCCLTRACE_SPEEDSCOPE", &speedscope),
     )?;
-    // The fuzz targets, briefly, on a full run (a filtered run is someone iterating).
+    // The fuzz targets, briefly, and the man pages and completions, on a full run (a
+    // filtered run is someone iterating).
     if args.is_empty() {
+        super::man::run(root)?;
         super::fuzz::run(root, 20)?;
     }
     Ok(())

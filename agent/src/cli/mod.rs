@@ -2,6 +2,7 @@
 
 mod attach;
 mod doctor;
+mod manual;
 mod report;
 mod snapshot;
 
@@ -23,17 +24,60 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Attach to running ranks and trace until they exit, --duration passes, or Ctrl-C.
+    #[command(after_help = ATTACH_EXAMPLES)]
     Attach(attach::AttachArgs),
     /// Rebuild every output from a recording, without root.
+    #[command(after_help = REPORT_EXAMPLES)]
     Report(report::ReportArgs),
     /// Check GPU / NUMA / NIC placement of a rank and say how to fix it.
+    #[command(after_help = DOCTOR_EXAMPLES)]
     Doctor(doctor::DoctorArgs),
     /// Capture the files `doctor` reads, to diagnose elsewhere with `doctor --root`.
+    #[command(after_help = SNAPSHOT_EXAMPLES)]
     Snapshot(snapshot::SnapshotArgs),
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
+    #[command(after_help = COMPLETIONS_EXAMPLES)]
+    Completions(manual::CompletionsArgs),
+    /// Write the man pages (as `cargo xtask man` does).
+    #[command(hide = true)]
+    Man(manual::ManArgs),
     /// The benchmarks' baseline: a bare uprobe/uretprobe pair on one function.
     #[command(hide = true)]
     BenchPair(BenchPairArgs),
 }
+
+const ATTACH_EXAMPLES: &str = "Examples:
+  nccltrace attach --pid 12345                    trace one rank until it exits or Ctrl-C
+  nccltrace attach --pid 12345 --duration 30s --out run1/
+  nccltrace attach --all --duration 2m            every rank on this node
+  nccltrace attach --pid 12345 --wait-for-nccl    a job still starting up
+  nccltrace attach --pid 12345 --step-symbol train_step@train.so
+  nccltrace attach --pid 12345 --profile minimal  the lightest probes
+
+Outputs go to --out (default nccltrace-out/): summary.json, steps.json/.csv, flamegraphs,
+trace.json (ui.perfetto.dev), doctor.json, recording.nctr (replay with `nccltrace report`).
+Exit codes: 0 done, 1 runtime failure, 2 bad input, 128+N stopped at once by a second
+signal N (the recording is kept and closed).";
+
+const REPORT_EXAMPLES: &str = "Examples:
+  nccltrace report run1/recording.nctr                     outputs into nccltrace-report/
+  nccltrace report run1/recording.nctr --out run1 --force  rebuild them in place
+  nccltrace report run1/recording.nctr --out w100 --step-window 100ms";
+
+const DOCTOR_EXAMPLES: &str = "Examples:
+  nccltrace doctor --pid 12345             the checklist for one rank
+  nccltrace doctor --pid 12345 --json      as doctor.json
+  nccltrace doctor --root snap/ --pid 12345  from a `nccltrace snapshot` made elsewhere
+
+Exit code 2 when files it needs are unreadable (run as root): the findings are partial.";
+
+const SNAPSHOT_EXAMPLES: &str = "Examples:
+  nccltrace snapshot --pid 12345 -o snap/  then: nccltrace doctor --root snap/ --pid 12345";
+
+const COMPLETIONS_EXAMPLES: &str = "Examples:
+  nccltrace completions bash > /etc/bash_completion.d/nccltrace
+  nccltrace completions zsh > \"${fpath[1]}/_nccltrace\"
+  nccltrace completions fish > ~/.config/fish/completions/nccltrace.fish";
 
 #[derive(Debug, clap::Args)]
 struct BenchPairArgs {
@@ -53,6 +97,8 @@ impl Cli {
             Command::Report(args) => report::run(args),
             Command::Doctor(args) => doctor::run(args),
             Command::Snapshot(args) => snapshot::run(args),
+            Command::Completions(args) => manual::run_completions(args),
+            Command::Man(args) => manual::run_man(args),
             Command::BenchPair(args) => {
                 let runtime = tokio::runtime::Builder::new_current_thread()
                     .enable_all()
