@@ -403,7 +403,7 @@ impl Aggregator {
             format!(
                 "steps, categories, flamegraphs and trace.json cover the last {} of {} \
                  events (from {:.1} s into the run; --max-attributed-events); the totals \
-                 cover all of them; `nccltrace report recording.nctr` attributes the whole run",
+                 cover all of them; `nccltrace report` on the recording attributes the whole run",
                 self.events - skipped,
                 self.events,
                 from.saturating_sub(start) as f64 / 1e9

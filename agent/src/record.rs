@@ -47,6 +47,11 @@ pub enum RecordError {
          use the nccltrace that made it"
     )]
     Version { path: PathBuf, version: u32 },
+    #[error(
+        "the recording's {what} record would be {bytes} bytes, over the {MAX_RECORD}-byte limit \
+         of a record: it is left out"
+    )]
+    TooLarge { what: &'static str, bytes: usize },
     #[error("{path} is damaged at offset {offset}: expected {expected}")]
     Damaged {
         path: PathBuf,
@@ -59,7 +64,7 @@ impl RecordError {
     /// Whether the problem is the input the user gave (exit code 2).
     #[must_use]
     pub fn is_bad_input(&self) -> bool {
-        !matches!(self, RecordError::Write(_))
+        !matches!(self, RecordError::Write(_) | RecordError::TooLarge { .. })
     }
 }
 
@@ -173,6 +178,20 @@ pub enum Meta {
     Doctor { report: serde_json::Value },
 }
 
+impl Meta {
+    /// The record's type name, as serialized.
+    #[must_use]
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Meta::End { .. } => "end",
+            Meta::KernelSymbols { .. } => "kernel_symbols",
+            Meta::JitSymbols { .. } => "jit_symbols",
+            Meta::Target { .. } => "target",
+            Meta::Doctor { .. } => "doctor",
+        }
+    }
+}
+
 /// One record read back.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Record {
@@ -269,10 +288,47 @@ impl Writer {
         self.write(TYPE_KERNEL, bytes)
     }
 
-    /// Appends agent metadata.
+    /// Appends agent metadata. Symbol tables larger than a record may be are written as
+    /// several records (the reader joins them); any other metadata that large is refused
+    /// (the reader would take it for damage).
     pub fn meta(&mut self, meta: &Meta) -> Result<(), RecordError> {
         let json = serde_json::to_vec(meta).map_err(|e| RecordError::Write(e.into()))?;
-        self.write(TYPE_META, &json)
+        if json.len() < MAX_RECORD as usize {
+            return self.write(TYPE_META, &json);
+        }
+        let halves = match meta {
+            Meta::KernelSymbols { symbols } if symbols.len() > 1 => {
+                let (a, b) = symbols.split_at(symbols.len() / 2);
+                [
+                    Meta::KernelSymbols {
+                        symbols: a.to_vec(),
+                    },
+                    Meta::KernelSymbols {
+                        symbols: b.to_vec(),
+                    },
+                ]
+            }
+            Meta::JitSymbols { pid, symbols } if symbols.len() > 1 => {
+                let (a, b) = symbols.split_at(symbols.len() / 2);
+                [
+                    Meta::JitSymbols {
+                        pid: *pid,
+                        symbols: a.to_vec(),
+                    },
+                    Meta::JitSymbols {
+                        pid: *pid,
+                        symbols: b.to_vec(),
+                    },
+                ]
+            }
+            _ => {
+                return Err(RecordError::TooLarge {
+                    what: meta.kind(),
+                    bytes: json.len(),
+                });
+            }
+        };
+        halves.iter().try_for_each(|half| self.meta(half))
     }
 
     /// Records written so far.
@@ -860,5 +916,47 @@ mod tests {
         let (records, damage) = read_with(&bytes, 1 << 20);
         assert_eq!(records.len(), 100);
         assert_eq!((damage.regions, damage.bytes), (1, 3 << 20));
+    }
+
+    /// Regression (issue 18): the writer did not enforce the record limit the reader does,
+    /// so a large symbol table made `report` stop at "damaged". Symbol tables over the
+    /// limit are split over several records and read back whole; other metadata that
+    /// large is refused with its size.
+    #[test]
+    fn large_symbol_tables_are_split() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("r.nctr");
+        let mut w = Writer::create(&path, &header()).unwrap();
+        let symbols: Vec<(u64, String)> = (0..60_000u64)
+            .map(|i| {
+                (
+                    0xffff_ffff_8100_0000 + i * 16,
+                    format!("kernel_function_number_{i}"),
+                )
+            })
+            .collect();
+        w.meta(&Meta::KernelSymbols {
+            symbols: symbols.clone(),
+        })
+        .unwrap();
+        let huge = Meta::Target {
+            target: Box::new(TargetInfo {
+                maps_text: "x".repeat(MAX_RECORD as usize),
+                ..TargetInfo::default()
+            }),
+        };
+        let err = w.meta(&huge).unwrap_err();
+        assert!(err.to_string().contains("target record"), "{err}");
+        w.finish().unwrap();
+        let mut back = Vec::new();
+        let mut parts = 0;
+        for rec in read_all(&path).unwrap() {
+            if let Record::Meta(Meta::KernelSymbols { symbols }) = rec {
+                parts += 1;
+                back.extend(symbols);
+            }
+        }
+        assert!(parts > 1, "{parts} records");
+        assert_eq!(back, symbols);
     }
 }

@@ -48,8 +48,12 @@ pub struct Categories {
 /// Categories a run could not measure (the reason is in the report's `methods`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Unmeasured {
-    /// No CUDA sync probe was attached: waits for NCCL in syncs cannot be told apart.
+    /// No CUDA sync probe was attached and no NCCL call blocked the host: waits for NCCL
+    /// cannot be told apart.
     pub nccl_wait: bool,
+    /// No CUDA sync probe was attached, but NCCL calls blocked the host: `nccl_wait` holds
+    /// those, a lower bound.
+    pub nccl_wait_lower_bound: bool,
     /// No on-CPU sampling and no fault timing: fault time stays in `compute`.
     pub page_fault: bool,
 }
@@ -94,6 +98,11 @@ impl Categories {
 
     fn add(&mut self, other: &Categories) {
         self.unmeasured = other.unmeasured;
+        // Measured once a PMU is there: a sum of the steps that have it.
+        self.remote_memory = match (self.remote_memory, other.remote_memory) {
+            (Some(a), Some(b)) => Some(a.saturating_add(b)),
+            (a, b) => a.or(b),
+        };
         self.compute += other.compute;
         self.nccl_wait += other.nccl_wait;
         self.page_fault += other.page_fault;
@@ -679,6 +688,8 @@ impl Timeline {
     pub fn finish(mut self, end_ns: u64, rule: StepRule) -> (StepsReport, Detail) {
         let end_ns = end_ns.max(self.last_ns);
         let period = self.sample_period_ns;
+        self.page_migrations.sort_unstable_by_key(|m| m.1);
+        self.numa_moves.sort_unstable_by_key(|m| m.1);
         for log in self.threads.values_mut() {
             log.changes.sort_unstable();
             log.syncs.sort_unstable();
@@ -883,9 +894,13 @@ impl Timeline {
         let mut detail = self.detail(rank.map(|r| r.0), end_ns);
         detail.step_bounds = steps_out.iter().map(|s| (s.start_ns, s.end_ns)).collect();
         detail.rank_tid = rank.map(|r| r.0);
+        // Without sync probes only NCCL calls that block the host are seen: what they show
+        // is a lower bound; with none of them, nothing was measured.
+        let blocked_in_nccl = threads.iter().any(|t| t.categories.nccl_wait > 0);
         let unmeasured = Unmeasured {
-            nccl_wait: !self.sync_probed,
-            page_fault: !self.faults_timed && period == 0,
+            nccl_wait: !self.sync_probed && !blocked_in_nccl,
+            nccl_wait_lower_bound: !self.sync_probed && blocked_in_nccl,
+            page_fault: !self.faults_timed && (period == 0 || self.fault_ranges.is_empty()),
         };
         for step in &mut steps_out {
             step.categories.unmeasured = unmeasured;
@@ -931,6 +946,12 @@ impl Timeline {
                      cuCtxSynchronize and their _ptsz forms) while NCCL work issued before \
                      them is outstanding, spinning or blocked, and inside NCCL calls that \
                      block the host"
+                        .into()
+                } else if unmeasured.nccl_wait_lower_bound {
+                    "a lower bound: no CUDA sync function was probed (the profile has \
+                     cuda_sync off, or no libcuda was mapped), so only NCCL calls that block \
+                     the host are seen; waits inside CUDA syncs count as compute (spinning) \
+                     or other_offcpu (blocking). Use the default profile to measure them"
                         .into()
                 } else {
                     "not measured: no CUDA sync function was probed (the profile has \
@@ -1080,6 +1101,11 @@ impl Timeline {
             "fentry/fexit on handle_mm_fault: each user fault of a target thread timed from \
              the handler's entry to its return, on the CPU or blocked inside it"
                 .into()
+        } else if self.sample_period_ns > 0 && self.fault_ranges.is_empty() {
+            "not measured: the page-fault handler's addresses were not found in \
+             /proc/kallsyms (unreadable, or kernel.kptr_restrict hides them), so samples in \
+             it cannot be told; fault time stays in compute"
+                .into()
         } else if self.sample_period_ns > 0 {
             format!(
                 "on-CPU samples every {} µs whose kernel stack is in the page-fault handler, \
@@ -1101,7 +1127,16 @@ impl Timeline {
         a: u64,
         b: u64,
     ) -> Step {
-        let in_step = |t: &u64| (a..b).contains(t);
+        // Sorted by time in `finish`: each step looks at its own stretch only.
+        let within = |lo: usize, hi: usize| lo..hi.max(lo);
+        let page_migrations = &self.page_migrations[within(
+            self.page_migrations.partition_point(|m| m.1 < a),
+            self.page_migrations.partition_point(|m| m.1 < b),
+        )];
+        let numa_moves = &self.numa_moves[within(
+            self.numa_moves.partition_point(|m| m.1 < a),
+            self.numa_moves.partition_point(|m| m.1 < b),
+        )];
         // Everything below is sorted by time: binary searches keep long runs linear.
         let lo = collectives.partition_point(|c| c.start_ns < a);
         let nccl = collectives[lo..]
@@ -1125,19 +1160,14 @@ impl Timeline {
             faults: faults as u64,
             migrations: migrations.len() as u64,
             cross_node_migrations: migrations.iter().filter(|(_, x)| *x).count() as u64,
-            numa_page_migrations: self
-                .page_migrations
+            numa_page_migrations: page_migrations
                 .iter()
-                .filter(|(t, ts, _)| *t == tid && in_step(ts))
+                .filter(|(t, _, _)| *t == tid)
                 .map(|(_, _, n)| n)
                 .sum(),
             slowest_rank: None,
             ranks: Vec::new(),
-            numa_task_moves: self
-                .numa_moves
-                .iter()
-                .filter(|(t, ts)| *t == tid && in_step(ts))
-                .count() as u64,
+            numa_task_moves: numa_moves.iter().filter(|(t, _)| *t == tid).count() as u64,
         }
     }
 
@@ -1455,6 +1485,62 @@ mod tests {
         }
     }
 
+    /// Regression (issue 18): each step scanned every page migration and NUMA move of the
+    /// run; now they are sorted once and each step takes its own stretch. Events pushed
+    /// out of time order, of the rank thread and another, land in the right steps.
+    #[test]
+    fn numa_events_counted_per_step() {
+        let mut tl = Timeline::new(&header());
+        tl.push(&call(Func::AllReduce, 100, 200));
+        let migration = |ts_ns, tid| Event::PageMigration {
+            ts_ns,
+            task: task(tid),
+            succeeded: 4,
+            failed: 0,
+            mode: 0,
+            reason: 0,
+        };
+        let moved = |ts_ns, tid| Event::NumaTask {
+            ts_ns,
+            task: task(tid),
+            kind: crate::event::NumaTaskKind::Move,
+            src_cpu: 0,
+            src_nid: 0,
+            dst_cpu: 2,
+            dst_nid: 1,
+        };
+        for e in [
+            migration(15_000, 10),
+            migration(5_000, 10),
+            migration(6_000, 11),
+            moved(12_000, 10),
+            moved(3_000, 10),
+            moved(4_000, 10),
+        ] {
+            tl.push(&e);
+        }
+        let (report, _) = tl.finish(20_000, StepRule::Window(10_000));
+        let counts: Vec<(u64, u64)> = report
+            .steps
+            .iter()
+            .map(|s| (s.numa_page_migrations, s.numa_task_moves))
+            .collect();
+        assert_eq!(counts, [(4, 2), (4, 1)]);
+    }
+
+    /// Regression (issue 18): summing categories dropped `remote_memory`.
+    #[test]
+    fn sums_keep_remote_memory() {
+        let mut sum = Categories::default();
+        for remote in [Some(5), None, Some(7)] {
+            sum.add(&Categories {
+                remote_memory: remote,
+                ..Categories::default()
+            });
+        }
+        assert_eq!(sum.remote_memory, Some(12));
+    }
+
     /// Regression (issue 17): `--profile minimal` (no CUDA sync probe) showed nccl_wait
     /// 0.000 and `--sample-hz 0` page_fault 0. A category the run could not measure is
     /// null in every output, with the reason in `methods`; the categories measured still
@@ -1478,6 +1564,20 @@ mod tests {
         }
         assert!(report.methods.nccl_wait.starts_with("not measured"));
         assert!(report.methods.page_fault.starts_with("not measured"));
+        // Regression (issue 18): sampling on but no fault handler addresses (no kallsyms):
+        // fault time was silently 0 while the method said "samples".
+        let mut no_kallsyms = header();
+        no_kallsyms.fault_handler_ranges.clear();
+        let mut tl = Timeline::new(&no_kallsyms);
+        tl.push(&call(Func::AllReduce, 3_000, 3_100));
+        let (report, _) = tl.finish(10_000, StepRule::Window(10_000));
+        let json = serde_json::to_value(&report).unwrap();
+        assert!(json["threads"][0]["categories_ns"]["page_fault"].is_null());
+        assert!(
+            report.methods.page_fault.contains("kallsyms"),
+            "{}",
+            report.methods.page_fault
+        );
         // Measured (the sync probed, sampling on): numbers, not null.
         let mut tl = Timeline::new(&header());
         tl.push(&call(Func::AllReduce, 3_000, 3_100));

@@ -173,8 +173,14 @@ impl LiveSink {
         };
         let unwritten = writer.take_unwritten();
         let mut agg = Aggregator::new(self.header.clone());
-        if let Ok(mut reader) = Reader::open(&self.path) {
-            agg.feed(&mut reader);
+        match Reader::open(&self.path) {
+            Ok(mut reader) => agg.feed(&mut reader),
+            // Said, not silently dropped: the outputs cover what follows.
+            Err(e) => agg.incomplete(format!(
+                "the recording could not be read back after its write failed ({e}): the \
+                 records written before are left out of the outputs; `nccltrace report` may \
+                 read them"
+            )),
         }
         agg.feed(&mut Reader::records_only(
             std::io::Cursor::new(unwritten),
@@ -252,11 +258,26 @@ impl Sink for LiveSink {
             target: Box::new(target.clone()),
         };
         match &mut self.store {
-            Store::Disk(writer) => {
-                if let Err(e) = writer.meta(&meta) {
-                    self.spill(e);
+            Store::Disk(writer) => match writer.meta(&meta) {
+                Ok(()) => {}
+                Err(crate::record::RecordError::TooLarge { bytes, .. }) => {
+                    // A process with a huge memory map: recorded without the map's text.
+                    crate::note!(
+                        "nccltrace: warning: pid {}'s memory map ({bytes} bytes) is too large \
+                         to record: `report` elsewhere cannot name its frames",
+                        target.pid
+                    );
+                    let mut lean = target.clone();
+                    lean.maps_text.clear();
+                    let meta = Meta::Target {
+                        target: Box::new(lean),
+                    };
+                    if let Err(e) = writer.meta(&meta) {
+                        self.spill(e);
+                    }
                 }
-            }
+                Err(e) => self.spill(e),
+            },
             Store::Memory { agg, .. } => agg.meta(meta),
         }
     }
@@ -433,6 +454,19 @@ fn attached_line(t: &crate::record::TargetInfo, attach_ms: u128, profile: &str) 
     )
 }
 
+/// With `--max-attributed-events`: the command that attributes the whole run.
+fn whole_run_hint(rec_path: &std::path::Path, out: &std::path::Path) {
+    crate::note!(
+        "nccltrace: only the end of the run was attributed (--max-attributed-events); the \
+         whole run: nccltrace report {} --out {}",
+        crate::stop::shell_word(&rec_path.to_string_lossy()),
+        crate::stop::shell_word(&format!(
+            "{}-whole",
+            out.to_string_lossy().trim_end_matches('/')
+        )),
+    );
+}
+
 /// The recording's closing record: why the run stopped, what was lost, what it cost.
 fn end_record(attached: &source::Attached, reason: String) -> Meta {
     let (lost_by_kind, counters) = attached.counters();
@@ -527,6 +561,9 @@ async fn trace(
         "nccltrace: attributed in {:.1} s",
         started.elapsed().as_secs_f64()
     );
+    if outputs.summary.attributed.is_some() {
+        whole_run_hint(&rec_path, &out);
+    }
     let symbols = record_symbols(&mut outputs);
     let write_end = writer.and_then(|mut w| {
         for m in &symbols {

@@ -103,7 +103,7 @@ fn describe(category: &str, c: &Categories) -> &'static str {
         "remote_memory" => "stalls on remote-NUMA memory",
         "cpu_migration" => "waits for a CPU after migrations",
         "runqueue" => "waits in the run queue",
-        _ if c.unmeasured.nccl_wait => {
+        _ if c.unmeasured.nccl_wait || c.unmeasured.nccl_wait_lower_bound => {
             "is blocked off-CPU (I/O, locks, or waits for the GPU and NCCL: without CUDA sync \
              probes this profile cannot tell them apart)"
         }
@@ -221,9 +221,14 @@ pub fn write_table(report: &StepsReport, out: &mut impl Write) -> io::Result<()>
             .iter()
             .map(|s| s.categories.named()[i].1.unwrap_or(0))
             .collect();
+        let note = if *name == "nccl_wait" && sum.unmeasured.nccl_wait_lower_bound {
+            "  (a lower bound: see steps.json methods)"
+        } else {
+            ""
+        };
         writeln!(
             out,
-            "  {name:<14} {:>10} {:>10} {:>10} {:>6.1}%",
+            "  {name:<14} {:>10} {:>10} {:>10} {:>6.1}%{note}",
             ms(quantile(&mut per, 0.5)),
             ms(quantile(&mut per, 0.9)),
             ms(quantile(&mut per, 0.99)),

@@ -277,11 +277,13 @@ pub fn write(
     w.out
         .write_all(b"{\"displayTimeUnit\":\"ns\",\"traceEvents\":[")?;
     for t in &header.targets {
-        let rank = header
-            .targets
+        // The rank summary.json and steps.json give it (NCCL's, the environment's, or pid
+        // order), not the target's position.
+        let rank = steps
+            .ranks
             .iter()
-            .position(|x| x.pid == t.pid)
-            .unwrap_or(0);
+            .find(|r| r.pid == t.pid)
+            .map_or_else(|| "?".to_owned(), |r| r.rank.to_string());
         w.raw(&json!({"ph": "M", "name": "process_name", "pid": t.pid,
             "args": {"name": format!("rank {rank} (pid {}) {}", t.pid, t.comm)}}))?;
         w.raw(
@@ -600,7 +602,18 @@ mod tests {
             steps: vec![step],
             threads: vec![],
             other_offcpu_top_stacks: vec![],
-            ranks: vec![],
+            // Regression (issue 18): the process was named "rank 0" (its position) while
+            // summary.json said rank 3.
+            ranks: vec![crate::attribute::ranks::RankReport {
+                pid: 10,
+                rank: 3,
+                rank_source: "environment RANK".into(),
+                nccl: crate::attribute::ranks::RankNccl {
+                    collectives: 1,
+                    bytes: 4096,
+                },
+                categories: Categories::default(),
+            }],
             straggler: None,
         };
         let mut out = Vec::new();
@@ -616,6 +629,7 @@ mod tests {
                 .count(),
             1
         );
+        assert!(text.contains("\"rank 3 (pid 10) trainer\""), "{text}");
         crate::render::golden("trace.json", &text);
     }
 }

@@ -115,6 +115,8 @@ pub enum SourceError {
     },
     #[error("pid {pid} exited while nccltrace was attaching to it: nothing to trace")]
     ExitedDuringAttach { pid: u32 },
+    #[error("tracing has stopped and the programs are detached: no target can be added")]
+    Detached,
     #[error("the embedded eBPF object has no program {name}: rebuild nccltrace")]
     MissingProgram { name: String },
     #[error(transparent)]
@@ -899,10 +901,7 @@ impl Attached {
     /// recording keeps about it.
     pub fn add_target(&mut self, t: &Target) -> Result<TargetInfo, SourceError> {
         let host = Host::live();
-        let ebpf = self
-            .ebpf
-            .as_mut()
-            .ok_or_else(|| missing_program("(detached)"))?;
+        let ebpf = self.ebpf.as_mut().ok_or(SourceError::Detached)?;
         register_threads(ebpf, &host, t)?;
         let (libs, probes) = target_libs(t, &self.profile);
         for lib in libs {
@@ -1058,7 +1057,16 @@ impl Attached {
             return;
         }
         for pid in &self.pids {
-            let _ = self.targets.remove(pid);
+            // A target added by --follow and already gone is not an error; anything else
+            // leaves the programs emitting until they are detached: said.
+            if let Err(e) = self.targets.remove(pid)
+                && !matches!(e, aya::maps::MapError::KeyNotFound)
+            {
+                crate::note!(
+                    "nccltrace: warning: pid {pid} could not be disarmed ({e}): what its \
+                     probes emit after the stop is not recorded"
+                );
+            }
         }
         self.stopped_ns = Some(host::clock_ns(libc::CLOCK_MONOTONIC));
     }

@@ -142,7 +142,8 @@ pub fn offsets(root: &Path) -> Result<(TpOffsets, Vec<&'static str>), TracefsErr
             }
             "sched_process_fork" => o.fork_child_pid = get("child_pid")?,
             "sched_process_exit" => {
-                o.exit_group_dead = field_offset(&format, "group_dead").unwrap_or(0);
+                o.exit_group_dead =
+                    field_offset(&format, "group_dead").unwrap_or(nccltrace_common::FIELD_ABSENT);
             }
             // A raw tracepoint: its arguments, not the format's fields.
             "page_fault_user" => {}
@@ -227,5 +228,32 @@ format:
         assert_eq!(field_offset(MIGRATE, "orig_cpu"), Some(20));
         assert_eq!(field_offset(MIGRATE, "prev_comm"), Some(40));
         assert_eq!(field_offset(MIGRATE, "dest_cpu"), None);
+    }
+
+    /// Regression (issue 18): a kernel whose sched_process_exit has no `group_dead` field
+    /// gave offset 0, so the program read `common_type` as the flag. Now the offset says
+    /// the field is absent and the program leaves it 0.
+    #[test]
+    fn absent_group_dead_is_marked() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("events/sched/sched_process_exit");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(
+            dir.join("format"),
+            "name: sched_process_exit\nformat:\n\tfield:unsigned short common_type;\toffset:0;\
+             \tsize:2;\tsigned:0;\n\tfield:char comm[16];\toffset:8;\tsize:16;\tsigned:0;\n\
+             \tfield:pid_t pid;\toffset:24;\tsize:4;\tsigned:1;\n",
+        )
+        .unwrap();
+        let (o, available) = offsets(root.path()).unwrap();
+        assert!(available.contains(&"sched_process_exit"), "{available:?}");
+        assert_eq!(o.exit_group_dead, nccltrace_common::FIELD_ABSENT);
+        std::fs::write(
+            dir.join("format"),
+            "format:\n\tfield:pid_t pid;\toffset:24;\tsize:4;\tsigned:1;\n\
+             \tfield:bool group_dead;\toffset:28;\tsize:1;\tsigned:0;\n",
+        )
+        .unwrap();
+        assert_eq!(offsets(root.path()).unwrap().0.exit_group_dead, 28);
     }
 }

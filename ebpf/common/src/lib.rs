@@ -398,6 +398,11 @@ pub struct Config {
 }
 const _: () = assert!(core::mem::size_of::<Config>() == 24);
 
+/// The offset of a tracepoint field this kernel does not have (`sched_process_exit`'s
+/// `group_dead`, new in 6.x): the program leaves the field at 0 instead of reading
+/// whatever lies at offset 0 (`common_type`).
+pub const FIELD_ABSENT: u32 = u32::MAX;
+
 /// Field offsets of the tracepoints, read from tracefs `format` files by user space and
 /// set as a read-only global before load: they differ between kernels (for example
 /// `sched_migrate_task.comm` became `__data_loc`, shifting every field after it).

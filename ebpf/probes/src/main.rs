@@ -27,10 +27,10 @@ use aya_ebpf::{
 };
 use aya_log_ebpf::warn;
 use nccltrace_common::{
-    CALL_SLOTS, CallEvent, CallSlot, Config, FAULT_FLAG_USER, FaultEvent, FaultTimeEvent, Header,
-    KSTACK_DEPTH, MAX_ARGS, MigrateEvent, NOT_READ, NumaTaskEvent, PageMigrationEvent, PendingCall,
-    RING_SHARDS, SampleEvent, SwitchEvent, TaskEvent, TpOffsets, USTACK_DEPTH, WakeupEvent,
-    call_stacks, counter, func, kind, numa_task, switch_flags,
+    CALL_SLOTS, CallEvent, CallSlot, Config, FAULT_FLAG_USER, FIELD_ABSENT, FaultEvent,
+    FaultTimeEvent, Header, KSTACK_DEPTH, MAX_ARGS, MigrateEvent, NOT_READ, NumaTaskEvent,
+    PageMigrationEvent, PendingCall, RING_SHARDS, SampleEvent, SwitchEvent, TaskEvent, TpOffsets,
+    USTACK_DEPTH, WakeupEvent, call_stacks, counter, func, kind, numa_task, switch_flags,
 };
 
 /// Every record, in ring buffers shared by groups of CPUs (`CONFIG.shards` of them in use,
@@ -521,7 +521,12 @@ pub fn tracepoint_sched_process_exit(ctx: TracePointContext) -> u32 {
     if !is_target(tgid) {
         return 0;
     }
-    let group_dead = read_tp::<u8>(&ctx, offset!(exit_group_dead)).unwrap_or(0);
+    let at = offset!(exit_group_dead);
+    let group_dead = if at == FIELD_ABSENT as usize {
+        0
+    } else {
+        read_tp::<u8>(&ctx, at).unwrap_or(0)
+    };
     let _ = THREADS.remove(&tid);
     emit(
         kind::EXIT,
