@@ -1,6 +1,8 @@
 //! Privileged integration tests: the real agent binary loads and attaches its eBPF
 //! programs to fixture processes built from C source, and its outputs are compared with
-//! what the processes say they did. Run as root (`cargo xtask test`), one at a time.
+//! what the processes say they did. Run as root (`cargo xtask test`, which passes
+//! `--include-ignored`), one at a time; a plain `cargo test` as a normal user skips them
+//! (they are `#[ignore]`d with the reason) and runs the unit and replay tests.
 
 use std::io::{BufRead as _, BufReader, Lines};
 use std::path::{Path, PathBuf};
@@ -284,6 +286,7 @@ fn traced_trainer_said(
 /// no events lost, and the agent exits by itself when the trainer does. Asynchronous
 /// collectives: the host waits in cuStreamSynchronize.
 #[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
 fn counts_every_call_of_the_trainer() {
     let _serial = privileged();
     let (truth, summary, out, _dir) = traced_trainer(25, &[("FAKE_NCCL_US", "300")]);
@@ -336,6 +339,7 @@ fn counts_every_call_of_the_trainer() {
 /// `report` on the recording rebuilds the same summary, without the target, and the same
 /// doctor.json (regression, issue 17: it did not rebuild doctor.json at all).
 #[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
 fn report_rebuilds_the_summary() {
     let _serial = privileged();
     let (_, live, out, dir) = traced_trainer(5, &[]);
@@ -351,6 +355,7 @@ fn report_rebuilds_the_summary() {
 /// Host-blocking collectives: the time is inside the NCCL call itself (enqueue_ns), and
 /// a spinning sync (FAKE_CUDA_SPIN) is still measured as sync wait.
 #[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
 fn blocking_collectives_and_spinning_syncs() {
     let _serial = privileged();
     let (truth, summary, _, _dir) = traced_trainer(
@@ -373,6 +378,7 @@ fn blocking_collectives_and_spinning_syncs() {
 /// The real libnccl.so.2 of the nvidia-nccl-cu12 wheel (~473 MB, symbols resolved by
 /// mapping it): exactly N ncclAllReduce calls counted, each returning ncclInvalidArgument.
 #[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
 fn counts_calls_into_the_real_libnccl() {
     let _serial = privileged();
     let lib = std::env::var_os("NCCLTRACE_REAL_NCCL")
@@ -425,6 +431,7 @@ fn traced_long_run(agent_args: &[&str], stop: impl FnOnce(&Agent, u32)) -> (i32,
 /// `--duration` stops a run whose target keeps going; the outputs are written and the
 /// exit code is 0.
 #[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
 fn duration_stops_the_run() {
     let _serial = privileged();
     let (code, summary, stderr) = traced_long_run(&["--duration", "1s"], |_, _| {});
@@ -439,6 +446,7 @@ fn duration_stops_the_run() {
 /// The target killed with SIGKILL mid-trace: the agent notices, writes every output for
 /// the time it saw, exits 0 and leaves no program behind.
 #[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
 fn target_killed_mid_trace() {
     let _serial = privileged();
     let (code, summary, stderr) = traced_long_run(&[], |_, trainer| {
@@ -453,6 +461,7 @@ fn target_killed_mid_trace() {
 
 /// SIGINT, SIGTERM or SIGHUP to the agent: it detaches, writes its outputs and exits 0.
 #[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
 fn signals_detach_and_write_outputs() {
     let _serial = privileged();
     for (signal, name) in [
@@ -486,6 +495,7 @@ const OUTPUTS: [&str; 7] = [
 /// `srun` and shells). Both forms are one request: every output is written, nothing says
 /// the exit was forced, and the recording ends with its closing record.
 #[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
 fn repeated_signals_within_a_second_are_one_request() {
     let _serial = privileged();
     for wrapped in [true, false] {
@@ -540,6 +550,7 @@ fn repeated_signals_within_a_second_are_one_request() {
 /// is held stopped between the two signals so that the second surely comes before the
 /// outputs are written.)
 #[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
 fn forced_exit_keeps_a_closed_recording() {
     let _serial = privileged();
     let dir = tempfile::tempdir().unwrap();
@@ -598,6 +609,7 @@ fn forced_exit_keeps_a_closed_recording() {
 /// `--wait-for-nccl`: attached to a process before it loads NCCL, the agent waits, attaches
 /// once the library is mapped, and counts every call made after that.
 #[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
 fn waits_for_nccl_to_be_loaded() {
     let _serial = privileged();
     let dir = tempfile::tempdir().unwrap();
@@ -631,6 +643,7 @@ fn waits_for_nccl_to_be_loaded() {
 /// traced whole (its categories add up to its wall time), the steps left out are counted,
 /// and nothing but the 0th counter bins sits at ts 0.
 #[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
 fn steps_begun_before_attach_are_left_out() {
     let _serial = privileged();
     let dir = tempfile::tempdir().unwrap();
@@ -686,6 +699,7 @@ fn steps_begun_before_attach_are_left_out() {
 /// says "not measured", its shares add up to 100%, and the verdict does not name a cause
 /// the profile could not see.
 #[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
 fn minimal_profile_says_what_it_cannot_measure() {
     let _serial = privileged();
     let (_, _, out, dir, _) =
@@ -749,6 +763,7 @@ fn minimal_profile_says_what_it_cannot_measure() {
 /// `--step-symbol`: steps start at each entry into the trainer's `train_step_begin`;
 /// `report` finds the same steps from the recording alone.
 #[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
 fn steps_from_a_marker_function() {
     let _serial = privileged();
     let (_, _, out, dir, truth) = traced_trainer_with(
@@ -780,6 +795,7 @@ fn steps_from_a_marker_function() {
 /// trace.json; `report` cuts the same steps from the recording, and another pattern
 /// re-cuts them. A target without an NVTX library is bad input.
 #[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
 fn steps_from_nvtx_ranges() {
     let _serial = privileged();
     let (_, _, out, dir, truth) = traced_trainer_with(
@@ -844,6 +860,7 @@ fn steps_from_nvtx_ranges() {
 /// A stripped libnccl.so.2 (no .symtab, only the dynamic symbols a shared library keeps):
 /// NCCL is still found and every call counted.
 #[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
 fn stripped_library() {
     let _serial = privileged();
     let dir = tempfile::tempdir().unwrap();
@@ -936,6 +953,7 @@ fn refused_attach(dir: &Path, extra: &[&str]) -> std::process::Output {
 
 /// A `--step-symbol` the target does not define: exit code 2, the name and the fix said.
 #[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
 fn unknown_step_symbol_is_bad_input() {
     // Its trainer maps NCCL: keep it out of the `--all` test's way.
     let _serial = SERIAL
@@ -960,6 +978,7 @@ fn unknown_step_symbol_is_bad_input() {
 /// the true reason and leaves no folder: the process exited (it said "check the pid with
 /// ps"), `--duration` passed (it did not bound the wait), or Ctrl-C (exit 130).
 #[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
 fn waiting_for_nccl_ends_with_the_reason() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out");
@@ -1029,6 +1048,7 @@ fn waiting_for_nccl_ends_with_the_reason() {
 /// read from the environment, rank 1 named the straggler and the slowest rank of most
 /// steps, and the others' NCCL wait grown by about the delay.
 #[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
 #[allow(clippy::too_many_lines)] // one scenario: three ranks, one agent, every check
 fn three_ranks_one_straggler() {
     let _serial = privileged();
@@ -1191,6 +1211,7 @@ fn recording_in_time_order(out: &Path) {
 
 /// Bad input: exit code 2 and a message naming the problem and the fix.
 #[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
 fn bad_input_exits_2() {
     let dir = tempfile::tempdir().unwrap();
     let cases: Vec<(Vec<String>, &str)> = vec![
@@ -1302,6 +1323,7 @@ fn refused_with(dir: &Path, args: &[String], expected: &str) {
 /// Now exit 2 with the rule said, and no failed command leaves a folder behind (the
 /// default --out included).
 #[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
 fn bad_output_and_arguments_exit_2() {
     let dir = tempfile::tempdir().unwrap();
     // Regression (issue 17): each of these was exit 1, a misleading reason, or accepted.
@@ -1489,6 +1511,7 @@ fn breakdown_run(env: &[(&str, &str)], extra: &[&str]) -> Result<(), String> {
 
 /// Breakdown accuracy with host-blocking collectives (the wait is inside ncclAllReduce).
 #[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
 fn breakdown_blocking_collectives() {
     let _serial = privileged();
     breakdown_matches_truth(&[("FAKE_NCCL_BLOCKING", "1"), ("FAKE_NCCL_US", "300")], &[]);
@@ -1496,6 +1519,7 @@ fn breakdown_blocking_collectives() {
 
 /// Breakdown accuracy with asynchronous collectives and a sleeping cuStreamSynchronize.
 #[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
 fn breakdown_async_sleeping_sync() {
     let _serial = privileged();
     breakdown_matches_truth(&[("FAKE_NCCL_US", "300")], &[]);
@@ -1504,6 +1528,7 @@ fn breakdown_async_sleeping_sync() {
 /// Breakdown accuracy with asynchronous collectives and a sync that spins on the CPU:
 /// the spin is NCCL wait, not compute.
 #[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
 fn breakdown_async_spinning_sync() {
     let _serial = privileged();
     breakdown_matches_truth(&[("FAKE_NCCL_US", "300"), ("FAKE_CUDA_SPIN", "1")], &[]);
@@ -1514,6 +1539,7 @@ fn breakdown_async_spinning_sync() {
 /// Steps and categories still follow the main thread; its wait for its own worker thread
 /// is the step's work (`compute`), not `other_offcpu`.
 #[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
 fn breakdown_collectives_from_another_thread() {
     let _serial = privileged();
     breakdown_matches_truth(&[("FAKE_NCCL_US", "300")], &["--comm-thread"]);
@@ -1669,6 +1695,7 @@ fn speedscope_reads(trace: &Path) {
 /// Without root: exit 2 at once, the message names the missing capabilities and the fix,
 /// and no output folder is made.
 #[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
 fn not_root_is_bad_input() {
     let _guard = privileged();
     let dir = tempfile::tempdir().unwrap();
@@ -1704,6 +1731,7 @@ fn not_root_is_bad_input() {
 /// say permission denied and to run as root, exit 2; `doctor` still prints what it could
 /// read and `snapshot` keeps what it captured.
 #[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
 fn unreadable_files_are_named_without_root() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::set_permissions(
@@ -1753,6 +1781,7 @@ fn unreadable_files_are_named_without_root() {
 /// (a tmpfs the host does not see). They are found and probed through /proc/PID/root and
 /// every collective is counted.
 #[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
 fn library_only_inside_the_targets_mount_namespace() {
     let _guard = privileged();
     let dir = tempfile::tempdir().unwrap();
@@ -1805,6 +1834,7 @@ impl Drop for Unmount<'_> {
 /// summary still printed in full, an error naming the file and the fix, exit 1; the
 /// recording's complete records still read back.
 #[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
 fn disk_full_keeps_what_was_collected() {
     let _guard = privileged();
     let dir = tempfile::tempdir().unwrap();
@@ -1862,6 +1892,7 @@ fn disk_full_keeps_what_was_collected() {
 /// counted, its pid in the summary's targets; the run ends at --duration, not when the
 /// first trainer exits.
 #[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
 fn follow_attaches_to_later_processes() {
     let _guard = privileged();
     let dir = tempfile::tempdir().unwrap();
@@ -1932,6 +1963,7 @@ fn follow_attaches_to_later_processes() {
 /// paired, the outer one through the hash map while the inner one holds the thread's slot,
 /// nothing unpaired.
 #[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
 fn nested_calls_are_paired() {
     let _serial = privileged();
     let (_, summary, out, _dir, _) = traced_trainer_with(
@@ -2002,6 +2034,7 @@ fn slices_with_stream(out: &Path) -> (u64, u64) {
 /// tracefs not mounted (a private mount namespace where it was unmounted): the agent mounts
 /// it itself, attaches, and counts every collective.
 #[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
 fn mounts_tracefs_when_missing() {
     let _guard = privileged();
     let dir = tempfile::tempdir().unwrap();
@@ -2021,6 +2054,7 @@ fn mounts_tracefs_when_missing() {
 /// namespace): the programs need none and load; fault timing by fentry/fexit, which does,
 /// is not tried and steps.json says why; every collective counted.
 #[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
 fn works_without_kernel_btf() {
     let _guard = privileged();
     let dir = tempfile::tempdir().unwrap();
@@ -2091,6 +2125,7 @@ fn attach_in_private_mounts(dir: &Path, prepare: &str, profile: &str) {
 /// it was found) or traces what there was and exits 0 — never a panic, never a program
 /// left behind.
 #[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
 fn target_exiting_during_attach() {
     let _guard = privileged();
     for delay_ms in [0u64, 20, 60, 120, 200] {
@@ -2130,6 +2165,7 @@ fn target_exiting_during_attach() {
 /// pointer), loaded through the agent's own loading path: the error names the program and
 /// the kernel release, carries the verifier's words, and is a runtime failure (exit 1).
 #[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
 fn verifier_rejection_names_program_and_kernel() {
     let _guard = privileged();
     let mut ebpf = aya::Ebpf::load_file(fixtures().join("reject.bpf.o")).unwrap();
@@ -2151,6 +2187,7 @@ fn verifier_rejection_names_program_and_kernel() {
 /// between `main` and `compute`; the names are kept in the recording, so `report` gives
 /// them after the map file is gone.
 #[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
 fn jit_frames_named_from_perf_map() {
     let _serial = privileged();
     let (_, summary, out, dir, _) =
@@ -2176,6 +2213,7 @@ fn jit_frames_named_from_perf_map() {
 /// (bounded memory); the totals still count every call, the summary and steps.json say
 /// what was covered, and `report` on the recording attributes the whole run.
 #[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
 fn attribution_bounded_to_the_last_events() {
     let _serial = privileged();
     let (truth, summary, out, dir, _, stderr) = traced_trainer_said(
@@ -2226,6 +2264,7 @@ fn attribution_bounded_to_the_last_events() {
 /// time either way, every one of them the trainer's (per-CPU clocks also fire while other
 /// processes run, or none: the program must drop those).
 #[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
 fn samples_with_clocks_per_cpu_and_per_thread() {
     let _serial = privileged();
     let dir = tempfile::tempdir().unwrap();
@@ -2275,6 +2314,7 @@ fn samples_with_clocks_per_cpu_and_per_thread() {
 /// endbr64, which the kernel would single-step under a uprobe: the agent says its probes sit
 /// past it, and still counts every call and byte, reads the arguments and pairs each return.
 #[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
 fn cet_library_probed_past_endbr64() {
     let _serial = privileged();
     let cet = fixtures().join("cet");

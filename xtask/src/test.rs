@@ -31,11 +31,18 @@ pub fn run(root: &Path, args: &[String]) -> anyhow::Result<()> {
     let real_nccl = super::setup::real_nccl()?;
     let speedscope = super::setup::speedscope()?;
     let fixtures = super::build_fixtures(root)?;
+    // The privileged tests are `#[ignore]`d for a plain `cargo test` as a normal user;
+    // here (root) every test runs.
+    let mut test_args = args.to_vec();
+    if !test_args.iter().any(|a| a == "--") {
+        test_args.push("--".into());
+    }
+    test_args.push("--include-ignored".into());
     super::run(
         Command::new("cargo")
             .current_dir(root)
             .args(["test", "--workspace", "--exclude", "nccltrace-ebpf"])
-            .args(args)
+            .args(&test_args)
             .env("NCCLTRACE_FIXTURES", &fixtures)
             .env("NCCLTRACE_REAL_NCCL", &real_nccl)
             .env("NCCLTRACE_SPEEDSCOPE", &speedscope),
