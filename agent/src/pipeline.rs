@@ -92,7 +92,8 @@ pub struct TargetSummary {
 pub struct AgentStats {
     /// Loading the programs and attaching every probe.
     pub attach_ms: f64,
-    /// Peak resident memory (VmHWM) at the end of the run.
+    /// Peak resident memory (VmHWM) of the whole agent process over the whole run, its
+    /// end (reading back, attributing, writing every other output) included.
     pub peak_rss_kb: u64,
 }
 
@@ -158,6 +159,8 @@ pub struct Aggregator {
     incomplete: Option<String>,
     damaged: Option<record::Damage>,
     doctor: Option<serde_json::Value>,
+    /// The agent's peak memory over the whole live run (its last record).
+    agent_peak_rss_kb: Option<u64>,
 }
 
 impl Aggregator {
@@ -184,6 +187,7 @@ impl Aggregator {
             incomplete: None,
             damaged: None,
             doctor: None,
+            agent_peak_rss_kb: None,
         }
     }
 
@@ -283,6 +287,7 @@ impl Aggregator {
             }
             end @ Meta::End { .. } => self.end = Some(end),
             Meta::Doctor { report } => self.doctor = Some(report),
+            Meta::AgentPeak { peak_rss_kb } => self.agent_peak_rss_kb = Some(peak_rss_kb),
         }
     }
 
@@ -384,7 +389,7 @@ impl Aggregator {
             }) => {
                 agent = AgentStats {
                     attach_ms: attach_ns as f64 / 1e6,
-                    peak_rss_kb: agent_peak_rss_kb,
+                    peak_rss_kb: self.agent_peak_rss_kb.unwrap_or(agent_peak_rss_kb),
                 };
                 (end_monotonic_ns, Some(reason), lost_by_kind, counters)
             }
@@ -602,8 +607,17 @@ fn write_file(
     result.map_err(|e| (path, e))
 }
 
-/// Writes every output of this stage into `dir` and the summary in words to `text`.
-/// trace.json, the largest, is written on a thread of its own meanwhile.
+/// Writes `summary.json` into `dir`: last, after [`write_outputs`], so that a live run's
+/// summary can give the agent's peak memory with the outputs' cost included.
+pub fn write_summary(dir: &Path, summary: &Summary) -> Result<(), (std::path::PathBuf, io::Error)> {
+    write_file(dir, "summary.json", &mut |out| {
+        crate::render::summary::write_json(summary, out)
+    })
+}
+
+/// Writes every output of this stage but `summary.json` ([`write_summary`]) into `dir`, and
+/// the summary in words to `text`. trace.json, the largest, is written on a thread of its
+/// own meanwhile.
 pub fn write_outputs(
     dir: &Path,
     outputs: &Outputs,
@@ -649,9 +663,6 @@ fn write_others(
                 failed.get_or_insert(e);
             }
         };
-    file("summary.json", &mut |out| {
-        render::summary::write_json(&outputs.summary, out)
-    });
     if let Some(doctor) = &outputs.doctor {
         file("doctor.json", &mut |out| {
             serde_json::to_writer_pretty(&mut *out, doctor)?;

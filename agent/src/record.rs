@@ -176,6 +176,9 @@ pub enum Meta {
     /// The placement health report made at attach (`doctor.json`), so that `report`
     /// rebuilds it elsewhere.
     Doctor { report: serde_json::Value },
+    /// The agent's peak resident memory (VmHWM) over the whole live run, taken after
+    /// every output but summary.json was written: the recording's last record.
+    AgentPeak { peak_rss_kb: u64 },
 }
 
 impl Meta {
@@ -188,6 +191,7 @@ impl Meta {
             Meta::JitSymbols { .. } => "jit_symbols",
             Meta::Target { .. } => "target",
             Meta::Doctor { .. } => "doctor",
+            Meta::AgentPeak { .. } => "agent_peak",
         }
     }
 }

@@ -65,8 +65,10 @@ fn nightly() -> anyhow::Result<()> {
     Ok(())
 }
 
-const APT_PACKAGES: [&str; 8] = [
+const APT_PACKAGES: [&str; 9] = [
     "xz-utils",
+    // GNU time: a test compares the agent's own peak memory with the kernel's figure.
+    "time",
     "chromium",
     "llvm-22-dev",
     "libpolly-22-dev",

@@ -454,6 +454,38 @@ fn attached_line(t: &crate::record::TargetInfo, attach_ms: u128, profile: &str) 
     )
 }
 
+/// The end of a live run: the symbol records, every output, then summary.json with the
+/// whole process's peak memory (the end of the run in it), also the recording's last
+/// record so that `report` gives the same figure. Returns how writing the outputs and
+/// closing the recording went.
+fn write_everything(
+    out: &std::path::Path,
+    outputs: &mut crate::pipeline::Outputs,
+    writer: Result<Writer, crate::record::RecordError>,
+) -> (
+    Result<(), (PathBuf, std::io::Error)>,
+    Result<(), crate::record::RecordError>,
+) {
+    let symbols = record_symbols(outputs);
+    let writer = writer.and_then(|mut w| {
+        for m in &symbols {
+            w.meta(m)?;
+        }
+        Ok(w)
+    });
+    let written = crate::pipeline::write_outputs(out, outputs, &mut std::io::stdout().lock());
+    let peak_rss_kb = host::Host::live()
+        .peak_rss_kb(std::process::id())
+        .unwrap_or(outputs.summary.agent.peak_rss_kb);
+    outputs.summary.agent.peak_rss_kb = peak_rss_kb;
+    let written = written.and(crate::pipeline::write_summary(out, &outputs.summary));
+    let write_end = writer.and_then(|mut w| {
+        w.meta(&Meta::AgentPeak { peak_rss_kb })?;
+        w.finish()
+    });
+    (written, write_end)
+}
+
 /// With `--max-attributed-events`: the command that attributes the whole run.
 fn whole_run_hint(rec_path: &std::path::Path, out: &std::path::Path) {
     crate::note!(
@@ -564,14 +596,7 @@ async fn trace(
     if outputs.summary.attributed.is_some() {
         whole_run_hint(&rec_path, &out);
     }
-    let symbols = record_symbols(&mut outputs);
-    let write_end = writer.and_then(|mut w| {
-        for m in &symbols {
-            w.meta(m)?;
-        }
-        w.finish()
-    });
-    let written = crate::pipeline::write_outputs(&out, &outputs, &mut std::io::stdout().lock());
+    let (written, write_end) = write_everything(&out, &mut outputs, writer);
     stop.outputs_complete();
     if let Some(thread) = detaching {
         if !thread.is_finished() {

@@ -38,6 +38,7 @@ pub fn run(args: ReportArgs) -> Result<(), Error> {
     out.keep();
     let written =
         crate::pipeline::write_outputs(&out.path, &outputs, &mut std::io::stdout().lock())
+            .and(crate::pipeline::write_summary(&out.path, &outputs.summary))
             .map_err(|(path, source)| Error::Output { path, source });
     log::debug!("outputs written");
     drop(outputs);

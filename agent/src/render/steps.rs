@@ -163,6 +163,15 @@ pub fn verdict(report: &StepsReport) -> String {
         pct(value, wall),
         describe(name, &sum)
     );
+    if sum.unmeasured.nccl_wait || sum.unmeasured.nccl_wait_lower_bound {
+        // A spinning sync (cudaDeviceScheduleAuto) counts as compute without sync probes.
+        let _ = write!(
+            line,
+            "; compute ({:.0}%) may hold waits for the GPU and NCCL that this profile cannot \
+             see (no CUDA sync probes)",
+            pct(sum.compute, wall)
+        );
+    }
     if let Some(tid) = report.rank_tid {
         let migrations: u64 = report.steps.iter().map(|s| s.migrations).sum();
         let cross: u64 = report.steps.iter().map(|s| s.cross_node_migrations).sum();
