@@ -46,10 +46,10 @@ pub async fn bare_pair(pid: u32, library: &Path, symbol: &str) -> Result<u64, cr
             .map_err(|e| program_error(name, &place, e))?;
     }
     let ring = RingBuf::try_from(
-        ebpf.take_map("EVENTS_0")
-            .ok_or_else(|| missing_map("EVENTS_0"))?,
+        ebpf.take_map(nccltrace_common::names::EVENTS[0])
+            .ok_or_else(|| missing_map(nccltrace_common::names::EVENTS[0]))?,
     )
-    .map_err(map_error("EVENTS_0"))?;
+    .map_err(map_error(nccltrace_common::names::EVENTS[0]))?;
     // SAFETY: the RingBuf owns its map fd, open until the AsyncFd that owns it is dropped.
     let mut ring = unsafe { AsyncFd::register_with_interest(ring, tokio::io::Interest::READABLE) }
         .map_err(|e| SourceError::Drain(e.into()))?;

@@ -23,7 +23,7 @@ use aya::programs::uprobe::UProbeLink;
 use aya::programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope};
 use aya::programs::{FEntry, FExit, PerfEvent, ProgramError, RawTracePoint, TracePoint, UProbe};
 use aya::{Btf, Ebpf, EbpfLoader};
-use nccltrace_common::{counter, kind};
+use nccltrace_common::{counter, kind, names};
 
 use crate::event::{Event, Library};
 use crate::host::{self, Host};
@@ -362,11 +362,11 @@ fn time_faults(ebpf: &mut Ebpf) -> Result<(String, [Link; 2]), String> {
         )
     };
     let missing = |e: SourceError| e.to_string();
-    let entry: &mut FEntry = typed_program(ebpf, "fentry_handle_mm_fault").map_err(missing)?;
+    let entry: &mut FEntry = typed_program(ebpf, names::FENTRY_HANDLE_MM_FAULT).map_err(missing)?;
     entry.load(FAULT_FUNCTION, &btf).map_err(refused)?;
     let id = entry.attach().map_err(refused)?;
     let entry_link = entry.take_link(id).map_err(refused)?;
-    let exit: &mut FExit = typed_program(ebpf, "fexit_handle_mm_fault").map_err(missing)?;
+    let exit: &mut FExit = typed_program(ebpf, names::FEXIT_HANDLE_MM_FAULT).map_err(missing)?;
     exit.load(FAULT_FUNCTION, &btf).map_err(refused)?;
     let id = exit.attach().map_err(refused)?;
     let exit_link = exit.take_link(id).map_err(refused)?;
@@ -452,7 +452,7 @@ fn load(
         });
     }
     let mut loader = EbpfLoader::new();
-    loader.override_global("OFFSETS", offsets, true);
+    loader.override_global(names::OFFSETS, offsets, true);
     let config = nccltrace_common::Config {
         offcpu_stacks: u32::from(profile.probes.offcpu_stacks && profile.probes.sched),
         call_stacks: profile.probes.call_stacks.setting(),
@@ -461,7 +461,7 @@ fn load(
         // Woken early at an eighth full; otherwise drained every `DRAIN_EVERY`.
         wakeup_bytes: u64::from(profile.ring_buffer_bytes() / shards / 8),
     };
-    loader.override_global("CONFIG", &config, true);
+    loader.override_global(names::CONFIG, &config, true);
     rings::size(&mut loader, shards, profile.ring_buffer_bytes());
     loader.load(PROGRAMS).map_err(|e| {
         if is_eperm(&e) {
@@ -518,7 +518,7 @@ fn probe_library(
         return Ok(());
     }
     probed.push(id);
-    for program in ["uprobe_lib_call", "uretprobe_lib_call"] {
+    for program in [names::UPROBE_LIB_CALL, names::URETPROBE_LIB_CALL] {
         let prog: &mut UProbe = typed_program(ebpf, program)?;
         for site in &lib.sites {
             let point = UProbeAttachPoint {
@@ -541,7 +541,7 @@ fn probe_library(
 /// One software cpu-clock event per online CPU (`SampleScope::Cpu`); the program keeps the
 /// samples of target threads only.
 fn sample_cpus(ebpf: &mut Ebpf, period_ns: u64, links: &mut Vec<Link>) -> Result<(), SourceError> {
-    let name = "perf_event_cpu_clock";
+    let name = names::PERF_EVENT_CPU_CLOCK;
     let prog: &mut PerfEvent = typed_program(ebpf, name)?;
     let cpus = aya::util::online_cpus().map_err(|(path, source)| SourceError::OnlineCpus {
         path: path.to_owned(),
@@ -578,7 +578,7 @@ fn sample_threads(
     period_ns: u64,
     links: &mut Vec<Link>,
 ) -> Result<(), SourceError> {
-    let name = "perf_event_cpu_clock";
+    let name = names::PERF_EVENT_CPU_CLOCK;
     let prog: &mut PerfEvent = typed_program(ebpf, name)?;
     for tid in host.threads(pid) {
         let scope = PerfEventScope::OneProcess {
@@ -621,14 +621,14 @@ fn target_info(host: &Host, t: &Target, probes: Vec<ProbeInfo>) -> TargetInfo {
 /// Adds `t`'s threads to `THREADS`.
 fn register_threads(ebpf: &mut Ebpf, host: &Host, t: &Target) -> Result<(), SourceError> {
     let mut threads: BpfHashMap<_, u32, u32> = BpfHashMap::try_from(
-        ebpf.map_mut("THREADS")
-            .ok_or_else(|| missing_map("THREADS"))?,
+        ebpf.map_mut(names::THREADS)
+            .ok_or_else(|| missing_map(names::THREADS))?,
     )
-    .map_err(map_error("THREADS"))?;
+    .map_err(map_error(names::THREADS))?;
     for tid in host.threads(t.pid) {
         threads
             .insert(tid, t.pid, 0)
-            .map_err(map_error("THREADS"))?;
+            .map_err(map_error(names::THREADS))?;
     }
     Ok(())
 }
@@ -665,14 +665,14 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
         }
     };
     let mut map_targets: BpfHashMap<MapData, u32, u32> = BpfHashMap::try_from(
-        ebpf.take_map("TARGETS")
-            .ok_or_else(|| missing_map("TARGETS"))?,
+        ebpf.take_map(names::TARGETS)
+            .ok_or_else(|| missing_map(names::TARGETS))?,
     )
-    .map_err(map_error("TARGETS"))?;
+    .map_err(map_error(names::TARGETS))?;
     for t in targets {
         map_targets
             .insert(t.pid, 1, 0)
-            .map_err(map_error("TARGETS"))?;
+            .map_err(map_error(names::TARGETS))?;
     }
     for t in targets {
         register_threads(&mut ebpf, &host, t)?;
@@ -686,7 +686,7 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
             (t, libs, probes)
         })
         .collect();
-    for program in ["uprobe_lib_call", "uretprobe_lib_call"] {
+    for program in [names::UPROBE_LIB_CALL, names::URETPROBE_LIB_CALL] {
         load_program::<UProbe>(&mut ebpf, program)?;
     }
     // One probe per file, whatever the number of targets: ranks share their libraries,
@@ -698,25 +698,22 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
         }
     }
 
-    for (category, event) in tracefs::TRACEPOINTS {
-        let wanted = match event {
-            "page_fault_user" => profile.probes.page_faults,
-            "mm_migrate_pages" | "sched_move_numa" | "sched_swap_numa" | "sched_stick_numa" => {
-                profile.probes.numa
-            }
-            // Fork and exit keep the thread table right whatever the profile says.
-            "sched_process_fork" | "sched_process_exit" => true,
-            _ => profile.probes.sched,
+    for tp in names::TRACEPOINTS {
+        let wanted = match tp.switch {
+            names::Switch::PageFaults => profile.probes.page_faults,
+            names::Switch::Numa => profile.probes.numa,
+            names::Switch::Always => true,
+            names::Switch::Sched => profile.probes.sched,
         };
-        if !wanted || !available.contains(&event) {
+        if !wanted || !available.contains(&tp.event) {
             continue;
         }
-        let place = format!("{category}:{event}");
-        if event == "page_fault_user" {
-            let name = "raw_page_fault_user";
+        let place = format!("{}:{}", tp.category, tp.event);
+        let name = tp.program;
+        if tp.raw {
             let prog: &mut RawTracePoint = load_program(&mut ebpf, name)?;
             let id = prog
-                .attach(event)
+                .attach(tp.event)
                 .map_err(|e| program_error(name, &place, e))?;
             let link = prog
                 .take_link(id)
@@ -724,14 +721,13 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
             links.push(Link::RawTracepoint(link));
             continue;
         }
-        let name = format!("tracepoint_{event}");
-        let prog: &mut TracePoint = load_program(&mut ebpf, &name)?;
+        let prog: &mut TracePoint = load_program(&mut ebpf, name)?;
         let id = prog
-            .attach(category, event)
-            .map_err(|e| program_error(&name, &place, e))?;
+            .attach(tp.category, tp.event)
+            .map_err(|e| program_error(name, &place, e))?;
         let link = prog
             .take_link(id)
-            .map_err(|e| program_error(&name, &place, e))?;
+            .map_err(|e| program_error(name, &place, e))?;
         links.push(Link::Tracepoint(link));
     }
 
@@ -750,7 +746,7 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
     let mut sample_period_ns = 0;
     if profile.sampling.hz > 0 {
         sample_period_ns = 1_000_000_000 / u64::from(profile.sampling.hz);
-        let name = "perf_event_cpu_clock";
+        let name = names::PERF_EVENT_CPU_CLOCK;
         load_program::<PerfEvent>(&mut ebpf, name)?;
         match profile.sampling.scope {
             SampleScope::Cpu => sample_cpus(&mut ebpf, sample_period_ns, &mut links)?,
@@ -767,10 +763,10 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
 
     let rings = rings::Rings::take(&mut ebpf, shards)?;
     let counters = PerCpuArray::try_from(
-        ebpf.take_map("COUNTERS")
-            .ok_or_else(|| missing_map("COUNTERS"))?,
+        ebpf.take_map(names::COUNTERS)
+            .ok_or_else(|| missing_map(names::COUNTERS))?,
     )
-    .map_err(map_error("COUNTERS"))?;
+    .map_err(map_error(names::COUNTERS))?;
 
     let (kernel_release, hostname) = host::uname();
     let header = Header {
@@ -913,7 +909,7 @@ impl Attached {
         }
         self.targets
             .insert(t.pid, 1, 0)
-            .map_err(map_error("TARGETS"))?;
+            .map_err(map_error(names::TARGETS))?;
         self.pids.push(t.pid);
         let info = target_info(&host, t, probes);
         self.header.targets.push(info.clone());
@@ -966,12 +962,8 @@ impl Attached {
                 }
                 continue;
             }
-            let name = match index {
-                counter::UNPAIRED_RETURN => "unpaired_returns",
-                counter::PENDING_FULL => "pending_map_full",
-                counter::THREADS_FULL => "thread_map_full",
-                counter::READ_FAILED => "argument_reads_failed",
-                _ => continue,
+            let Some(name) = counter::name(index) else {
+                continue;
             };
             other.insert(name.to_owned(), total);
         }
@@ -1086,5 +1078,44 @@ impl Attached {
             .spawn(move || drop(owned))
             .ok();
         (thread, count)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The kernel contract (issue 18): every program, map and global that user space names
+    /// is defined by the embedded object, and every tracepoint program the object defines
+    /// is in the table user space attaches from. No root needed: the object is only read.
+    #[test]
+    fn embedded_object_defines_every_name() {
+        use object::{Object as _, ObjectSymbol as _};
+        let file = object::File::parse(PROGRAMS).expect("the embedded eBPF object is ELF");
+        let defined: std::collections::BTreeSet<&str> =
+            file.symbols().filter_map(|s| s.name().ok()).collect();
+        let mut wanted = vec![
+            names::UPROBE_LIB_CALL,
+            names::URETPROBE_LIB_CALL,
+            names::PERF_EVENT_CPU_CLOCK,
+            names::FENTRY_HANDLE_MM_FAULT,
+            names::FEXIT_HANDLE_MM_FAULT,
+            names::COUNTERS,
+            names::TARGETS,
+            names::THREADS,
+            names::CONFIG,
+            names::OFFSETS,
+        ];
+        wanted.extend(names::EVENTS);
+        wanted.extend(names::TRACEPOINTS.iter().map(|t| t.program));
+        for name in wanted {
+            assert!(defined.contains(name), "the object defines no {name}");
+        }
+        for symbol in defined.iter().filter(|s| s.starts_with("tracepoint_")) {
+            assert!(
+                names::TRACEPOINTS.iter().any(|t| t.program == *symbol),
+                "{symbol} is in the object but in no tracepoint entry"
+            );
+        }
     }
 }

@@ -19,9 +19,7 @@ use tokio::io::unix::AsyncFd;
 use super::{Sink, SourceError, map_error, missing_map};
 
 /// The map names, in shard order.
-const NAMES: [&str; RING_SHARDS as usize] = [
-    "EVENTS_0", "EVENTS_1", "EVENTS_2", "EVENTS_3", "EVENTS_4", "EVENTS_5", "EVENTS_6", "EVENTS_7",
-];
+const NAMES: [&str; RING_SHARDS as usize] = nccltrace_common::names::EVENTS;
 
 /// Ring buffers to use on a host of `cpus` CPUs: the largest power of two up to both.
 #[must_use]

@@ -92,25 +92,12 @@ pub fn read_format(
     }
 }
 
-/// The tracepoints nccltrace attaches to: (category, event).
-pub const TRACEPOINTS: [(&str, &str); 10] = [
-    ("sched", "sched_switch"),
-    ("sched", "sched_waking"),
-    ("sched", "sched_migrate_task"),
-    ("sched", "sched_process_fork"),
-    ("sched", "sched_process_exit"),
-    ("exceptions", "page_fault_user"),
-    ("migrate", "mm_migrate_pages"),
-    ("sched", "sched_move_numa"),
-    ("sched", "sched_swap_numa"),
-    ("sched", "sched_stick_numa"),
-];
-
 /// Offsets for every field the programs read, and which tracepoints exist here.
 pub fn offsets(root: &Path) -> Result<(TpOffsets, Vec<&'static str>), TracefsError> {
     let mut o = TpOffsets::default();
     let mut available = Vec::new();
-    for (category, event) in TRACEPOINTS {
+    for tp in nccltrace_common::names::TRACEPOINTS {
+        let (category, event) = (tp.category, tp.event);
         let Some(format) = read_format(root, category, event)? else {
             continue;
         };

@@ -55,6 +55,18 @@ pub mod counter {
     pub const READ_FAILED: u32 = 19;
     /// Size of the array.
     pub const COUNT: u32 = 32;
+
+    /// The name summary.json gives each counter above `kind::COUNT`.
+    #[must_use]
+    pub const fn name(id: u32) -> Option<&'static str> {
+        match id {
+            UNPAIRED_RETURN => Some("unpaired_returns"),
+            PENDING_FULL => Some("pending_map_full"),
+            THREADS_FULL => Some("thread_map_full"),
+            READ_FAILED => Some("argument_reads_failed"),
+            _ => None,
+        }
+    }
 }
 
 /// Subkinds of [`NumaTaskEvent`].
@@ -397,6 +409,149 @@ pub struct Config {
     pub wakeup_bytes: u64,
 }
 const _: () = assert!(core::mem::size_of::<Config>() == 24);
+
+/// The contract between the kernel programs and user space: the names of programs, maps and
+/// globals, and the tracepoints with the program attached to each. The kernel side names
+/// its functions and statics so (aya-ebpf's attributes take literals only); the agent
+/// finds them by these constants, and a unit test of the agent checks that the embedded
+/// object defines every one of them.
+pub mod names {
+    /// Entry and return of every traced library call.
+    pub const UPROBE_LIB_CALL: &str = "uprobe_lib_call";
+    pub const URETPROBE_LIB_CALL: &str = "uretprobe_lib_call";
+    /// On-CPU samples (a software cpu-clock perf event).
+    pub const PERF_EVENT_CPU_CLOCK: &str = "perf_event_cpu_clock";
+    /// Fault timing where the kernel permits fentry/fexit.
+    pub const FENTRY_HANDLE_MM_FAULT: &str = "fentry_handle_mm_fault";
+    pub const FEXIT_HANDLE_MM_FAULT: &str = "fexit_handle_mm_fault";
+
+    /// The ring buffers, one per group of CPUs.
+    pub const EVENTS: [&str; super::RING_SHARDS as usize] = [
+        "EVENTS_0", "EVENTS_1", "EVENTS_2", "EVENTS_3", "EVENTS_4", "EVENTS_5", "EVENTS_6",
+        "EVENTS_7",
+    ];
+    pub const COUNTERS: &str = "COUNTERS";
+    pub const TARGETS: &str = "TARGETS";
+    pub const THREADS: &str = "THREADS";
+    /// Read-only globals set before load.
+    pub const CONFIG: &str = "CONFIG";
+    pub const OFFSETS: &str = "OFFSETS";
+
+    /// Which profile switch turns a tracepoint on.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum Switch {
+        /// `probes.sched`.
+        Sched,
+        /// `probes.page_faults`.
+        PageFaults,
+        /// `probes.numa`.
+        Numa,
+        /// Always: fork and exit keep the thread table right whatever the profile says.
+        Always,
+    }
+
+    /// A tracepoint the agent attaches to.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub struct Tracepoint {
+        pub category: &'static str,
+        pub event: &'static str,
+        /// The program attached to it.
+        pub program: &'static str,
+        /// A raw tracepoint (its arguments, not the format's fields).
+        pub raw: bool,
+        pub switch: Switch,
+    }
+
+    const fn tp(
+        category: &'static str,
+        event: &'static str,
+        program: &'static str,
+        raw: bool,
+        switch: Switch,
+    ) -> Tracepoint {
+        Tracepoint {
+            category,
+            event,
+            program,
+            raw,
+            switch,
+        }
+    }
+
+    /// Every tracepoint, with its program and switch.
+    pub const TRACEPOINTS: [Tracepoint; 10] = [
+        tp(
+            "sched",
+            "sched_switch",
+            "tracepoint_sched_switch",
+            false,
+            Switch::Sched,
+        ),
+        tp(
+            "sched",
+            "sched_waking",
+            "tracepoint_sched_waking",
+            false,
+            Switch::Sched,
+        ),
+        tp(
+            "sched",
+            "sched_migrate_task",
+            "tracepoint_sched_migrate_task",
+            false,
+            Switch::Sched,
+        ),
+        tp(
+            "sched",
+            "sched_process_fork",
+            "tracepoint_sched_process_fork",
+            false,
+            Switch::Always,
+        ),
+        tp(
+            "sched",
+            "sched_process_exit",
+            "tracepoint_sched_process_exit",
+            false,
+            Switch::Always,
+        ),
+        tp(
+            "exceptions",
+            "page_fault_user",
+            "raw_page_fault_user",
+            true,
+            Switch::PageFaults,
+        ),
+        tp(
+            "migrate",
+            "mm_migrate_pages",
+            "tracepoint_mm_migrate_pages",
+            false,
+            Switch::Numa,
+        ),
+        tp(
+            "sched",
+            "sched_move_numa",
+            "tracepoint_sched_move_numa",
+            false,
+            Switch::Numa,
+        ),
+        tp(
+            "sched",
+            "sched_swap_numa",
+            "tracepoint_sched_swap_numa",
+            false,
+            Switch::Numa,
+        ),
+        tp(
+            "sched",
+            "sched_stick_numa",
+            "tracepoint_sched_stick_numa",
+            false,
+            Switch::Numa,
+        ),
+    ];
+}
 
 /// The offset of a tracepoint field this kernel does not have (`sched_process_exit`'s
 /// `group_dead`, new in 6.x): the program leaves the field at 0 instead of reading
