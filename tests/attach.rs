@@ -1494,7 +1494,7 @@ fn breakdown_matches_truth(env: &[(&str, &str)], extra: &[&str]) {
 /// One traced run of the comparison; `Err` names the first category outside 5%.
 fn breakdown_run(env: &[(&str, &str)], extra: &[&str]) -> Result<(), String> {
     let steps = 60;
-    let mut trainer_args = vec!["--compute-us", "2000", "--fault-pages", "1000"];
+    let mut trainer_args = vec!["--compute-us", "2000", "--fault-pages", "300"];
     trainer_args.extend_from_slice(extra);
     let (_, _, out, _dir, truth) =
         traced_trainer_with(steps, env, &trainer_args, &["--sample-hz", "20000"]);

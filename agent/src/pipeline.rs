@@ -161,6 +161,7 @@ pub struct Aggregator {
     doctor: Option<serde_json::Value>,
     /// The agent's peak memory over the whole live run (its last record).
     agent_peak_rss_kb: Option<u64>,
+    build_ids: crate::symbolize::BuildIds,
 }
 
 impl Aggregator {
@@ -188,6 +189,7 @@ impl Aggregator {
             damaged: None,
             doctor: None,
             agent_peak_rss_kb: None,
+            build_ids: BTreeMap::new(),
         }
     }
 
@@ -288,6 +290,9 @@ impl Aggregator {
             end @ Meta::End { .. } => self.end = Some(end),
             Meta::Doctor { report } => self.doctor = Some(report),
             Meta::AgentPeak { peak_rss_kb } => self.agent_peak_rss_kb = Some(peak_rss_kb),
+            Meta::BuildIds { pid, files } => self
+                .build_ids
+                .extend(files.into_iter().map(|(path, id)| ((pid, path), id))),
         }
     }
 
@@ -469,6 +474,7 @@ impl Aggregator {
             kernel_symbols: self.kernel_symbols,
             jit_symbols: self.jit_symbols,
             doctor: self.doctor,
+            build_ids: self.build_ids,
             header: self.header,
         }
     }
@@ -502,6 +508,8 @@ pub struct Outputs {
     /// The placement health report made at attach (`doctor.json`), when the recording
     /// keeps it.
     pub doctor: Option<serde_json::Value>,
+    /// Build ids of the files user frames lie in, as the live run read them.
+    pub build_ids: crate::symbolize::BuildIds,
     pub header: Header,
 }
 
@@ -675,7 +683,11 @@ fn write_others(
         &outputs.detail.stacks,
         &outputs.kernel_symbols,
         &outputs.jit_symbols,
+        &outputs.build_ids,
     );
+    for line in &symbols.stale {
+        crate::note!("nccltrace: warning: {line}");
+    }
     log::debug!("symbolized in {:?}", started.elapsed());
     let mut steps = outputs.steps.clone();
     for kind in render::flamegraph::Kind::ALL {

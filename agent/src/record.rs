@@ -176,6 +176,13 @@ pub enum Meta {
     /// The placement health report made at attach (`doctor.json`), so that `report`
     /// rebuilds it elsewhere.
     Doctor { report: serde_json::Value },
+    /// Build ids of the files the user frames lie in, as the live run read them: `report`
+    /// leaves frames of a file whose build id differs unnamed instead of naming them wrong.
+    BuildIds {
+        pid: u32,
+        /// (path, build id in hex).
+        files: Vec<(String, String)>,
+    },
     /// The agent's peak resident memory (VmHWM) over the whole live run, taken after
     /// every output but summary.json was written: the recording's last record.
     AgentPeak { peak_rss_kb: u64 },
@@ -192,6 +199,7 @@ impl Meta {
             Meta::Target { .. } => "target",
             Meta::Doctor { .. } => "doctor",
             Meta::AgentPeak { .. } => "agent_peak",
+            Meta::BuildIds { .. } => "build_ids",
         }
     }
 }

@@ -20,7 +20,13 @@ use crate::source::discover::{MapEntry, parse_maps};
 pub struct Symbols {
     pub(crate) user: HashMap<(u32, u64), String>,
     pub(crate) kernel: BTreeMap<u64, String>,
+    /// Files that are not the ones the recording was made with (another build id): their
+    /// frames are left unnamed rather than named wrong. One line each, to show the user.
+    pub stale: Vec<String>,
 }
+
+/// Build ids of mapped files, by (pid, path): what the live run symbolized with.
+pub type BuildIds = BTreeMap<(u32, String), String>;
 
 impl Symbols {
     /// A user frame's name (`addr` as it appears in the stack).
@@ -142,9 +148,47 @@ pub fn symbolize(
     stacks: &[StackKey],
     kernel: &BTreeMap<u64, String>,
     jit: &BTreeMap<u32, Vec<(u64, u64, String)>>,
+    build_ids: &BuildIds,
 ) -> Symbols {
     let mut user = HashMap::new();
-    let maps: HashMap<u32, Vec<MapEntry>> = header
+    let mut stale = Vec::new();
+    let maps = file_maps(header);
+    let by_file = frames_by_file(&maps, stacks, jit, &mut user);
+    let symbolizer = Symbolizer::builder()
+        .enable_code_info(false)
+        .enable_inlined_fns(false)
+        .build();
+    for ((pid, path), addrs) in by_file {
+        let offsets: Vec<u64> = addrs.iter().map(|(_, off)| *off).collect();
+        let names = match (build_ids.get(&(pid, path.clone())), build_id(pid, &path)) {
+            (Some(then), now) if now.as_ref() != Some(then) => {
+                stale.push(format!(
+                    "{path} (pid {pid}) is not the file the recording was made with (build id \
+                     {then}, now {}): its frames are left unnamed",
+                    now.as_deref().unwrap_or("unreadable")
+                ));
+                vec![None; offsets.len()]
+            }
+            _ => file_names(&symbolizer, pid, &path, &offsets),
+        };
+        let base = Path::new(&path)
+            .file_name()
+            .map_or(path.clone(), |n| n.to_string_lossy().into_owned());
+        for ((addr, offset), name) in addrs.iter().zip(names) {
+            let name = name.unwrap_or_else(|| format!("[{base}+{offset:#x}]"));
+            user.insert((pid, *addr), name);
+        }
+    }
+    Symbols {
+        user,
+        kernel: kernel.clone(),
+        stale,
+    }
+}
+
+/// Each target's file mappings, by start address.
+fn file_maps(header: &Header) -> HashMap<u32, Vec<MapEntry>> {
+    header
         .targets
         .iter()
         .map(|t| {
@@ -155,8 +199,18 @@ pub fn symbolize(
             m.sort_by_key(|m| m.start);
             (t.pid, m)
         })
-        .collect();
-    // (pid, path) → [(address as in the stack, file offset)]
+        .collect()
+}
+
+/// The user frames of `stacks` grouped by the file they lie in: (pid, path) → [(address as
+/// in the stack, file offset)]. Frames in no file (JIT code) are named into `user` from the
+/// perf maps in `jit`.
+fn frames_by_file(
+    maps: &HashMap<u32, Vec<MapEntry>>,
+    stacks: &[StackKey],
+    jit: &BTreeMap<u32, Vec<(u64, u64, String)>>,
+    user: &mut HashMap<(u32, u64), String>,
+) -> BTreeMap<(u32, String), Vec<(u64, u64)>> {
     let mut by_file: BTreeMap<(u32, String), Vec<(u64, u64)>> = BTreeMap::new();
     let mut seen = BTreeSet::new();
     for s in stacks {
@@ -187,25 +241,35 @@ pub fn symbolize(
                 .push((addr, lookup - m.start + m.offset));
         }
     }
-    let symbolizer = Symbolizer::builder()
-        .enable_code_info(false)
-        .enable_inlined_fns(false)
-        .build();
-    for ((pid, path), addrs) in by_file {
-        let offsets: Vec<u64> = addrs.iter().map(|(_, off)| *off).collect();
-        let names = file_names(&symbolizer, pid, &path, &offsets);
-        let base = Path::new(&path)
-            .file_name()
-            .map_or(path.clone(), |n| n.to_string_lossy().into_owned());
-        for ((addr, offset), name) in addrs.iter().zip(names) {
-            let name = name.unwrap_or_else(|| format!("[{base}+{offset:#x}]"));
-            user.insert((pid, *addr), name);
-        }
-    }
-    Symbols {
-        user,
-        kernel: kernel.clone(),
-    }
+    by_file
+}
+
+/// The build id (hex) of file `path` of process `pid`, read as symbolization reads it.
+fn build_id(pid: u32, path: &str) -> Option<String> {
+    let id = blazesym::helper::read_elf_build_id(&readable(pid, path))
+        .ok()
+        .flatten()?;
+    Some(hex(&id))
+}
+
+/// The build ids of the files the user frames of `stacks` lie in, for the recording: a
+/// `report` elsewhere or after an upgrade then leaves frames of changed files unnamed
+/// instead of naming them wrong.
+#[must_use]
+pub fn stack_build_ids(header: &Header, stacks: &[StackKey]) -> BuildIds {
+    let maps = file_maps(header);
+    frames_by_file(&maps, stacks, &BTreeMap::new(), &mut HashMap::new())
+        .into_keys()
+        .filter_map(|(pid, path)| build_id(pid, &path).map(|id| ((pid, path.clone()), id)))
+        .collect()
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().fold(String::new(), |mut hex, b| {
+        use std::fmt::Write as _;
+        let _ = write!(hex, "{b:02x}");
+        hex
+    })
 }
 
 /// Names of the functions at `offsets` of file `path` (as mapped by process `pid`), from
@@ -257,11 +321,7 @@ fn file_names(
 
 /// Where distributions install the debug file of the binary with this build id.
 fn build_id_path(id: &[u8]) -> String {
-    let hex = id.iter().fold(String::new(), |mut hex, b| {
-        use std::fmt::Write as _;
-        let _ = write!(hex, "{b:02x}");
-        hex
-    });
+    let hex = hex(id);
     let (dir, rest) = hex.split_at(2.min(hex.len()));
     format!("/usr/lib/debug/.build-id/{dir}/{rest}.debug")
 }
@@ -314,7 +374,13 @@ mod tests {
             kstack: vec![],
             ustack: vec![0x7f00_0000_1005, 0x7f00_0000_1020, 0x7f00_0000_0400],
         }];
-        let s = symbolize(&Header::default(), &stacks, &BTreeMap::new(), &jit);
+        let s = symbolize(
+            &Header::default(),
+            &stacks,
+            &BTreeMap::new(),
+            &jit,
+            &BTreeMap::new(),
+        );
         assert_eq!(s.user(1, 0x7f00_0000_1005), "py::train_step:/app/train.py");
         // A return address just past the entry's end: the call was inside it.
         assert_eq!(s.user(1, 0x7f00_0000_1020), "py::train_step:/app/train.py");
@@ -391,9 +457,28 @@ mod tests {
             ustack: vec![0x1_0000_0000 + main_off],
         }];
         let kernel: BTreeMap<u64, String> = [(5, "schedule".to_owned())].into();
-        let s = symbolize(&header, &stacks, &kernel, &BTreeMap::new());
+        let s = symbolize(
+            &header,
+            &stacks,
+            &kernel,
+            &BTreeMap::new(),
+            &BTreeMap::new(),
+        );
         assert_eq!(s.user(1, 0x1_0000_0000 + main_off), "main");
         assert_eq!(s.kernel(5), "schedule");
         assert!(s.user(1, 7).starts_with("[unknown]"));
+        // Regression (issue 18): recordings kept paths only, so a changed file was named
+        // wrong. With the build id the live run recorded, the same file is named; another
+        // build id leaves its frames unnamed, and says so.
+        let ids = stack_build_ids(&header, &stacks);
+        let path = exe.display().to_string();
+        assert!(ids.contains_key(&(1, path.clone())), "{ids:?}");
+        let s = symbolize(&header, &stacks, &kernel, &BTreeMap::new(), &ids);
+        assert_eq!(s.user(1, 0x1_0000_0000 + main_off), "main");
+        assert!(s.stale.is_empty());
+        let other: BuildIds = [((1, path), "00ff".to_owned())].into();
+        let s = symbolize(&header, &stacks, &kernel, &BTreeMap::new(), &other);
+        assert!(s.user(1, 0x1_0000_0000 + main_off).starts_with('['));
+        assert!(s.stale[0].contains("build id 00ff"), "{:?}", s.stale);
     }
 }

@@ -411,7 +411,8 @@ fn health_report(out: &std::path::Path, pid: u32) -> Result<serde_json::Value, E
 /// Names that only this host knows at the end of the run, added to `outputs` and returned
 /// as records for the recording (so `report` elsewhere names the same frames): kernel
 /// frames from /proc/kallsyms, JIT code (Python's perf trampolines) from each target's
-/// perf map, which may be gone by the time a report is made.
+/// perf map, which may be gone by the time a report is made; and the build ids of the
+/// files the user frames lie in, so that `report` does not name them from another build.
 fn record_symbols(outputs: &mut crate::pipeline::Outputs) -> Vec<Meta> {
     let kernel_ips = crate::symbolize::kernel_addresses(&outputs.detail.stacks);
     let kernel = std::fs::read_to_string("/proc/kallsyms")
@@ -419,6 +420,21 @@ fn record_symbols(outputs: &mut crate::pipeline::Outputs) -> Vec<Meta> {
         .unwrap_or_default();
     outputs.kernel_symbols.extend(kernel.iter().cloned());
     let mut records = vec![Meta::KernelSymbols { symbols: kernel }];
+    let ids = crate::symbolize::stack_build_ids(&outputs.header, &outputs.detail.stacks);
+    let mut by_pid: std::collections::BTreeMap<u32, Vec<(String, String)>> =
+        std::collections::BTreeMap::new();
+    for ((pid, path), id) in &ids {
+        by_pid
+            .entry(*pid)
+            .or_default()
+            .push((path.clone(), id.clone()));
+    }
+    records.extend(
+        by_pid
+            .into_iter()
+            .map(|(pid, files)| Meta::BuildIds { pid, files }),
+    );
+    outputs.build_ids.extend(ids);
     for t in &outputs.header.targets {
         let symbols = crate::symbolize::jit_symbols(t.pid, &outputs.detail.stacks);
         if !symbols.is_empty() {
