@@ -1393,67 +1393,27 @@ fn bad_output_and_arguments_exit_2() {
     let file = dir.path().join("a-file");
     std::fs::write(&file, b"").unwrap();
     let me = std::process::id().to_string();
+    let file = file.display().to_string();
+    let attach = |extra: &[&str]| -> Vec<String> {
+        ["attach", "--pid", me.as_str()]
+            .iter()
+            .chain(extra)
+            .map(ToString::to_string)
+            .collect()
+    };
     let issue_17: Vec<(Vec<String>, &str)> = vec![
+        (attach(&["--out", &file]), "is a file, not a folder"),
         (
-            vec![
-                "attach".into(),
-                "--pid".into(),
-                me.clone(),
-                "--out".into(),
-                file.display().to_string(),
-            ],
+            attach(&["--force", "--out", &file]),
             "is a file, not a folder",
         ),
         (
-            vec![
-                "attach".into(),
-                "--pid".into(),
-                me.clone(),
-                "--force".into(),
-                "--out".into(),
-                file.display().to_string(),
-            ],
-            "is a file, not a folder",
-        ),
-        (
-            vec![
-                "attach".into(),
-                "--pid".into(),
-                me.clone(),
-                "--out".into(),
-                "/proc/x".into(),
-            ],
+            attach(&["--out", "/proc/x"]),
             "choose an --out folder this user can create and write",
         ),
-        (
-            vec![
-                "attach".into(),
-                "--pid".into(),
-                me.clone(),
-                "--duration".into(),
-                "-5s".into(),
-            ],
-            "a length of time above 0",
-        ),
-        (
-            vec![
-                "attach".into(),
-                "--pid".into(),
-                me.clone(),
-                "--duration".into(),
-                "0".into(),
-            ],
-            "a length of time above 0",
-        ),
-        (
-            vec![
-                "attach".into(),
-                "--pid".into(),
-                me.clone(),
-                "--follow".into(),
-            ],
-            "--all --follow",
-        ),
+        (attach(&["--duration", "-5s"]), "a length of time above 0"),
+        (attach(&["--duration", "0"]), "a length of time above 0"),
+        (attach(&["--follow"]), "--all --follow"),
     ];
     for (args, expected) in issue_17 {
         refused_with(dir.path(), &args, expected);

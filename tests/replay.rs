@@ -18,14 +18,7 @@ fn data(name: &str) -> PathBuf {
 /// Decompresses a stored recording and runs `report` on it; returns summary and steps.
 fn replay(name: &str) -> (Value, Value) {
     let dir = tempfile::tempdir().unwrap();
-    let rec = dir.path().join("recording.nctr");
-    let xz = Command::new("xz")
-        .arg("-dc")
-        .arg(data(&format!("{name}.nctr.xz")))
-        .output()
-        .expect("xz (Debian's xz-utils)");
-    assert!(xz.status.success());
-    std::fs::write(&rec, xz.stdout).unwrap();
+    let rec = unpacked(name, dir.path());
     let out = dir.path().join("out");
     let status = Command::new(env!("CARGO_BIN_EXE_nccltrace"))
         .arg("report")
