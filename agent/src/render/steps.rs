@@ -111,20 +111,27 @@ fn describe(category: &str, c: &Categories) -> &'static str {
     }
 }
 
-/// What made `step` slower than the median step: the category with the largest excess
-/// over its own median across `steps`, and that excess.
-fn slowest_cause(step: &Step, steps: &[Step]) -> Option<(&'static str, u64)> {
-    let named = step.categories.named();
-    (0..named.len())
-        .filter_map(|i| {
-            let (name, value) = named[i];
-            let value = value?;
+/// The median of each category over `steps`, in [`Categories::named`] order.
+fn category_medians(steps: &[Step]) -> Vec<u64> {
+    (0..Categories::default().named().len())
+        .map(|i| {
             let mut all: Vec<u64> = steps
                 .iter()
                 .map(|s| s.categories.named()[i].1.unwrap_or(0))
                 .collect();
-            Some((name, value.saturating_sub(quantile(&mut all, 0.5))))
+            quantile(&mut all, 0.5)
         })
+        .collect()
+}
+
+/// What made `step` slower than the median step: the category with the largest excess
+/// over its own median (`medians`, from [`category_medians`]), and that excess.
+fn slowest_cause(step: &Step, medians: &[u64]) -> Option<(&'static str, u64)> {
+    step.categories
+        .named()
+        .into_iter()
+        .zip(medians)
+        .filter_map(|((name, value), median)| Some((name, value?.saturating_sub(*median))))
         .filter(|(_, excess)| *excess > 0)
         .max_by_key(|(_, excess)| *excess)
 }
@@ -266,9 +273,10 @@ pub fn write_table(report: &StepsReport, out: &mut impl Write) -> io::Result<()>
         "  slowest steps (against the median step, {} ms):",
         ms(median_wall)
     )?;
+    let medians = category_medians(steps);
     for s in slowest.iter().take(3) {
         write!(out, " #{} {} ms", s.index, ms(s.wall_ns))?;
-        match slowest_cause(s, steps) {
+        match slowest_cause(s, &medians) {
             Some((name, excess)) => write!(out, " ({name} +{} ms);", ms(excess))?,
             None => write!(out, ";")?,
         }
@@ -331,11 +339,12 @@ mod tests {
             .map(|i| step(i, 3_000_000, 2_000_000))
             .chain([step(9, 25_000_000, 2_100_000)])
             .collect();
+        let medians = category_medians(&steps);
         assert_eq!(
-            slowest_cause(&steps[9], &steps),
+            slowest_cause(&steps[9], &medians),
             Some(("compute", 22_000_000))
         );
-        assert_eq!(slowest_cause(&steps[0], &steps), None);
+        assert_eq!(slowest_cause(&steps[0], &medians), None);
     }
 
     /// Regression (issue 17): "blocked most in:" showed only leaf kernel frames; the
