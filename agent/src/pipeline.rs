@@ -290,6 +290,11 @@ impl Aggregator {
             end @ Meta::End { .. } => self.end = Some(end),
             Meta::Doctor { report } => self.doctor = Some(report),
             Meta::AgentPeak { peak_rss_kb } => self.agent_peak_rss_kb = Some(peak_rss_kb),
+            Meta::Maps { pid, added } => {
+                if let Some(t) = self.header.targets.iter_mut().find(|t| t.pid == pid) {
+                    t.maps_text.push_str(&added);
+                }
+            }
             Meta::BuildIds { pid, files } => self
                 .build_ids
                 .extend(files.into_iter().map(|(path, id)| ((pid, path), id))),

@@ -176,6 +176,9 @@ pub enum Meta {
     /// The placement health report made at attach (`doctor.json`), so that `report`
     /// rebuilds it elsewhere.
     Doctor { report: serde_json::Value },
+    /// Mappings of a target made after attach (libraries loaded since), read at the end
+    /// of the run: `/proc/PID/maps` lines, added to the target's `maps_text`.
+    Maps { pid: u32, added: String },
     /// Build ids of the files the user frames lie in, as the live run read them: `report`
     /// leaves frames of a file whose build id differs unnamed instead of naming them wrong.
     BuildIds {
@@ -200,6 +203,7 @@ impl Meta {
             Meta::Doctor { .. } => "doctor",
             Meta::AgentPeak { .. } => "agent_peak",
             Meta::BuildIds { .. } => "build_ids",
+            Meta::Maps { .. } => "maps",
         }
     }
 }

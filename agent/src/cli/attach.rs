@@ -414,12 +414,25 @@ fn health_report(out: &std::path::Path, pid: u32) -> Result<serde_json::Value, E
 /// perf map, which may be gone by the time a report is made; and the build ids of the
 /// files the user frames lie in, so that `report` does not name them from another build.
 fn record_symbols(outputs: &mut crate::pipeline::Outputs) -> Vec<Meta> {
+    // Libraries loaded since attach (read while the target still runs).
+    let mut maps = Vec::new();
+    for t in &mut outputs.header.targets {
+        let Ok(now) = std::fs::read_to_string(format!("/proc/{}/maps", t.pid)) else {
+            continue;
+        };
+        let added = crate::source::discover::maps_added(&t.maps_text, &now);
+        if !added.is_empty() {
+            t.maps_text.push_str(&added);
+            maps.push(Meta::Maps { pid: t.pid, added });
+        }
+    }
     let kernel_ips = crate::symbolize::kernel_addresses(&outputs.detail.stacks);
     let kernel = std::fs::read_to_string("/proc/kallsyms")
         .map(|text| crate::symbolize::kernel_names(&text, &kernel_ips))
         .unwrap_or_default();
     outputs.kernel_symbols.extend(kernel.iter().cloned());
-    let mut records = vec![Meta::KernelSymbols { symbols: kernel }];
+    let mut records = maps;
+    records.push(Meta::KernelSymbols { symbols: kernel });
     let ids = crate::symbolize::stack_build_ids(&outputs.header, &outputs.detail.stacks);
     let mut by_pid: std::collections::BTreeMap<u32, Vec<(String, String)>> =
         std::collections::BTreeMap::new();
@@ -485,7 +498,13 @@ fn write_everything(
     let symbols = record_symbols(outputs);
     let writer = writer.and_then(|mut w| {
         for m in &symbols {
-            w.meta(m)?;
+            match w.meta(m) {
+                // One record too large to keep is said and left out; the rest go on.
+                Err(e @ crate::record::RecordError::TooLarge { .. }) => {
+                    crate::note!("nccltrace: warning: {e}");
+                }
+                other => other?,
+            }
         }
         Ok(w)
     });

@@ -50,6 +50,25 @@ fn parse_maps_line(line: &str) -> Option<MapEntry> {
     })
 }
 
+/// The lines of `now` (a process's maps read later) that map a file where `then` maps
+/// nothing: libraries loaded since `then` was read, to symbolize their frames. Lines that
+/// overlap a mapping of `then` are left out: the stacks taken before kept `then`'s meaning.
+#[must_use]
+pub fn maps_added(then: &str, now: &str) -> String {
+    let old = parse_maps(then);
+    let mut added = String::new();
+    for line in now.lines() {
+        let Some(m) = parse_maps_line(line).filter(|m| m.path.is_some()) else {
+            continue;
+        };
+        if old.iter().all(|o| o.end <= m.start || m.end <= o.start) {
+            added.push_str(line);
+            added.push('\n');
+        }
+    }
+    added
+}
+
 /// Files mapped by a process, each once, in map order: regular paths only (no
 /// `[vdso]`, no deleted files, no devices).
 #[must_use]
@@ -306,6 +325,23 @@ pub fn find_marker(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Regression (issue 18): libraries loaded after attach had no maps in the recording,
+    /// so their frames stayed unnamed. The maps read at the end add what is new, and
+    /// nothing that overlaps what the stacks taken before meant.
+    #[test]
+    fn later_mappings_are_added() {
+        let then = "1000-2000 r-xp 00000000 08:01 5 /usr/lib/libc.so.6\n";
+        let now = "1000-2000 r-xp 00000000 08:01 5 /usr/lib/libc.so.6\n\
+                   1800-2800 r-xp 00000000 08:01 6 /opt/overlap.so\n\
+                   3000-4000 r-xp 00000000 08:01 7 /opt/libcudnn.so.9\n\
+                   5000-6000 rw-p 00000000 00:00 0\n";
+        assert_eq!(
+            maps_added(then, now),
+            "3000-4000 r-xp 00000000 08:01 7 /opt/libcudnn.so.9\n"
+        );
+        assert_eq!(maps_added(then, then), "");
+    }
 
     /// Lines of a real maps file, including anonymous, special and deleted mappings.
     #[test]
