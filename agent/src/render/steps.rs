@@ -11,19 +11,9 @@ pub fn write_json(report: &StepsReport, out: &mut impl Write) -> io::Result<()> 
     writeln!(out)
 }
 
-/// The CSV columns, in order.
-pub const CSV_COLUMNS: [&str; 18] = [
-    "index",
-    "start_ns",
-    "end_ns",
-    "wall_ns",
-    "compute",
-    "nccl_wait",
-    "page_fault",
-    "remote_memory",
-    "cpu_migration",
-    "runqueue",
-    "other_offcpu",
+/// The CSV columns before and after the categories (named by [`crate::attribute::NAMES`]).
+const CSV_BEFORE: [&str; 4] = ["index", "start_ns", "end_ns", "wall_ns"];
+const CSV_AFTER: [&str; 7] = [
     "nccl_collectives",
     "nccl_bytes",
     "faults",
@@ -33,9 +23,20 @@ pub const CSV_COLUMNS: [&str; 18] = [
     "numa_task_moves",
 ];
 
+/// The CSV header line's columns, in order.
+#[must_use]
+pub fn csv_columns() -> Vec<&'static str> {
+    CSV_BEFORE
+        .iter()
+        .chain(&crate::attribute::NAMES)
+        .chain(&CSV_AFTER)
+        .copied()
+        .collect()
+}
+
 /// Writes `steps.csv`: one row per step, categories in ns (empty when not measured).
 pub fn write_csv(report: &StepsReport, out: &mut impl Write) -> io::Result<()> {
-    writeln!(out, "{}", CSV_COLUMNS.join(","))?;
+    writeln!(out, "{}", csv_columns().join(","))?;
     for s in &report.steps {
         let mut categories = String::new();
         for (_, value) in s.categories.named() {
@@ -362,5 +363,44 @@ mod tests {
             blocked_in("t 7;a_[k];b_[k];[blocked]"),
             "(no user frame captured) → a_[k] > b_[k]"
         );
+    }
+
+    /// steps.csv: the header, from the category names written once, has as many columns
+    /// as every row; an unmeasured category is an empty cell, not 0.
+    #[test]
+    fn csv_columns_match_rows() {
+        let mut one = step(0, 3_000_000, 2_000_000);
+        one.categories.unmeasured.page_fault = true;
+        let report = StepsReport {
+            clock: "",
+            partial_steps_left_out: 0,
+            method: crate::attribute::steps::Method::Window,
+            reason: String::new(),
+            period: None,
+            rank_pid: None,
+            rank_tid: None,
+            methods: crate::attribute::Methods {
+                nccl_wait: String::new(),
+                page_fault: String::new(),
+                remote_memory: String::new(),
+                remote_memory_estimated: false,
+            },
+            steps: vec![one],
+            threads: vec![],
+            other_offcpu_top_stacks: vec![],
+            ranks: vec![],
+            straggler: None,
+        };
+        let mut out = Vec::new();
+        write_csv(&report, &mut out).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        let lines: Vec<Vec<&str>> = text.lines().map(|l| l.split(',').collect()).collect();
+        assert_eq!(lines[0].len(), 18);
+        assert_eq!(lines[1].len(), lines[0].len());
+        let cell = |name: &str| lines[1][lines[0].iter().position(|c| *c == name).unwrap()];
+        assert_eq!(cell("compute"), "3000000");
+        assert_eq!(cell("nccl_wait"), "2000000");
+        assert_eq!(cell("page_fault"), "");
+        assert_eq!(cell("remote_memory"), "");
     }
 }
