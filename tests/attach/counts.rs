@@ -1,0 +1,577 @@
+//! Counting: every call of the stand-in and the real libnccl, several ranks, processes found later, stacks, samples and symbols.
+
+use super::*;
+
+/// Every collective counted exactly (calls and bytes per op), every sync call counted,
+/// no events lost, and the agent exits by itself when the trainer does. Asynchronous
+/// collectives: the host waits in cuStreamSynchronize.
+#[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
+fn counts_every_call_of_the_trainer() {
+    let _serial = privileged();
+    let (truth, summary, out, _dir) = traced_trainer(25, &[("FAKE_NCCL_US", "300")]);
+    for (op, calls) in truth["calls"].as_object().unwrap() {
+        assert_eq!(summary["nccl"]["by_op"][op]["calls"], *calls, "{op} calls");
+        assert_eq!(
+            summary["nccl"]["by_op"][op]["bytes"], truth["bytes"][op],
+            "{op} bytes"
+        );
+    }
+    let syncs = &summary["cuda_sync"]["by_func"];
+    assert_eq!(
+        syncs["cuStreamSynchronize"]["calls"],
+        truth["syncs"]["cuStreamSynchronize"]
+    );
+    assert_eq!(
+        syncs["cuCtxSynchronize"]["calls"],
+        truth["syncs"]["cuCtxSynchronize"]
+    );
+    // 10 collectives × 300 µs enqueued per step, waited for in the stream sync.
+    let waited = syncs["cuStreamSynchronize"]["wait_ns"].as_u64().unwrap();
+    assert!(
+        waited >= 25 * 10 * 300_000 * 8 / 10,
+        "sync waited only {waited} ns"
+    );
+    assert_eq!(summary["lost_events"], 0);
+    assert_eq!(summary["stop_reason"], "every target exited");
+    assert_eq!(summary["nccl"]["errors"], 0);
+    // 512 fresh pages a step, each a fault (enough fault time, over 10 ms, that the
+    // default 999 Hz sampling surely lands in some: the attributed graph's page_fault).
+    assert!(summary["memory"]["page_faults"].as_u64().unwrap() >= 25 * 512);
+    if std::thread::available_parallelism().map_or(1, usize::from) > 1 {
+        assert!(summary["sched"]["migrations"].as_u64().unwrap() >= 1);
+    }
+    assert!(out.join("recording.nctr").is_file());
+    recording_in_time_order(&out);
+    flamegraphs_and_trace_are_valid(&out, &summary);
+    // The health report written at attach.
+    let doctor: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("doctor.json")).unwrap()).unwrap();
+    assert!(doctor["findings"].is_array());
+    assert!(
+        doctor["target"]["threads"]
+            .as_array()
+            .is_some_and(|t| !t.is_empty())
+    );
+    no_programs_left();
+}
+
+/// `report` on the recording rebuilds the same summary, without the target, and the same
+/// doctor.json (regression, issue 17: it did not rebuild doctor.json at all).
+#[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
+fn report_rebuilds_the_summary() {
+    let _serial = privileged();
+    let (_, live, out, dir) = traced_trainer(5, &[]);
+    let again = report(&out, dir.path());
+    let read =
+        |p: &Path| -> Value { serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap() };
+    assert_eq!(live, read(&again.join("summary.json")));
+    let doctor = read(&out.join("doctor.json"));
+    assert!(doctor["findings"].is_array(), "{doctor}");
+    assert_eq!(doctor, read(&again.join("doctor.json")));
+}
+
+/// Host-blocking collectives: the time is inside the NCCL call itself (enqueue_ns), and
+/// a spinning sync (FAKE_CUDA_SPIN) is still measured as sync wait.
+#[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
+fn blocking_collectives_and_spinning_syncs() {
+    let _serial = privileged();
+    let (truth, summary, _, _dir) = traced_trainer(
+        5,
+        &[
+            ("FAKE_NCCL_BLOCKING", "1"),
+            ("FAKE_NCCL_US", "1000"),
+            ("FAKE_CUDA_SPIN", "1"),
+        ],
+    );
+    let ar = &summary["nccl"]["by_op"]["AllReduce"];
+    assert_eq!(ar["calls"], truth["calls"]["AllReduce"]);
+    let enqueue = ar["enqueue_ns"].as_u64().unwrap();
+    assert!(
+        enqueue >= 20 * 1_000_000,
+        "AllReduce blocked only {enqueue} ns in 20 calls"
+    );
+}
+
+/// The real libnccl.so.2 of the nvidia-nccl-cu12 wheel (~473 MB, symbols resolved by
+/// mapping it): exactly N ncclAllReduce calls counted, each returning ncclInvalidArgument.
+#[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
+fn counts_calls_into_the_real_libnccl() {
+    let _serial = privileged();
+    let lib = std::env::var_os("NCCLTRACE_REAL_NCCL")
+        .map(PathBuf::from)
+        .expect(
+            "NCCLTRACE_REAL_NCCL is not set: run `cargo xtask test`, which downloads the \
+         nvidia-nccl-cu12 wheel once and points this test at its libnccl.so.2",
+        );
+    let dir = tempfile::tempdir().unwrap();
+    let go = dir.path().join("go");
+    let n = 2000;
+    let caller = Target::spawn(
+        &fixtures().join("nccl_caller"),
+        &[lib.to_str().unwrap(), &n.to_string(), go.to_str().unwrap()],
+        &[],
+        dir.path(),
+    );
+    let out = dir.path().join("out");
+    let agent = Agent::attach(caller.child.id(), &out, &["--profile", "minimal"]);
+    caller.release();
+    let truth = caller.finish();
+    assert_eq!(truth["invalid_argument"], n);
+    let (code, summary, stderr) = agent.wait(Duration::from_secs(60));
+    assert_eq!(code, 0, "{stderr}");
+    let ar = &summary["nccl"]["by_op"]["AllReduce"];
+    assert_eq!(ar["calls"], n, "{summary:#}");
+    assert_eq!(ar["errors"], n);
+    assert_eq!(summary["nccl"]["calls"], n);
+    assert_eq!(summary["lost_events"], 0);
+    no_programs_left();
+}
+
+/// A stripped libnccl.so.2 (no .symtab, only the dynamic symbols a shared library keeps):
+/// NCCL is still found and every call counted.
+#[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
+fn stripped_library() {
+    let _serial = privileged();
+    let dir = tempfile::tempdir().unwrap();
+    let fx = fixtures();
+    for f in ["trainer", "libcuda.so.1"] {
+        std::fs::copy(fx.join(f), dir.path().join(f)).unwrap();
+    }
+    let status = Command::new("strip")
+        .arg("--strip-all")
+        .arg(fx.join("libnccl.so.2"))
+        .arg("-o")
+        .arg(dir.path().join("libnccl.so.2"))
+        .status()
+        .expect("strip (binutils)");
+    assert!(status.success());
+    let go = dir.path().join("go");
+    let trainer = Target::spawn(
+        &dir.path().join("trainer"),
+        &[
+            "--steps",
+            "5",
+            "--compute-us",
+            "200",
+            "--go-file",
+            go.to_str().unwrap(),
+        ],
+        &[],
+        dir.path(),
+    );
+    let out = dir.path().join("out");
+    let agent = Agent::attach(trainer.child.id(), &out, &["--profile", "minimal"]);
+    trainer.release();
+    let truth = trainer.finish();
+    let (code, summary, stderr) = agent.wait(Duration::from_secs(60));
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(
+        summary["nccl"]["by_op"]["AllReduce"]["calls"],
+        truth["total"]["calls"]["AllReduce"]
+    );
+    assert!(
+        summary["targets"][0]["nccl_library"]
+            .as_str()
+            .unwrap()
+            .starts_with(dir.path().to_str().unwrap())
+    );
+}
+
+/// Three ranks whose stand-in collectives complete only when all have arrived (shared
+/// memory), rank 1 slowed by 3 ms a step: one agent for all (found by `--all`), exact per-rank counts, ranks
+/// read from the environment, rank 1 named the straggler and the slowest rank of most
+/// steps, and the others' NCCL wait grown by about the delay.
+#[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
+#[allow(clippy::too_many_lines)] // one scenario: three ranks, one agent, every check
+fn three_ranks_one_straggler() {
+    let _serial = privileged();
+    let dir = tempfile::tempdir().unwrap();
+    let go = dir.path().join("go");
+    let shm = format!("/nccltrace-test-{}", std::process::id());
+    let mut trainers = Vec::new();
+    for rank in 0..3 {
+        let rank_s = rank.to_string();
+        let mut args = vec![
+            "--steps",
+            "20",
+            "--compute-us",
+            "1000",
+            "--no-migrate",
+            "--go-file",
+            go.to_str().unwrap(),
+        ];
+        if rank == 1 {
+            args.extend(["--step-sleep-us", "3000"]);
+        }
+        let env = [
+            ("FAKE_NCCL_WORLD", "3"),
+            ("FAKE_NCCL_RANK", rank_s.as_str()),
+            ("FAKE_NCCL_SHM", shm.as_str()),
+            ("RANK", rank_s.as_str()),
+            ("FAKE_NCCL_US", "100"),
+        ];
+        trainers.push(Target::spawn(
+            &fixtures().join("trainer"),
+            &args,
+            &env,
+            dir.path(),
+        ));
+    }
+    let pids: Vec<u32> = trainers.iter().map(|t| t.child.id()).collect();
+    let out = dir.path().join("out");
+    // `--all` finds them: every process mapping NCCL (the tests run one at a time).
+    let mut child = agent()
+        .args(["attach", "--all", "--profile", "minimal", "--out"])
+        .arg(&out)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = BufReader::new(child.stderr.take().unwrap()).lines();
+    let found = stderr.next().unwrap().unwrap();
+    assert!(found.contains("found 3 process(es)"), "{found}");
+    let mut attached = 0;
+    while attached < 3 {
+        let line = stderr
+            .next()
+            .expect("nccltrace exited before attaching")
+            .unwrap();
+        assert!(!line.contains("error"), "{line}");
+        attached += usize::from(line.contains("attached to pid"));
+    }
+    let agent = Agent {
+        child,
+        stderr,
+        stdout: std::thread::spawn(String::new),
+        out: out.clone(),
+        attached: String::new(),
+    };
+    std::fs::write(&go, b"").unwrap();
+    let truths: Vec<Value> = trainers.into_iter().map(Target::finish).collect();
+    let (code, summary, stderr) = agent.wait(Duration::from_secs(60));
+    let _ = std::fs::remove_file(format!("/dev/shm{shm}"));
+    assert_eq!(code, 0, "{stderr}");
+    let ranks = summary["ranks"].as_array().unwrap();
+    assert_eq!(ranks.len(), 3);
+    for (rank, pid) in pids.iter().enumerate() {
+        let r = ranks.iter().find(|r| r["pid"] == *pid).unwrap();
+        assert_eq!(r["rank"], rank);
+        assert_eq!(r["rank_source"], "environment RANK");
+        let calls: u64 = [
+            "AllReduce",
+            "Broadcast",
+            "AllGather",
+            "ReduceScatter",
+            "Reduce",
+            "Send",
+            "Recv",
+        ]
+        .iter()
+        .map(|op| truths[rank]["total"]["calls"][op].as_u64().unwrap())
+        .sum();
+        assert_eq!(r["nccl"]["collectives"], calls, "rank {rank}");
+    }
+    // Regression (issue 17): nccl.calls 5228 beside ranks[0].nccl.calls 4358 (group
+    // calls left out of one). Collectives are counted one way in both places.
+    let per_rank: u64 = ranks
+        .iter()
+        .map(|r| r["nccl"]["collectives"].as_u64().unwrap())
+        .sum();
+    assert_eq!(
+        summary["nccl"]["collectives"], per_rank,
+        "{:#}",
+        summary["nccl"]
+    );
+    assert_eq!(
+        summary["straggler"]["rank"], 1,
+        "{:#}",
+        summary["straggler"]
+    );
+    assert!(summary["straggler"]["share_of_waits"].as_f64().unwrap() > 0.5);
+    let steps: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("steps.json")).unwrap()).unwrap();
+    // The minimal profile probes no CUDA sync: the waits seen are those inside the
+    // host-blocking collectives, a lower bound, and said so.
+    let method = steps["methods"]["nccl_wait"].as_str().unwrap();
+    assert!(method.starts_with("a lower bound"), "{method}");
+    let steps = steps["steps"].as_array().unwrap();
+    let slow = steps.iter().filter(|s| s["slowest_rank"] == 1).count();
+    assert!(
+        slow * 2 > steps.len(),
+        "rank 1 slowest in {slow} of {} steps",
+        steps.len()
+    );
+    // Ranks 0 and 2 wait about the 3 ms rank 1 sleeps, each step.
+    let wait0 = steps
+        .iter()
+        .map(|s| {
+            s["ranks"][0]["categories_ns"]["nccl_wait"]
+                .as_u64()
+                .unwrap()
+        })
+        .sum::<u64>()
+        / steps.len() as u64;
+    assert!(wait0 > 2_000_000, "rank 0 waited {wait0} ns a step");
+    recording_in_time_order(&out);
+}
+
+/// `--all --follow`: a trainer that starts after the agent is attached too, its calls all
+/// counted, its pid in the summary's targets; the run ends at --duration, not when the
+/// first trainer exits.
+#[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
+fn follow_attaches_to_later_processes() {
+    let _guard = privileged();
+    let dir = tempfile::tempdir().unwrap();
+    let first = waiting_trainer(dir.path(), 5, 500);
+    let out = dir.path().join("out");
+    let traced = Agent::attach_many(
+        &[],
+        &out,
+        &[
+            "--all",
+            "--follow",
+            "--duration",
+            "8s",
+            "--profile",
+            "minimal",
+        ],
+    );
+    first.release();
+    first.finish();
+    // The second one starts after the first has exited: an elastic restart.
+    let later_dir = dir.path().join("later");
+    std::fs::create_dir(&later_dir).unwrap();
+    let later = waiting_trainer(&later_dir, 20, 500);
+    let later_pid = later.child.id();
+    // Released once the agent has had time to find it (it scans every second).
+    std::thread::sleep(Duration::from_millis(2500));
+    later.release();
+    let truth = later.finish();
+    let (code, summary, stderr) = traced.wait(Duration::from_secs(60));
+    assert_eq!(code, 0, "{stderr}");
+    assert!(
+        stderr.contains(&format!("--follow: attached to pid {later_pid}")),
+        "{stderr}"
+    );
+    assert_eq!(summary["stop_reason"], "--duration elapsed", "{summary}");
+    let pids: Vec<u64> = summary["targets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["pid"].as_u64().unwrap())
+        .collect();
+    assert!(pids.contains(&u64::from(later_pid)), "{pids:?}");
+    let rank = summary["ranks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["pid"] == later_pid)
+        .unwrap_or_else(|| panic!("no rank for pid {later_pid}: {summary}"))
+        .clone();
+    // Every collective and point-to-point call it made (a rank's `nccl` counts those, not
+    // the group calls).
+    let expected: u64 = truth["total"]["calls"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(op, _)| !op.starts_with("Group"))
+        .map(|(_, v)| v.as_u64().unwrap())
+        .sum();
+    assert_eq!(
+        rank["nccl"]["collectives"].as_u64().unwrap(),
+        expected,
+        "{rank}"
+    );
+    no_programs_left();
+}
+
+/// A traced call inside another (the stand-in's ncclCommSplit calls ncclCommInitRank): both
+/// paired, the outer one through the hash map while the inner one holds the thread's slot,
+/// nothing unpaired.
+#[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
+fn nested_calls_are_paired() {
+    let _serial = privileged();
+    let (_, summary, out, _dir, _) = traced_trainer_with(
+        3,
+        &[],
+        &["--compute-us", "200", "--split-at-end"],
+        &["--profile", "full"],
+    );
+    let by_op = &summary["nccl"]["by_op"];
+    assert_eq!(by_op["CommSplit"]["calls"], 1, "{by_op}");
+    assert_eq!(by_op["CommInitRank"]["calls"], 1, "{by_op}");
+    assert_eq!(by_op["CommDestroy"]["calls"], 2, "{by_op}");
+    let outer = by_op["CommSplit"]["enqueue_ns"].as_u64().unwrap();
+    let inner = by_op["CommInitRank"]["enqueue_ns"].as_u64().unwrap();
+    assert!(
+        outer >= inner,
+        "the split ({outer} ns) contains the init ({inner} ns)"
+    );
+    assert_eq!(
+        summary["counters"]["unpaired_returns"], 0,
+        "{}",
+        summary["counters"]
+    );
+    // The full profile reads each collective's stream off the user stack (ncclReduce's
+    // eighth argument, the others' seventh); the trainer passes 0x5000 to all of them.
+    let collectives = calls_of(&summary, &[REGISTER_STREAM, STACK_STREAM].concat());
+    assert_eq!(
+        slices_with_stream(&out),
+        (collectives, collectives),
+        "{by_op}"
+    );
+}
+
+/// JIT-compiled code (the trainer's `--jit` trampoline, named in /tmp/perf-PID.map the way
+/// Python 3.12's perf trampolines name Python functions): the on-CPU flamegraph names it
+/// between `main` and `compute`; the names are kept in the recording, so `report` gives
+/// them after the map file is gone.
+#[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
+fn jit_frames_named_from_perf_map() {
+    let _serial = privileged();
+    let (_, summary, out, dir, _) =
+        traced_trainer_with(20, &[("FAKE_NCCL_US", "300")], &["--jit"], &[]);
+    let pid = summary["targets"][0]["pid"].as_u64().unwrap();
+    let oncpu = std::fs::read_to_string(out.join("flamegraph-oncpu.folded")).unwrap();
+    std::fs::remove_file(format!("/tmp/perf-{pid}.map")).unwrap();
+    let frame = ";main;py::train_step:/app/train.py;compute";
+    assert!(oncpu.lines().any(|l| l.contains(frame)), "{oncpu}");
+    let again = dir.path().join("again");
+    let report = agent()
+        .args(["report", "--out"])
+        .arg(&again)
+        .arg(out.join("recording.nctr"))
+        .output()
+        .unwrap();
+    assert_eq!(report.status.code(), Some(0));
+    let replayed = std::fs::read_to_string(again.join("flamegraph-oncpu.folded")).unwrap();
+    assert!(replayed.lines().any(|l| l.contains(frame)), "{replayed}");
+}
+
+/// On-CPU samples with the sampling clocks per CPU (the default) and per target thread
+/// (`scope = "thread"` in a profile file): about `hz` samples a second of the trainer's CPU
+/// time either way, every one of them the trainer's (per-CPU clocks also fire while other
+/// processes run, or none: the program must drop those).
+#[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
+fn samples_with_clocks_per_cpu_and_per_thread() {
+    let _serial = privileged();
+    let dir = tempfile::tempdir().unwrap();
+    let default = std::fs::read_to_string(workspace().join("profiles/default.toml")).unwrap();
+    assert!(
+        default.contains("scope = \"cpu\""),
+        "the default profile names its scope"
+    );
+    let thread = dir.path().join("thread.toml");
+    std::fs::write(
+        &thread,
+        default.replace("scope = \"cpu\"", "scope = \"thread\""),
+    )
+    .unwrap();
+    let hz = 2000.0;
+    for profile in ["default", thread.to_str().unwrap()] {
+        let (_, summary, out, _dir, steps) = traced_trainer_with(
+            50,
+            &[],
+            &["--compute-us", "2000", "--fault-pages", "16"],
+            &["--profile", profile, "--sample-hz", "2000"],
+        );
+        // The trainer's CPU time: its compute and its faults (the rest of a step waits).
+        let cpu_s: f64 = steps
+            .iter()
+            .map(|s| s["compute_ns"].as_f64().unwrap() + s["fault_ns"].as_f64().unwrap())
+            .sum::<f64>()
+            / 1e9;
+        let samples = summary["cpu_samples"].as_f64().unwrap();
+        let expected = cpu_s * hz;
+        assert!(
+            (0.65 * expected..=1.35 * expected).contains(&samples),
+            "{profile}: {samples} samples for {cpu_s:.3} s of CPU at {hz} Hz"
+        );
+        let folded = std::fs::read_to_string(out.join("flamegraph-oncpu.folded")).unwrap();
+        assert!(!folded.is_empty(), "{profile}: no on-CPU stacks");
+        for line in folded.lines() {
+            assert!(
+                line.starts_with("trainer "),
+                "{profile}: a sample of another process: {line}"
+            );
+        }
+    }
+}
+
+/// A stand-in libnccl built with -fcf-protection (CET), every function opening with
+/// endbr64, which the kernel would single-step under a uprobe: the agent says its probes sit
+/// past it, and still counts every call and byte, reads the arguments and pairs each return.
+#[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
+fn cet_library_probed_past_endbr64() {
+    let _serial = privileged();
+    let cet = fixtures().join("cet");
+    let dir = tempfile::tempdir().unwrap();
+    let go = dir.path().join("go");
+    let trainer = Target::spawn(
+        &fixtures().join("trainer"),
+        &[
+            "--steps",
+            "20",
+            "--compute-us",
+            "300",
+            "--go-file",
+            go.to_str().unwrap(),
+        ],
+        &[("LD_LIBRARY_PATH", cet.to_str().unwrap())],
+        dir.path(),
+    );
+    let pid = trainer.child.id();
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+    assert!(
+        maps.contains("/cet/libnccl.so.2"),
+        "the trainer runs on the CET build"
+    );
+    let out = dir.path().join("out");
+    let agent = Agent::attach(pid, &out, &["--profile", "full"]);
+    let agent_line = agent.attached.clone();
+    trainer.release();
+    let truth = trainer.finish()["total"].clone();
+    let (code, summary, stderr) = agent.wait(Duration::from_secs(60));
+    assert_eq!(code, 0, "{stderr}");
+    for (op, calls) in truth["calls"].as_object().unwrap() {
+        assert_eq!(summary["nccl"]["by_op"][op]["calls"], *calls, "{op} calls");
+        assert_eq!(
+            summary["nccl"]["by_op"][op]["bytes"], truth["bytes"][op],
+            "{op} bytes"
+        );
+    }
+    assert_eq!(summary["lost_events"], 0);
+    // Each collective's stream (an argument read at the entry probe) is the trainer's.
+    let (with_stream, trainers) = slices_with_stream(&out);
+    assert_eq!(with_stream, trainers, "streams read past endbr64");
+    assert!(
+        trainers >= 20 * 10,
+        "{trainers} collectives with the trainer's stream"
+    );
+    // The probes on the CET build sit past endbr64 (at least the trainer's 11 NCCL
+    // functions); those on the stand-in libcuda, built without CET, do not.
+    let number_before = |marker: &str| -> usize {
+        let head = &agent_line[..agent_line.find(marker).expect(marker)];
+        head.rsplit(|c: char| !c.is_ascii_digit())
+            .find(|w| !w.is_empty())
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    let (probes, past) = (
+        number_before(" probes ("),
+        number_before(" past the endbr64 their function opens with"),
+    );
+    assert!(past >= 11 && past < probes, "{agent_line}");
+}
