@@ -7,7 +7,6 @@
 //! recording's closing record is on disk (it is written as soon as tracing stops), and it
 //! prints the command that rebuilds the outputs from the recording.
 
-use std::io::Write as _;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -58,11 +57,6 @@ pub fn exit_code(signal: &str) -> u8 {
         _ => SIGHUP,
     };
     128 + number as u8
-}
-
-/// A line on stderr; a closed stderr is not an error worth stopping for.
-fn say(text: &str) {
-    let _ = writeln!(std::io::stderr(), "{text}");
 }
 
 impl Stop {
@@ -133,43 +127,44 @@ impl Stop {
 /// A signal well after the first: exit now, once the recording is closed.
 fn forced_exit(shared: &Shared, signal: i32) -> ! {
     if shared.outputs_complete.load(Ordering::SeqCst) {
-        say(&format!(
+        crate::note!(
             "nccltrace: {} again: exiting; every output was already written (the kernel \
              finishes releasing the probes as the process ends)",
             name(signal)
-        ));
+        );
         std::process::exit(0);
     }
     if !shared.tracing.load(Ordering::SeqCst) {
-        say(&format!(
+        crate::note!(
             "nccltrace: {} again: stopped before tracing began; nothing was traced",
             name(signal)
-        ));
+        );
         std::process::exit(128 + signal);
     }
     let waited = Instant::now();
     if !shared.closed.load(Ordering::SeqCst) {
-        say(&format!(
+        crate::note!(
             "nccltrace: {} again: closing the recording first",
             name(signal)
-        ));
+        );
     }
     while !shared.closed.load(Ordering::SeqCst) && waited.elapsed() < CLOSE_WAIT {
         std::thread::sleep(Duration::from_millis(10));
     }
     let rebuild = shared.rebuild.lock().ok().and_then(|r| r.clone());
-    match (shared.closed.load(Ordering::SeqCst), rebuild) {
-        (true, Some(cmd)) => say(&format!(
+    if let (true, Some(cmd)) = (shared.closed.load(Ordering::SeqCst), rebuild) {
+        crate::note!(
             "nccltrace: stopped at once by a second {}: the recording is complete, the other \
              outputs are not; rebuild them with:\n  {cmd}",
             name(signal)
-        )),
-        _ => say(&format!(
+        );
+    } else {
+        crate::note!(
             "nccltrace: stopped at once by a second {}; the recording could not be closed \
              within {} s: `nccltrace report` reads the records it holds",
             name(signal),
             CLOSE_WAIT.as_secs()
-        )),
+        );
     }
     std::process::exit(128 + signal);
 }

@@ -309,6 +309,13 @@ fn discover(
     stop: &crate::stop::Stop,
 ) -> Result<source::Target, Error> {
     let started = Instant::now();
+    let exited = || -> Error {
+        source::SourceError::ExitedBeforeNccl {
+            pid,
+            waited_s: started.elapsed().as_secs_f64(),
+        }
+        .into()
+    };
     let mut announced = false;
     loop {
         let nvtx = settings.step_nvtx.is_some();
@@ -321,11 +328,7 @@ fn discover(
                     });
                 }
                 if !host.process_alive(pid) {
-                    return Err(source::SourceError::ExitedBeforeNccl {
-                        pid,
-                        waited_s: started.elapsed().as_secs_f64(),
-                    }
-                    .into());
+                    return Err(exited());
                 }
                 if let Some(duration) = settings.duration
                     && started.elapsed() >= duration
@@ -338,13 +341,7 @@ fn discover(
                 }
                 std::thread::sleep(Duration::from_millis(200));
             }
-            Err(source::SourceError::NoSuchProcess { .. }) if announced => {
-                return Err(source::SourceError::ExitedBeforeNccl {
-                    pid,
-                    waited_s: started.elapsed().as_secs_f64(),
-                }
-                .into());
-            }
+            Err(source::SourceError::NoSuchProcess { .. }) if announced => return Err(exited()),
             other => return other.map_err(Error::from),
         }
     }
