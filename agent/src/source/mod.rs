@@ -1085,6 +1085,30 @@ impl Attached {
 mod tests {
     use super::*;
 
+    /// Regression (issue 17): `--pid 1` (a process that exists, its maps unreadable: another
+    /// user namespace here) said "no process with pid 1". A process that is there but
+    /// whose maps cannot be read is named as such, with the reason; one that is not there
+    /// still says so. (The maps file is a folder here: root reads any file.)
+    #[test]
+    fn unreadable_maps_are_not_a_missing_process() {
+        let root = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(root.path().join("proc/77/maps")).unwrap();
+        std::fs::write(root.path().join("proc/77/comm"), "process_api\n").unwrap();
+        let host = Host::at(root.path());
+        let err = discover(&host, 77, None, false).unwrap_err();
+        assert!(
+            matches!(&err, SourceError::UnreadableProcess { pid: 77, comm, .. } if comm == "process_api"),
+            "{err}"
+        );
+        assert!(err.is_bad_input());
+        assert!(err.to_string().contains("exists but"), "{err}");
+        let err = discover(&host, 78, None, false).unwrap_err();
+        assert!(
+            matches!(err, SourceError::NoSuchProcess { pid: 78 }),
+            "{err}"
+        );
+    }
+
     /// The kernel contract (issue 18): every program, map and global that user space names
     /// is defined by the embedded object, and every tracepoint program the object defines
     /// is in the table user space attaches from. No root needed: the object is only read.
