@@ -6,7 +6,7 @@
 //! the categories of a step sum to its wall time. Rules (docs/attribution.md):
 //! - inside a CUDA sync call while NCCL work issued since the previous sync is outstanding:
 //!   `nccl_wait`, spinning on the CPU or sleeping;
-//! - inside an NCCL call that goes off-CPU before returning (a call that blocks the host):
+//! - inside an NCCL call that blocks (sleeps) before returning (a call that blocks the host):
 //!   `nccl_wait` for the whole call; other NCCL calls are enqueue work, `compute`;
 //! - off-CPU and runnable (preempted, or woken and waiting for a CPU): `cpu_migration` when
 //!   the thread was migrated since it left the CPU, else `runqueue`;
@@ -1216,16 +1216,18 @@ fn weigh_samples(log: &ThreadLog, period: u64) -> Vec<(u64, u64)> {
         .collect()
 }
 
-/// Start times of the thread's NCCL calls that went off-CPU before returning, and of its
+/// Start times of the thread's NCCL calls that blocked before returning, and of its
 /// blocked intervals that ended with a wakeup from another thread of its process.
 fn marks(log: &ThreadLog) -> (BTreeSet<u64>, BTreeSet<u64>) {
-    // NCCL calls that left the CPU block the host: all their time is NCCL wait.
+    // NCCL calls that blocked (slept) before returning block the host: all their time is
+    // NCCL wait. A call only preempted is enqueue work that waited for a CPU: a preemption
+    // once made a minimal-profile run report nccl_wait as measured.
     let mut blocking_calls = BTreeSet::new();
     let mut open: Option<u64> = None;
     for &(ts, change) in &log.changes {
         match change {
             Change::NcclStart => open = Some(ts),
-            Change::SwitchOut { .. } => {
+            Change::SwitchOut { runnable: false } => {
                 if let Some(start) = open {
                     blocking_calls.insert(start);
                 }
