@@ -247,21 +247,9 @@ fn bad_output_and_arguments_exit_2() {
 #[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
 fn not_root_is_bad_input() {
     let _guard = privileged();
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::set_permissions(
-        dir.path(),
-        std::os::unix::fs::PermissionsExt::from_mode(0o777),
-    )
-    .unwrap();
+    let dir = open_to_all();
     let out = dir.path().join("out");
-    let output = Command::new("setpriv")
-        .args([
-            "--reuid=65534",
-            "--regid=65534",
-            "--clear-groups",
-            "--inh-caps=-all",
-        ])
-        .arg(env!("CARGO_BIN_EXE_nccltrace"))
+    let output = as_nobody()
         .args(["attach", "--pid", &std::process::id().to_string(), "--out"])
         .arg(&out)
         .output()
@@ -282,27 +270,15 @@ fn not_root_is_bad_input() {
 #[test]
 #[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
 fn unreadable_files_are_named_without_root() {
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::set_permissions(
-        dir.path(),
-        std::os::unix::fs::PermissionsExt::from_mode(0o777),
-    )
-    .unwrap();
+    let dir = open_to_all();
     let me = std::process::id().to_string();
-    let as_nobody = |args: &[&str]| {
-        Command::new("setpriv")
-            .args([
-                "--reuid=65534",
-                "--regid=65534",
-                "--clear-groups",
-                "--inh-caps=-all",
-            ])
-            .arg(env!("CARGO_BIN_EXE_nccltrace"))
+    let run = |args: &[&str]| {
+        as_nobody()
             .args(args)
             .output()
             .expect("setpriv (util-linux)")
     };
-    let doctor = as_nobody(&["doctor", "--pid", &me]);
+    let doctor = run(&["doctor", "--pid", &me]);
     let stdout = String::from_utf8_lossy(&doctor.stdout);
     let stderr = String::from_utf8_lossy(&doctor.stderr);
     assert_eq!(doctor.status.code(), Some(2), "{stderr}");
@@ -316,7 +292,7 @@ fn unreadable_files_are_named_without_root() {
         "{stdout}"
     );
     let snap = dir.path().join("snap");
-    let snapshot = as_nobody(&["snapshot", "--pid", &me, "-o", snap.to_str().unwrap()]);
+    let snapshot = run(&["snapshot", "--pid", &me, "-o", snap.to_str().unwrap()]);
     let stderr = String::from_utf8_lossy(&snapshot.stderr);
     assert_eq!(snapshot.status.code(), Some(2), "{stderr}");
     assert!(

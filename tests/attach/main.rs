@@ -68,6 +68,30 @@ fn require_root() {
     );
 }
 
+/// `nccltrace` run as user nobody with no capabilities (util-linux's setpriv).
+fn as_nobody() -> Command {
+    let mut cmd = Command::new("setpriv");
+    cmd.args([
+        "--reuid=65534",
+        "--regid=65534",
+        "--clear-groups",
+        "--inh-caps=-all",
+    ])
+    .arg(env!("CARGO_BIN_EXE_nccltrace"));
+    cmd
+}
+
+/// A temporary folder every user may write in (for runs as nobody).
+fn open_to_all() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(
+        dir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o777),
+    )
+    .unwrap();
+    dir
+}
+
 /// A fixture process that waits for a go-file before doing its work.
 struct Target {
     child: Child,
