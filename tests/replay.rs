@@ -175,3 +175,58 @@ fn damage_in_the_middle_loses_only_its_record() {
     );
     assert!(damaged["events"].as_u64().unwrap() + 1 >= clean["events"].as_u64().unwrap());
 }
+
+/// The run attributed in epochs as it is read (issue 18) gives what the whole run at once
+/// gives: every output file the same but the epoch count, on both H200 recordings, with
+/// epochs small enough that each recording takes several.
+#[test]
+fn epochs_give_the_outputs_of_one_epoch() {
+    for name in ["ddp", "allreduce"] {
+        let dir = tempfile::tempdir().unwrap();
+        let rec = unpacked(name, dir.path());
+        let report = |epoch_events: u64| -> PathBuf {
+            let out = dir.path().join(format!("out-{epoch_events}"));
+            let run = Command::new(env!("CARGO_BIN_EXE_nccltrace"))
+                .arg("report")
+                .arg(&rec)
+                .arg("--out")
+                .arg(&out)
+                .arg("--epoch-events")
+                .arg(epoch_events.to_string())
+                .output()
+                .unwrap();
+            assert!(run.status.success(), "{run:?}");
+            out
+        };
+        let (whole, epochs) = (report(0), report(2000));
+        let mut files: Vec<String> = std::fs::read_dir(&whole)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        files.sort();
+        assert!(files.len() >= 12, "{files:?}");
+        for file in files {
+            let (a, b) = (whole.join(&file), epochs.join(&file));
+            if file == "steps.json" {
+                let read = |p: &Path| -> Value {
+                    serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+                };
+                let (mut a, mut b) = (read(&a), read(&b));
+                assert_eq!(a["epochs"], 1, "{name}");
+                assert!(
+                    b["epochs"].as_u64().unwrap() >= 3,
+                    "{name}: {}",
+                    b["epochs"]
+                );
+                a["epochs"] = Value::Null;
+                b["epochs"] = Value::Null;
+                assert!(a == b, "{name}: steps.json differs");
+            } else {
+                assert!(
+                    std::fs::read(&a).unwrap() == std::fs::read(&b).unwrap(),
+                    "{name}: {file} differs"
+                );
+            }
+        }
+    }
+}

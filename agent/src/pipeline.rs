@@ -207,6 +207,12 @@ impl Aggregator {
         }
     }
 
+    /// Finds steps by `rule` and attributes the run in epochs of at least `epoch_events`
+    /// events as they are added, instead of all at [`Aggregator::finish`].
+    pub fn stream(&mut self, rule: StepRule, epoch_events: u64) {
+        self.timeline.stream(rule, epoch_events);
+    }
+
     /// Adds one event.
     pub fn push(&mut self, event: &Event) {
         self.timeline.push(event);
@@ -577,14 +583,23 @@ fn decode_batches<R: io::BufRead + io::Seek>(
 
 /// Replays a recording through the pipeline. A damaged tail is reported on stderr and
 /// the complete records before it are kept.
-pub fn replay(path: &Path, rule: StepRule) -> Result<Outputs, record::RecordError> {
-    replay_from(Reader::open(path)?, rule)
+pub fn replay(
+    path: &Path,
+    rule: StepRule,
+    epoch_events: u64,
+) -> Result<Outputs, record::RecordError> {
+    replay_from(Reader::open(path)?, rule, epoch_events)
 }
+
+/// Events per attribution epoch: the run is attributed in stretches of at least this many
+/// events as it is read (see `attribute::epoch`).
+pub const EPOCH_EVENTS: u64 = 1 << 18;
 
 /// As [`replay`], from any reader (the fuzzer feeds it bytes).
 pub fn replay_from<R: io::BufRead + io::Seek + Send>(
     mut reader: Reader<R>,
     mut rule: StepRule,
+    epoch_events: u64,
 ) -> Result<Outputs, record::RecordError> {
     // A recording made with --step-nvtx is cut the same way unless told otherwise.
     if rule == StepRule::Auto
@@ -595,6 +610,7 @@ pub fn replay_from<R: io::BufRead + io::Seek + Send>(
     }
     let started = std::time::Instant::now();
     let mut agg = Aggregator::new(reader.header.clone());
+    agg.stream(rule.clone(), epoch_events);
     agg.feed(&mut reader);
     log::debug!("read and decoded in {:?}", started.elapsed());
     let started = std::time::Instant::now();

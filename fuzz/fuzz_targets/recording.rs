@@ -11,7 +11,7 @@ fuzz_target!(|data: &[u8]| {
     else {
         return;
     };
-    let Ok(outputs) = nccltrace::pipeline::replay_from(reader, StepRule::Auto) else {
+    let Ok(outputs) = nccltrace::pipeline::replay_from(reader, StepRule::Auto, 64) else {
         return;
     };
     let sink = &mut std::io::sink();

@@ -311,3 +311,44 @@ fn attribution_bounded_to_the_last_events() {
         "{n_limited} steps attributed at the end, {n_full} in the whole run"
     );
 }
+
+/// Attribution in epochs on a live run (issue 18): a trainer of 1,000 steps attributed in
+/// epochs of 2,000 events finds every step once, in order, back to back, each adding up
+/// to its wall time, as one epoch over the whole run finds them.
+#[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
+fn steps_attributed_in_epochs_as_the_run_goes() {
+    let _serial = privileged();
+    let steps = 1000;
+    let (_, summary, out, _dir, _) = traced_trainer_with(
+        steps,
+        &[],
+        &["--compute-us", "2000"],
+        &["--epoch-events", "2000"],
+    );
+    let report: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("steps.json")).unwrap()).unwrap();
+    let epochs = report["epochs"].as_u64().unwrap();
+    assert!(epochs >= 3, "{epochs} epochs");
+    let found = report["steps"].as_array().unwrap();
+    assert!(
+        found.len().abs_diff(steps as usize) <= 2,
+        "{} steps found for {steps}",
+        found.len()
+    );
+    for (i, s) in found.iter().enumerate() {
+        assert_eq!(s["index"], i);
+        assert_eq!(s["nccl"]["collectives"], 10, "step {i}");
+        let sum: u64 = s["categories_ns"]
+            .as_object()
+            .unwrap()
+            .values()
+            .filter_map(Value::as_u64)
+            .sum();
+        assert_eq!(sum, s["wall_ns"].as_u64().unwrap(), "step {i}");
+        if i > 0 {
+            assert_eq!(s["start_ns"], found[i - 1]["end_ns"], "step {i}");
+        }
+    }
+    assert_eq!(summary["nccl"]["collectives"], u64::from(steps) * 10);
+}

@@ -19,12 +19,14 @@
 //!   the on-CPU time since the previous sample, are `page_fault`.
 
 mod categories;
+mod cut;
+mod epoch;
 pub mod ranks;
 pub mod steps;
 
 pub use categories::{Cat, Categories, NAMES, Unmeasured};
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
 use serde::Serialize;
 
@@ -105,6 +107,11 @@ pub struct StepsReport {
     /// Steps found that began before tracing was armed, left out of `steps` and of every
     /// statistic (their beginning was not traced).
     pub partial_steps_left_out: usize,
+    /// Epochs the run was attributed in, as it went (1: the whole run at once).
+    pub epochs: u64,
+    /// Records that came after the epoch holding them was attributed: counted in the
+    /// totals, left out of steps and categories.
+    pub late_events_left_out: u64,
     pub method: Method,
     pub reason: String,
     /// Collectives per step, when found automatically.
@@ -211,8 +218,37 @@ struct ThreadLog {
     markers: Vec<u64>,
     /// NVTX range pushes: (time, name).
     nvtx: Vec<(u64, String)>,
-    /// The thread's time cut into categorized pieces over the whole trace (at `finish`).
+    /// The thread's time cut into categorized pieces over the epoch being attributed.
     segments: Vec<(u64, u64, Cat)>,
+    /// The thread's state where the previous epoch ended (none in the first).
+    carry: Option<cut::State>,
+    /// An off-CPU stretch still open where the previous epoch ended.
+    off_open: Option<OpenOff>,
+    /// The last syncs and collectives of earlier epochs: context for step detection and
+    /// for telling NCCL syncs at the start of this one.
+    history: History,
+    /// Syncs and collectives over the whole run (which thread runs the loop).
+    total_syncs: u64,
+    total_collectives: u64,
+    /// This epoch's collectives already given to the cross-rank matcher.
+    fed: usize,
+}
+
+/// An off-CPU stretch begun in an earlier epoch.
+#[derive(Clone, Copy, Debug)]
+struct OpenOff {
+    start: u64,
+    runnable: bool,
+    stack: Option<u32>,
+    /// The last wakeup seen inside it: (time, waker tid, waker tgid).
+    wakeup: Option<(u64, u32, u32)>,
+}
+
+/// What earlier epochs leave for the next: a bounded tail.
+#[derive(Default)]
+struct History {
+    syncs: Vec<(u64, u64)>,
+    collectives: Vec<Collective>,
 }
 
 /// A stack as captured: the process (for its maps), kernel and user frames, innermost
@@ -307,6 +343,22 @@ pub struct Timeline {
     fault_timing_refused: Option<String>,
     /// A CUDA sync function was probed in some target: `nccl_wait` is measured.
     sync_probed: bool,
+    /// Ranks given to `ncclCommInitRank*`, by pid.
+    init_ranks: BTreeMap<u32, i32>,
+    /// How steps are found.
+    rule: StepRule,
+    /// Attribute an epoch once this many events are buffered (0: all at the end).
+    epoch_events: u64,
+    /// Events buffered since the last epoch, and the count at which to try the next.
+    buffered: u64,
+    next_try: u64,
+    /// Where the buffered epoch starts: everything before it is attributed (0 until the
+    /// first epoch: the first starts at `first_ns`, with what came before as its context).
+    cut_ns: u64,
+    /// Events that came after the epoch they belong to was attributed.
+    late_events: u64,
+    /// What the epochs so far attributed.
+    done: epoch::Attributed,
 }
 
 /// Whether `t` had a CUDA sync function probed.
@@ -345,7 +397,23 @@ impl Timeline {
             faults_timed: header.fault_timing.is_some(),
             fault_timing_refused: header.fault_timing_refused.clone(),
             sync_probed: header.targets.iter().any(syncs_probed),
+            init_ranks: BTreeMap::new(),
+            rule: StepRule::Auto,
+            epoch_events: 0,
+            buffered: 0,
+            next_try: 0,
+            cut_ns: 0,
+            late_events: 0,
+            done: epoch::Attributed::default(),
         }
+    }
+
+    /// Finds steps by `rule` and attributes the run as it goes, an epoch of at least
+    /// `epoch_events` events at a time (0: the whole run at the end).
+    pub fn stream(&mut self, rule: StepRule, epoch_events: u64) {
+        self.rule = rule;
+        self.epoch_events = epoch_events;
+        self.next_try = epoch_events;
     }
 
     /// Attribution starts at `ts` (the earlier records were only counted): thread states
@@ -397,6 +465,16 @@ impl Timeline {
     }
 
     fn call(&mut self, c: &Call) {
+        if matches!(
+            c.func,
+            crate::event::Func::CommInitRank | crate::event::Func::CommInitRankConfig
+        ) && let Some(r) = c.rank
+        {
+            self.init_ranks.insert(c.task.tgid, r);
+        }
+        // A call is recorded at its return: one that began before the epoch it returned
+        // in counts from that epoch's start (the earlier part is attributed already).
+        let start_ns = c.start_ns.max(self.cut_ns);
         self.calls.push(c.clone());
         let log = self.log(c.task.tid, c.task.tgid);
         match c.func.library() {
@@ -405,14 +483,16 @@ impl Timeline {
                 .nvtx
                 .push((c.start_ns, c.message.clone().unwrap_or_default())),
             Library::Cuda => {
-                log.changes.push((c.start_ns, Change::SyncStart));
+                log.changes.push((start_ns, Change::SyncStart));
                 log.changes.push((c.end_ns, Change::SyncEnd));
-                log.syncs.push((c.start_ns, c.end_ns));
+                log.syncs.push((start_ns, c.end_ns));
+                log.total_syncs += 1;
             }
             Library::Nccl => {
-                log.changes.push((c.start_ns, Change::NcclStart));
+                log.changes.push((start_ns, Change::NcclStart));
                 log.changes.push((c.end_ns, Change::NcclEnd));
                 if c.func.is_collective() {
+                    log.total_collectives += 1;
                     log.collectives.push(Collective {
                         func: c.func,
                         bytes: c.bytes.unwrap_or(0),
@@ -426,10 +506,24 @@ impl Timeline {
     }
 
     /// Adds one event.
-    #[allow(clippy::too_many_lines)] // one arm per event kind
     pub fn push(&mut self, event: &Event) {
         let ts = event.ts_ns();
+        if ts < self.cut_ns {
+            // Its epoch is attributed already (records of different CPUs arrive a little
+            // out of order; epochs end a reorder margin before the newest record).
+            self.late_events += 1;
+            return;
+        }
         self.last_ns = self.last_ns.max(ts);
+        self.buffered += 1;
+        self.ingest(event);
+        if self.epoch_events > 0 && self.buffered >= self.next_try {
+            self.try_epoch();
+        }
+    }
+
+    #[allow(clippy::too_many_lines)] // one arm per event kind
+    fn ingest(&mut self, event: &Event) {
         match event {
             Event::Call(c) => self.call(c),
             Event::Switch {
@@ -515,8 +609,9 @@ impl Timeline {
                 ..
             } => {
                 self.faults_timed = true;
+                let start = (*start_ns).max(self.cut_ns);
                 let log = self.log(task.tid, task.tgid);
-                log.changes.push((*start_ns, Change::FaultStart));
+                log.changes.push((start, Change::FaultStart));
                 log.changes.push((*ts_ns, Change::FaultEnd));
             }
             Event::Sample {
@@ -561,700 +656,6 @@ impl Timeline {
             Event::Fork { .. } | Event::Exit { .. } => {}
         }
     }
-
-    /// Attributes the rank thread's steps and every thread's totals up to `end_ns`.
-    #[allow(clippy::too_many_lines)] // detection, steps and threads in one pass over the logs
-    #[must_use]
-    pub fn finish(mut self, end_ns: u64, rule: StepRule) -> (StepsReport, Detail) {
-        let end_ns = end_ns.max(self.last_ns);
-        let period = self.sample_period_ns;
-        self.page_migrations.sort_unstable_by_key(|m| m.1);
-        self.numa_moves.sort_unstable_by_key(|m| m.1);
-        for log in self.threads.values_mut() {
-            log.changes.sort_unstable();
-            log.syncs.sort_unstable();
-            log.collectives.sort_by_key(|c| c.start_ns);
-            log.faults.sort_unstable();
-            log.wakeups.sort_unstable();
-            log.call_stacks.sort_unstable();
-            log.migrations.sort_unstable_by_key(|m| m.0);
-            if !self.faults_timed {
-                log.fault_time = weigh_samples(log, period);
-            }
-            log.fault_time.sort_unstable();
-        }
-        // NCCL outstanding is a property of the process: collectives from any thread.
-        let mut collective_ends: BTreeMap<u32, Vec<u64>> = BTreeMap::new();
-        for log in self.threads.values() {
-            collective_ends
-                .entry(log.pid)
-                .or_default()
-                .extend(log.collectives.iter().map(|c| c.end_ns));
-        }
-        for ends in collective_ends.values_mut() {
-            ends.sort_unstable();
-        }
-        // Every thread's timeline, cut once; steps and totals add up its pieces.
-        let first_ns = self.first_ns;
-        for log in self.threads.values_mut() {
-            let ends = collective_ends.get(&log.pid).map_or(&[][..], Vec::as_slice);
-            let mut segments = Vec::new();
-            Self::split(log, ends, first_ns, end_ns, &mut segments);
-            log.segments = segments;
-        }
-        let mut process_collectives: BTreeMap<u32, Vec<Collective>> = BTreeMap::new();
-        for log in self.threads.values() {
-            process_collectives
-                .entry(log.pid)
-                .or_default()
-                .extend(log.collectives.iter().copied());
-        }
-        for c in process_collectives.values_mut() {
-            c.sort_by_key(|c| c.start_ns);
-        }
-        // The rank thread runs the training loop: in the process that issues the most
-        // collectives, the thread that waits on the GPU most often (PyTorch's main thread:
-        // DDP issues its all-reduces from the autograd thread, but `.item()` syncs on the
-        // main one), else the thread issuing the most collectives.
-        let rank_pid = process_collectives
-            .iter()
-            .filter(|(_, c)| !c.is_empty())
-            .max_by_key(|(pid, c)| (c.len(), std::cmp::Reverse(**pid)))
-            .map(|(pid, _)| *pid);
-        let rank = rank_pid.and_then(|pid| {
-            self.threads
-                .iter()
-                .filter(|(_, l)| l.pid == pid)
-                .max_by_key(|(tid, l)| {
-                    (l.syncs.len(), l.collectives.len(), std::cmp::Reverse(**tid))
-                })
-                .map(|(tid, _)| (*tid, pid))
-        });
-
-        let markers: Vec<u64> = self
-            .threads
-            .values()
-            .filter(|l| rank.is_none_or(|r| l.pid == r.1))
-            .flat_map(|l| l.markers.iter().copied())
-            .collect();
-        // When no steps can be found: 1 s windows, saying why.
-        let fallback = |why: &str| {
-            steps::windows(
-                self.first_ns,
-                end_ns,
-                1_000_000_000,
-                format!("{why}: 1 s windows"),
-            )
-        };
-        let detected = match (rule, rank) {
-            (StepRule::Nvtx(pattern), _) => {
-                let pushes: Vec<u64> = self
-                    .threads
-                    .values()
-                    .filter(|l| rank.is_none_or(|r| l.pid == r.1))
-                    .flat_map(|l| l.nvtx.iter())
-                    .filter(|(_, name)| pattern.0.is_match(name))
-                    .map(|(t, _)| *t)
-                    .collect();
-                let re = pattern.0.as_str();
-                steps::by_nvtx(&pushes, re).unwrap_or_else(|| {
-                    fallback(&format!(
-                        "--step-nvtx {re:?}: fewer than two NVTX ranges matched"
-                    ))
-                })
-            }
-            (StepRule::Window(w), _) => {
-                steps::windows(self.first_ns, end_ns, w, format!("--step-window {w} ns"))
-            }
-            // A recording made with --step-symbol holds the marker's entries.
-            (StepRule::Auto, _) if !markers.is_empty() => steps::by_marker(&markers)
-                .unwrap_or_else(|| {
-                    fallback("--step-symbol: the marker was entered fewer than twice")
-                }),
-            (StepRule::Auto, Some((tid, pid))) => {
-                steps::detect(&process_collectives[&pid], &self.threads[&tid].syncs)
-                    .unwrap_or_else(|| fallback("no repeating sequence of collectives"))
-            }
-            (StepRule::Auto, None) => fallback("no collectives traced"),
-        };
-        let identities = self.identities();
-        let loop_threads: BTreeMap<u32, u32> = identities
-            .iter()
-            .filter_map(|id| self.loop_thread(id.pid).map(|tid| (id.pid, tid)))
-            .collect();
-        let rank_of = |pid: u32| {
-            identities
-                .iter()
-                .find(|i| i.pid == pid)
-                .map_or(-1, |i| i.rank)
-        };
-        let lateness = rank.map_or_else(Vec::new, |(_, pid)| {
-            ranks::lateness(&process_collectives, pid)
-        });
-        let mut steps_out = Vec::new();
-        if let Some((tid, pid)) = rank {
-            let log = &self.threads[&tid];
-            let colls = &process_collectives[&pid];
-            // A step that began before tracing was armed (the probes attach one by one
-            // before the recording's start) was not traced whole: left out, and said.
-            let whole = detected
-                .bounds
-                .iter()
-                .copied()
-                .filter(|(a, _)| *a >= first_ns);
-            for (index, (a, b)) in whole.enumerate() {
-                let mut step = self.step(index, log, tid, colls, a, b);
-                if loop_threads.len() > 1 {
-                    step.slowest_rank = ranks::slowest_in(&lateness, a, b).map(rank_of);
-                    step.ranks = loop_threads
-                        .iter()
-                        .map(|(p, t)| StepRank {
-                            rank: rank_of(*p),
-                            pid: *p,
-                            categories: Self::categories(&self.threads[t], a, b),
-                        })
-                        .collect();
-                }
-                steps_out.push(step);
-            }
-        }
-        let rank_reports: Vec<ranks::RankReport> = identities
-            .iter()
-            .map(|id| {
-                let colls = process_collectives
-                    .get(&id.pid)
-                    .map_or(&[][..], Vec::as_slice);
-                ranks::RankReport {
-                    pid: id.pid,
-                    rank: id.rank,
-                    rank_source: id.rank_source.clone(),
-                    nccl: ranks::RankNccl {
-                        collectives: colls.len() as u64,
-                        bytes: colls.iter().fold(0u64, |n, c| n.saturating_add(c.bytes)),
-                    },
-                    categories: loop_threads
-                        .get(&id.pid)
-                        .map_or_else(Categories::default, |t| {
-                            Self::categories(&self.threads[t], self.first_ns, end_ns)
-                        }),
-                }
-            })
-            .collect();
-        let straggler = ranks::straggler(
-            &process_collectives
-                .iter()
-                .filter(|(_, c)| !c.is_empty())
-                .map(|(p, c)| (*p, c.clone()))
-                .collect(),
-            &identities,
-        );
-        let mut threads = Vec::new();
-        for (tid, log) in &self.threads {
-            let categories = Self::categories(log, self.first_ns, end_ns);
-            threads.push(ThreadReport {
-                tid: *tid,
-                pid: log.pid,
-                name: self.thread_names.get(tid).cloned().unwrap_or_default(),
-                role: role(
-                    Some(*tid) == rank.map(|r| r.0),
-                    self.thread_names.get(tid).map_or("", String::as_str),
-                ),
-                categories,
-                nccl_calls: log
-                    .changes
-                    .iter()
-                    .filter(|(_, c)| *c == Change::NcclStart)
-                    .count() as u64,
-                faults: log.faults.len() as u64,
-                migrations: log.migrations.len() as u64,
-                cross_node_migrations: log.migrations.iter().filter(|(_, x)| *x).count() as u64,
-            });
-        }
-        let nodes: BTreeSet<i32> = self.cpu_nodes.iter().copied().filter(|n| *n >= 0).collect();
-        let mut detail = self.detail(rank.map(|r| r.0), end_ns);
-        detail.step_bounds = steps_out.iter().map(|s| (s.start_ns, s.end_ns)).collect();
-        detail.rank_tid = rank.map(|r| r.0);
-        // Without sync probes only NCCL calls that block the host are seen: what they show
-        // is a lower bound; with none of them, nothing was measured.
-        let blocked_in_nccl = threads.iter().any(|t| t.categories.nccl_wait > 0);
-        let unmeasured = Unmeasured {
-            nccl_wait: !self.sync_probed && !blocked_in_nccl,
-            nccl_wait_lower_bound: !self.sync_probed && blocked_in_nccl,
-            page_fault: !self.faults_timed && (period == 0 || self.fault_ranges.is_empty()),
-        };
-        for step in &mut steps_out {
-            step.categories.unmeasured = unmeasured;
-            for r in &mut step.ranks {
-                r.categories.unmeasured = unmeasured;
-            }
-        }
-        let mut rank_reports = rank_reports;
-        for r in &mut rank_reports {
-            r.categories.unmeasured = unmeasured;
-        }
-        for t in &mut threads {
-            t.categories.unmeasured = unmeasured;
-        }
-        let left_out = detected
-            .bounds
-            .iter()
-            .filter(|(a, _)| *a < first_ns)
-            .count();
-        let mut reason = detected.reason.clone();
-        if left_out > 0 && rank.is_some() {
-            let _ = std::fmt::Write::write_fmt(
-                &mut reason,
-                format_args!(
-                    "; {left_out} step(s) that began before tracing was armed are left out \
-                     (not traced whole)"
-                ),
-            );
-        }
-        let report = StepsReport {
-            partial_steps_left_out: if rank.is_some() { left_out } else { 0 },
-            clock: "every *_ns timestamp (start_ns, end_ns) is CLOCK_MONOTONIC of the traced \
-                    host in ns; summary.json's start_unix_ns is the wall-clock time (ns since \
-                    1970) of the recording's start, duration_ns counted from it",
-            method: detected.method,
-            reason,
-            period: detected.period,
-            rank_pid: rank.map(|r| r.1),
-            rank_tid: rank.map(|r| r.0),
-            methods: Methods {
-                nccl_wait: if self.sync_probed {
-                    "time inside CUDA sync calls (cuStreamSynchronize, cuEventSynchronize, \
-                     cuCtxSynchronize and their _ptsz forms) while NCCL work issued before \
-                     them is outstanding, spinning or blocked, and inside NCCL calls that \
-                     block the host"
-                        .into()
-                } else if unmeasured.nccl_wait_lower_bound {
-                    "a lower bound: no CUDA sync function was probed (the profile has \
-                     cuda_sync off, or no libcuda was mapped), so only NCCL calls that block \
-                     the host are seen; waits inside CUDA syncs count as compute (spinning) \
-                     or other_offcpu (blocking). Use the default profile to measure them"
-                        .into()
-                } else {
-                    "not measured: no CUDA sync function was probed (the profile has \
-                     cuda_sync off, or no libcuda was mapped), so waits for NCCL cannot be \
-                     told from other work: a spinning wait counts as compute, a blocking one \
-                     as other_offcpu. Use the default profile to measure it"
-                        .into()
-                },
-                page_fault: self.fault_method(),
-                remote_memory: format!(
-                    "not measured: needs PMU events (node-loads/node-load-misses), which this \
-                     host does not expose{}",
-                    if nodes.len() <= 1 {
-                        "; the host has one NUMA node, so nothing is remote"
-                    } else {
-                        ""
-                    }
-                ),
-                remote_memory_estimated: false,
-            },
-            steps: steps_out,
-            threads,
-            other_offcpu_top_stacks: Vec::new(),
-            ranks: rank_reports,
-            straggler,
-        };
-        (report, detail)
-    }
-
-    /// Rank numbers of the traced processes.
-    fn identities(&self) -> Vec<ranks::RankIdentity> {
-        let init: BTreeMap<u32, i32> = self
-            .calls
-            .iter()
-            .filter(|c| {
-                matches!(
-                    c.func,
-                    crate::event::Func::CommInitRank | crate::event::Func::CommInitRankConfig
-                )
-            })
-            .filter_map(|c| c.rank.map(|r| (c.task.tgid, r)))
-            .collect();
-        ranks::identify(&self.target_pids, &init, &self.env_ranks)
-    }
-
-    /// A process's training-loop thread: the one that waits on the GPU most often, else
-    /// the one issuing the most collectives.
-    fn loop_thread(&self, pid: u32) -> Option<u32> {
-        self.threads
-            .iter()
-            .filter(|(_, l)| l.pid == pid)
-            .filter(|(_, l)| !l.syncs.is_empty() || !l.collectives.is_empty())
-            .max_by_key(|(tid, l)| (l.syncs.len(), l.collectives.len(), std::cmp::Reverse(**tid)))
-            .map(|(tid, _)| *tid)
-    }
-
-    /// Per-thread timelines with categorized pieces, samples and off-CPU stretches.
-    /// What the renderers need, moved out of the logs (the last use of them: each log is
-    /// dropped once its thread is done, so the run is not held twice).
-    fn detail(&mut self, rank_tid: Option<u32>, end_ns: u64) -> Detail {
-        // The interning index repeats every stack: not needed past this point.
-        self.stack_ids = std::collections::HashMap::new();
-        let mut threads = Vec::new();
-        for (tid, mut log) in std::mem::take(&mut self.threads) {
-            let name = self.thread_names.get(&tid).cloned().unwrap_or_default();
-            let mut thread = ThreadDetail {
-                tid,
-                pid: log.pid,
-                role: role(Some(tid) == rank_tid, &name),
-                name,
-                segments: std::mem::take(&mut log.segments),
-                samples: Vec::new(),
-                offcpu: Vec::new(),
-                migrations: std::mem::take(&mut log.migration_cpus),
-                faults: std::mem::take(&mut log.faults),
-                call_stacks: std::mem::take(&mut log.call_stacks),
-            };
-            let fault_weight: BTreeMap<u64, u64> = log.fault_time.iter().copied().collect();
-            for &(ts, stack, in_fault) in &log.stack_samples {
-                let at = thread.category_at(ts).unwrap_or(Cat::Compute);
-                let (cat, weight) = match fault_weight.get(&ts) {
-                    Some(w) if in_fault && at == Cat::Compute => (Cat::PageFault, *w),
-                    _ => (at, self.sample_period_ns),
-                };
-                thread.samples.push((ts, stack, cat, weight));
-            }
-            let mut open: Option<(u64, bool)> = None;
-            for &(ts, change) in &log.changes {
-                match change {
-                    Change::SwitchOut { runnable } => open = Some((ts, runnable)),
-                    Change::SwitchIn => {
-                        let Some((start, runnable)) = open.take() else {
-                            continue;
-                        };
-                        // The stack record is made by the same program run, just before
-                        // the switch record.
-                        let i = log
-                            .offcpu_stacks
-                            .partition_point(|(t, _)| *t + 100_000 < start);
-                        let stack = log
-                            .offcpu_stacks
-                            .get(i)
-                            .filter(|(t, _)| *t <= start + 100_000 && *t <= ts)
-                            .map(|(_, id)| *id);
-                        let wakeup = log
-                            .wakeups
-                            .partition_point(|(t, _, _)| *t <= ts)
-                            .checked_sub(1)
-                            .map(|i| &log.wakeups[i])
-                            .filter(|(t, _, _)| *t >= start);
-                        let waker = wakeup.map(|(_, tid, tgid)| (*tid, *tgid));
-                        let woken_ns = wakeup.map(|(t, _, _)| *t);
-                        thread.offcpu.push(OffCpu {
-                            start_ns: start,
-                            end_ns: ts,
-                            runnable,
-                            stack,
-                            waker,
-                            woken_ns,
-                        });
-                    }
-                    _ => {}
-                }
-            }
-            threads.push(thread);
-        }
-        Detail {
-            first_ns: self.first_ns,
-            end_ns,
-            threads,
-            stacks: std::mem::take(&mut self.stacks),
-            calls: std::mem::take(&mut self.calls),
-            cpu_nodes: self.cpu_nodes.clone(),
-            sample_period_ns: self.sample_period_ns,
-            step_bounds: Vec::new(),
-            rank_tid: None,
-        }
-    }
-
-    /// How `page_fault` was measured, for `methods.page_fault`.
-    fn fault_method(&self) -> String {
-        let why_not = self
-            .fault_timing_refused
-            .as_deref()
-            .unwrap_or("fentry/fexit not tried");
-        if self.faults_timed {
-            "fentry/fexit on handle_mm_fault: each user fault of a target thread timed from \
-             the handler's entry to its return, on the CPU or blocked inside it"
-                .into()
-        } else if self.sample_period_ns > 0 && self.fault_ranges.is_empty() {
-            "not measured: the page-fault handler's addresses were not found in \
-             /proc/kallsyms (unreadable, or kernel.kptr_restrict hides them), so samples in \
-             it cannot be told; fault time stays in compute"
-                .into()
-        } else if self.sample_period_ns > 0 {
-            format!(
-                "on-CPU samples every {} µs whose kernel stack is in the page-fault handler, \
-                 times the period ({why_not})",
-                self.sample_period_ns / 1000
-            )
-        } else {
-            format!("not measured: on-CPU sampling is off in this profile ({why_not})")
-        }
-    }
-
-    #[allow(clippy::too_many_arguments)] // the step, its thread and its process's calls
-    fn step(
-        &self,
-        index: usize,
-        log: &ThreadLog,
-        tid: u32,
-        collectives: &[Collective],
-        a: u64,
-        b: u64,
-    ) -> Step {
-        // Sorted by time in `finish`: each step looks at its own stretch only.
-        let within = |lo: usize, hi: usize| lo..hi.max(lo);
-        let page_migrations = &self.page_migrations[within(
-            self.page_migrations.partition_point(|m| m.1 < a),
-            self.page_migrations.partition_point(|m| m.1 < b),
-        )];
-        let numa_moves = &self.numa_moves[within(
-            self.numa_moves.partition_point(|m| m.1 < a),
-            self.numa_moves.partition_point(|m| m.1 < b),
-        )];
-        // Everything below is sorted by time: binary searches keep long runs linear.
-        let lo = collectives.partition_point(|c| c.start_ns < a);
-        let nccl = collectives[lo..]
-            .iter()
-            .take_while(|c| c.start_ns < b)
-            .fold(NcclCount::default(), |n, c| NcclCount {
-                collectives: n.collectives + 1,
-                bytes: n.bytes.saturating_add(c.bytes),
-            });
-        let faults =
-            log.faults.partition_point(|t| *t < b) - log.faults.partition_point(|t| *t < a);
-        let lo = log.migrations.partition_point(|m| m.0 < a);
-        let migrations = &log.migrations[lo..log.migrations.partition_point(|m| m.0 < b).max(lo)];
-        Step {
-            index,
-            start_ns: a,
-            end_ns: b,
-            wall_ns: b - a,
-            categories: Self::categories(log, a, b),
-            nccl,
-            faults: faults as u64,
-            migrations: migrations.len() as u64,
-            cross_node_migrations: migrations.iter().filter(|(_, x)| *x).count() as u64,
-            numa_page_migrations: page_migrations
-                .iter()
-                .filter(|(t, _, _)| *t == tid)
-                .map(|(_, _, n)| n)
-                .sum(),
-            slowest_rank: None,
-            ranks: Vec::new(),
-            numa_task_moves: numa_moves.iter().filter(|(t, _)| *t == tid).count() as u64,
-        }
-    }
-
-    /// `[a, b)` of one thread by category: its pieces clipped to the interval, page faults
-    /// (on-CPU samples in the fault handler, outside NCCL waits) carved out of compute.
-    fn categories(log: &ThreadLog, a: u64, b: u64) -> Categories {
-        let mut cat = Categories::default();
-        let segs = &log.segments;
-        let first = segs.partition_point(|(_, e, _)| *e <= a);
-        for (s, e, c) in &segs[first..] {
-            if *s >= b {
-                break;
-            }
-            *cat.slot(*c) += (*e).min(b).saturating_sub((*s).max(a));
-        }
-        let lo = log.fault_time.partition_point(|(ts, _)| *ts < a);
-        let fault_ns: u64 = log.fault_time[lo..]
-            .iter()
-            .take_while(|(ts, _)| *ts < b)
-            .filter(|(ts, _)| category_at(segs, *ts) != Some(Cat::NcclWait))
-            .map(|(_, weight)| weight)
-            .sum();
-        let fault_ns = fault_ns.min(cat.compute);
-        cat.page_fault += fault_ns;
-        cat.compute -= fault_ns;
-        cat
-    }
-
-    /// Cuts `[a, b)` of one thread into (start, end, category) pieces, adjacent pieces of
-    /// one category merged (page faults are not carved out here: they come from samples).
-    fn split(
-        log: &ThreadLog,
-        collective_ends: &[u64],
-        a: u64,
-        b: u64,
-        segments: &mut Vec<(u64, u64, Cat)>,
-    ) {
-        if b <= a {
-            return;
-        }
-        let mut sync_ends: Vec<u64> = log.syncs.iter().map(|(_, e)| *e).collect();
-        sync_ends.sort_unstable();
-        // Whether a sync starting at `start` has NCCL work outstanding: a collective
-        // returned after the previous sync of this thread ended.
-        let outstanding = |start: u64| {
-            let prev_end = sync_ends
-                .partition_point(|e| *e <= start)
-                .checked_sub(1)
-                .map_or(0, |i| sync_ends[i]);
-            let i = collective_ends.partition_point(|e| *e <= prev_end);
-            collective_ends.get(i).is_some_and(|e| *e <= start)
-        };
-        let (blocking_calls, own_waits) = marks(log);
-        // Before its first switch-in a thread was off-CPU: blocked, unless a wakeup says
-        // otherwise.
-        let first_in = log.first_switch_is_in == Some(true);
-        let mut state = State {
-            on_cpu: !first_in,
-            runnable: !first_in,
-            ..State::default()
-        };
-        let mut t = a;
-        let mut charge = |from: u64, to: u64, state: State| {
-            let (from, to) = (from.max(a), to.min(b));
-            if to > from {
-                let which = state.category();
-                match segments.last_mut() {
-                    Some(last) if last.1 == from && last.2 == which => last.1 = to,
-                    _ => segments.push((from, to, which)),
-                }
-            }
-        };
-        for &(ts, change) in &log.changes {
-            if ts >= b {
-                break;
-            }
-            charge(t, ts, state);
-            t = t.max(ts);
-            match change {
-                Change::SwitchOut { runnable } => {
-                    state.on_cpu = false;
-                    state.runnable = runnable;
-                    state.migrated = false;
-                    state.waits_on_own = !runnable && own_waits.contains(&ts);
-                }
-                Change::SwitchIn => {
-                    state.on_cpu = true;
-                    state.runnable = true;
-                    state.migrated = false;
-                }
-                Change::Wakeup { .. } => {
-                    state.runnable = true;
-                    state.waits_on_own = false;
-                }
-                Change::Migrate => state.migrated = true,
-                Change::SyncStart => {
-                    state.sync_depth += 1;
-                    state.sync_nccl = outstanding(ts);
-                }
-                Change::SyncEnd => state.sync_depth = state.sync_depth.saturating_sub(1),
-                Change::NcclStart => {
-                    state.nccl_depth += 1;
-                    state.nccl_blocking = blocking_calls.contains(&ts);
-                }
-                Change::NcclEnd => {
-                    state.nccl_depth = state.nccl_depth.saturating_sub(1);
-                    state.nccl_blocking &= state.nccl_depth > 0;
-                }
-                Change::FaultStart => state.fault_depth += 1,
-                Change::FaultEnd => state.fault_depth = state.fault_depth.saturating_sub(1),
-            }
-        }
-        charge(t, b, state);
-    }
-}
-
-/// The category of the piece holding `ts`.
-fn category_at(segments: &[(u64, u64, Cat)], ts: u64) -> Option<Cat> {
-    let i = segments.partition_point(|(_, e, _)| *e <= ts);
-    segments
-        .get(i)
-        .filter(|(s, _, _)| *s <= ts)
-        .map(|(_, _, c)| *c)
-}
-
-/// The on-CPU time each fault sample stands for: the thread's on-CPU time since its
-/// previous sample. The kernel re-arms the cpu-clock timer after the sample's handler and
-/// delays samples while interrupts are off (more so inside fault handling), so the real
-/// interval runs a few percent over the nominal period; wall-clock gaps also hold
-/// preemptions, which are taken out using the thread's switches. The nominal period when
-/// there is no previous sample or the on-CPU gap is outside [period, 1.5 × period).
-fn weigh_samples(log: &ThreadLog, period: u64) -> Vec<(u64, u64)> {
-    let mut off: Vec<(u64, u64)> = Vec::new();
-    let mut out_at: Option<u64> = None;
-    for &(ts, change) in &log.changes {
-        match change {
-            Change::SwitchOut { .. } => out_at = Some(ts),
-            Change::SwitchIn => {
-                if let Some(at) = out_at.take() {
-                    off.push((at, ts));
-                }
-            }
-            _ => {}
-        }
-    }
-    log.fault_samples
-        .iter()
-        .map(|&(ts, prev)| {
-            let weight = prev.map_or(period, |prev| {
-                let first = off.partition_point(|(_, e)| *e <= prev);
-                let off_cpu: u64 = off[first..]
-                    .iter()
-                    .take_while(|(s, _)| *s < ts)
-                    .map(|(s, e)| (*e).min(ts).saturating_sub((*s).max(prev)))
-                    .sum();
-                let on_cpu = ts.saturating_sub(prev).saturating_sub(off_cpu);
-                // Longer: samples were missing in between; shorter: clock skew.
-                if (period..period + period / 2).contains(&on_cpu) {
-                    on_cpu
-                } else {
-                    period
-                }
-            });
-            (ts, weight)
-        })
-        .collect()
-}
-
-/// Start times of the thread's NCCL calls that blocked before returning, and of its
-/// blocked intervals that ended with a wakeup from another thread of its process.
-fn marks(log: &ThreadLog) -> (BTreeSet<u64>, BTreeSet<u64>) {
-    // NCCL calls that blocked (slept) before returning block the host: all their time is
-    // NCCL wait. A call only preempted is enqueue work that waited for a CPU: a preemption
-    // once made a minimal-profile run report nccl_wait as measured.
-    let mut blocking_calls = BTreeSet::new();
-    let mut open: Option<u64> = None;
-    for &(ts, change) in &log.changes {
-        match change {
-            Change::NcclStart => open = Some(ts),
-            Change::SwitchOut { runnable: false } => {
-                if let Some(start) = open {
-                    blocking_calls.insert(start);
-                }
-            }
-            Change::NcclEnd => open = None,
-            _ => {}
-        }
-    }
-    // Blocked intervals that end with a wakeup from another thread of the process:
-    // the thread waits for the process's own work (autograd, worker queues).
-    let mut own_waits = BTreeSet::new();
-    let mut blocked_since: Option<u64> = None;
-    for &(ts, change) in &log.changes {
-        match change {
-            Change::SwitchOut { runnable: false } => blocked_since = Some(ts),
-            Change::Wakeup { own } => {
-                if let Some(since) = blocked_since.take()
-                    && own
-                {
-                    own_waits.insert(since);
-                }
-            }
-            Change::SwitchIn => blocked_since = None,
-            _ => {}
-        }
-    }
-    (blocking_calls, own_waits)
 }
 
 /// How far past a faulting instruction a user-mode sample still counts as the fault's
@@ -1276,54 +677,6 @@ fn role(is_rank: bool, name: &str) -> &'static str {
         n if n.contains("ncclProxy") || n.starts_with("NCCL") => "NCCL proxy",
         n if n.starts_with("cuda") => "CUDA",
         _ => "other",
-    }
-}
-
-/// A thread's state between two changes.
-#[allow(clippy::struct_excessive_bools)] // independent facts about one thread
-#[derive(Clone, Copy, Debug, Default)]
-struct State {
-    on_cpu: bool,
-    runnable: bool,
-    migrated: bool,
-    sync_depth: u32,
-    sync_nccl: bool,
-    nccl_depth: u32,
-    /// Inside an NCCL call that goes off-CPU before it returns.
-    nccl_blocking: bool,
-    /// Blocked until another thread of the process wakes it.
-    waits_on_own: bool,
-    /// Inside a timed page fault (fentry/fexit).
-    fault_depth: u32,
-}
-
-impl State {
-    fn in_nccl_sync(self) -> bool {
-        self.sync_depth > 0 && self.sync_nccl
-    }
-
-    /// The category time in this state belongs to (the rules in the module docs).
-    fn category(self) -> Cat {
-        if self.in_nccl_sync() || self.nccl_blocking {
-            Cat::NcclWait
-        } else if self.fault_depth > 0 && (self.on_cpu || !self.runnable) {
-            // Handling the fault on the CPU, or blocked inside it (reading the page in).
-            Cat::PageFault
-        } else if self.on_cpu {
-            Cat::Compute
-        } else if self.nccl_depth > 0 {
-            Cat::NcclWait
-        } else if self.runnable {
-            if self.migrated {
-                Cat::CpuMigration
-            } else {
-                Cat::Runqueue
-            }
-        } else if self.sync_depth > 0 || self.waits_on_own {
-            Cat::Compute
-        } else {
-            Cat::OtherOffcpu
-        }
     }
 }
 

@@ -86,36 +86,104 @@ pub fn identify(
         .collect()
 }
 
-/// A process's collectives by communicator, communicators in the order of first use.
-fn by_communicator(collectives: &[Collective]) -> Vec<Vec<u64>> {
-    let mut order: Vec<u64> = Vec::new();
-    let mut arrivals: Vec<Vec<u64>> = Vec::new();
-    for c in collectives {
+/// Matches collectives across ranks as they come (each rank's in the order it issued
+/// them), and keeps the straggler's tallies: the same matching at any run length, in
+/// memory bounded by how far the ranks are apart.
+#[derive(Clone, Debug, Default)]
+pub struct Matcher {
+    /// Per pid: its communicators in first-use order, and each one's arrivals not yet
+    /// matched.
+    ranks: BTreeMap<u32, (Vec<u64>, Vec<std::collections::VecDeque<u64>>)>,
+    /// Wait each pid made the others do, as the last to arrive.
+    charged: BTreeMap<u32, u64>,
+    /// Per pid: summed lateness behind the first arrival, and matched collectives.
+    behind: BTreeMap<u32, (u64, u64)>,
+    total: u64,
+}
+
+impl Matcher {
+    /// One collective of `pid`, after the earlier ones of that pid.
+    pub fn add(&mut self, pid: u32, c: &Collective) {
+        let (order, queues) = self.ranks.entry(pid).or_default();
         let k = order.iter().position(|h| *h == c.comm).unwrap_or_else(|| {
             order.push(c.comm);
-            arrivals.push(Vec::new());
+            queues.push(std::collections::VecDeque::new());
             order.len() - 1
         });
-        arrivals[k].push(c.start_ns);
+        queues[k].push_back(c.start_ns);
     }
-    arrivals
+
+    /// Every collective that all ranks have now reached, matched: per collective, each
+    /// pid's arrival (call entry). Nothing with fewer than two ranks.
+    pub fn matched(&mut self) -> Vec<BTreeMap<u32, u64>> {
+        let mut out = Vec::new();
+        if self.ranks.len() < 2 {
+            return out;
+        }
+        let comms = self.ranks.values().map(|r| r.0.len()).min().unwrap_or(0);
+        for k in 0..comms {
+            let n = self.ranks.values().map(|r| r.1[k].len()).min().unwrap_or(0);
+            for _ in 0..n {
+                let arrivals: BTreeMap<u32, u64> = self
+                    .ranks
+                    .iter_mut()
+                    .filter_map(|(pid, r)| r.1[k].pop_front().map(|t| (*pid, t)))
+                    .collect();
+                self.tally(&arrivals);
+                out.push(arrivals);
+            }
+        }
+        out
+    }
+
+    fn tally(&mut self, arrivals: &BTreeMap<u32, u64>) {
+        let Some(first) = arrivals.values().copied().min() else {
+            return;
+        };
+        let Some((&last_pid, &last)) = arrivals.iter().max_by_key(|(_, t)| **t) else {
+            return;
+        };
+        let waits: u64 = arrivals.values().map(|t| last - t).sum();
+        *self.charged.entry(last_pid).or_default() += waits;
+        self.total += waits;
+        for (pid, t) in arrivals {
+            let e = self.behind.entry(*pid).or_default();
+            e.0 += t - first;
+            e.1 += 1;
+        }
+    }
+
+    /// The rank charged the most waits so far, when at least two ranks issued collectives.
+    #[must_use]
+    pub fn straggler(&self, ids: &[RankIdentity]) -> Option<Straggler> {
+        if self.ranks.len() < 2 {
+            return None;
+        }
+        let (&pid, &waits) = self.charged.iter().max_by_key(|(_, w)| **w)?;
+        let (sum, n) = self.behind.get(&pid).copied().unwrap_or((0, 1));
+        Some(Straggler {
+            rank: ids.iter().find(|r| r.pid == pid).map_or(-1, |r| r.rank),
+            pid,
+            share_of_waits: if self.total == 0 {
+                0.0
+            } else {
+                waits as f64 / self.total as f64
+            },
+            mean_lateness_ns: sum / n.max(1),
+        })
+    }
 }
 
 /// Per matched collective, each pid's arrival (call entry).
-fn matched(collectives: &BTreeMap<u32, Vec<Collective>>) -> Vec<BTreeMap<u32, u64>> {
-    let per_pid: BTreeMap<u32, Vec<Vec<u64>>> = collectives
-        .iter()
-        .map(|(pid, c)| (*pid, by_communicator(c)))
-        .collect();
-    let comms = per_pid.values().map(Vec::len).min().unwrap_or(0);
-    let mut out = Vec::new();
-    for k in 0..comms {
-        let n = per_pid.values().map(|c| c[k].len()).min().unwrap_or(0);
-        for i in 0..n {
-            out.push(per_pid.iter().map(|(pid, c)| (*pid, c[k][i])).collect());
+fn matched(collectives: &BTreeMap<u32, Vec<Collective>>) -> (Matcher, Vec<BTreeMap<u32, u64>>) {
+    let mut m = Matcher::default();
+    for (pid, cs) in collectives {
+        for c in cs {
+            m.add(*pid, c);
         }
     }
-    out
+    let out = m.matched();
+    (m, out)
 }
 
 /// The straggler, when there are at least two ranks with collectives.
@@ -124,36 +192,17 @@ pub fn straggler(
     collectives: &BTreeMap<u32, Vec<Collective>>,
     ids: &[RankIdentity],
 ) -> Option<Straggler> {
-    if collectives.len() < 2 {
-        return None;
-    }
-    let mut charged: BTreeMap<u32, u64> = BTreeMap::new();
-    let mut lateness: BTreeMap<u32, (u64, u64)> = BTreeMap::new();
-    let mut total = 0u64;
-    for arrivals in matched(collectives) {
-        let first = arrivals.values().copied().min()?;
-        let (&last_pid, &last) = arrivals.iter().max_by_key(|(_, t)| **t)?;
-        let waits: u64 = arrivals.values().map(|t| last - t).sum();
-        *charged.entry(last_pid).or_default() += waits;
-        total += waits;
-        for (pid, t) in &arrivals {
-            let e = lateness.entry(*pid).or_default();
-            e.0 += t - first;
-            e.1 += 1;
-        }
-    }
-    let (&pid, &waits) = charged.iter().max_by_key(|(_, w)| **w)?;
-    let (sum, n) = lateness.get(&pid).copied().unwrap_or((0, 1));
-    Some(Straggler {
-        rank: ids.iter().find(|r| r.pid == pid).map_or(-1, |r| r.rank),
-        pid,
-        share_of_waits: if total == 0 {
-            0.0
-        } else {
-            waits as f64 / total as f64
-        },
-        mean_lateness_ns: sum / n.max(1),
-    })
+    matched(collectives).0.straggler(ids)
+}
+
+/// The lateness entry of one matched collective, seen from `reference`: (its arrival,
+/// the pid arriving last, how far behind the first that one arrived).
+#[must_use]
+pub fn late_entry(arrivals: &BTreeMap<u32, u64>, reference: u32) -> Option<(u64, u32, u64)> {
+    let at = *arrivals.get(&reference)?;
+    let first = arrivals.values().copied().min()?;
+    let (pid, last) = arrivals.iter().max_by_key(|(_, t)| **t)?;
+    Some((at, *pid, last - first))
 }
 
 /// Per matched collective, sorted by the reference rank's arrival: (that arrival, the pid
@@ -167,13 +216,9 @@ pub fn lateness(
         return Vec::new();
     }
     let mut out: Vec<(u64, u32, u64)> = matched(collectives)
-        .into_iter()
-        .filter_map(|arrivals| {
-            let at = *arrivals.get(&reference)?;
-            let first = arrivals.values().copied().min()?;
-            let (pid, last) = arrivals.iter().max_by_key(|(_, t)| **t)?;
-            Some((at, *pid, last - first))
-        })
+        .1
+        .iter()
+        .filter_map(|arrivals| late_entry(arrivals, reference))
         .collect();
     out.sort_unstable();
     out

@@ -59,6 +59,10 @@ pub struct AttachArgs {
     /// recording. 0: no limit.
     #[arg(long, default_value_t = 5_000_000)]
     max_attributed_events: u64,
+    /// Attribute in epochs of at least this many events (0: the whole run at once). For
+    /// tests and for checking that epochs do not change the outputs.
+    #[arg(long, hide = true, default_value_t = crate::pipeline::EPOCH_EVENTS)]
+    epoch_events: u64,
 }
 
 /// Validated attach settings.
@@ -73,6 +77,7 @@ struct Settings {
     step_nvtx: Option<String>,
     follow: bool,
     max_attributed_events: u64,
+    epoch_events: u64,
 }
 
 impl AttachArgs {
@@ -134,6 +139,7 @@ impl AttachArgs {
             step_nvtx: self.step_nvtx,
             follow: self.follow,
             max_attributed_events: self.max_attributed_events,
+            epoch_events: self.epoch_events,
         })
     }
 }
@@ -155,6 +161,9 @@ struct LiveSink {
     store: Store,
     path: PathBuf,
     header: Header,
+    /// How steps are found, and the events per attribution epoch.
+    rule: crate::attribute::StepRule,
+    epoch_events: u64,
     nccl_calls: u64,
     records: u64,
     status: bool,
@@ -162,6 +171,12 @@ struct LiveSink {
 }
 
 impl LiveSink {
+    fn aggregator(&self) -> Aggregator {
+        let mut agg = Aggregator::new(self.header.clone());
+        agg.stream(self.rule.clone(), self.epoch_events);
+        agg
+    }
+
     /// Moves from disk to memory after `error`: nothing written or gathered is lost.
     fn spill(&mut self, error: crate::record::RecordError) {
         crate::note!(
@@ -172,7 +187,7 @@ impl LiveSink {
             return;
         };
         let unwritten = writer.take_unwritten();
-        let mut agg = Aggregator::new(self.header.clone());
+        let mut agg = self.aggregator();
         match Reader::open(&self.path) {
             Ok(mut reader) => agg.feed(&mut reader),
             // Said, not silently dropped: the outputs cover what follows.
@@ -213,10 +228,11 @@ impl LiveSink {
         {
             self.spill(e);
         }
+        let fresh = self.aggregator();
         match self.store {
             Store::Memory { agg, error } => (*agg, Err(error)),
             Store::Disk(writer) => {
-                let mut agg = Aggregator::new(self.header);
+                let mut agg = fresh;
                 let skip = if limit == 0 {
                     0
                 } else {
@@ -588,6 +604,8 @@ async fn trace(
         store: Store::Disk(writer),
         path: rec_path.clone(),
         header: attached.header.clone(),
+        rule: settings.step_rule.clone(),
+        epoch_events: settings.epoch_events,
         nccl_calls: 0,
         records: 0,
         status: std::io::stderr().is_terminal(),

@@ -21,12 +21,16 @@ pub struct ReportArgs {
     /// --step-nvtx uses its pattern unless this or --step-window is given).
     #[arg(long, conflicts_with = "step_window")]
     step_nvtx: Option<String>,
+    /// Attribute in epochs of at least this many events (0: the whole run at once). For
+    /// tests and for checking that epochs do not change the outputs.
+    #[arg(long, hide = true, default_value_t = crate::pipeline::EPOCH_EVENTS)]
+    epoch_events: u64,
 }
 
 #[allow(clippy::needless_pass_by_value)] // the parsed arguments end here
 pub fn run(args: ReportArgs) -> Result<(), Error> {
     let rule = super::step_rule(args.step_window.as_deref(), args.step_nvtx.as_deref())?;
-    let outputs = crate::pipeline::replay(&args.recording, rule)?;
+    let outputs = crate::pipeline::replay(&args.recording, rule, args.epoch_events)?;
     if outputs.doctor.is_none() {
         crate::note!(
             "nccltrace: doctor.json not rebuilt: the recording does not keep the placement \

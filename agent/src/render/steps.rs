@@ -374,6 +374,8 @@ mod tests {
         let report = StepsReport {
             clock: "",
             partial_steps_left_out: 0,
+            epochs: 1,
+            late_events_left_out: 0,
             method: crate::attribute::steps::Method::Window,
             reason: String::new(),
             period: None,

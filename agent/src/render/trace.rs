@@ -588,6 +588,8 @@ mod tests {
         let steps = StepsReport {
             clock: "",
             partial_steps_left_out: 0,
+            epochs: 1,
+            late_events_left_out: 0,
             method: Method::Auto,
             reason: String::new(),
             period: Some(1),

@@ -1,0 +1,269 @@
+//! Cutting one thread's time into categorized pieces: the state machine of the rules in
+//! the module docs, run over the thread's changes in time order.
+
+use std::collections::BTreeSet;
+
+use super::{Cat, Categories, Change, ThreadLog};
+
+/// `[a, b)` of one thread by category: its pieces clipped to the interval, page faults
+/// (on-CPU samples in the fault handler, outside NCCL waits) carved out of compute.
+pub(super) fn categories(log: &ThreadLog, a: u64, b: u64) -> Categories {
+    let mut cat = Categories::default();
+    let segs = &log.segments;
+    let first = segs.partition_point(|(_, e, _)| *e <= a);
+    for (s, e, c) in &segs[first..] {
+        if *s >= b {
+            break;
+        }
+        *cat.slot(*c) += (*e).min(b).saturating_sub((*s).max(a));
+    }
+    let lo = log.fault_time.partition_point(|(ts, _)| *ts < a);
+    let fault_ns: u64 = log.fault_time[lo..]
+        .iter()
+        .take_while(|(ts, _)| *ts < b)
+        .filter(|(ts, _)| category_at(segs, *ts) != Some(Cat::NcclWait))
+        .map(|(_, weight)| weight)
+        .sum();
+    let fault_ns = fault_ns.min(cat.compute);
+    cat.page_fault += fault_ns;
+    cat.compute -= fault_ns;
+    cat
+}
+
+/// Cuts `[a, b)` of one thread into (start, end, category) pieces, adjacent pieces of
+/// one category merged (page faults are not carved out here: they come from samples).
+/// Starts from the state the previous epoch left (or, in the first, the one the thread's
+/// first switch implies); returns the state at `b`, for the next.
+pub(super) fn split(
+    log: &ThreadLog,
+    collective_ends: &[u64],
+    a: u64,
+    b: u64,
+    segments: &mut Vec<(u64, u64, Cat)>,
+) -> State {
+    // Before its first switch-in a thread was off-CPU: blocked, unless a wakeup says
+    // otherwise.
+    let first_in = log.first_switch_is_in == Some(true);
+    let mut state = log.carry.unwrap_or(State {
+        on_cpu: !first_in,
+        runnable: !first_in,
+        ..State::default()
+    });
+    if b <= a {
+        return state;
+    }
+    let mut sync_ends: Vec<u64> = log
+        .history
+        .syncs
+        .iter()
+        .chain(&log.syncs)
+        .map(|(_, e)| *e)
+        .collect();
+    sync_ends.sort_unstable();
+    // Whether a sync starting at `start` has NCCL work outstanding: a collective
+    // returned after the previous sync of this thread ended.
+    let outstanding = |start: u64| {
+        let prev_end = sync_ends
+            .partition_point(|e| *e <= start)
+            .checked_sub(1)
+            .map_or(0, |i| sync_ends[i]);
+        let i = collective_ends.partition_point(|e| *e <= prev_end);
+        collective_ends.get(i).is_some_and(|e| *e <= start)
+    };
+    let (blocking_calls, own_waits) = marks(log);
+    let mut t = a;
+    let mut charge = |from: u64, to: u64, state: State| {
+        let (from, to) = (from.max(a), to.min(b));
+        if to > from {
+            let which = state.category();
+            match segments.last_mut() {
+                Some(last) if last.1 == from && last.2 == which => last.1 = to,
+                _ => segments.push((from, to, which)),
+            }
+        }
+    };
+    for &(ts, change) in &log.changes {
+        if ts >= b {
+            break;
+        }
+        charge(t, ts, state);
+        t = t.max(ts);
+        match change {
+            Change::SwitchOut { runnable } => {
+                state.on_cpu = false;
+                state.runnable = runnable;
+                state.migrated = false;
+                state.waits_on_own = !runnable && own_waits.contains(&ts);
+            }
+            Change::SwitchIn => {
+                state.on_cpu = true;
+                state.runnable = true;
+                state.migrated = false;
+            }
+            Change::Wakeup { .. } => {
+                state.runnable = true;
+                state.waits_on_own = false;
+            }
+            Change::Migrate => state.migrated = true,
+            Change::SyncStart => {
+                state.sync_depth += 1;
+                state.sync_nccl = outstanding(ts);
+            }
+            Change::SyncEnd => state.sync_depth = state.sync_depth.saturating_sub(1),
+            Change::NcclStart => {
+                state.nccl_depth += 1;
+                state.nccl_blocking = blocking_calls.contains(&ts);
+            }
+            Change::NcclEnd => {
+                state.nccl_depth = state.nccl_depth.saturating_sub(1);
+                state.nccl_blocking &= state.nccl_depth > 0;
+            }
+            Change::FaultStart => state.fault_depth += 1,
+            Change::FaultEnd => state.fault_depth = state.fault_depth.saturating_sub(1),
+        }
+    }
+    charge(t, b, state);
+    state
+}
+
+/// The category of the piece holding `ts`.
+pub(super) fn category_at(segments: &[(u64, u64, Cat)], ts: u64) -> Option<Cat> {
+    let i = segments.partition_point(|(_, e, _)| *e <= ts);
+    segments
+        .get(i)
+        .filter(|(s, _, _)| *s <= ts)
+        .map(|(_, _, c)| *c)
+}
+
+/// The on-CPU time each fault sample stands for: the thread's on-CPU time since its
+/// previous sample. The kernel re-arms the cpu-clock timer after the sample's handler and
+/// delays samples while interrupts are off (more so inside fault handling), so the real
+/// interval runs a few percent over the nominal period; wall-clock gaps also hold
+/// preemptions, which are taken out using the thread's switches. The nominal period when
+/// there is no previous sample or the on-CPU gap is outside [period, 1.5 × period).
+pub(super) fn weigh_samples(log: &ThreadLog, period: u64) -> Vec<(u64, u64)> {
+    let mut off: Vec<(u64, u64)> = Vec::new();
+    // Off-CPU since an earlier epoch.
+    let mut out_at: Option<u64> = log.off_open.map(|o| o.start);
+    for &(ts, change) in &log.changes {
+        match change {
+            Change::SwitchOut { .. } => out_at = Some(ts),
+            Change::SwitchIn => {
+                if let Some(at) = out_at.take() {
+                    off.push((at, ts));
+                }
+            }
+            _ => {}
+        }
+    }
+    log.fault_samples
+        .iter()
+        .map(|&(ts, prev)| {
+            let weight = prev.map_or(period, |prev| {
+                let first = off.partition_point(|(_, e)| *e <= prev);
+                let off_cpu: u64 = off[first..]
+                    .iter()
+                    .take_while(|(s, _)| *s < ts)
+                    .map(|(s, e)| (*e).min(ts).saturating_sub((*s).max(prev)))
+                    .sum();
+                let on_cpu = ts.saturating_sub(prev).saturating_sub(off_cpu);
+                // Longer: samples were missing in between; shorter: clock skew.
+                if (period..period + period / 2).contains(&on_cpu) {
+                    on_cpu
+                } else {
+                    period
+                }
+            });
+            (ts, weight)
+        })
+        .collect()
+}
+
+/// Start times of the thread's NCCL calls that blocked before returning, and of its
+/// blocked intervals that ended with a wakeup from another thread of its process.
+fn marks(log: &ThreadLog) -> (BTreeSet<u64>, BTreeSet<u64>) {
+    // NCCL calls that blocked (slept) before returning block the host: all their time is
+    // NCCL wait. A call only preempted is enqueue work that waited for a CPU: a preemption
+    // once made a minimal-profile run report nccl_wait as measured.
+    let mut blocking_calls = BTreeSet::new();
+    let mut open: Option<u64> = None;
+    for &(ts, change) in &log.changes {
+        match change {
+            Change::NcclStart => open = Some(ts),
+            Change::SwitchOut { runnable: false } => {
+                if let Some(start) = open {
+                    blocking_calls.insert(start);
+                }
+            }
+            Change::NcclEnd => open = None,
+            _ => {}
+        }
+    }
+    // Blocked intervals that end with a wakeup from another thread of the process:
+    // the thread waits for the process's own work (autograd, worker queues).
+    let mut own_waits = BTreeSet::new();
+    let mut blocked_since: Option<u64> = None;
+    for &(ts, change) in &log.changes {
+        match change {
+            Change::SwitchOut { runnable: false } => blocked_since = Some(ts),
+            Change::Wakeup { own } => {
+                if let Some(since) = blocked_since.take()
+                    && own
+                {
+                    own_waits.insert(since);
+                }
+            }
+            Change::SwitchIn => blocked_since = None,
+            _ => {}
+        }
+    }
+    (blocking_calls, own_waits)
+}
+
+/// A thread's state between two changes.
+#[allow(clippy::struct_excessive_bools)] // independent facts about one thread
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct State {
+    on_cpu: bool,
+    runnable: bool,
+    migrated: bool,
+    sync_depth: u32,
+    sync_nccl: bool,
+    nccl_depth: u32,
+    /// Inside an NCCL call that goes off-CPU before it returns.
+    nccl_blocking: bool,
+    /// Blocked until another thread of the process wakes it.
+    waits_on_own: bool,
+    /// Inside a timed page fault (fentry/fexit).
+    fault_depth: u32,
+}
+
+impl State {
+    fn in_nccl_sync(self) -> bool {
+        self.sync_depth > 0 && self.sync_nccl
+    }
+
+    /// The category time in this state belongs to (the rules in the module docs).
+    fn category(self) -> Cat {
+        if self.in_nccl_sync() || self.nccl_blocking {
+            Cat::NcclWait
+        } else if self.fault_depth > 0 && (self.on_cpu || !self.runnable) {
+            // Handling the fault on the CPU, or blocked inside it (reading the page in).
+            Cat::PageFault
+        } else if self.on_cpu {
+            Cat::Compute
+        } else if self.nccl_depth > 0 {
+            Cat::NcclWait
+        } else if self.runnable {
+            if self.migrated {
+                Cat::CpuMigration
+            } else {
+                Cat::Runqueue
+            }
+        } else if self.sync_depth > 0 || self.waits_on_own {
+            Cat::Compute
+        } else {
+            Cat::OtherOffcpu
+        }
+    }
+}

@@ -1,0 +1,840 @@
+//! Attribution in epochs: the run is attributed as it goes, not held until its end.
+//!
+//! Events are buffered until an epoch's worth has arrived. Steps are then found on the
+//! buffer (with the tail of the earlier epochs as context, so the period search and the
+//! step at the epoch's start come out as on the whole run); the steps that are closed,
+//! all but the last [`LOOKAHEAD`] and all that end at least [`REORDER_NS`] before the
+//! newest record, are attributed and final: their categories, every thread's time up to
+//! the last one's end, the cross-rank matching and the timeline pieces. The buffer is then
+//! cut there; each thread's state at the cut (on or off CPU, inside a sync, an NCCL call
+//! or a fault) carries into the next epoch. A run that fits one epoch is attributed
+//! exactly as a whole; docs/attribution.md says where a longer one can differ.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use super::cut::{categories, split, weigh_samples};
+use super::steps::{self, Collective, Detected, Method};
+use super::{
+    Categories, Change, Detail, Methods, NcclCount, OffCpu, OpenOff, Step, StepRank, StepRule,
+    StepsReport, ThreadDetail, ThreadLog, ThreadReport, Timeline, Unmeasured, ranks, role,
+};
+
+/// An epoch ends at least this long before the newest record: records of different CPUs
+/// arrive a little out of order.
+const REORDER_NS: u64 = 1_000_000_000;
+/// Steps held back at an epoch's end: finding where the last ones end needs what follows.
+const LOOKAHEAD: usize = 2;
+/// Closed steps an epoch needs before it is attributed (else it waits for more events).
+const MIN_STEPS: usize = 8;
+/// Past this many epochs' worth of events, an epoch is attributed with what was found.
+const FORCE_FACTOR: u64 = 16;
+/// The tail of earlier epochs kept per thread as context.
+const HISTORY_COLLECTIVES: usize = 1024;
+const HISTORY_SYNCS: usize = 256;
+
+/// One thread's totals over the epochs so far.
+#[derive(Default)]
+struct ThreadTotals {
+    categories: Categories,
+    nccl_calls: u64,
+    faults: u64,
+    migrations: u64,
+    cross_node_migrations: u64,
+}
+
+/// What the epochs so far attributed.
+#[derive(Default)]
+pub(super) struct Attributed {
+    /// (tid, pid) of the rank thread, fixed by the first epoch that saw collectives.
+    rank: Option<(u32, u32)>,
+    /// How the first epoch that found steps found them.
+    found: Option<(Method, String, Option<usize>)>,
+    /// How the last epoch looked for them, when none found any.
+    fallback: Option<(Method, String, Option<usize>)>,
+    steps: Vec<Step>,
+    left_out: usize,
+    threads: BTreeMap<u32, ThreadTotals>,
+    rank_categories: BTreeMap<u32, Categories>,
+    rank_nccl: BTreeMap<u32, ranks::RankNccl>,
+    matcher: ranks::Matcher,
+    /// Lateness of matched collectives (see [`ranks::lateness`]) the steps to come use.
+    lateness: Vec<(u64, u32, u64)>,
+    detail: BTreeMap<u32, ThreadDetail>,
+    calls: Vec<crate::event::Call>,
+    /// An NCCL call blocked the host (a lower bound of `nccl_wait` without sync probes).
+    blocked_in_nccl: bool,
+    epochs: u64,
+}
+
+impl Timeline {
+    /// Attributes an epoch if enough steps closed; else tries again after more events.
+    pub(super) fn try_epoch(&mut self) {
+        let force = self.buffered >= self.epoch_events.saturating_mul(FORCE_FACTOR);
+        if self.epoch(None, force) {
+            self.buffered = 0;
+            self.next_try = self.epoch_events;
+        } else {
+            self.next_try = self.buffered.saturating_add(self.epoch_events);
+        }
+    }
+
+    /// Attributes the buffer up to the end of its last closed step (up to `end` when it
+    /// is the run's end) and cuts it there. False when nothing could be attributed yet.
+    pub(super) fn epoch(&mut self, end: Option<u64>, force: bool) -> bool {
+        let last = end.map_or(self.last_ns, |e| e.max(self.last_ns));
+        self.sort_logs();
+        if self.done.rank.is_none() {
+            self.done.rank = self.choose_rank();
+        }
+        let rank = self.done.rank;
+        let cut = self.cut_ns.max(self.first_ns);
+        let (detected, found) = self.detect(rank, last);
+        let left_out = if self.done.epochs == 0 {
+            detected
+                .bounds
+                .iter()
+                .filter(|(a, _)| *a < self.first_ns)
+                .count()
+        } else {
+            0
+        };
+        let mut bounds: Vec<(u64, u64)> = if !found && self.done.found.is_some() {
+            // Steps were found before but not in this stretch (the run's short tail):
+            // no windows mixed in among them.
+            Vec::new()
+        } else {
+            detected
+                .bounds
+                .iter()
+                .copied()
+                .filter(|(a, _)| *a >= cut)
+                .collect()
+        };
+        let until = if end.is_some() {
+            last
+        } else {
+            let horizon = last.saturating_sub(REORDER_NS);
+            bounds.retain(|(_, b)| *b <= horizon);
+            bounds.truncate(bounds.len().saturating_sub(LOOKAHEAD));
+            if !force && (!found || bounds.len() < MIN_STEPS) {
+                return false;
+            }
+            match bounds.last() {
+                Some(b) => b.1,
+                None => horizon,
+            }
+        };
+        if until <= cut && end.is_none() {
+            return false;
+        }
+        self.join_at_cut(&mut bounds, cut);
+        if found {
+            self.done
+                .found
+                .get_or_insert((detected.method, detected.reason, detected.period));
+        } else {
+            self.done.fallback = Some((detected.method, detected.reason, detected.period));
+        }
+        self.done.left_out += left_out;
+        self.attribute(cut, until, &bounds);
+        self.trim(until);
+        self.cut_ns = until;
+        self.done.epochs += 1;
+        true
+    }
+
+    /// In an epoch after the first, the step that starts at the cut when detection on this
+    /// epoch's events found the next one only (a gap of about a step before its first).
+    fn join_at_cut(&self, bounds: &mut Vec<(u64, u64)>, cut: u64) {
+        let Some(&(first, _)) = bounds.first() else {
+            return;
+        };
+        if self.done.steps.is_empty() || first <= cut {
+            return;
+        }
+        let mut walls: Vec<u64> = bounds.iter().map(|(a, b)| b - a).collect();
+        walls.sort_unstable();
+        let median = walls[walls.len() / 2];
+        if first - cut <= 2 * median {
+            bounds.insert(0, (cut, first));
+        }
+    }
+
+    /// Sorts what attribution searches by time, and weighs fault samples.
+    fn sort_logs(&mut self) {
+        let period = self.sample_period_ns;
+        self.page_migrations.sort_unstable_by_key(|m| m.1);
+        self.numa_moves.sort_unstable_by_key(|m| m.1);
+        for log in self.threads.values_mut() {
+            log.changes.sort_unstable();
+            log.syncs.sort_unstable();
+            log.collectives.sort_by_key(|c| c.start_ns);
+            log.faults.sort_unstable();
+            log.wakeups.sort_unstable();
+            log.call_stacks.sort_unstable();
+            log.offcpu_stacks.sort_unstable();
+            log.migrations.sort_unstable_by_key(|m| m.0);
+            if !self.faults_timed {
+                log.fault_time = weigh_samples(log, period);
+            }
+            log.fault_time.sort_unstable();
+        }
+    }
+
+    /// The rank thread runs the training loop: in the process that issued the most
+    /// collectives, the thread that waits on the GPU most often (PyTorch's main thread:
+    /// DDP issues its all-reduces from the autograd thread, but `.item()` syncs on the
+    /// main one), else the thread issuing the most collectives.
+    fn choose_rank(&self) -> Option<(u32, u32)> {
+        let mut per_pid: BTreeMap<u32, u64> = BTreeMap::new();
+        for log in self.threads.values() {
+            *per_pid.entry(log.pid).or_default() += log.total_collectives;
+        }
+        let pid = per_pid
+            .iter()
+            .filter(|(_, n)| **n > 0)
+            .max_by_key(|(pid, n)| (**n, std::cmp::Reverse(**pid)))
+            .map(|(pid, _)| *pid)?;
+        self.threads
+            .iter()
+            .filter(|(_, l)| l.pid == pid)
+            .max_by_key(|(tid, l)| (l.total_syncs, l.total_collectives, std::cmp::Reverse(**tid)))
+            .map(|(tid, _)| (*tid, pid))
+    }
+
+    /// A process's training-loop thread over the run so far: the one that waits on the
+    /// GPU most often, else the one issuing the most collectives.
+    fn loop_thread(&self, pid: u32) -> Option<u32> {
+        self.threads
+            .iter()
+            .filter(|(_, l)| l.pid == pid)
+            .filter(|(_, l)| l.total_syncs > 0 || l.total_collectives > 0)
+            .max_by_key(|(tid, l)| (l.total_syncs, l.total_collectives, std::cmp::Reverse(**tid)))
+            .map(|(tid, _)| *tid)
+    }
+
+    /// A process's collectives from every thread, by start: the earlier epochs' tail
+    /// too when `history`.
+    fn process_collectives(&self, pid: u32, history: bool) -> Vec<Collective> {
+        let mut c: Vec<Collective> = self
+            .threads
+            .values()
+            .filter(|l| l.pid == pid)
+            .flat_map(|l| {
+                let old = if history {
+                    &l.history.collectives[..]
+                } else {
+                    &[][..]
+                };
+                old.iter().chain(&l.collectives).copied()
+            })
+            .collect();
+        c.sort_by_key(|c| c.start_ns);
+        c
+    }
+
+    /// Steps in the buffer by the rule, and whether they were found (not the fallback).
+    fn detect(&self, rank: Option<(u32, u32)>, end_ns: u64) -> (Detected, bool) {
+        let cut = self.cut_ns.max(self.first_ns);
+        let of_rank = |l: &&ThreadLog| rank.is_none_or(|r| l.pid == r.1);
+        let markers: Vec<u64> = self
+            .threads
+            .values()
+            .filter(of_rank)
+            .flat_map(|l| l.markers.iter().copied())
+            .collect();
+        // When no steps can be found: 1 s windows, saying why.
+        let fallback = |why: &str| {
+            let w = steps::windows(cut, end_ns, 1_000_000_000, format!("{why}: 1 s windows"));
+            (w, false)
+        };
+        let found = |d: Detected| (d, true);
+        match (&self.rule, rank) {
+            (StepRule::Nvtx(pattern), _) => {
+                let pushes: Vec<u64> = self
+                    .threads
+                    .values()
+                    .filter(of_rank)
+                    .flat_map(|l| l.nvtx.iter())
+                    .filter(|(_, name)| pattern.0.is_match(name))
+                    .map(|(t, _)| *t)
+                    .collect();
+                let re = pattern.0.as_str();
+                steps::by_nvtx(&pushes, re).map_or_else(
+                    || {
+                        fallback(&format!(
+                            "--step-nvtx {re:?}: fewer than two NVTX ranges matched"
+                        ))
+                    },
+                    found,
+                )
+            }
+            (StepRule::Window(w), _) => found(steps::windows(
+                cut,
+                end_ns,
+                *w,
+                format!("--step-window {w} ns"),
+            )),
+            // A recording made with --step-symbol holds the marker's entries.
+            (StepRule::Auto, _) if !markers.is_empty() => steps::by_marker(&markers).map_or_else(
+                || fallback("--step-symbol: the marker was entered fewer than twice"),
+                found,
+            ),
+            (StepRule::Auto, Some((tid, pid))) => {
+                let log = &self.threads[&tid];
+                let syncs: Vec<(u64, u64)> = log
+                    .history
+                    .syncs
+                    .iter()
+                    .chain(&log.syncs)
+                    .copied()
+                    .collect();
+                steps::detect(&self.process_collectives(pid, true), &syncs)
+                    .map_or_else(|| fallback("no repeating sequence of collectives"), found)
+            }
+            (StepRule::Auto, None) => fallback("no collectives traced"),
+        }
+    }
+
+    /// Rank numbers of the traced processes.
+    fn identities(&self) -> Vec<ranks::RankIdentity> {
+        ranks::identify(&self.target_pids, &self.init_ranks, &self.env_ranks)
+    }
+
+    /// Every thread's pieces, the steps in `bounds` and the totals over `[cut, until)`.
+    fn attribute(&mut self, cut: u64, until: u64, bounds: &[(u64, u64)]) {
+        // NCCL outstanding is a property of the process: collectives from any thread.
+        let mut collective_ends: BTreeMap<u32, Vec<u64>> = BTreeMap::new();
+        for log in self.threads.values() {
+            collective_ends.entry(log.pid).or_default().extend(
+                log.history
+                    .collectives
+                    .iter()
+                    .chain(&log.collectives)
+                    .map(|c| c.end_ns),
+            );
+        }
+        for ends in collective_ends.values_mut() {
+            ends.sort_unstable();
+        }
+        // A thread first seen in this epoch is attributed from the run's start, as if the
+        // run were one epoch (its state before then follows from its first switch).
+        let mut from = BTreeMap::new();
+        for (tid, log) in &mut self.threads {
+            let ends = collective_ends.get(&log.pid).map_or(&[][..], Vec::as_slice);
+            let a = if log.carry.is_some() {
+                cut
+            } else {
+                self.first_ns
+            };
+            let mut segments = Vec::new();
+            let state = split(log, ends, a, until, &mut segments);
+            log.segments = segments;
+            log.carry = Some(state);
+            from.insert(*tid, a);
+        }
+        self.match_ranks();
+        self.steps(bounds);
+        self.totals(&from, until);
+        self.epoch_detail(until);
+        self.done.lateness.retain(|(at, _, _)| *at >= until);
+    }
+
+    /// Gives the cross-rank matcher every collective not given yet.
+    fn match_ranks(&mut self) {
+        let mut per_pid: BTreeMap<u32, Vec<Collective>> = BTreeMap::new();
+        for log in self.threads.values_mut() {
+            per_pid
+                .entry(log.pid)
+                .or_default()
+                .extend(log.collectives.get(log.fed..).unwrap_or(&[]));
+            log.fed = log.collectives.len();
+        }
+        for (pid, mut cs) in per_pid {
+            cs.sort_by_key(|c| c.start_ns);
+            for c in &cs {
+                self.done.matcher.add(pid, c);
+            }
+        }
+        let Some((_, rank_pid)) = self.done.rank else {
+            return;
+        };
+        let groups = self.done.matcher.matched();
+        self.done
+            .lateness
+            .extend(groups.iter().filter_map(|g| ranks::late_entry(g, rank_pid)));
+        self.done.lateness.sort_unstable();
+    }
+
+    /// The rank thread's steps in `bounds`.
+    fn steps(&mut self, bounds: &[(u64, u64)]) {
+        let Some((tid, pid)) = self.done.rank else {
+            return;
+        };
+        let identities = self.identities();
+        let rank_of = |pid: u32| {
+            identities
+                .iter()
+                .find(|i| i.pid == pid)
+                .map_or(-1, |i| i.rank)
+        };
+        let loop_threads: BTreeMap<u32, u32> = identities
+            .iter()
+            .filter_map(|id| self.loop_thread(id.pid).map(|tid| (id.pid, tid)))
+            .collect();
+        let colls = self.process_collectives(pid, false);
+        let log = &self.threads[&tid];
+        let mut out = Vec::with_capacity(bounds.len());
+        for &(a, b) in bounds {
+            let mut step = self.step(self.done.steps.len() + out.len(), log, tid, &colls, a, b);
+            if loop_threads.len() > 1 {
+                step.slowest_rank = ranks::slowest_in(&self.done.lateness, a, b).map(rank_of);
+                step.ranks = loop_threads
+                    .iter()
+                    .map(|(p, t)| StepRank {
+                        rank: rank_of(*p),
+                        pid: *p,
+                        categories: categories(&self.threads[t], a, b),
+                    })
+                    .collect();
+            }
+            out.push(step);
+        }
+        self.done.steps.extend(out);
+    }
+
+    /// Every thread's and every rank's totals over `[from, until)` (`from` per thread).
+    fn totals(&mut self, from: &BTreeMap<u32, u64>, until: u64) {
+        for (tid, log) in &self.threads {
+            let t = self.done.threads.entry(*tid).or_default();
+            let c = categories(log, from[tid], until);
+            self.done.blocked_in_nccl |= c.nccl_wait > 0;
+            t.categories.add(&c);
+            t.nccl_calls += log
+                .changes
+                .iter()
+                .filter(|(ts, c)| *ts < until && *c == Change::NcclStart)
+                .count() as u64;
+            t.faults += log.faults.partition_point(|ts| *ts < until) as u64;
+            let migrations = &log.migrations[..log.migrations.partition_point(|m| m.0 < until)];
+            t.migrations += migrations.len() as u64;
+            t.cross_node_migrations += migrations.iter().filter(|(_, x)| *x).count() as u64;
+        }
+        for id in self.identities() {
+            let colls = self.process_collectives(id.pid, false);
+            let n = self.done.rank_nccl.entry(id.pid).or_default();
+            for c in colls.iter().take_while(|c| c.start_ns < until) {
+                n.collectives += 1;
+                n.bytes = n.bytes.saturating_add(c.bytes);
+            }
+            if let Some(t) = self.loop_thread(id.pid) {
+                let c = categories(&self.threads[&t], from[&t], until);
+                self.done.rank_categories.entry(id.pid).or_default().add(&c);
+            }
+        }
+    }
+
+    /// The timeline pieces, samples and off-CPU stretches up to `until`, for the
+    /// flamegraphs and the Perfetto trace.
+    fn epoch_detail(&mut self, until: u64) {
+        let rank_tid = self.done.rank.map(|r| r.0);
+        for (tid, log) in &mut self.threads {
+            let name = self.thread_names.get(tid).cloned().unwrap_or_default();
+            let thread = self
+                .done
+                .detail
+                .entry(*tid)
+                .or_insert_with(|| ThreadDetail {
+                    tid: *tid,
+                    pid: log.pid,
+                    role: role(Some(*tid) == rank_tid, &name),
+                    name,
+                    segments: Vec::new(),
+                    samples: Vec::new(),
+                    offcpu: Vec::new(),
+                    migrations: Vec::new(),
+                    faults: Vec::new(),
+                    call_stacks: Vec::new(),
+                });
+            let before = |ts: &u64| *ts < until;
+            thread.segments.append(&mut log.segments);
+            thread
+                .migrations
+                .extend(log.migration_cpus.iter().filter(|m| before(&m.0)).copied());
+            thread
+                .faults
+                .extend(log.faults.iter().filter(|t| before(t)).copied());
+            thread
+                .call_stacks
+                .extend(log.call_stacks.iter().filter(|c| before(&c.0)).copied());
+            let fault_weight: BTreeMap<u64, u64> = log.fault_time.iter().copied().collect();
+            for &(ts, stack, in_fault) in log.stack_samples.iter().filter(|s| before(&s.0)) {
+                let at = category_at_thread(thread, ts);
+                let (cat, weight) = match fault_weight.get(&ts) {
+                    Some(w) if in_fault && at == super::Cat::Compute => (super::Cat::PageFault, *w),
+                    _ => (at, self.sample_period_ns),
+                };
+                thread.samples.push((ts, stack, cat, weight));
+            }
+            log.off_open = off_cpu(log, until, &mut thread.offcpu);
+        }
+        let (done, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut self.calls)
+            .into_iter()
+            .partition(|c| c.start_ns < until);
+        self.done.calls.extend(done);
+        self.calls = kept;
+    }
+
+    /// Drops what is attributed: everything before `until` but the state it leaves and
+    /// a bounded tail as context.
+    fn trim(&mut self, until: u64) {
+        let keep = |ts: u64| ts >= until;
+        self.page_migrations.retain(|m| keep(m.1));
+        self.numa_moves.retain(|m| keep(m.1));
+        for log in self.threads.values_mut() {
+            log.changes.retain(|c| keep(c.0));
+            let (old, new): (Vec<_>, Vec<_>) = std::mem::take(&mut log.syncs)
+                .into_iter()
+                .partition(|s| s.1 <= until);
+            log.syncs = new;
+            tail(&mut log.history.syncs, old, HISTORY_SYNCS);
+            let moved = log.collectives.partition_point(|c| c.start_ns < until);
+            let old: Vec<Collective> = log.collectives.drain(..moved).collect();
+            log.fed = log.fed.saturating_sub(moved);
+            tail(&mut log.history.collectives, old, HISTORY_COLLECTIVES);
+            log.fault_samples.retain(|s| keep(s.0));
+            log.fault_time.clear();
+            log.faults.retain(|t| keep(*t));
+            log.migrations.retain(|m| keep(m.0));
+            log.migration_cpus.retain(|m| keep(m.0));
+            log.stack_samples.retain(|s| keep(s.0));
+            log.offcpu_stacks
+                .retain(|s| keep(s.0) || s.0 + OFFCPU_STACK_SLACK >= until);
+            log.call_stacks.retain(|s| keep(s.0));
+            log.wakeups.retain(|w| keep(w.0));
+            log.markers.retain(|t| keep(*t));
+            log.nvtx.retain(|n| keep(n.0));
+        }
+    }
+
+    /// Attributes what is left (the run ended at `end_ns`) and returns the run's reports.
+    #[must_use]
+    pub fn finish(mut self, end_ns: u64, rule: StepRule) -> (StepsReport, Detail) {
+        if self.done.epochs == 0 {
+            self.rule = rule;
+        }
+        let end_ns = end_ns.max(self.last_ns);
+        self.epoch(Some(end_ns), true);
+        let rank = self.done.rank;
+        let identities = self.identities();
+        let unmeasured = Unmeasured {
+            nccl_wait: !self.sync_probed && !self.done.blocked_in_nccl,
+            nccl_wait_lower_bound: !self.sync_probed && self.done.blocked_in_nccl,
+            page_fault: !self.faults_timed
+                && (self.sample_period_ns == 0 || self.fault_ranges.is_empty()),
+        };
+        let mut steps_out = std::mem::take(&mut self.done.steps);
+        for step in &mut steps_out {
+            step.categories.unmeasured = unmeasured;
+            for r in &mut step.ranks {
+                r.categories.unmeasured = unmeasured;
+            }
+        }
+        let (ranks_out, threads) = self.reports(&identities, unmeasured);
+        let straggler = self.done.matcher.straggler(&identities);
+        let (method, mut reason, period) = self
+            .done
+            .found
+            .clone()
+            .or_else(|| self.done.fallback.clone())
+            .unwrap_or((Method::Window, String::new(), None));
+        let left_out = if rank.is_some() {
+            self.done.left_out
+        } else {
+            0
+        };
+        if left_out > 0 {
+            let _ = write!(
+                reason,
+                "; {left_out} step(s) that began before tracing was armed are left out (not \
+                 traced whole)"
+            );
+        }
+        let detail = Detail {
+            first_ns: self.first_ns,
+            end_ns,
+            threads: std::mem::take(&mut self.done.detail)
+                .into_values()
+                .collect(),
+            stacks: std::mem::take(&mut self.stacks),
+            calls: std::mem::take(&mut self.done.calls),
+            cpu_nodes: self.cpu_nodes.clone(),
+            sample_period_ns: self.sample_period_ns,
+            step_bounds: steps_out.iter().map(|s| (s.start_ns, s.end_ns)).collect(),
+            rank_tid: rank.map(|r| r.0),
+        };
+        let report = StepsReport {
+            partial_steps_left_out: left_out,
+            clock: "every *_ns timestamp (start_ns, end_ns) is CLOCK_MONOTONIC of the traced \
+                    host in ns; summary.json's start_unix_ns is the wall-clock time (ns since \
+                    1970) of the recording's start, duration_ns counted from it",
+            method,
+            reason,
+            period,
+            rank_pid: rank.map(|r| r.1),
+            rank_tid: rank.map(|r| r.0),
+            epochs: self.done.epochs,
+            late_events_left_out: self.late_events,
+            methods: self.methods(unmeasured),
+            steps: steps_out,
+            threads,
+            other_offcpu_top_stacks: Vec::new(),
+            ranks: ranks_out,
+            straggler,
+        };
+        (report, detail)
+    }
+
+    /// Every rank's and every thread's totals, for the reports.
+    fn reports(
+        &mut self,
+        identities: &[ranks::RankIdentity],
+        unmeasured: Unmeasured,
+    ) -> (Vec<ranks::RankReport>, Vec<ThreadReport>) {
+        let rank = self.done.rank;
+        let ranks_out = identities
+            .iter()
+            .map(|id| ranks::RankReport {
+                pid: id.pid,
+                rank: id.rank,
+                rank_source: id.rank_source.clone(),
+                nccl: self.done.rank_nccl.remove(&id.pid).unwrap_or_default(),
+                categories: Categories {
+                    unmeasured,
+                    ..self
+                        .done
+                        .rank_categories
+                        .remove(&id.pid)
+                        .unwrap_or_default()
+                },
+            })
+            .collect();
+        let threads = self
+            .done
+            .threads
+            .iter()
+            .map(|(tid, t)| {
+                let name = self.thread_names.get(tid).cloned().unwrap_or_default();
+                ThreadReport {
+                    tid: *tid,
+                    pid: self.threads.get(tid).map_or(0, |l| l.pid),
+                    role: role(Some(*tid) == rank.map(|r| r.0), &name),
+                    name,
+                    categories: Categories {
+                        unmeasured,
+                        ..t.categories
+                    },
+                    nccl_calls: t.nccl_calls,
+                    faults: t.faults,
+                    migrations: t.migrations,
+                    cross_node_migrations: t.cross_node_migrations,
+                }
+            })
+            .collect();
+        (ranks_out, threads)
+    }
+
+    /// How each category was measured, or why not.
+    fn methods(&self, unmeasured: Unmeasured) -> Methods {
+        let nodes: std::collections::BTreeSet<i32> =
+            self.cpu_nodes.iter().copied().filter(|n| *n >= 0).collect();
+        Methods {
+            nccl_wait: if self.sync_probed {
+                "time inside CUDA sync calls (cuStreamSynchronize, cuEventSynchronize, \
+                 cuCtxSynchronize and their _ptsz forms) while NCCL work issued before them \
+                 is outstanding, spinning or blocked, and inside NCCL calls that block the host"
+                    .into()
+            } else if unmeasured.nccl_wait_lower_bound {
+                "a lower bound: no CUDA sync function was probed (the profile has cuda_sync \
+                 off, or no libcuda was mapped), so only NCCL calls that block the host are \
+                 seen; waits inside CUDA syncs count as compute (spinning) or other_offcpu \
+                 (blocking). Use the default profile to measure them"
+                    .into()
+            } else {
+                "not measured: no CUDA sync function was probed (the profile has cuda_sync \
+                 off, or no libcuda was mapped), so waits for NCCL cannot be told from other \
+                 work: a spinning wait counts as compute, a blocking one as other_offcpu. Use \
+                 the default profile to measure it"
+                    .into()
+            },
+            page_fault: self.fault_method(),
+            remote_memory: format!(
+                "not measured: needs PMU events (node-loads/node-load-misses), which this host \
+                 does not expose{}",
+                if nodes.len() <= 1 {
+                    "; the host has one NUMA node, so nothing is remote"
+                } else {
+                    ""
+                }
+            ),
+            remote_memory_estimated: false,
+        }
+    }
+
+    /// How `page_fault` was measured, for `methods.page_fault`.
+    fn fault_method(&self) -> String {
+        let why_not = self
+            .fault_timing_refused
+            .as_deref()
+            .unwrap_or("fentry/fexit not tried");
+        if self.faults_timed {
+            "fentry/fexit on handle_mm_fault: each user fault of a target thread timed from \
+             the handler's entry to its return, on the CPU or blocked inside it"
+                .into()
+        } else if self.sample_period_ns > 0 && self.fault_ranges.is_empty() {
+            "not measured: the page-fault handler's addresses were not found in \
+             /proc/kallsyms (unreadable, or kernel.kptr_restrict hides them), so samples in \
+             it cannot be told; fault time stays in compute"
+                .into()
+        } else if self.sample_period_ns > 0 {
+            format!(
+                "on-CPU samples every {} µs whose kernel stack is in the page-fault handler, \
+                 times the period ({why_not})",
+                self.sample_period_ns / 1000
+            )
+        } else {
+            format!("not measured: on-CPU sampling is off in this profile ({why_not})")
+        }
+    }
+
+    /// One step of the rank thread.
+    fn step(
+        &self,
+        index: usize,
+        log: &ThreadLog,
+        tid: u32,
+        collectives: &[Collective],
+        a: u64,
+        b: u64,
+    ) -> Step {
+        // Sorted by time: each step looks at its own stretch only.
+        let within = |lo: usize, hi: usize| lo..hi.max(lo);
+        let page_migrations = &self.page_migrations[within(
+            self.page_migrations.partition_point(|m| m.1 < a),
+            self.page_migrations.partition_point(|m| m.1 < b),
+        )];
+        let numa_moves = &self.numa_moves[within(
+            self.numa_moves.partition_point(|m| m.1 < a),
+            self.numa_moves.partition_point(|m| m.1 < b),
+        )];
+        // Everything below is sorted by time: binary searches keep long runs linear.
+        let lo = collectives.partition_point(|c| c.start_ns < a);
+        let nccl = collectives[lo..]
+            .iter()
+            .take_while(|c| c.start_ns < b)
+            .fold(NcclCount::default(), |n, c| NcclCount {
+                collectives: n.collectives + 1,
+                bytes: n.bytes.saturating_add(c.bytes),
+            });
+        let faults =
+            log.faults.partition_point(|t| *t < b) - log.faults.partition_point(|t| *t < a);
+        let lo = log.migrations.partition_point(|m| m.0 < a);
+        let migrations = &log.migrations[lo..log.migrations.partition_point(|m| m.0 < b).max(lo)];
+        Step {
+            index,
+            start_ns: a,
+            end_ns: b,
+            wall_ns: b - a,
+            categories: categories(log, a, b),
+            nccl,
+            faults: faults as u64,
+            migrations: migrations.len() as u64,
+            cross_node_migrations: migrations.iter().filter(|(_, x)| *x).count() as u64,
+            numa_page_migrations: page_migrations
+                .iter()
+                .filter(|(t, _, _)| *t == tid)
+                .map(|(_, _, n)| n)
+                .sum(),
+            slowest_rank: None,
+            ranks: Vec::new(),
+            numa_task_moves: numa_moves.iter().filter(|(t, _)| *t == tid).count() as u64,
+        }
+    }
+}
+
+/// How long before its switch record an off-CPU stack record may be: the same program
+/// run makes both.
+const OFFCPU_STACK_SLACK: u64 = 100_000;
+
+/// The category at `ts` of a thread's pieces so far (compute when none holds it).
+fn category_at_thread(thread: &ThreadDetail, ts: u64) -> super::Cat {
+    thread.category_at(ts).unwrap_or(super::Cat::Compute)
+}
+
+/// Appends the thread's off-CPU stretches that closed before `until` (one open from the
+/// previous epoch included); returns the one still open there.
+fn off_cpu(log: &ThreadLog, until: u64, out: &mut Vec<OffCpu>) -> Option<OpenOff> {
+    let mut open = log.off_open;
+    for &(ts, change) in log.changes.iter().take_while(|c| c.0 < until) {
+        match change {
+            Change::SwitchOut { runnable } => {
+                open = Some(OpenOff {
+                    start: ts,
+                    runnable,
+                    stack: None,
+                    wakeup: None,
+                });
+            }
+            Change::SwitchIn => {
+                let Some(o) = open.take() else {
+                    continue;
+                };
+                let wakeup = last_wakeup(log, o.start, ts).or(o.wakeup);
+                out.push(OffCpu {
+                    start_ns: o.start,
+                    end_ns: ts,
+                    runnable: o.runnable,
+                    stack: o.stack.or_else(|| offcpu_stack(log, o.start, ts)),
+                    waker: wakeup.map(|(_, tid, tgid)| (tid, tgid)),
+                    woken_ns: wakeup.map(|(t, _, _)| t),
+                });
+            }
+            _ => {}
+        }
+    }
+    open.map(|o| OpenOff {
+        stack: o.stack.or_else(|| offcpu_stack(log, o.start, until)),
+        wakeup: last_wakeup(log, o.start, until).or(o.wakeup),
+        ..o
+    })
+}
+
+/// The stack taken when the thread left the CPU at `start` (it came back at `back`): the
+/// same program run records it just before the switch.
+fn offcpu_stack(log: &ThreadLog, start: u64, back: u64) -> Option<u32> {
+    let i = log
+        .offcpu_stacks
+        .partition_point(|(t, _)| *t + OFFCPU_STACK_SLACK < start);
+    log.offcpu_stacks
+        .get(i)
+        .filter(|(t, _)| *t <= start + OFFCPU_STACK_SLACK && *t <= back)
+        .map(|(_, id)| *id)
+}
+
+/// The last wakeup of the thread in `[from, to]`.
+fn last_wakeup(log: &ThreadLog, from: u64, to: u64) -> Option<(u64, u32, u32)> {
+    log.wakeups
+        .partition_point(|(t, _, _)| *t <= to)
+        .checked_sub(1)
+        .map(|i| log.wakeups[i])
+        .filter(|(t, _, _)| *t >= from)
+}
+
+/// Appends `old` to a tail kept at most `max` long.
+fn tail<T>(kept: &mut Vec<T>, old: Vec<T>, max: usize) {
+    kept.extend(old);
+    if kept.len() > max {
+        kept.drain(..kept.len() - max);
+    }
+}
