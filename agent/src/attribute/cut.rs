@@ -239,6 +239,12 @@ pub(super) struct State {
 }
 
 impl State {
+    /// Blocked off-CPU with its time in `other_offcpu`: until a wakeup says whether
+    /// another thread of the process ends the wait.
+    pub(super) fn blocked_other(self) -> bool {
+        !self.on_cpu && !self.runnable && self.category() == Cat::OtherOffcpu
+    }
+
     fn in_nccl_sync(self) -> bool {
         self.sync_depth > 0 && self.sync_nccl
     }

@@ -20,9 +20,10 @@ use super::{
     StepsReport, ThreadDetail, ThreadLog, ThreadReport, Timeline, Unmeasured, ranks, role,
 };
 
-/// An epoch ends at least this long before the newest record: records of different CPUs
-/// arrive a little out of order.
-const REORDER_NS: u64 = 1_000_000_000;
+/// An epoch ends at least this long before the newest record: the recording is in time
+/// order but for what was written while a drain pass ran (sub-millisecond, see
+/// `source::rings`).
+const REORDER_NS: u64 = 10_000_000;
 /// Steps held back at an epoch's end: finding where the last ones end needs what follows.
 const LOOKAHEAD: usize = 2;
 /// Closed steps an epoch needs before it is attributed (else it waits for more events).
@@ -65,6 +66,19 @@ pub(super) struct Attributed {
     /// An NCCL call blocked the host (a lower bound of `nccl_wait` without sync probes).
     blocked_in_nccl: bool,
     epochs: u64,
+    /// Epochs attributed and not yet taken (when they are handed on as they come).
+    ready: Vec<Epoch>,
+    /// Bounds of the last steps handed on that stretches still open reach back to.
+    step_tail: Vec<(u64, u64)>,
+    /// The last epoch is attributed.
+    ended: bool,
+}
+
+/// One epoch's results: its steps, final, and its part of the timeline.
+#[derive(Debug, Default)]
+pub struct Epoch {
+    pub steps: Vec<Step>,
+    pub detail: Detail,
 }
 
 impl Timeline {
@@ -335,9 +349,12 @@ impl Timeline {
             from.insert(*tid, a);
         }
         self.match_ranks();
-        self.steps(bounds);
+        let steps = self.steps(bounds);
         self.totals(&from, until);
-        self.epoch_detail(until);
+        self.settle_blocks(until);
+        let emit = self.emit;
+        let detail = self.epoch_detail(cut, until, emit);
+        self.keep_or_emit(steps, detail, emit);
         self.done.lateness.retain(|(at, _, _)| *at >= until);
     }
 
@@ -368,9 +385,9 @@ impl Timeline {
     }
 
     /// The rank thread's steps in `bounds`.
-    fn steps(&mut self, bounds: &[(u64, u64)]) {
+    fn steps(&self, bounds: &[(u64, u64)]) -> Vec<Step> {
         let Some((tid, pid)) = self.done.rank else {
-            return;
+            return Vec::new();
         };
         let identities = self.identities();
         let rank_of = |pid: u32| {
@@ -401,7 +418,7 @@ impl Timeline {
             }
             out.push(step);
         }
-        self.done.steps.extend(out);
+        out
     }
 
     /// Every thread's and every rank's totals over `[from, until)` (`from` per thread).
@@ -435,28 +452,87 @@ impl Timeline {
         }
     }
 
+    /// A thread blocked at the cut with no wakeup yet: whether another thread of its
+    /// process wakes it (the wait is then the process's own work, `compute`, not
+    /// `other_offcpu`) is known only in a later epoch. Its `other_offcpu` time is noted
+    /// here and moved once the wakeup is seen (the switch-out stays in its changes so that
+    /// the next epoch's cut sees the block).
+    fn settle_blocks(&mut self, until: u64) {
+        let loop_threads: BTreeMap<u32, u32> = self
+            .identities()
+            .iter()
+            .filter_map(|id| self.loop_thread(id.pid).map(|tid| (tid, id.pid)))
+            .collect();
+        for (tid, log) in &mut self.threads {
+            if let Some((since, ns)) = log.pending_block {
+                let next = log.changes.iter().take_while(|c| c.0 < until).find(|c| {
+                    c.0 >= since && matches!(c.1, Change::Wakeup { .. } | Change::SwitchIn)
+                });
+                if let Some(&(_, change)) = next {
+                    log.pending_block = None;
+                    if change == (Change::Wakeup { own: true }) {
+                        let t = self.done.threads.entry(*tid).or_default();
+                        t.categories.other_offcpu -= ns.min(t.categories.other_offcpu);
+                        t.categories.compute += ns;
+                        if let Some(pid) = loop_threads.get(tid) {
+                            let r = self.done.rank_categories.entry(*pid).or_default();
+                            r.other_offcpu -= ns.min(r.other_offcpu);
+                            r.compute += ns;
+                        }
+                    }
+                }
+            }
+            if !log.carry.is_some_and(super::cut::State::blocked_other) {
+                continue;
+            }
+            let since = log
+                .changes
+                .iter()
+                .take_while(|c| c.0 < until)
+                .filter(|c| c.1 == (Change::SwitchOut { runnable: false }))
+                .map(|c| c.0)
+                .last()
+                .or(log.pending_block.map(|p| p.0))
+                .or(log.off_open.map(|o| o.start));
+            let Some(since) = since else { continue };
+            let ns: u64 = log
+                .segments
+                .iter()
+                .filter(|(_, _, c)| *c == super::Cat::OtherOffcpu)
+                .map(|(a, b, _)| (*b).min(until).saturating_sub((*a).max(since)))
+                .sum();
+            log.pending_block = match log.pending_block {
+                Some((s, before)) if s == since => Some((s, before + ns)),
+                _ => Some((since, ns)),
+            };
+        }
+    }
+
     /// The timeline pieces, samples and off-CPU stretches up to `until`, for the
-    /// flamegraphs and the Perfetto trace.
-    fn epoch_detail(&mut self, until: u64) {
+    /// flamegraphs and the Perfetto trace. Handed on as they come (`emit`), each thread's
+    /// pieces and entry stacks reach back to the stretches and calls still open, so that
+    /// what closes later is weighed as on the whole run.
+    fn epoch_detail(&mut self, cut: u64, until: u64, emit: bool) -> Detail {
         let rank_tid = self.done.rank.map(|r| r.0);
+        let (calls, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut self.calls)
+            .into_iter()
+            .partition(|c| c.end_ns <= until);
+        self.calls = kept;
+        let mut threads = Vec::with_capacity(self.threads.len());
         for (tid, log) in &mut self.threads {
             let name = self.thread_names.get(tid).cloned().unwrap_or_default();
-            let thread = self
-                .done
-                .detail
-                .entry(*tid)
-                .or_insert_with(|| ThreadDetail {
-                    tid: *tid,
-                    pid: log.pid,
-                    role: role(Some(*tid) == rank_tid, &name),
-                    name,
-                    segments: Vec::new(),
-                    samples: Vec::new(),
-                    offcpu: Vec::new(),
-                    migrations: Vec::new(),
-                    faults: Vec::new(),
-                    call_stacks: Vec::new(),
-                });
+            let mut thread = ThreadDetail {
+                tid: *tid,
+                pid: log.pid,
+                role: role(Some(*tid) == rank_tid, &name),
+                name,
+                segments: std::mem::take(&mut log.tail.segments),
+                samples: Vec::new(),
+                offcpu: Vec::new(),
+                migrations: Vec::new(),
+                faults: Vec::new(),
+                call_stacks: std::mem::take(&mut log.tail.call_stacks),
+            };
             let before = |ts: &u64| *ts < until;
             thread.segments.append(&mut log.segments);
             thread
@@ -470,20 +546,102 @@ impl Timeline {
                 .extend(log.call_stacks.iter().filter(|c| before(&c.0)).copied());
             let fault_weight: BTreeMap<u64, u64> = log.fault_time.iter().copied().collect();
             for &(ts, stack, in_fault) in log.stack_samples.iter().filter(|s| before(&s.0)) {
-                let at = category_at_thread(thread, ts);
+                let at = category_at_thread(&thread, ts);
                 let (cat, weight) = match fault_weight.get(&ts) {
                     Some(w) if in_fault && at == super::Cat::Compute => (super::Cat::PageFault, *w),
                     _ => (at, self.sample_period_ns),
                 };
                 thread.samples.push((ts, stack, cat, weight));
             }
-            log.off_open = off_cpu(log, until, &mut thread.offcpu);
+            log.off_open = off_cpu(log, cut, until, &mut thread.offcpu);
+            if emit {
+                // What the next epoch's stretches and calls reach back to.
+                let from = self
+                    .calls
+                    .iter()
+                    .filter(|c| c.task.tid == *tid)
+                    .map(|c| c.start_ns)
+                    .chain(log.off_open.map(|o| o.start))
+                    .min()
+                    .unwrap_or(until);
+                log.tail.segments = thread
+                    .segments
+                    .iter()
+                    .filter(|(_, e, _)| *e > from)
+                    .copied()
+                    .collect();
+                log.tail.call_stacks = thread
+                    .call_stacks
+                    .iter()
+                    .filter(|(t, _)| *t >= from)
+                    .copied()
+                    .collect();
+            }
+            threads.push(thread);
         }
-        let (done, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut self.calls)
-            .into_iter()
-            .partition(|c| c.start_ns < until);
-        self.done.calls.extend(done);
-        self.calls = kept;
+        Detail {
+            first_ns: self.first_ns,
+            end_ns: until,
+            threads,
+            stacks: Vec::new(),
+            calls,
+            cpu_nodes: self.cpu_nodes.clone(),
+            sample_period_ns: self.sample_period_ns,
+            step_bounds: Vec::new(),
+            rank_tid,
+        }
+    }
+
+    /// Keeps an epoch's steps and timeline for [`Timeline::finish`], or hands them on.
+    fn keep_or_emit(&mut self, mut steps: Vec<Step>, mut detail: Detail, emit: bool) {
+        if emit {
+            let unmeasured = self.unmeasured();
+            for step in &mut steps {
+                step.categories.unmeasured = unmeasured;
+                for r in &mut step.ranks {
+                    r.categories.unmeasured = unmeasured;
+                }
+            }
+            // The rank thread's stretches still open reach back into these steps.
+            let from = self
+                .done
+                .rank
+                .and_then(|(tid, _)| self.threads.get(&tid))
+                .and_then(|l| l.tail.segments.first().map(|s| s.0))
+                .unwrap_or(u64::MAX);
+            detail.step_bounds = std::mem::take(&mut self.done.step_tail);
+            detail
+                .step_bounds
+                .extend(steps.iter().map(|s| (s.start_ns, s.end_ns)));
+            let until = detail.end_ns;
+            self.done.step_tail = detail
+                .step_bounds
+                .iter()
+                .filter(|(_, e)| *e > from.min(until))
+                .copied()
+                .collect();
+            self.done.ready.push(Epoch { steps, detail });
+            return;
+        }
+        self.done.steps.extend(steps);
+        self.done.calls.append(&mut detail.calls);
+        for t in detail.threads {
+            match self.done.detail.entry(t.tid) {
+                std::collections::btree_map::Entry::Vacant(v) => {
+                    v.insert(t);
+                }
+                std::collections::btree_map::Entry::Occupied(mut o) => {
+                    let o = o.get_mut();
+                    o.role = t.role;
+                    o.segments.extend(t.segments);
+                    o.samples.extend(t.samples);
+                    o.offcpu.extend(t.offcpu);
+                    o.migrations.extend(t.migrations);
+                    o.faults.extend(t.faults);
+                    o.call_stacks.extend(t.call_stacks);
+                }
+            }
+        }
     }
 
     /// Drops what is attributed: everything before `until` but the state it leaves and
@@ -493,7 +651,10 @@ impl Timeline {
         self.page_migrations.retain(|m| keep(m.1));
         self.numa_moves.retain(|m| keep(m.1));
         for log in self.threads.values_mut() {
-            log.changes.retain(|c| keep(c.0));
+            let block = log
+                .pending_block
+                .map(|(since, _)| (since, Change::SwitchOut { runnable: false }));
+            log.changes.retain(|c| keep(c.0) || Some(*c) == block);
             let (old, new): (Vec<_>, Vec<_>) = std::mem::take(&mut log.syncs)
                 .into_iter()
                 .partition(|s| s.1 <= until);
@@ -518,22 +679,44 @@ impl Timeline {
         }
     }
 
-    /// Attributes what is left (the run ended at `end_ns`) and returns the run's reports.
-    #[must_use]
-    pub fn finish(mut self, end_ns: u64, rule: StepRule) -> (StepsReport, Detail) {
+    /// Attributes the last epoch: the run ended at `end_ns`. Once; [`Timeline::finish`]
+    /// does it when not done before.
+    pub fn end(&mut self, end_ns: u64, rule: StepRule) {
+        if self.done.ended {
+            return;
+        }
         if self.done.epochs == 0 {
             self.rule = rule;
         }
         let end_ns = end_ns.max(self.last_ns);
         self.epoch(Some(end_ns), true);
-        let rank = self.done.rank;
-        let identities = self.identities();
-        let unmeasured = Unmeasured {
+        self.done.ended = true;
+    }
+
+    /// What the run could not measure, as far as it has gone.
+    fn unmeasured(&self) -> Unmeasured {
+        Unmeasured {
             nccl_wait: !self.sync_probed && !self.done.blocked_in_nccl,
             nccl_wait_lower_bound: !self.sync_probed && self.done.blocked_in_nccl,
             page_fault: !self.faults_timed
                 && (self.sample_period_ns == 0 || self.fault_ranges.is_empty()),
-        };
+        }
+    }
+
+    /// The epochs attributed since the last call, when they are handed on as they come
+    /// ([`Timeline::emit_epochs`]): their steps and timeline are then not kept here.
+    pub fn take_epochs(&mut self) -> Vec<Epoch> {
+        std::mem::take(&mut self.done.ready)
+    }
+
+    /// Attributes what is left (the run ended at `end_ns`) and returns the run's reports.
+    #[must_use]
+    pub fn finish(mut self, end_ns: u64, rule: StepRule) -> (StepsReport, Detail) {
+        self.end(end_ns, rule);
+        let end_ns = end_ns.max(self.last_ns);
+        let rank = self.done.rank;
+        let identities = self.identities();
+        let unmeasured = self.unmeasured();
         let mut steps_out = std::mem::take(&mut self.done.steps);
         for step in &mut steps_out {
             step.categories.unmeasured = unmeasured;
@@ -774,9 +957,11 @@ fn category_at_thread(thread: &ThreadDetail, ts: u64) -> super::Cat {
 
 /// Appends the thread's off-CPU stretches that closed before `until` (one open from the
 /// previous epoch included); returns the one still open there.
-fn off_cpu(log: &ThreadLog, until: u64, out: &mut Vec<OffCpu>) -> Option<OpenOff> {
+fn off_cpu(log: &ThreadLog, cut: u64, until: u64, out: &mut Vec<OffCpu>) -> Option<OpenOff> {
     let mut open = log.off_open;
-    for &(ts, change) in log.changes.iter().take_while(|c| c.0 < until) {
+    // A switch-out before the cut is kept only to settle a block (`settle_blocks`).
+    let changes = log.changes.iter().skip_while(|c| c.0 < cut);
+    for &(ts, change) in changes.take_while(|c| c.0 < until) {
         match change {
             Change::SwitchOut { runnable } => {
                 open = Some(OpenOff {

@@ -21,6 +21,7 @@
 mod categories;
 mod cut;
 mod epoch;
+pub use epoch::Epoch;
 pub mod ranks;
 pub mod steps;
 
@@ -232,6 +233,10 @@ struct ThreadLog {
     total_collectives: u64,
     /// This epoch's collectives already given to the cross-rank matcher.
     fed: usize,
+    tail: Tail,
+    /// Blocked at an earlier cut with no wakeup yet: (switch-out time, ns charged to
+    /// `other_offcpu` since), moved to `compute` if another thread of the process ends it.
+    pending_block: Option<(u64, u64)>,
 }
 
 /// An off-CPU stretch begun in an earlier epoch.
@@ -249,6 +254,14 @@ struct OpenOff {
 struct History {
     syncs: Vec<(u64, u64)>,
     collectives: Vec<Collective>,
+}
+
+/// Timeline pieces and entry stacks of epochs handed on that stretches and calls still
+/// open reach back to.
+#[derive(Default)]
+struct Tail {
+    segments: Vec<(u64, u64, Cat)>,
+    call_stacks: Vec<(u64, u32)>,
 }
 
 /// A stack as captured: the process (for its maps), kernel and user frames, innermost
@@ -359,6 +372,8 @@ pub struct Timeline {
     late_events: u64,
     /// What the epochs so far attributed.
     done: epoch::Attributed,
+    /// Epochs are handed on as they come ([`Timeline::take_epochs`]), not kept.
+    emit: bool,
 }
 
 /// Whether `t` had a CUDA sync function probed.
@@ -405,6 +420,7 @@ impl Timeline {
             cut_ns: 0,
             late_events: 0,
             done: epoch::Attributed::default(),
+            emit: false,
         }
     }
 
@@ -414,6 +430,12 @@ impl Timeline {
         self.rule = rule;
         self.epoch_events = epoch_events;
         self.next_try = epoch_events;
+    }
+
+    /// Hands each epoch's steps and timeline on ([`Timeline::take_epochs`]) instead of
+    /// keeping them for [`Timeline::finish`]: memory bounded by an epoch.
+    pub fn emit_epochs(&mut self) {
+        self.emit = true;
     }
 
     /// Attribution starts at `ts` (the earlier records were only counted): thread states
