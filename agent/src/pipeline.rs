@@ -162,6 +162,8 @@ pub struct Aggregator {
     /// The agent's peak memory over the whole live run (its last record).
     agent_peak_rss_kb: Option<u64>,
     build_ids: crate::symbolize::BuildIds,
+    /// Writes each epoch's outputs as it is attributed (see [`Aggregator::stream_into`]).
+    streamer: Option<Streamer>,
 }
 
 impl Aggregator {
@@ -190,6 +192,38 @@ impl Aggregator {
             doctor: None,
             agent_peak_rss_kb: None,
             build_ids: BTreeMap::new(),
+            streamer: None,
+        }
+    }
+
+    /// Writes the outputs into `dir` as the run is attributed ([`Streamer`]): memory is
+    /// then bounded by an epoch, not the run. Call before adding events.
+    pub fn stream_into(&mut self, dir: &Path) -> Result<(), (std::path::PathBuf, io::Error)> {
+        self.streamer = Some(Streamer::create(dir)?);
+        self.timeline.emit_epochs();
+        Ok(())
+    }
+
+    /// Attributes the last epoch (the run's end is the closing record's, else the last
+    /// record's) and hands it on; returns the streamer.
+    fn end_epochs(&mut self, rule: &StepRule) -> Option<Streamer> {
+        let end_at = match &self.end {
+            Some(Meta::End {
+                end_monotonic_ns, ..
+            }) => *end_monotonic_ns,
+            _ => self.last_ts,
+        };
+        self.timeline.end(end_at, rule.clone());
+        self.drain_epochs();
+        self.streamer.take()
+    }
+
+    /// Hands the epochs attributed so far to the streamer.
+    fn drain_epochs(&mut self) {
+        if let Some(streamer) = &mut self.streamer {
+            for e in self.timeline.take_epochs() {
+                streamer.epoch(e);
+            }
         }
     }
 
@@ -217,6 +251,7 @@ impl Aggregator {
     pub fn push(&mut self, event: &Event) {
         self.timeline.push(event);
         self.count(event);
+        self.drain_epochs();
     }
 
     /// Counts one event in the totals without attributing it (it is before the window
@@ -391,8 +426,9 @@ impl Aggregator {
 
     /// The summary and the per-step report of everything pushed.
     #[must_use]
-    pub fn finish(self, rule: StepRule) -> Outputs {
+    pub fn finish(mut self, rule: StepRule) -> Outputs {
         let start = self.header.clock.monotonic_ns;
+        let streamer = self.end_epochs(&rule);
         let mut agent = AgentStats::default();
         let (end_ns, stop_reason, lost_by_kind, counters) = match self.end {
             Some(Meta::End {
@@ -487,6 +523,7 @@ impl Aggregator {
             doctor: self.doctor,
             build_ids: self.build_ids,
             header: self.header,
+            streamer,
         }
     }
 }
@@ -507,7 +544,7 @@ fn nccl_totals(by_func: BTreeMap<Func, OpStats>) -> NcclStats {
 }
 
 /// Everything the pipeline produces.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct Outputs {
     pub summary: Summary,
     pub steps: StepsReport,
@@ -522,6 +559,9 @@ pub struct Outputs {
     /// Build ids of the files user frames lie in, as the live run read them.
     pub build_ids: crate::symbolize::BuildIds,
     pub header: Header,
+    /// What was written as the run was attributed; `steps.steps` and `detail` are then
+    /// empty.
+    pub streamer: Option<Streamer>,
 }
 
 /// A record read back and decoded, as the reading thread hands it over.
@@ -583,24 +623,34 @@ fn decode_batches<R: io::BufRead + io::Seek>(
 
 /// Replays a recording through the pipeline. A damaged tail is reported on stderr and
 /// the complete records before it are kept.
-pub fn replay(
+pub fn replay(path: &Path, rule: StepRule, epoch_events: u64) -> Result<Outputs, crate::Error> {
+    replay_from(Reader::open(path)?, rule, epoch_events, None)
+}
+
+/// As [`replay`], writing the outputs into `dir` as the recording is attributed
+/// ([`Streamer`]); [`write_outputs`] completes them.
+pub fn replay_into(
     path: &Path,
     rule: StepRule,
     epoch_events: u64,
-) -> Result<Outputs, record::RecordError> {
-    replay_from(Reader::open(path)?, rule, epoch_events)
+    dir: &Path,
+) -> Result<Outputs, crate::Error> {
+    let reader = Reader::open(path)?;
+    replay_from(reader, rule, epoch_events, Some(dir))
 }
 
 /// Events per attribution epoch: the run is attributed in stretches of at least this many
 /// events as it is read (see `attribute::epoch`).
 pub const EPOCH_EVENTS: u64 = 1 << 18;
 
-/// As [`replay`], from any reader (the fuzzer feeds it bytes).
+/// As [`replay`], from any reader (the fuzzer feeds it bytes), streaming the outputs into
+/// `dir` when given.
 pub fn replay_from<R: io::BufRead + io::Seek + Send>(
     mut reader: Reader<R>,
     mut rule: StepRule,
     epoch_events: u64,
-) -> Result<Outputs, record::RecordError> {
+    dir: Option<&Path>,
+) -> Result<Outputs, crate::Error> {
     // A recording made with --step-nvtx is cut the same way unless told otherwise.
     if rule == StepRule::Auto
         && let Some(pattern) = reader.header.step_nvtx.as_deref()
@@ -611,6 +661,10 @@ pub fn replay_from<R: io::BufRead + io::Seek + Send>(
     let started = std::time::Instant::now();
     let mut agg = Aggregator::new(reader.header.clone());
     agg.stream(rule.clone(), epoch_events);
+    if let Some(dir) = dir {
+        agg.stream_into(dir)
+            .map_err(|(path, source)| crate::Error::Output { path, source })?;
+    }
     agg.feed(&mut reader);
     log::debug!("read and decoded in {:?}", started.elapsed());
     let started = std::time::Instant::now();
@@ -645,116 +699,314 @@ pub fn write_summary(dir: &Path, summary: &Summary) -> Result<(), (std::path::Pa
 }
 
 /// Writes every output of this stage but `summary.json` ([`write_summary`]) into `dir`, and
-/// the summary in words to `text`. trace.json, the largest, is written on a thread of its
-/// own meanwhile.
+/// the summary in words to `text`: what was streamed as the run was attributed is
+/// completed, and outputs kept whole are written now.
 pub fn write_outputs(
     dir: &Path,
-    outputs: &Outputs,
+    outputs: &mut Outputs,
     text: &mut impl io::Write,
 ) -> Result<(), (std::path::PathBuf, io::Error)> {
-    std::thread::scope(|scope| {
-        let write_trace = || {
-            write_file(dir, "trace.json", &mut |out| {
-                crate::render::trace::write(&outputs.header, &outputs.detail, &outputs.steps, out)
-            })
+    let streamer = if let Some(s) = outputs.streamer.take() {
+        s
+    } else {
+        let mut s = Streamer::create(dir)?;
+        // The whole run as one epoch; the stacks stay for the symbols.
+        let d = &mut outputs.detail;
+        let detail = crate::attribute::Detail {
+            threads: std::mem::take(&mut d.threads),
+            calls: std::mem::take(&mut d.calls),
+            step_bounds: std::mem::take(&mut d.step_bounds),
+            stacks: Vec::new(),
+            cpu_nodes: d.cpu_nodes.clone(),
+            ..*d
         };
-        let thread = std::thread::Builder::new()
-            .name("nccltrace-trace".into())
-            .spawn_scoped(scope, write_trace);
-        let others = write_others(dir, outputs, text);
-        let trace = match thread {
-            Ok(thread) => thread.join().unwrap_or_else(|_| {
-                Err((
-                    dir.join("trace.json"),
-                    io::Error::other("writing trace.json panicked"),
-                ))
-            }),
-            // No thread to be had: written here instead.
-            Err(_) => write_trace(),
-        };
-        others.and(trace)
-    })
+        s.epoch(crate::attribute::Epoch {
+            steps: std::mem::take(&mut outputs.steps.steps),
+            detail,
+        });
+        s
+    };
+    streamer.finish(outputs, text)
 }
 
-/// Every output but trace.json, and the text summary.
-fn write_others(
-    dir: &Path,
-    outputs: &Outputs,
-    text: &mut impl io::Write,
-) -> Result<(), (std::path::PathBuf, io::Error)> {
-    use crate::render;
-    // Every file is attempted and the text summary always printed, so that a full disk or
-    // one unwritable file loses as little as possible; the first failure is returned.
-    let mut failed: Option<(std::path::PathBuf, io::Error)> = None;
-    let mut file =
-        |name: &str, write: &mut dyn FnMut(&mut io::BufWriter<std::fs::File>) -> io::Result<()>| {
-            if let Err(e) = write_file(dir, name, write) {
-                failed.get_or_insert(e);
+/// Writes the outputs as the run is attributed: each epoch's steps go to steps.json and
+/// steps.csv as they close, its timeline to trace.json (on a thread of its own), its
+/// stacks' weights into the flamegraphs; what needs the whole run (names, symbols, the
+/// rest of steps.json, the table) is written at [`Streamer::finish`].
+pub struct Streamer {
+    dir: std::path::PathBuf,
+    json: Option<crate::render::steps::StepsJson<io::BufWriter<std::fs::File>>>,
+    csv: Option<io::BufWriter<std::fs::File>>,
+    trace: Option<TraceThread>,
+    weights: [crate::render::flamegraph::Weights; 4],
+    samples: BTreeMap<u32, u64>,
+    table: crate::render::steps::StepTable,
+    failed: Option<(std::path::PathBuf, io::Error)>,
+}
+
+/// What the trace thread is handed.
+enum ToTrace {
+    Epoch(std::sync::Arc<crate::attribute::Epoch>),
+    End {
+        header: Box<Header>,
+        ranks: Vec<crate::attribute::ranks::RankReport>,
+        end_ns: u64,
+    },
+}
+
+/// trace.json, written on a thread of its own while the run is attributed (the largest
+/// output: it took as long as all the others together).
+struct TraceThread {
+    to: std::sync::mpsc::SyncSender<ToTrace>,
+    done: std::thread::JoinHandle<io::Result<()>>,
+}
+
+impl TraceThread {
+    fn start(path: &Path) -> io::Result<TraceThread> {
+        let file = std::fs::File::create(path)?;
+        // Two epochs in flight at most: memory stays bounded when the disk is slow.
+        let (to, from) = std::sync::mpsc::sync_channel::<ToTrace>(2);
+        let done = std::thread::Builder::new()
+            .name("nccltrace-trace".into())
+            .spawn(move || {
+                let out = io::BufWriter::with_capacity(1 << 20, file);
+                let mut trace: Option<crate::render::trace::TraceStream<_>> = None;
+                let mut out = Some(out);
+                for msg in from {
+                    match msg {
+                        ToTrace::Epoch(e) => {
+                            if trace.is_none()
+                                && let Some(out) = out.take()
+                            {
+                                trace = Some(crate::render::trace::TraceStream::new(
+                                    out,
+                                    e.detail.first_ns,
+                                )?);
+                            }
+                            if let Some(t) = &mut trace {
+                                t.epoch(&e.detail, &e.steps, e.detail.rank_pid)?;
+                            }
+                        }
+                        ToTrace::End {
+                            header,
+                            ranks,
+                            end_ns,
+                        } => {
+                            let t = match trace.take() {
+                                Some(t) => t,
+                                None => crate::render::trace::TraceStream::new(
+                                    out.take()
+                                        .ok_or_else(|| io::Error::other("trace ended twice"))?,
+                                    header.clock.monotonic_ns,
+                                )?,
+                            };
+                            return t.finish(&header, &ranks, end_ns);
+                        }
+                    }
+                }
+                Err(io::Error::other("the trace was not ended"))
+            })?;
+        Ok(TraceThread { to, done })
+    }
+
+    /// Ends the trace; how writing it went.
+    fn end(self, end: ToTrace) -> io::Result<()> {
+        // A send fails only when the thread stopped on an error: join gives it.
+        let _ = self.to.send(end);
+        drop(self.to);
+        self.done
+            .join()
+            .unwrap_or_else(|_| Err(io::Error::other("writing trace.json panicked")))
+    }
+}
+
+impl std::fmt::Debug for Streamer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Streamer")
+            .field("dir", &self.dir)
+            .field("steps", &self.table.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Streamer {
+    /// Starts steps.json, steps.csv and trace.json in `dir`.
+    pub fn create(dir: &Path) -> Result<Streamer, (std::path::PathBuf, io::Error)> {
+        let open = |name: &str| {
+            let path = dir.join(name);
+            std::fs::File::create(&path)
+                .map(|f| io::BufWriter::with_capacity(1 << 20, f))
+                .map_err(|e| (path, e))
+        };
+        let json = crate::render::steps::StepsJson::new(open("steps.json")?)
+            .map_err(|e| (dir.join("steps.json"), e))?;
+        let mut csv = open("steps.csv")?;
+        io::Write::write_all(
+            &mut csv,
+            format!("{}\n", crate::render::steps::csv_columns().join(",")).as_bytes(),
+        )
+        .map_err(|e| (dir.join("steps.csv"), e))?;
+        let trace_path = dir.join("trace.json");
+        let trace = TraceThread::start(&trace_path).map_err(|e| (trace_path, e))?;
+        Ok(Streamer {
+            dir: dir.to_owned(),
+            json: Some(json),
+            csv: Some(csv),
+            trace: Some(trace),
+            weights: Default::default(),
+            samples: BTreeMap::new(),
+            table: crate::render::steps::StepTable::default(),
+            failed: None,
+        })
+    }
+
+    fn fail(&mut self, name: &str, e: io::Error) {
+        self.failed.get_or_insert((self.dir.join(name), e));
+    }
+
+    /// One epoch: its steps, final, and its part of the timeline.
+    pub fn epoch(&mut self, epoch: crate::attribute::Epoch) {
+        use crate::render;
+        let (steps, detail) = (&epoch.steps, &epoch.detail);
+        for s in steps {
+            self.table.push(s);
+        }
+        if let Some(json) = &mut self.json
+            && let Err(e) = steps.iter().try_for_each(|s| json.step(s))
+        {
+            self.json = None;
+            self.fail("steps.json", e);
+        }
+        if let Some(out) = &mut self.csv
+            && let Err(e) = render::steps::write_csv_rows(steps, out)
+        {
+            self.csv = None;
+            self.fail("steps.csv", e);
+        }
+        for (kind, w) in render::flamegraph::Kind::ALL.iter().zip(&mut self.weights) {
+            w.weigh(detail, *kind);
+        }
+        render::flamegraph::count_samples(detail, &mut self.samples);
+        if let Some(trace) = &self.trace
+            && trace
+                .to
+                .send(ToTrace::Epoch(std::sync::Arc::new(epoch)))
+                .is_err()
+            && let Some(trace) = self.trace.take()
+        {
+            // The thread stopped on an error: it says which.
+            if let Err(e) = trace.end(ToTrace::End {
+                header: Box::default(),
+                ranks: Vec::new(),
+                end_ns: 0,
+            }) {
+                self.fail("trace.json", e);
+            }
+        }
+    }
+
+    /// Completes every output but `summary.json` and prints the summary in words.
+    pub fn finish(
+        mut self,
+        outputs: &Outputs,
+        text: &mut impl io::Write,
+    ) -> Result<(), (std::path::PathBuf, io::Error)> {
+        use crate::render;
+        let end = ToTrace::End {
+            header: Box::new(outputs.header.clone()),
+            ranks: outputs.steps.ranks.clone(),
+            end_ns: outputs.detail.end_ns,
+        };
+        let trace = self
+            .trace
+            .take()
+            .map(|t| std::thread::spawn(move || t.end(end)));
+        if let Some(mut out) = self.csv.take()
+            && let Err(e) = io::Write::flush(&mut out)
+        {
+            self.fail("steps.csv", e);
+        }
+        let mut file = |name: &str,
+                        write: &mut dyn FnMut(
+            &mut io::BufWriter<std::fs::File>,
+        ) -> io::Result<()>| {
+            if let Err(e) = write_file(&self.dir, name, write) {
+                self.failed.get_or_insert(e);
             }
         };
-    if let Some(doctor) = &outputs.doctor {
-        file("doctor.json", &mut |out| {
-            serde_json::to_writer_pretty(&mut *out, doctor)?;
-            io::Write::write_all(out, b"\n")
-        });
-    }
-    let started = std::time::Instant::now();
-    let symbols = crate::symbolize::symbolize(
-        &outputs.header,
-        &outputs.detail.stacks,
-        &outputs.kernel_symbols,
-        &outputs.jit_symbols,
-        &outputs.build_ids,
-    );
-    for line in &symbols.stale {
-        crate::note!("nccltrace: warning: {line}");
-    }
-    log::debug!("symbolized in {:?}", started.elapsed());
-    let mut steps = outputs.steps.clone();
-    for kind in render::flamegraph::Kind::ALL {
-        let lines = render::flamegraph::folded(&outputs.detail, &symbols, kind);
-        if kind == render::flamegraph::Kind::Attributed {
-            steps.other_offcpu_top_stacks =
-                render::flamegraph::top_stacks(&lines, "other_offcpu", 5);
+        if let Some(doctor) = &outputs.doctor {
+            file("doctor.json", &mut |out| {
+                serde_json::to_writer_pretty(&mut *out, doctor)?;
+                io::Write::write_all(out, b"\n")
+            });
         }
-        file(&format!("{}.folded", kind.file()), &mut |out| {
-            render::flamegraph::write_folded(&lines, out)
-        });
-        file(&format!("{}.svg", kind.file()), &mut |out| {
-            render::flamegraph::write_svg(kind, &lines, out)
-        });
-    }
-    file("steps.json", &mut |out| {
-        render::steps::write_json(&steps, out)
-    });
-    file("steps.csv", &mut |out| {
-        render::steps::write_csv(&steps, out)
-    });
-    let stdout = Path::new("(standard output)");
-    let mut print = || -> io::Result<()> {
-        render::summary::write_text(&outputs.summary, text)?;
-        render::steps::write_table(&steps, text)?;
-        if let Some(share) = render::flamegraph::short_stack_share(&outputs.detail)
-            && share > 0.5
+        let started = std::time::Instant::now();
+        let stacks = &outputs.detail.stacks;
+        let symbols = crate::symbolize::symbolize(
+            &outputs.header,
+            stacks,
+            &outputs.kernel_symbols,
+            &outputs.jit_symbols,
+            &outputs.build_ids,
+        );
+        for line in &symbols.stale {
+            crate::note!("nccltrace: warning: {line}");
+        }
+        log::debug!("symbolized in {:?}", started.elapsed());
+        let mut report = render::steps::without_steps(&outputs.steps);
+        for (kind, w) in render::flamegraph::Kind::ALL.iter().zip(&self.weights) {
+            let lines = w.lines(stacks, &symbols);
+            if *kind == render::flamegraph::Kind::Attributed {
+                report.other_offcpu_top_stacks =
+                    render::flamegraph::top_stacks(&lines, "other_offcpu", 5);
+            }
+            file(&format!("{}.folded", kind.file()), &mut |out| {
+                render::flamegraph::write_folded(&lines, out)
+            });
+            file(&format!("{}.svg", kind.file()), &mut |out| {
+                render::flamegraph::write_svg(*kind, &lines, out)
+            });
+        }
+        if let Some(json) = self.json.take()
+            && let Err(e) = json.finish(&report)
         {
-            writeln!(
-                text,
-                "Stacks: {:.0}% of user stacks have at most two frames: the target was likely \
-                 built without frame pointers, so flamegraphs stop early instead of showing \
-                 wrong frames",
-                share * 100.0
-            )?;
+            self.fail("steps.json", e);
         }
-        Ok(())
-    };
-    // A closed stdout (`nccltrace report … | head`) is the reader's choice, not a failure:
-    // the files are complete.
-    if let Err(e) = print()
-        && e.kind() != io::ErrorKind::BrokenPipe
-    {
-        failed.get_or_insert((stdout.to_owned(), e));
+        let stdout = Path::new("(standard output)");
+        let share = render::flamegraph::short_stack_share(stacks, &self.samples);
+        let mut print = || -> io::Result<()> {
+            render::summary::write_text(&outputs.summary, text)?;
+            render::steps::write_table(&report, &self.table, text)?;
+            if let Some(share) = share
+                && share > 0.5
+            {
+                writeln!(
+                    text,
+                    "Stacks: {:.0}% of user stacks have at most two frames: the target was likely \
+                     built without frame pointers, so flamegraphs stop early instead of showing \
+                     wrong frames",
+                    share * 100.0
+                )?;
+            }
+            Ok(())
+        };
+        // A closed stdout (`nccltrace report … | head`) is the reader's choice, not a
+        // failure: the files are complete.
+        if let Err(e) = print()
+            && e.kind() != io::ErrorKind::BrokenPipe
+        {
+            self.failed.get_or_insert((stdout.to_owned(), e));
+        }
+        if let Some(trace) = trace {
+            let result = trace
+                .join()
+                .unwrap_or_else(|_| Err(io::Error::other("writing trace.json panicked")));
+            if let Err(e) = result {
+                self.fail("trace.json", e);
+            }
+        }
+        self.failed.map_or(Ok(()), Err)
     }
-    failed.map_or(Ok(()), Err)
 }
 
 #[cfg(test)]

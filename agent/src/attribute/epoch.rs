@@ -72,6 +72,8 @@ pub(super) struct Attributed {
     step_tail: Vec<(u64, u64)>,
     /// The last epoch is attributed.
     ended: bool,
+    /// The next step's index.
+    next_index: usize,
 }
 
 /// One epoch's results: its steps, final, and its part of the timeline.
@@ -164,7 +166,7 @@ impl Timeline {
         let Some(&(first, _)) = bounds.first() else {
             return;
         };
-        if self.done.steps.is_empty() || first <= cut {
+        if self.done.next_index == 0 || first <= cut {
             return;
         }
         let mut walls: Vec<u64> = bounds.iter().map(|(a, b)| b - a).collect();
@@ -350,6 +352,7 @@ impl Timeline {
         }
         self.match_ranks();
         let steps = self.steps(bounds);
+        self.done.next_index += steps.len();
         self.totals(&from, until);
         self.settle_blocks(until);
         let emit = self.emit;
@@ -404,7 +407,7 @@ impl Timeline {
         let log = &self.threads[&tid];
         let mut out = Vec::with_capacity(bounds.len());
         for &(a, b) in bounds {
-            let mut step = self.step(self.done.steps.len() + out.len(), log, tid, &colls, a, b);
+            let mut step = self.step(self.done.next_index + out.len(), log, tid, &colls, a, b);
             if loop_threads.len() > 1 {
                 step.slowest_rank = ranks::slowest_in(&self.done.lateness, a, b).map(rank_of);
                 step.ranks = loop_threads
@@ -532,6 +535,7 @@ impl Timeline {
                 migrations: Vec::new(),
                 faults: Vec::new(),
                 call_stacks: std::mem::take(&mut log.tail.call_stacks),
+                open: None,
             };
             let before = |ts: &u64| *ts < until;
             thread.segments.append(&mut log.segments);
@@ -553,7 +557,18 @@ impl Timeline {
                 };
                 thread.samples.push((ts, stack, cat, weight));
             }
-            log.off_open = off_cpu(log, cut, until, &mut thread.offcpu);
+            // Past the first epoch, a switch-out before the cut is there only to settle a
+            // block (`settle_blocks`): its stretch is open already.
+            let from = if self.done.epochs > 0 { cut } else { 0 };
+            log.off_open = off_cpu(log, from, until, &mut thread.offcpu);
+            thread.open = log.off_open.map(|o| OffCpu {
+                start_ns: o.start,
+                end_ns: until,
+                runnable: o.runnable,
+                stack: o.stack,
+                waker: o.wakeup.map(|(_, tid, tgid)| (tid, tgid)),
+                woken_ns: o.wakeup.map(|(t, _, _)| t),
+            });
             if emit {
                 // What the next epoch's stretches and calls reach back to.
                 let from = self
@@ -589,6 +604,7 @@ impl Timeline {
             sample_period_ns: self.sample_period_ns,
             step_bounds: Vec::new(),
             rank_tid,
+            rank_pid: self.done.rank.map(|r| r.1),
         }
     }
 
@@ -639,6 +655,7 @@ impl Timeline {
                     o.migrations.extend(t.migrations);
                     o.faults.extend(t.faults);
                     o.call_stacks.extend(t.call_stacks);
+                    o.open = t.open;
                 }
             }
         }
@@ -756,6 +773,7 @@ impl Timeline {
             sample_period_ns: self.sample_period_ns,
             step_bounds: steps_out.iter().map(|s| (s.start_ns, s.end_ns)).collect(),
             rank_tid: rank.map(|r| r.0),
+            rank_pid: rank.map(|r| r.1),
         };
         let report = StepsReport {
             partial_steps_left_out: left_out,
@@ -955,12 +973,11 @@ fn category_at_thread(thread: &ThreadDetail, ts: u64) -> super::Cat {
     thread.category_at(ts).unwrap_or(super::Cat::Compute)
 }
 
-/// Appends the thread's off-CPU stretches that closed before `until` (one open from the
-/// previous epoch included); returns the one still open there.
-fn off_cpu(log: &ThreadLog, cut: u64, until: u64, out: &mut Vec<OffCpu>) -> Option<OpenOff> {
+/// Appends the thread's off-CPU stretches that closed in `[from, until)` (one open from the
+/// previous epoch included); returns the one still open at `until`.
+fn off_cpu(log: &ThreadLog, from: u64, until: u64, out: &mut Vec<OffCpu>) -> Option<OpenOff> {
     let mut open = log.off_open;
-    // A switch-out before the cut is kept only to settle a block (`settle_blocks`).
-    let changes = log.changes.iter().skip_while(|c| c.0 < cut);
+    let changes = log.changes.iter().skip_while(|c| c.0 < from);
     for &(ts, change) in changes.take_while(|c| c.0 < until) {
         match change {
             Change::SwitchOut { runnable } => {

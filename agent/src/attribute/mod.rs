@@ -303,6 +303,9 @@ pub struct ThreadDetail {
     pub faults: Vec<u64>,
     /// User stacks at the entry of traced calls: (time, stack id), by time.
     pub call_stacks: Vec<(u64, u32)>,
+    /// The off-CPU stretch still open at the end of this part of the run (its end is
+    /// that end).
+    pub open: Option<OffCpu>,
 }
 
 impl ThreadDetail {
@@ -329,8 +332,9 @@ pub struct Detail {
     pub sample_period_ns: u64,
     /// The steps' `[start, end)`, for graphs of step time.
     pub step_bounds: Vec<(u64, u64)>,
-    /// The rank thread whose steps these are.
+    /// The rank thread whose steps these are, and its process.
     pub rank_tid: Option<u32>,
+    pub rank_pid: Option<u32>,
 }
 
 /// Collects what attribution needs, event by event.

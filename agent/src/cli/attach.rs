@@ -164,6 +164,8 @@ struct LiveSink {
     /// How steps are found, and the events per attribution epoch.
     rule: crate::attribute::StepRule,
     epoch_events: u64,
+    /// The outputs' folder: written as the run is attributed.
+    out: PathBuf,
     nccl_calls: u64,
     records: u64,
     status: bool,
@@ -174,6 +176,13 @@ impl LiveSink {
     fn aggregator(&self) -> Aggregator {
         let mut agg = Aggregator::new(self.header.clone());
         agg.stream(self.rule.clone(), self.epoch_events);
+        if let Err((path, e)) = agg.stream_into(&self.out) {
+            crate::note!(
+                "nccltrace: warning: cannot write {} ({e}); the outputs are written at the \
+                 end instead",
+                path.display()
+            );
+        }
         agg
     }
 
@@ -228,11 +237,12 @@ impl LiveSink {
         {
             self.spill(e);
         }
-        let fresh = self.aggregator();
-        match self.store {
-            Store::Memory { agg, error } => (*agg, Err(error)),
-            Store::Disk(writer) => {
-                let mut agg = fresh;
+        // Made only to read the recording back: one made after a spill streams already.
+        let fresh = matches!(self.store, Store::Disk(_)).then(|| self.aggregator());
+        match (self.store, fresh) {
+            (Store::Memory { agg, error }, _) => (*agg, Err(error)),
+            (Store::Disk(writer), fresh) => {
+                let mut agg = fresh.unwrap_or_else(|| Aggregator::new(self.header));
                 let skip = if limit == 0 {
                     0
                 } else {
@@ -606,6 +616,7 @@ async fn trace(
         header: attached.header.clone(),
         rule: settings.step_rule.clone(),
         epoch_events: settings.epoch_events,
+        out: out.clone(),
         nccl_calls: 0,
         records: 0,
         status: std::io::stderr().is_terminal(),

@@ -30,7 +30,11 @@ pub struct ReportArgs {
 #[allow(clippy::needless_pass_by_value)] // the parsed arguments end here
 pub fn run(args: ReportArgs) -> Result<(), Error> {
     let rule = super::step_rule(args.step_window.as_deref(), args.step_nvtx.as_deref())?;
-    let outputs = crate::pipeline::replay(&args.recording, rule, args.epoch_events)?;
+    // The outputs are written as the recording is attributed: the folder first (removed
+    // again if the recording cannot be read).
+    let mut out = super::OutDir::create(&args.out, args.force)?;
+    let mut outputs =
+        crate::pipeline::replay_into(&args.recording, rule, args.epoch_events, &out.path)?;
     if outputs.doctor.is_none() {
         crate::note!(
             "nccltrace: doctor.json not rebuilt: the recording does not keep the placement \
@@ -38,10 +42,9 @@ pub fn run(args: ReportArgs) -> Result<(), Error> {
              PID` checks a live rank"
         );
     }
-    let mut out = super::OutDir::create(&args.out, args.force)?;
     out.keep();
     let written =
-        crate::pipeline::write_outputs(&out.path, &outputs, &mut std::io::stdout().lock())
+        crate::pipeline::write_outputs(&out.path, &mut outputs, &mut std::io::stdout().lock())
             .and(crate::pipeline::write_summary(&out.path, &outputs.summary))
             .map_err(|(path, source)| Error::Output { path, source });
     log::debug!("outputs written");

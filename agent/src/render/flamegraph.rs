@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::io::{self, Write};
 
-use crate::attribute::{Cat, Detail, ThreadDetail};
+use crate::attribute::{Cat, Detail, StackKey, ThreadDetail};
 use crate::event::{Func, Library};
 use crate::symbolize::Symbols;
 
@@ -60,9 +60,9 @@ fn push_frame(line: &mut String, frame: &str) {
 
 /// A stack's frames as part of a folded line, root first: user frames outermost first,
 /// then kernel frames.
-fn stack_line(detail: &Detail, symbols: &Symbols, stack: u32) -> String {
+fn stack_line(stacks: &[StackKey], symbols: &Symbols, stack: u32) -> String {
     let mut line = String::new();
-    let Some(s) = detail.stacks.get(stack as usize) else {
+    let Some(s) = stacks.get(stack as usize) else {
         return line;
     };
     for addr in s.ustack.iter().rev() {
@@ -84,10 +84,7 @@ const CALL_SUFFIX: u32 = 1 << 16;
 
 /// Adds, per thread, each CUDA sync or NCCL call's nccl_wait time at its entry stack;
 /// returns per thread the `[start, end)` of the calls so drawn, by time.
-fn waits_at_call_sites(
-    detail: &Detail,
-    weights: &mut BTreeMap<(Option<Cat>, usize, u32, u32), u64>,
-) -> Vec<Vec<(u64, u64)>> {
+fn waits_at_call_sites(detail: &Detail, weights: &mut Weights) -> Vec<Vec<(u64, u64)>> {
     let mut covered = vec![Vec::new(); detail.threads.len()];
     let index: std::collections::HashMap<u32, usize> = detail
         .threads
@@ -113,9 +110,7 @@ fn waits_at_call_sites(
             .map(|(_, d)| d)
             .sum();
         if wait > 0 {
-            *weights
-                .entry((None, ti, stack, CALL_SUFFIX + c.func.id()))
-                .or_default() += wait;
+            weights.add(None, t, stack, CALL_SUFFIX + c.func.id(), wait);
         }
         covered[ti].push((c.start_ns, c.end_ns));
     }
@@ -161,105 +156,140 @@ fn overlap_in_steps(detail: &Detail, t: &ThreadDetail, a: u64, b: u64) -> Vec<(C
         .collect()
 }
 
-/// The folded stacks of one flamegraph, `stack weight_us` sorted. The attributed graph
-/// covers the rank thread's steps, as steps.json does; the others every target thread
-/// over the whole trace.
+/// One flamegraph's weights as they add up: ns per (root category, thread, stack,
+/// suffix), over any number of epochs; each distinct stack is symbolized and joined once
+/// at the end ([`Weights::lines`]), as traces hold far more samples than stacks.
+#[derive(Debug, Default)]
+pub struct Weights {
+    ns: BTreeMap<(Option<Cat>, u32, u32, u32), u64>,
+    /// Each thread's root frame, as it was last seen.
+    threads: BTreeMap<u32, String>,
+}
+
+impl Weights {
+    fn add(&mut self, root: Option<Cat>, t: &ThreadDetail, stack: u32, suffix: u32, ns: u64) {
+        self.threads.entry(t.tid).or_insert_with(|| thread_frame(t));
+        *self.ns.entry((root, t.tid, stack, suffix)).or_default() += ns;
+    }
+
+    /// Adds `detail`'s part of the `kind` graph. The attributed graph covers the rank
+    /// thread's steps, as steps.json does; the others every target thread over the whole
+    /// trace.
+    pub fn weigh(&mut self, detail: &Detail, kind: Kind) {
+        for t in &detail.threads {
+            // The role may be known only from a later epoch on.
+            if self.threads.contains_key(&t.tid) {
+                self.threads.insert(t.tid, thread_frame(t));
+            }
+        }
+        // NCCL waits inside calls whose entry stack was captured are drawn at that call
+        // site, weighted by the call's nccl_wait time; samples and off-CPU stacks inside
+        // those calls are then left out, so nothing is counted twice.
+        let covered = if kind == Kind::NcclWait {
+            waits_at_call_sites(detail, self)
+        } else {
+            vec![Vec::new(); detail.threads.len()]
+        };
+        for (ti, t) in detail.threads.iter().enumerate() {
+            let inside_covered = |ts: u64| {
+                let c = &covered[ti];
+                let i = c.partition_point(|(_, e)| *e <= ts);
+                c.get(i).is_some_and(|(s, _)| *s <= ts)
+            };
+            if kind == Kind::Attributed && detail.rank_tid.is_some_and(|r| r != t.tid) {
+                continue;
+            }
+            for &(ts, stack, cat, weight) in &t.samples {
+                if kind == Kind::Attributed && in_steps(detail, ts, ts + 1) == 0 {
+                    continue;
+                }
+                let root = match kind {
+                    Kind::OnCpu => None,
+                    Kind::NcclWait if cat == Cat::NcclWait && !inside_covered(ts) => None,
+                    Kind::Attributed => Some(cat),
+                    Kind::NcclWait | Kind::OffCpu => continue,
+                };
+                self.add(root, t, stack, 0, weight);
+            }
+            if kind == Kind::OnCpu {
+                continue;
+            }
+            for off in &t.offcpu {
+                let Some(stack) = off.stack else { continue };
+                if kind == Kind::NcclWait && inside_covered(off.start_ns) {
+                    continue;
+                }
+                let pieces: Vec<(Option<Cat>, u64)> = match kind {
+                    Kind::OffCpu => vec![(None, off.end_ns.saturating_sub(off.start_ns))],
+                    Kind::NcclWait => overlap(t, off.start_ns, off.end_ns, |c| c == Cat::NcclWait)
+                        .into_iter()
+                        .map(|(_, d)| (None, d))
+                        .collect(),
+                    Kind::Attributed => overlap_in_steps(detail, t, off.start_ns, off.end_ns)
+                        .into_iter()
+                        .map(|(c, d)| (Some(c), d))
+                        .collect(),
+                    Kind::OnCpu => Vec::new(),
+                };
+                let suffix = if off.runnable { 1 } else { 2 };
+                for (cat, ns) in pieces {
+                    self.add(cat, t, stack, suffix, ns);
+                }
+            }
+        }
+    }
+
+    /// The folded lines, `stack weight_us` sorted.
+    #[must_use]
+    pub fn lines(&self, stacks: &[StackKey], symbols: &Symbols) -> Vec<String> {
+        // Each stack's frames are made once, not per weight.
+        let mut joined: std::collections::HashMap<u32, String> = std::collections::HashMap::new();
+        let mut out: BTreeMap<String, u64> = BTreeMap::new();
+        for (&(root, tid, stack, suffix), &ns) in &self.ns {
+            let us = ns / 1000;
+            if us == 0 {
+                continue;
+            }
+            let mut line = String::new();
+            if let Some(c) = root {
+                push_frame(&mut line, c.name());
+            }
+            push_frame(
+                &mut line,
+                self.threads.get(&tid).map_or("thread", String::as_str),
+            );
+            let frames = joined
+                .entry(stack)
+                .or_insert_with(|| stack_line(stacks, symbols, stack));
+            if !frames.is_empty() {
+                // Already joined and cleaned.
+                line.push(';');
+                line.push_str(frames);
+            }
+            match suffix {
+                1 => push_frame(&mut line, "[preempted]"),
+                2 => push_frame(&mut line, "[blocked]"),
+                CALL_SUFFIX.. => {
+                    let name =
+                        Func::from_id(suffix - CALL_SUFFIX).map_or("call", |f| f.symbols()[0]);
+                    push_frame(&mut line, &format!("[in {name}]"));
+                }
+                _ => {}
+            }
+            *out.entry(line).or_insert(0) += us;
+        }
+        out.into_iter()
+            .map(|(stack, us)| format!("{stack} {us}"))
+            .collect()
+    }
+}
+
+/// The folded stacks of one flamegraph of `detail`, `stack weight_us` sorted.
 #[must_use]
 pub fn folded(detail: &Detail, symbols: &Symbols, kind: Kind) -> Vec<String> {
-    // Weights are summed per (root, thread, stack, suffix) first and each distinct stack
-    // is symbolized and joined once: traces hold far more samples than stacks.
-    let mut weights: BTreeMap<(Option<Cat>, usize, u32, u32), u64> = BTreeMap::new();
-    // NCCL waits inside calls whose entry stack was captured are drawn at that call site,
-    // weighted by the call's nccl_wait time; samples and off-CPU stacks inside those calls
-    // are then left out, so nothing is counted twice.
-    let covered = if kind == Kind::NcclWait {
-        waits_at_call_sites(detail, &mut weights)
-    } else {
-        vec![Vec::new(); detail.threads.len()]
-    };
-    for (ti, t) in detail.threads.iter().enumerate() {
-        let inside_covered = |ts: u64| {
-            let c = &covered[ti];
-            let i = c.partition_point(|(_, e)| *e <= ts);
-            c.get(i).is_some_and(|(s, _)| *s <= ts)
-        };
-        if kind == Kind::Attributed && detail.rank_tid.is_some_and(|r| r != t.tid) {
-            continue;
-        }
-        for &(ts, stack, cat, weight) in &t.samples {
-            if kind == Kind::Attributed && in_steps(detail, ts, ts + 1) == 0 {
-                continue;
-            }
-            let root = match kind {
-                Kind::OnCpu => None,
-                Kind::NcclWait if cat == Cat::NcclWait && !inside_covered(ts) => None,
-                Kind::Attributed => Some(cat),
-                Kind::NcclWait | Kind::OffCpu => continue,
-            };
-            *weights.entry((root, ti, stack, 0)).or_default() += weight;
-        }
-        if kind == Kind::OnCpu {
-            continue;
-        }
-        for off in &t.offcpu {
-            let Some(stack) = off.stack else { continue };
-            if kind == Kind::NcclWait && inside_covered(off.start_ns) {
-                continue;
-            }
-            let pieces: Vec<(Option<Cat>, u64)> = match kind {
-                Kind::OffCpu => vec![(None, off.end_ns.saturating_sub(off.start_ns))],
-                Kind::NcclWait => overlap(t, off.start_ns, off.end_ns, |c| c == Cat::NcclWait)
-                    .into_iter()
-                    .map(|(_, d)| (None, d))
-                    .collect(),
-                Kind::Attributed => overlap_in_steps(detail, t, off.start_ns, off.end_ns)
-                    .into_iter()
-                    .map(|(c, d)| (Some(c), d))
-                    .collect(),
-                Kind::OnCpu => Vec::new(),
-            };
-            let suffix = if off.runnable { 1 } else { 2 };
-            for (cat, ns) in pieces {
-                *weights.entry((cat, ti, stack, suffix)).or_default() += ns;
-            }
-        }
-    }
-    // Each thread's frame and each stack's frames are made once, not per weight.
-    let threads: Vec<String> = detail.threads.iter().map(thread_frame).collect();
-    let mut stacks: std::collections::HashMap<u32, String> = std::collections::HashMap::new();
-    let mut out: BTreeMap<String, u64> = BTreeMap::new();
-    for ((root, ti, stack, suffix), ns) in weights {
-        let us = ns / 1000;
-        if us == 0 {
-            continue;
-        }
-        let mut line = String::new();
-        if let Some(c) = root {
-            push_frame(&mut line, c.name());
-        }
-        push_frame(&mut line, &threads[ti]);
-        let frames = stacks
-            .entry(stack)
-            .or_insert_with(|| stack_line(detail, symbols, stack));
-        if !frames.is_empty() {
-            // Already joined and cleaned.
-            line.push(';');
-            line.push_str(frames);
-        }
-        match suffix {
-            1 => push_frame(&mut line, "[preempted]"),
-            2 => push_frame(&mut line, "[blocked]"),
-            CALL_SUFFIX.. => {
-                let name = Func::from_id(suffix - CALL_SUFFIX).map_or("call", |f| f.symbols()[0]);
-                push_frame(&mut line, &format!("[in {name}]"));
-            }
-            _ => {}
-        }
-        *out.entry(line).or_insert(0) += us;
-    }
-    out.into_iter()
-        .map(|(stack, us)| format!("{stack} {us}"))
-        .collect()
+    let mut weights = Weights::default();
+    weights.weigh(detail, kind);
+    weights.lines(&detail.stacks, symbols)
 }
 
 /// Writes the folded lines.
@@ -314,21 +344,30 @@ pub fn top_stacks(
     stacks
 }
 
-/// Share of samples whose user stack has at most two frames: a sign the target was built
-/// without frame pointers, so its stacks stop early.
-#[must_use]
-pub fn short_stack_share(detail: &Detail) -> Option<f64> {
-    let (mut short, mut total) = (0u64, 0u64);
+/// Samples per stack, for [`short_stack_share`]: adds `detail`'s.
+pub fn count_samples(detail: &Detail, counts: &mut BTreeMap<u32, u64>) {
     for t in &detail.threads {
         for &(_, stack, _, _) in &t.samples {
-            let Some(s) = detail.stacks.get(stack as usize) else {
-                continue;
-            };
-            if s.ustack.is_empty() {
-                continue;
-            }
-            total += 1;
-            short += u64::from(s.ustack.len() <= 2);
+            *counts.entry(stack).or_default() += 1;
+        }
+    }
+}
+
+/// Share of samples whose user stack has at most two frames: a sign the target was built
+/// without frame pointers, so its stacks stop early (`counts` from [`count_samples`]).
+#[must_use]
+pub fn short_stack_share(stacks: &[StackKey], counts: &BTreeMap<u32, u64>) -> Option<f64> {
+    let (mut short, mut total) = (0u64, 0u64);
+    for (&stack, &n) in counts {
+        let Some(s) = stacks.get(stack as usize) else {
+            continue;
+        };
+        if s.ustack.is_empty() {
+            continue;
+        }
+        total += n;
+        if s.ustack.len() <= 2 {
+            short += n;
         }
     }
     (total > 0).then(|| short as f64 / total as f64)

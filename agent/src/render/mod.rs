@@ -90,6 +90,7 @@ pub(crate) mod fixture {
             migrations: vec![(7_000_000, 0, 1)],
             faults: vec![1_900_000, 1_950_000, 2_100_000],
             call_stacks: Vec::new(),
+            open: None,
         };
         let call = |func, start, end| Call {
             task: Task {
@@ -126,6 +127,7 @@ pub(crate) mod fixture {
             sample_period_ns: 1_000_000,
             step_bounds: vec![(0, 8_000_000)],
             rank_tid: Some(10),
+            rank_pid: Some(10),
         };
         let mut symbols = Symbols::default();
         for (addr, name) in [

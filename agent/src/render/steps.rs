@@ -3,12 +3,73 @@
 use std::fmt::Write as _;
 use std::io::{self, Write};
 
-use crate::attribute::{Categories, Step, StepsReport, total};
+use crate::attribute::{Categories, Step, StepsReport};
 
-/// Writes `steps.json`.
+/// Writes `steps.json`: the steps first, one per line, then the rest of the report.
 pub fn write_json(report: &StepsReport, out: &mut impl Write) -> io::Result<()> {
-    serde_json::to_writer_pretty(&mut *out, report)?;
-    writeln!(out)
+    let mut json = StepsJson::new(out)?;
+    for s in &report.steps {
+        json.step(s)?;
+    }
+    json.finish(&without_steps(report))
+}
+
+/// `steps.json` written as the steps close: `{"steps": [` and one step per line (so that
+/// `tail -f` follows the run), then at [`StepsJson::finish`] the rest of the report.
+pub struct StepsJson<W: Write> {
+    out: W,
+    steps: usize,
+}
+
+impl<W: Write> StepsJson<W> {
+    pub fn new(mut out: W) -> io::Result<Self> {
+        out.write_all(b"{\n  \"steps\": [")?;
+        Ok(StepsJson { out, steps: 0 })
+    }
+
+    /// The next step, final.
+    pub fn step(&mut self, s: &Step) -> io::Result<()> {
+        self.out.write_all(if self.steps == 0 {
+            b"\n    "
+        } else {
+            b",\n    "
+        })?;
+        serde_json::to_writer(&mut self.out, s)?;
+        self.steps += 1;
+        Ok(())
+    }
+
+    /// The rest of the report (`report` has no steps), and the end.
+    pub fn finish(mut self, report: &StepsReport) -> io::Result<()> {
+        debug_assert!(report.steps.is_empty());
+        let pretty = serde_json::to_string_pretty(report)?;
+        // Top-level keys are indented by two spaces; the empty steps are written above.
+        let rest =
+            pretty
+                .strip_prefix('{')
+                .unwrap_or(&pretty)
+                .replacen("\n  \"steps\": [],", "", 1);
+        let close: &[u8] = if self.steps == 0 { b"]," } else { b"\n  ]," };
+        self.out.write_all(close)?;
+        self.out.write_all(rest.as_bytes())?;
+        writeln!(self.out)?;
+        self.out.flush()
+    }
+}
+
+/// `report` but its steps.
+#[must_use]
+pub fn without_steps(report: &StepsReport) -> StepsReport {
+    StepsReport {
+        steps: Vec::new(),
+        threads: report.threads.clone(),
+        other_offcpu_top_stacks: report.other_offcpu_top_stacks.clone(),
+        ranks: report.ranks.clone(),
+        straggler: report.straggler.clone(),
+        reason: report.reason.clone(),
+        methods: report.methods.clone(),
+        ..*report
+    }
 }
 
 /// The CSV columns before and after the categories (named by [`crate::attribute::NAMES`]).
@@ -37,7 +98,12 @@ pub fn csv_columns() -> Vec<&'static str> {
 /// Writes `steps.csv`: one row per step, categories in ns (empty when not measured).
 pub fn write_csv(report: &StepsReport, out: &mut impl Write) -> io::Result<()> {
     writeln!(out, "{}", csv_columns().join(","))?;
-    for s in &report.steps {
+    write_csv_rows(&report.steps, out)
+}
+
+/// The rows of `steps` in `steps.csv`.
+pub fn write_csv_rows(steps: &[Step], out: &mut impl Write) -> io::Result<()> {
+    for s in steps {
         let mut categories = String::new();
         for (_, value) in s.categories.named() {
             if let Some(v) = value {
@@ -112,29 +178,214 @@ fn describe(category: &str, c: &Categories) -> &'static str {
     }
 }
 
-/// The median of each category over `steps`, in [`Categories::named`] order.
-fn category_medians(steps: &[Step]) -> Vec<u64> {
-    (0..Categories::default().named().len())
-        .map(|i| {
-            let mut all: Vec<u64> = steps
-                .iter()
-                .map(|s| s.categories.named()[i].1.unwrap_or(0))
-                .collect();
-            quantile(&mut all, 0.5)
-        })
-        .collect()
+/// What the table and the verdict need of every step, not the steps themselves (a long
+/// run's steps are written out as they close): exact values for the first
+/// [`EXACT_STEPS`] steps, then log-bucket histograms (each quantile within 0.2%, said
+/// under the table), so that memory stays bounded at any run length.
+#[derive(Clone, Debug, Default)]
+pub struct StepTable {
+    steps: usize,
+    /// Wall time, then each category in [`Categories::named`] order (`NOT_MEASURED`
+    /// where not measured).
+    columns: [Column; 8],
+    /// The slowest steps: (wall, index, the columns' values), slowest first.
+    slowest: Vec<(u64, usize, [u64; 8])>,
+    sum: Categories,
+    wall_ns: u64,
+    migrations: u64,
+    cross_node_migrations: u64,
 }
 
-/// What made `step` slower than the median step: the category with the largest excess
-/// over its own median (`medians`, from [`category_medians`]), and that excess.
-fn slowest_cause(step: &Step, medians: &[u64]) -> Option<(&'static str, u64)> {
-    step.categories
-        .named()
-        .into_iter()
-        .zip(medians)
-        .filter_map(|((name, value), median)| Some((name, value?.saturating_sub(*median))))
-        .filter(|(_, excess)| *excess > 0)
-        .max_by_key(|(_, excess)| *excess)
+/// Steps whose values are kept exactly; past them, histograms.
+pub const EXACT_STEPS: usize = 100_000;
+/// Slowest steps kept.
+const SLOWEST: usize = 3;
+/// A category value the step could not measure, in [`StepTable`].
+const NOT_MEASURED: u64 = u64::MAX;
+
+/// One column of the table.
+#[derive(Clone, Debug)]
+enum Column {
+    Exact(Vec<u64>),
+    Histogram(LogHistogram),
+}
+
+impl Default for Column {
+    fn default() -> Self {
+        Column::Exact(Vec::new())
+    }
+}
+
+/// Counts per bucket: values below 1024 exactly, above in 512 buckets per power of two
+/// (a bucket's width is at most 1/512 = 0.2% of its values).
+#[derive(Clone, Debug, Default)]
+pub struct LogHistogram {
+    counts: std::collections::BTreeMap<u32, u64>,
+}
+
+const MANTISSA_BITS: u32 = 9;
+
+impl LogHistogram {
+    fn bucket(v: u64) -> u32 {
+        if v < 1 << (MANTISSA_BITS + 1) {
+            return v as u32;
+        }
+        let exp = v.ilog2();
+        let mantissa = (v >> (exp - MANTISSA_BITS)) & ((1 << MANTISSA_BITS) - 1);
+        ((exp - MANTISSA_BITS) << MANTISSA_BITS | mantissa as u32) + (1 << MANTISSA_BITS)
+    }
+
+    /// The middle of bucket `b`'s values.
+    fn value(b: u32) -> u64 {
+        if b < 1 << (MANTISSA_BITS + 1) {
+            return u64::from(b);
+        }
+        let b = b - (1 << MANTISSA_BITS);
+        let shift = b >> MANTISSA_BITS;
+        let mantissa = u64::from(b & ((1 << MANTISSA_BITS) - 1));
+        let low = ((1 << MANTISSA_BITS) | mantissa) << shift;
+        low + (1u64 << shift) / 2
+    }
+
+    pub fn add(&mut self, v: u64) {
+        *self.counts.entry(Self::bucket(v)).or_default() += 1;
+    }
+
+    /// The value at quantile `q` (nearest rank), within a bucket's width.
+    #[must_use]
+    pub fn quantile(&self, q: f64) -> u64 {
+        let n: u64 = self.counts.values().sum();
+        if n == 0 {
+            return 0;
+        }
+        let rank = ((q * n as f64).ceil() as u64).clamp(1, n);
+        let mut seen = 0;
+        for (b, c) in &self.counts {
+            seen += c;
+            if seen >= rank {
+                return Self::value(*b);
+            }
+        }
+        0
+    }
+}
+
+impl Column {
+    fn push(&mut self, v: u64) {
+        match self {
+            Column::Exact(values) => {
+                if values.capacity() == 0 {
+                    values.reserve_exact(EXACT_STEPS);
+                }
+                values.push(v);
+            }
+            Column::Histogram(h) => h.add(v),
+        }
+    }
+
+    /// Past [`EXACT_STEPS`]: into a histogram.
+    fn fold(&mut self) {
+        if let Column::Exact(values) = self {
+            let mut h = LogHistogram::default();
+            for v in values.iter() {
+                h.add(*v);
+            }
+            *self = Column::Histogram(h);
+        }
+    }
+
+    /// The value at quantile `q`, not-measured values counted as 0.
+    fn quantile(&self, q: f64) -> u64 {
+        match self {
+            Column::Exact(values) => {
+                let mut v: Vec<u64> = values
+                    .iter()
+                    .map(|v| if *v == NOT_MEASURED { 0 } else { *v })
+                    .collect();
+                quantile(&mut v, q)
+            }
+            Column::Histogram(h) => h.quantile(q),
+        }
+    }
+}
+
+impl StepTable {
+    /// The table of `steps`.
+    #[must_use]
+    pub fn of(steps: &[Step]) -> StepTable {
+        let mut t = StepTable::default();
+        for s in steps {
+            t.push(s);
+        }
+        t
+    }
+
+    /// Adds the next step.
+    pub fn push(&mut self, s: &Step) {
+        let mut row = [0u64; 8];
+        row[0] = s.wall_ns;
+        for (cell, (_, v)) in row[1..].iter_mut().zip(s.categories.named()) {
+            *cell = v.unwrap_or(NOT_MEASURED);
+        }
+        if self.steps == EXACT_STEPS {
+            self.columns.iter_mut().for_each(Column::fold);
+        }
+        for (column, v) in self.columns.iter_mut().zip(row) {
+            column.push(
+                if v == NOT_MEASURED && matches!(column, Column::Histogram(_)) {
+                    0
+                } else {
+                    v
+                },
+            );
+        }
+        // Slowest first; among equals, the earlier step.
+        let at = self.slowest.partition_point(|(w, _, _)| *w >= s.wall_ns);
+        if at < SLOWEST {
+            self.slowest.insert(at, (s.wall_ns, s.index, row));
+            self.slowest.truncate(SLOWEST);
+        }
+        self.steps += 1;
+        self.wall_ns += s.wall_ns;
+        self.sum.add(&s.categories);
+        self.migrations += s.migrations;
+        self.cross_node_migrations += s.cross_node_migrations;
+    }
+
+    /// Steps in the table.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.steps
+    }
+
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.steps == 0
+    }
+
+    /// Whether quantiles come from histograms (more than [`EXACT_STEPS`] steps).
+    #[must_use]
+    pub fn approximate(&self) -> bool {
+        self.steps > EXACT_STEPS
+    }
+
+    /// The median of each category, in [`Categories::named`] order.
+    fn category_medians(&self) -> Vec<u64> {
+        self.columns[1..].iter().map(|c| c.quantile(0.5)).collect()
+    }
+
+    /// What made a step (its `row`) slower than the median step: the category with the
+    /// largest excess over its own median (`medians`), and that excess.
+    fn slowest_cause(row: &[u64; 8], medians: &[u64]) -> Option<(&'static str, u64)> {
+        crate::attribute::NAMES
+            .iter()
+            .zip(&row[1..])
+            .zip(medians)
+            .filter(|((_, v), _)| **v != NOT_MEASURED)
+            .map(|((name, v), median)| (*name, v.saturating_sub(*median)))
+            .filter(|(_, excess)| *excess > 0)
+            .max_by_key(|(_, excess)| *excess)
+    }
 }
 
 /// A blocking stack (frames root first, `;`-separated) in short: the innermost user
@@ -162,9 +413,9 @@ fn blocked_in(stack: &str) -> String {
 
 /// The one line naming the dominant cause.
 #[must_use]
-pub fn verdict(report: &StepsReport) -> String {
-    let sum = total(&report.steps);
-    let wall: u64 = report.steps.iter().map(|s| s.wall_ns).sum();
+pub fn verdict(report: &StepsReport, table: &StepTable) -> String {
+    let sum = table.sum;
+    let wall = table.wall_ns;
     let (name, value) = dominant(&sum);
     let mut line = format!(
         "{:.0}% of step time {}",
@@ -181,8 +432,7 @@ pub fn verdict(report: &StepsReport) -> String {
         );
     }
     if let Some(tid) = report.rank_tid {
-        let migrations: u64 = report.steps.iter().map(|s| s.migrations).sum();
-        let cross: u64 = report.steps.iter().map(|s| s.cross_node_migrations).sum();
+        let (migrations, cross) = (table.migrations, table.cross_node_migrations);
         let _ = write!(
             line,
             "; rank thread {tid} migrated {migrations} times, {:.0}% across nodes",
@@ -193,23 +443,25 @@ pub fn verdict(report: &StepsReport) -> String {
 }
 
 /// Writes the per-category quantiles, the slowest steps and the verdict.
-pub fn write_table(report: &StepsReport, out: &mut impl Write) -> io::Result<()> {
-    let steps: &[Step] = &report.steps;
+pub fn write_table(
+    report: &StepsReport,
+    table: &StepTable,
+    out: &mut impl Write,
+) -> io::Result<()> {
     writeln!(
         out,
         "Steps: {} found ({}): {}",
-        steps.len(),
+        table.len(),
         serde_json::to_value(report.method)
             .ok()
             .and_then(|v| v.as_str().map(str::to_owned))
             .unwrap_or_default(),
         report.reason
     )?;
-    if steps.is_empty() {
+    if table.is_empty() {
         return Ok(());
     }
-    let wall: u64 = steps.iter().map(|s| s.wall_ns).sum();
-    let mut walls: Vec<u64> = steps.iter().map(|s| s.wall_ns).collect();
+    let wall = table.wall_ns;
     writeln!(
         out,
         "  {:<14} {:>10} {:>10} {:>10} {:>7}",
@@ -219,12 +471,12 @@ pub fn write_table(report: &StepsReport, out: &mut impl Write) -> io::Result<()>
         out,
         "  {:<14} {:>10} {:>10} {:>10} {:>6.1}%",
         "wall",
-        ms(quantile(&mut walls, 0.5)),
-        ms(quantile(&mut walls, 0.9)),
-        ms(quantile(&mut walls, 0.99)),
+        ms(table.columns[0].quantile(0.5)),
+        ms(table.columns[0].quantile(0.9)),
+        ms(table.columns[0].quantile(0.99)),
         100.0
     )?;
-    let sum = total(steps);
+    let sum = table.sum;
     for (i, (name, value)) in sum.named().iter().enumerate() {
         let Some(value) = value else {
             writeln!(
@@ -234,10 +486,7 @@ pub fn write_table(report: &StepsReport, out: &mut impl Write) -> io::Result<()>
             )?;
             continue;
         };
-        let mut per: Vec<u64> = steps
-            .iter()
-            .map(|s| s.categories.named()[i].1.unwrap_or(0))
-            .collect();
+        let per = &table.columns[i + 1];
         let note = if *name == "nccl_wait" && sum.unmeasured.nccl_wait_lower_bound {
             "  (a lower bound: see steps.json methods)"
         } else {
@@ -246,9 +495,9 @@ pub fn write_table(report: &StepsReport, out: &mut impl Write) -> io::Result<()>
         writeln!(
             out,
             "  {name:<14} {:>10} {:>10} {:>10} {:>6.1}%{note}",
-            ms(quantile(&mut per, 0.5)),
-            ms(quantile(&mut per, 0.9)),
-            ms(quantile(&mut per, 0.99)),
+            ms(per.quantile(0.5)),
+            ms(per.quantile(0.9)),
+            ms(per.quantile(0.99)),
             pct(*value, wall)
         )?;
     }
@@ -265,24 +514,28 @@ pub fn write_table(report: &StepsReport, out: &mut impl Write) -> io::Result<()>
             pct(unattributed, wall)
         )?;
     }
-    let mut slowest: Vec<&Step> = steps.iter().collect();
-    slowest.sort_by_key(|s| std::cmp::Reverse(s.wall_ns));
-    let mut walls: Vec<u64> = steps.iter().map(|s| s.wall_ns).collect();
-    let median_wall = quantile(&mut walls, 0.5);
+    let median_wall = table.columns[0].quantile(0.5);
     write!(
         out,
         "  slowest steps (against the median step, {} ms):",
         ms(median_wall)
     )?;
-    let medians = category_medians(steps);
-    for s in slowest.iter().take(3) {
-        write!(out, " #{} {} ms", s.index, ms(s.wall_ns))?;
-        match slowest_cause(s, &medians) {
+    let medians = table.category_medians();
+    for (wall, index, row) in &table.slowest {
+        write!(out, " #{index} {} ms", ms(*wall))?;
+        match StepTable::slowest_cause(row, &medians) {
             Some((name, excess)) => write!(out, " ({name} +{} ms);", ms(excess))?,
             None => write!(out, ";")?,
         }
     }
     writeln!(out)?;
+    if table.approximate() {
+        writeln!(
+            out,
+            "  (p50/p90/p99 from log-bucket histograms past the first {EXACT_STEPS} steps: \
+             each within 0.2%)"
+        )?;
+    }
     if let Some(top) = report.other_offcpu_top_stacks.first() {
         writeln!(
             out,
@@ -291,7 +544,7 @@ pub fn write_table(report: &StepsReport, out: &mut impl Write) -> io::Result<()>
             ms(top.total_ns)
         )?;
     }
-    writeln!(out, "{}", verdict(report))
+    writeln!(out, "{}", verdict(report, table))
 }
 
 #[cfg(test)]
@@ -331,6 +584,45 @@ mod tests {
         }
     }
 
+    /// Past EXACT_STEPS the table's quantiles come from histograms: within 0.2% of the
+    /// exact ones, every bucket's middle within 0.2% of its values, and the slowest steps
+    /// still exact.
+    #[test]
+    fn quantiles_past_the_exact_steps_stay_within_their_bucket() {
+        for v in [0, 1, 1023, 1024, 1025, 4_000_000, 123_456_789, u64::MAX / 3] {
+            let mid = LogHistogram::value(LogHistogram::bucket(v));
+            assert!(
+                mid.abs_diff(v) as f64 <= v as f64 / 512.0 + 1.0,
+                "{v} -> {mid}"
+            );
+        }
+        let n = EXACT_STEPS + 5_000;
+        // Deterministic spread of wall times: 1-5 ms, one slow step.
+        let wall = |i: usize| 1_000_000 + (i as u64 * 7_919) % 4_000_000;
+        let steps: Vec<Step> = (0..n)
+            .map(|i| {
+                let w = if i == 77_777 { 90_000_000 } else { wall(i) };
+                step(i, w, w / 3)
+            })
+            .collect();
+        let table = StepTable::of(&steps);
+        assert!(table.approximate());
+        let mut walls: Vec<u64> = steps.iter().map(|s| s.wall_ns).collect();
+        for q in [0.5, 0.9, 0.99] {
+            let exact = quantile(&mut walls, q);
+            let approx = table.columns[0].quantile(q);
+            assert!(
+                approx.abs_diff(exact) as f64 <= exact as f64 * 0.002,
+                "q{q}: {approx} vs {exact}"
+            );
+        }
+        assert_eq!(
+            (table.slowest[0].0, table.slowest[0].1),
+            (steps[77_777].wall_ns, 77_777)
+        );
+        assert_eq!(table.len(), n);
+    }
+
     /// Regression (issue 17): "#267 28.261 ms (nccl_wait 2.067 ms)" named a typical wait
     /// while compute made the step slow. The cause is the category furthest above its
     /// own median.
@@ -340,12 +632,18 @@ mod tests {
             .map(|i| step(i, 3_000_000, 2_000_000))
             .chain([step(9, 25_000_000, 2_100_000)])
             .collect();
-        let medians = category_medians(&steps);
+        let table = StepTable::of(&steps);
+        let medians = table.category_medians();
+        assert_eq!(table.slowest[0].1, 9);
         assert_eq!(
-            slowest_cause(&steps[9], &medians),
+            StepTable::slowest_cause(&table.slowest[0].2, &medians),
             Some(("compute", 22_000_000))
         );
-        assert_eq!(slowest_cause(&steps[0], &medians), None);
+        let typical = StepTable::of(&steps[..1]);
+        assert_eq!(
+            StepTable::slowest_cause(&typical.slowest[0].2, &medians),
+            None
+        );
     }
 
     /// Regression (issue 17): "blocked most in:" showed only leaf kernel frames; the

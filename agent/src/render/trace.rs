@@ -261,284 +261,387 @@ impl Serialize for Count {
     }
 }
 
-/// Writes the trace.
-#[allow(clippy::too_many_lines)] // one section per kind of track event
+/// Writes the trace of one `detail` (the whole run at once).
 pub fn write(
     header: &Header,
     detail: &Detail,
     steps: &StepsReport,
     out: impl Write,
 ) -> io::Result<()> {
-    let mut w = Writer {
-        out,
-        first: true,
-        base_ns: detail.first_ns,
-    };
-    w.out
-        .write_all(b"{\"displayTimeUnit\":\"ns\",\"traceEvents\":[")?;
-    for t in &header.targets {
-        // The rank summary.json and steps.json give it (NCCL's, the environment's, or pid
-        // order), not the target's position.
-        let rank = steps
-            .ranks
-            .iter()
-            .find(|r| r.pid == t.pid)
-            .map_or_else(|| "?".to_owned(), |r| r.rank.to_string());
-        w.raw(&json!({"ph": "M", "name": "process_name", "pid": t.pid,
-            "args": {"name": format!("rank {rank} (pid {}) {}", t.pid, t.comm)}}))?;
-        w.raw(
-            &json!({"ph": "M", "name": "thread_name", "pid": t.pid, "tid": STEPS_TID,
-            "args": {"name": "steps"}}),
-        )?;
-        w.raw(
-            &json!({"ph": "M", "name": "thread_sort_index", "pid": t.pid, "tid": STEPS_TID,
-            "args": {"sort_index": -2}}),
-        )?;
+    let mut trace = TraceStream::new(out, detail.first_ns)?;
+    trace.epoch(detail, &steps.steps, steps.rank_pid)?;
+    trace.finish(header, &steps.ranks, detail.end_ns)
+}
+
+/// A fault burst still open: (first fault, last fault, faults).
+type OpenBurst = (u64, u64, usize);
+
+/// trace.json written as the run is attributed, an epoch at a time ([`TraceStream::epoch`]):
+/// what needs the whole run (names, counters per 100 ms) at [`TraceStream::finish`].
+/// Events of the runnable-threads counter are written in time order, held back until no
+/// stretch still open can come before them; fault bursts across epochs stay whole.
+pub struct TraceStream<W: Write> {
+    w: Writer<W>,
+    /// Collectives so far per (pid, communicator): their sequence numbers.
+    sequence: std::collections::BTreeMap<(u32, u64), u64>,
+    /// Runnable-thread count changes not written yet: (time, pid, +1/-1).
+    runnable_changes: Vec<(u64, u32, i64)>,
+    runnable: std::collections::BTreeMap<u32, i64>,
+    bursts: std::collections::BTreeMap<u32, (u32, OpenBurst)>,
+    /// Faults and migrations per pid and 100 ms bin.
+    bins: std::collections::BTreeMap<u32, std::collections::BTreeMap<u64, (u64, u64)>>,
+    /// Each thread's name track, as last seen: (pid, tid, name, role).
+    threads: std::collections::BTreeMap<u32, (u32, String, &'static str)>,
+    cpu_nodes: Vec<i32>,
+}
+
+impl<W: Write> TraceStream<W> {
+    /// Starts the trace; `base_ns` (CLOCK_MONOTONIC) is its time 0.
+    pub fn new(mut out: W, base_ns: u64) -> io::Result<Self> {
+        out.write_all(b"{\"displayTimeUnit\":\"ns\",\"traceEvents\":[")?;
+        Ok(TraceStream {
+            w: Writer {
+                out,
+                first: true,
+                base_ns,
+            },
+            sequence: std::collections::BTreeMap::new(),
+            runnable_changes: Vec::new(),
+            runnable: std::collections::BTreeMap::new(),
+            bursts: std::collections::BTreeMap::new(),
+            bins: std::collections::BTreeMap::new(),
+            threads: std::collections::BTreeMap::new(),
+            cpu_nodes: Vec::new(),
+        })
     }
-    for t in &detail.threads {
-        let name = if t.name.is_empty() {
-            format!("{}", t.tid)
-        } else {
-            format!("{} {}", t.name, t.tid)
-        };
-        w.raw(
-            &json!({"ph": "M", "name": "thread_name", "pid": t.pid, "tid": t.tid,
-            "args": {"name": format!("{name} ({})", t.role)}}),
-        )?;
-        if t.role.starts_with("main") {
-            w.raw(
-                &json!({"ph": "M", "name": "thread_sort_index", "pid": t.pid, "tid": t.tid,
-                "args": {"sort_index": -1}}),
-            )?;
+
+    /// Writes one epoch: its steps (of the rank process `rank_pid`), calls, off-CPU
+    /// stretches, migrations and fault bursts.
+    pub fn epoch(
+        &mut self,
+        detail: &Detail,
+        steps: &[Step],
+        rank_pid: Option<u32>,
+    ) -> io::Result<()> {
+        self.cpu_nodes.clone_from(&detail.cpu_nodes);
+        for t in &detail.threads {
+            self.threads.insert(t.tid, (t.pid, t.name.clone(), t.role));
         }
+        if let Some(pid) = rank_pid {
+            for s in steps {
+                let name = format!("step {}", s.index);
+                let (ts, d) = (self.w.ts(s.start_ns), dur(s.start_ns, s.end_ns));
+                self.w.event(&Ev::slice(
+                    "step",
+                    &name,
+                    pid,
+                    STEPS_TID,
+                    ts,
+                    d,
+                    StepArgs(s),
+                ))?;
+            }
+        }
+        self.calls(detail)?;
+        for t in &detail.threads {
+            self.thread(t)?;
+        }
+        self.runnable(detail)
     }
-    if let Some(pid) = steps.rank_pid {
-        for s in &steps.steps {
-            let name = format!("step {}", s.index);
-            let (ts, d) = (w.ts(s.start_ns), dur(s.start_ns, s.end_ns));
-            w.event(&Ev::slice(
-                "step",
-                &name,
-                pid,
-                STEPS_TID,
+
+    fn calls(&mut self, detail: &Detail) -> io::Result<()> {
+        // Slice names made once per function (NVTX names once per call).
+        let mut names: std::collections::HashMap<crate::event::Func, String> =
+            std::collections::HashMap::new();
+        let mut nvtx_name: String;
+        for c in &detail.calls {
+            let library = c.func.library();
+            let cat = match library {
+                Library::Nccl => "nccl",
+                Library::Cuda => "cuda_sync",
+                Library::Marker => "step_marker",
+                Library::Nvtx => "nvtx",
+            };
+            let name: &str = if library == Library::Nvtx {
+                nvtx_name = format!("NVTX {}", c.message.as_deref().unwrap_or("?"));
+                &nvtx_name
+            } else {
+                names.entry(c.func).or_insert_with(|| match library {
+                    Library::Nccl => format!("nccl{}", c.func.name()),
+                    Library::Marker => "step marker".to_owned(),
+                    _ => c.func.name().to_owned(),
+                })
+            };
+            let comm = c.comm;
+            let seq = comm.filter(|_| c.func.is_collective()).map(|comm| {
+                let n = self.sequence.entry((c.task.tgid, comm)).or_insert(0);
+                *n += 1;
+                *n - 1
+            });
+            let args = CallArgs {
+                ret: c.ret,
+                bytes: c.bytes,
+                count: c.count,
+                datatype: c.datatype.map(datatype_name),
+                op: c.redop.map(redop_name),
+                peer_or_root: c.peer,
+                comm: comm.map(Hex),
+                seq,
+                stream: c.stream.map(Hex),
+                rank: c.rank,
+            };
+            if !self.w.traced(c.start_ns) {
+                continue;
+            }
+            let (ts, d) = (self.w.ts(c.start_ns), dur(c.start_ns, c.end_ns));
+            self.w.event(&Ev::slice(
+                cat,
+                name,
+                c.task.tgid,
+                u64::from(c.task.tid),
                 ts,
                 d,
-                StepArgs(s),
+                args,
             ))?;
         }
+        Ok(())
     }
-    let mut sequence: std::collections::BTreeMap<(u32, u64), u64> =
-        std::collections::BTreeMap::new();
-    // Slice names made once per function (NVTX names once per call).
-    let mut names: std::collections::HashMap<crate::event::Func, String> =
-        std::collections::HashMap::new();
-    let mut nvtx_name: String;
-    for c in &detail.calls {
-        let library = c.func.library();
-        let cat = match library {
-            Library::Nccl => "nccl",
-            Library::Cuda => "cuda_sync",
-            Library::Marker => "step_marker",
-            Library::Nvtx => "nvtx",
-        };
-        let name: &str = if library == Library::Nvtx {
-            nvtx_name = format!("NVTX {}", c.message.as_deref().unwrap_or("?"));
-            &nvtx_name
-        } else {
-            names.entry(c.func).or_insert_with(|| match library {
-                Library::Nccl => format!("nccl{}", c.func.name()),
-                Library::Marker => "step marker".to_owned(),
-                _ => c.func.name().to_owned(),
-            })
-        };
-        let comm = c.comm;
-        let seq = comm.filter(|_| c.func.is_collective()).map(|comm| {
-            let n = sequence.entry((c.task.tgid, comm)).or_insert(0);
-            *n += 1;
-            *n - 1
-        });
-        let args = CallArgs {
-            ret: c.ret,
-            bytes: c.bytes,
-            count: c.count,
-            datatype: c.datatype.map(datatype_name),
-            op: c.redop.map(redop_name),
-            peer_or_root: c.peer,
-            comm: comm.map(Hex),
-            seq,
-            stream: c.stream.map(Hex),
-            rank: c.rank,
-        };
-        if !w.traced(c.start_ns) {
-            continue;
-        }
-        let (ts, d) = (w.ts(c.start_ns), dur(c.start_ns, c.end_ns));
-        w.event(&Ev::slice(
-            cat,
-            name,
-            c.task.tgid,
-            u64::from(c.task.tid),
-            ts,
-            d,
-            args,
-        ))?;
-    }
-    let node = |cpu: i32| {
-        usize::try_from(cpu)
-            .ok()
-            .and_then(|c| detail.cpu_nodes.get(c))
-            .copied()
-            .unwrap_or(-1)
-    };
-    for t in &detail.threads {
+
+    /// One thread's off-CPU stretches, migrations and fault bursts; counts for the bins.
+    fn thread(&mut self, t: &crate::attribute::ThreadDetail) -> io::Result<()> {
         for off in &t.offcpu {
             let name = if off.runnable {
                 "off-CPU: preempted"
             } else {
                 "off-CPU: blocked"
             };
-            if !w.traced(off.start_ns) {
+            if !self.w.traced(off.start_ns) {
                 continue;
             }
             let args = Woken {
                 woken_by_tid: off.waker.map(|w| w.0),
                 woken_by_pid: off.waker.map(|w| w.1),
             };
-            let (ts, d) = (w.ts(off.start_ns), dur(off.start_ns, off.end_ns));
-            w.event(&Ev::slice(
-                "sched",
-                name,
-                t.pid,
-                u64::from(t.tid),
-                ts,
-                d,
-                args,
-            ))?;
+            let (ts, d) = (self.w.ts(off.start_ns), dur(off.start_ns, off.end_ns));
+            let ev = Ev::slice("sched", name, t.pid, u64::from(t.tid), ts, d, args);
+            self.w.event(&ev)?;
         }
-        let base = w.base_ns;
+        let base = self.w.base_ns;
         for &(ts, from, to) in t.migrations.iter().filter(|m| m.0 >= base) {
             let args = Moved {
                 from_cpu: from,
                 to_cpu: to,
-                from_node: node(from),
-                to_node: node(to),
+                from_node: self.node(from),
+                to_node: self.node(to),
             };
             let ev = Ev::instant(
                 "sched",
                 "migration",
                 t.pid,
                 u64::from(t.tid),
-                w.ts(ts),
+                self.w.ts(ts),
                 args,
             );
-            w.event(&ev)?;
+            self.w.event(&ev)?;
         }
-        let mut i = 0;
-        while i < t.faults.len() {
-            let start = t.faults[i];
-            if !w.traced(start) {
-                i += 1;
+        let bins = self.bins.entry(t.pid).or_default();
+        for ts in &t.faults {
+            bins.entry(ts.saturating_sub(base) / BIN_NS).or_default().0 += 1;
+        }
+        for (ts, _, _) in &t.migrations {
+            bins.entry(ts.saturating_sub(base) / BIN_NS).or_default().1 += 1;
+        }
+        for &ts in &t.faults {
+            if !self.w.traced(ts) {
                 continue;
             }
-            let mut j = i;
-            while j + 1 < t.faults.len() && t.faults[j + 1] - t.faults[j] < BURST_GAP_NS {
-                j += 1;
+            match self.bursts.get_mut(&t.tid) {
+                Some((_, (_, last, n))) if ts - *last < BURST_GAP_NS => {
+                    *last = ts;
+                    *n += 1;
+                }
+                _ => {
+                    if let Some((pid, burst)) = self.bursts.insert(t.tid, (t.pid, (ts, ts, 1))) {
+                        self.burst(pid, t.tid, burst)?;
+                    }
+                }
             }
-            let args = Burst {
-                faults: j - i + 1,
-                span_us: dur(start, t.faults[j]) as f64 / 1000.0,
-            };
-            let ev = Ev::instant(
-                "memory",
-                "page faults",
-                t.pid,
-                u64::from(t.tid),
-                w.ts(start),
-                args,
-            );
-            w.event(&ev)?;
-            i = j + 1;
         }
+        Ok(())
     }
-    // Runnable-but-waiting target threads, as a counter stepping at each change.
-    let mut changes: Vec<(u64, u32, i64)> = Vec::new();
-    for t in &detail.threads {
-        for off in &t.offcpu {
-            // Runnable from the switch-out when preempted, else from the wakeup on.
-            let from = if off.runnable {
+
+    fn burst(&mut self, pid: u32, tid: u32, (start, last, faults): OpenBurst) -> io::Result<()> {
+        let args = Burst {
+            faults,
+            span_us: dur(start, last) as f64 / 1000.0,
+        };
+        let ev = Ev::instant(
+            "memory",
+            "page faults",
+            pid,
+            u64::from(tid),
+            self.w.ts(start),
+            args,
+        );
+        self.w.event(&ev)
+    }
+
+    fn node(&self, cpu: i32) -> i32 {
+        usize::try_from(cpu)
+            .ok()
+            .and_then(|c| self.cpu_nodes.get(c))
+            .copied()
+            .unwrap_or(-1)
+    }
+
+    /// Runnable-but-waiting target threads, as a counter stepping at each change: the
+    /// changes before any stretch still open could add one.
+    fn runnable(&mut self, detail: &Detail) -> io::Result<()> {
+        // Runnable from the switch-out when preempted, else from the wakeup on.
+        let from = |off: &crate::attribute::OffCpu| {
+            if off.runnable {
                 Some(off.start_ns)
             } else {
                 off.woken_ns
-            };
-            if let Some(from) = from.filter(|f| *f < off.end_ns) {
-                changes.push((from, t.pid, 1));
-                changes.push((off.end_ns, t.pid, -1));
             }
-        }
-    }
-    changes.sort_unstable();
-    let mut runnable: std::collections::BTreeMap<u32, i64> = std::collections::BTreeMap::new();
-    for (ts, pid, delta) in changes {
-        let n = runnable.entry(pid).or_insert(0);
-        *n += delta;
-        if !w.traced(ts) {
-            continue;
-        }
-        let args = Runnable {
-            waiting: (*n).max(0),
         };
-        w.event(&Ev::counter("runnable threads", pid, w.ts(ts), args))?;
-    }
-    // Counters per process, in 100 ms bins.
-    let mut pids: Vec<u32> = detail.threads.iter().map(|t| t.pid).collect();
-    pids.sort_unstable();
-    pids.dedup();
-    // 100 ms bins, wider when the span would need more than MAX_BINS (a damaged clock).
-    let span = detail.end_ns.saturating_sub(detail.first_ns);
-    let bin_ns = BIN_NS.max(span / MAX_BINS + 1);
-    let bins = (span / bin_ns + 1) as usize;
-    for pid in pids {
-        let (mut faults, mut migrations) = (vec![0u64; bins], vec![0u64; bins]);
-        for t in detail.threads.iter().filter(|t| t.pid == pid) {
-            for ts in &t.faults {
-                if let Some(b) =
-                    faults.get_mut((ts.saturating_sub(detail.first_ns) / bin_ns) as usize)
-                {
-                    *b += 1;
+        let mut watermark = detail.end_ns;
+        for t in &detail.threads {
+            for off in &t.offcpu {
+                if let Some(from) = from(off).filter(|f| *f < off.end_ns) {
+                    self.runnable_changes.push((from, t.pid, 1));
+                    self.runnable_changes.push((off.end_ns, t.pid, -1));
                 }
             }
-            for (ts, _, _) in &t.migrations {
-                if let Some(b) =
-                    migrations.get_mut((ts.saturating_sub(detail.first_ns) / bin_ns) as usize)
-                {
-                    *b += 1;
-                }
+            if let Some(f) = t.open.as_ref().and_then(from) {
+                watermark = watermark.min(f);
             }
         }
-        for (b, (f, m)) in faults.iter().zip(&migrations).enumerate() {
-            let ts = w.ts(detail.first_ns.saturating_add(b as u64 * bin_ns));
-            let per_s = 1e9 / bin_ns as f64;
-            w.event(&Ev::counter(
-                "faults/s",
-                pid,
-                ts,
-                Count("faults", *f as f64 * per_s),
-            ))?;
-            let args = Count("migrations", *m as f64 * per_s);
-            w.event(&Ev::counter("migrations/s", pid, ts, args))?;
-        }
+        self.runnable_changes.sort_unstable();
+        let ready = self.runnable_changes.partition_point(|c| c.0 < watermark);
+        let ready: Vec<(u64, u32, i64)> = self.runnable_changes.drain(..ready).collect();
+        self.write_runnable(ready)
     }
-    let other = json!({
-        "clock": "CLOCK_MONOTONIC; ts 0 is monotonic_ns_at_0",
-        "monotonic_ns_at_0": detail.first_ns,
-        "realtime_ns_at_0": header.clock.realtime_ns,
-        "kernel": header.kernel_release,
-        "host": header.hostname,
-        "nccltrace": header.agent_version,
-    });
-    write!(w.out, "\n],\"otherData\":")?;
-    serde_json::to_writer(&mut w.out, &other)?;
-    writeln!(w.out, "}}")
+
+    fn write_runnable(&mut self, changes: Vec<(u64, u32, i64)>) -> io::Result<()> {
+        for (ts, pid, delta) in changes {
+            let n = self.runnable.entry(pid).or_insert(0);
+            *n += delta;
+            let waiting = (*n).max(0);
+            if !self.w.traced(ts) {
+                continue;
+            }
+            let args = Runnable { waiting };
+            let ev = Ev::counter("runnable threads", pid, self.w.ts(ts), args);
+            self.w.event(&ev)?;
+        }
+        Ok(())
+    }
+
+    /// Ends the trace (the run ended at `end_ns`): names of processes (by `ranks`) and
+    /// threads, the counters per 100 ms, the clock.
+    pub fn finish(
+        mut self,
+        header: &Header,
+        ranks: &[crate::attribute::ranks::RankReport],
+        end_ns: u64,
+    ) -> io::Result<()> {
+        let changes = std::mem::take(&mut self.runnable_changes);
+        self.write_runnable(changes)?;
+        for (tid, (pid, burst)) in std::mem::take(&mut self.bursts) {
+            self.burst(pid, tid, burst)?;
+        }
+        self.names(header, ranks)?;
+        self.counters(end_ns)?;
+        let other = json!({
+            "clock": "CLOCK_MONOTONIC; ts 0 is monotonic_ns_at_0",
+            "monotonic_ns_at_0": self.w.base_ns,
+            "realtime_ns_at_0": header.clock.realtime_ns,
+            "kernel": header.kernel_release,
+            "host": header.hostname,
+            "nccltrace": header.agent_version,
+        });
+        write!(self.w.out, "\n],\"otherData\":")?;
+        serde_json::to_writer(&mut self.w.out, &other)?;
+        writeln!(self.w.out, "}}")?;
+        self.w.out.flush()
+    }
+
+    fn names(
+        &mut self,
+        header: &Header,
+        ranks: &[crate::attribute::ranks::RankReport],
+    ) -> io::Result<()> {
+        let w = &mut self.w;
+        for t in &header.targets {
+            // The rank summary.json and steps.json give it (NCCL's, the environment's, or
+            // pid order), not the target's position.
+            let rank = ranks
+                .iter()
+                .find(|r| r.pid == t.pid)
+                .map_or_else(|| "?".to_owned(), |r| r.rank.to_string());
+            w.raw(&json!({"ph": "M", "name": "process_name", "pid": t.pid,
+                "args": {"name": format!("rank {rank} (pid {}) {}", t.pid, t.comm)}}))?;
+            w.raw(
+                &json!({"ph": "M", "name": "thread_name", "pid": t.pid, "tid": STEPS_TID,
+                "args": {"name": "steps"}}),
+            )?;
+            w.raw(
+                &json!({"ph": "M", "name": "thread_sort_index", "pid": t.pid, "tid": STEPS_TID,
+                "args": {"sort_index": -2}}),
+            )?;
+        }
+        for (tid, (pid, name, role)) in &self.threads {
+            let name = if name.is_empty() {
+                format!("{tid}")
+            } else {
+                format!("{name} {tid}")
+            };
+            w.raw(
+                &json!({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
+                "args": {"name": format!("{name} ({role})")}}),
+            )?;
+            if role.starts_with("main") {
+                w.raw(
+                    &json!({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid,
+                    "args": {"sort_index": -1}}),
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Faults and migrations per second per process, in 100 ms bins (wider when the span
+    /// would need more than MAX_BINS: a damaged clock, or a run of hours).
+    fn counters(&mut self, end_ns: u64) -> io::Result<()> {
+        let first_ns = self.w.base_ns;
+        let span = end_ns.saturating_sub(first_ns);
+        let bin_ns = BIN_NS.max(span / MAX_BINS + 1);
+        let bins = (span / bin_ns + 1) as usize;
+        for (pid, fine) in std::mem::take(&mut self.bins) {
+            let (mut faults, mut migrations) = (vec![0u64; bins], vec![0u64; bins]);
+            for (bin, (f, m)) in fine {
+                let b = (bin * BIN_NS / bin_ns) as usize;
+                if let (Some(fb), Some(mb)) = (faults.get_mut(b), migrations.get_mut(b)) {
+                    *fb += f;
+                    *mb += m;
+                }
+            }
+            for (b, (f, m)) in faults.iter().zip(&migrations).enumerate() {
+                let ts = self.w.ts(first_ns.saturating_add(b as u64 * bin_ns));
+                let per_s = 1e9 / bin_ns as f64;
+                self.w.event(&Ev::counter(
+                    "faults/s",
+                    pid,
+                    ts,
+                    Count("faults", *f as f64 * per_s),
+                ))?;
+                let args = Count("migrations", *m as f64 * per_s);
+                self.w.event(&Ev::counter("migrations/s", pid, ts, args))?;
+            }
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
