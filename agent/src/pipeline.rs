@@ -641,7 +641,7 @@ pub fn replay_into(
 
 /// Events per attribution epoch: the run is attributed in stretches of at least this many
 /// events as it is read (see `attribute::epoch`).
-pub const EPOCH_EVENTS: u64 = 1 << 18;
+pub const EPOCH_EVENTS: u64 = 1 << 12;
 
 /// As [`replay`], from any reader (the fuzzer feeds it bytes), streaming the outputs into
 /// `dir` when given.

@@ -91,7 +91,10 @@ impl Timeline {
             self.buffered = 0;
             self.next_try = self.epoch_events;
         } else {
-            self.next_try = self.buffered.saturating_add(self.epoch_events);
+            // Again once the buffer has grown by half: long steps (thousands of events
+            // each) do not make every try search the whole buffer again.
+            let more = self.epoch_events.max(self.buffered / 2);
+            self.next_try = self.buffered.saturating_add(more);
         }
     }
 
@@ -749,6 +752,10 @@ impl Timeline {
             .clone()
             .or_else(|| self.done.fallback.clone())
             .unwrap_or((Method::Window, String::new(), None));
+        if self.done.epochs > 1 {
+            // The detection's counts are the first epoch's, not the run's.
+            reason = reason.replace(" occurrences)", " occurrences in the first epoch)");
+        }
         let left_out = if rank.is_some() {
             self.done.left_out
         } else {

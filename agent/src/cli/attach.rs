@@ -53,11 +53,11 @@ pub struct AttachArgs {
     /// (nvtxRangePushA of libnvToolsExt or another library exporting it).
     #[arg(long, conflicts_with_all = ["step_window", "step_symbol"])]
     step_nvtx: Option<String>,
-    /// When the run ends, attribute (steps, categories, flamegraphs, trace) at most the
-    /// last N events, so the agent's memory at the end stays bounded (about 60 bytes an
-    /// event); totals count every event, and `nccltrace report` attributes the whole
-    /// recording. 0: no limit.
-    #[arg(long, default_value_t = 5_000_000)]
+    /// Attribute (steps, categories, flamegraphs, trace) only the last N events of the
+    /// run; totals count every event, and `nccltrace report` attributes the whole
+    /// recording. 0: the whole run (memory stays bounded either way: the run is attributed
+    /// in epochs as it is read).
+    #[arg(long, default_value_t = 0)]
     max_attributed_events: u64,
     /// Attribute in epochs of at least this many events (0: the whole run at once). For
     /// tests and for checking that epochs do not change the outputs.
