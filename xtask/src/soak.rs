@@ -145,6 +145,10 @@ pub fn run(root: &Path, minutes: u32, fuzz_seconds: u32) -> anyhow::Result<()> {
         "| after the run: reading back, attributing, writing outputs | {attributed}, RSS peak {:.1} MB (1 s samples) |",
         after.iter().max().copied().unwrap_or(0) as f64 / 1024.0
     );
+    println!(
+        "| agent peak RSS of the whole process, the end included (summary.json agent.peak_rss_kb, VmHWM) | {:.1} MB |",
+        value("peak_rss_kb") / 1024.0
+    );
     if lost > 0.0 && !warned {
         bail!("{lost} events were lost without a warning during the run");
     }
