@@ -871,14 +871,19 @@ impl Streamer {
         for s in steps {
             self.table.push(s);
         }
+        // Flushed each epoch: a run can be followed in the files as it goes.
         if let Some(json) = &mut self.json
-            && let Err(e) = steps.iter().try_for_each(|s| json.step(s))
+            && let Err(e) = steps
+                .iter()
+                .try_for_each(|s| json.step(s))
+                .and_then(|()| json.flush())
         {
             self.json = None;
             self.fail("steps.json", e);
         }
         if let Some(out) = &mut self.csv
-            && let Err(e) = render::steps::write_csv_rows(steps, out)
+            && let Err(e) =
+                render::steps::write_csv_rows(steps, out).and_then(|()| io::Write::flush(out))
         {
             self.csv = None;
             self.fail("steps.csv", e);

@@ -226,6 +226,85 @@ pub struct Writer {
     durable: u64,
     records: u64,
     failed: bool,
+    /// Published for a reader following the file as it is written ([`Follow`]).
+    progress: std::sync::Arc<Progress>,
+}
+
+/// How far a recording being written holds whole records, and whether more will come:
+/// what a [`Follow`] reader may read.
+#[derive(Debug, Default)]
+pub struct Progress {
+    durable: std::sync::atomic::AtomicU64,
+    closed: std::sync::atomic::AtomicBool,
+}
+
+impl Progress {
+    /// No more records will be read by followers (the rest of the run is handled
+    /// otherwise, or the run is over): they end at what is in the file now.
+    pub fn close(&self) {
+        self.closed
+            .store(true, std::sync::atomic::Ordering::Release);
+    }
+}
+
+/// A recording read while it is written: reads stop at the last whole record the writer
+/// flushed and wait (polling every 20 ms) for more, until the writer's [`Progress`] is
+/// closed; then the end of what was written is the end of the file.
+pub struct Follow {
+    file: File,
+    pos: u64,
+    progress: std::sync::Arc<Progress>,
+}
+
+impl Follow {
+    /// A reader of the recording at `path` being written with `progress`.
+    pub fn open(
+        path: &Path,
+        progress: std::sync::Arc<Progress>,
+    ) -> Result<Reader<BufReader<Follow>>, RecordError> {
+        let file = File::open(path).map_err(|source| RecordError::Open {
+            path: path.to_owned(),
+            source,
+        })?;
+        let follow = Follow {
+            file,
+            pos: 0,
+            progress,
+        };
+        Reader::new(BufReader::with_capacity(1 << 16, follow), path)
+    }
+}
+
+impl Read for Follow {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        use std::sync::atomic::Ordering::Acquire;
+        loop {
+            // Closed is read first: the durable length read after it is final.
+            let closed = self.progress.closed.load(Acquire);
+            let durable = self.progress.durable.load(Acquire);
+            if durable > self.pos {
+                let n = usize::try_from(durable - self.pos)
+                    .unwrap_or(usize::MAX)
+                    .min(buf.len());
+                let got = self.file.read(&mut buf[..n])?;
+                self.pos += got as u64;
+                if got > 0 || n == 0 {
+                    return Ok(got);
+                }
+            }
+            if closed {
+                return Ok(0);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+}
+
+impl Seek for Follow {
+    fn seek(&mut self, to: SeekFrom) -> io::Result<u64> {
+        self.pos = self.file.seek(to)?;
+        Ok(self.pos)
+    }
 }
 
 const WRITE_CHUNK: usize = 1 << 20;
@@ -254,6 +333,7 @@ impl Writer {
             durable: 0,
             records: 0,
             failed: false,
+            progress: std::sync::Arc::default(),
         };
         w.flush()?;
         Ok(w)
@@ -280,7 +360,16 @@ impl Writer {
         }
         self.durable += self.buf.len() as u64;
         self.buf.clear();
+        self.progress
+            .durable
+            .store(self.durable, std::sync::atomic::Ordering::Release);
         Ok(())
+    }
+
+    /// What a reader following this recording ([`Follow`]) goes by.
+    #[must_use]
+    pub fn progress(&self) -> std::sync::Arc<Progress> {
+        self.progress.clone()
     }
 
     fn write(&mut self, kind: u8, body: &[u8]) -> Result<(), RecordError> {

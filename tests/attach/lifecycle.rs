@@ -357,3 +357,58 @@ fn target_exiting_during_attach() {
         no_programs_left();
     }
 }
+
+/// Issue 18: the run is attributed while it is traced. steps.json holds closed steps, one
+/// per line, before the run ends, and what it held then is what it holds at the end.
+#[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
+fn steps_are_written_while_the_run_goes() {
+    let _serial = privileged();
+    let dir = tempfile::tempdir().unwrap();
+    let Target {
+        mut child,
+        stdout,
+        go,
+    } = waiting_trainer(dir.path(), 100_000, 1000);
+    // Its per-step lines are read as they come: a full pipe would stop it.
+    std::thread::spawn(move || stdout.for_each(drop));
+    std::fs::write(&go, b"").unwrap();
+    let out = dir.path().join("out");
+    let agent = Agent::attach(child.id(), &out, &[]);
+    let step_lines = |text: &str| -> Vec<String> {
+        text.lines()
+            .map(str::trim)
+            .filter(|l| l.starts_with("{\"index\""))
+            .map(|l| l.trim_end_matches(',').to_owned())
+            .collect()
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let live = loop {
+        let text = std::fs::read_to_string(out.join("steps.json")).unwrap_or_default();
+        let lines = step_lines(&text);
+        if lines.len() >= 50 || Instant::now() > deadline {
+            break lines;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    unsafe { libc::kill(agent.child.id() as i32, libc::SIGINT) };
+    let (code, _, stderr) = agent.wait_for_exit(Duration::from_secs(60));
+    let _ = child.kill();
+    let _ = child.wait();
+    assert_eq!(code, 0, "{stderr}");
+    assert!(
+        live.len() >= 50,
+        "{} steps in steps.json while tracing: {stderr}",
+        live.len()
+    );
+    let text = std::fs::read_to_string(out.join("steps.json")).unwrap();
+    let report: Value = serde_json::from_str(&text).unwrap();
+    let end = step_lines(&text);
+    assert!(end.len() > live.len(), "{} then {}", live.len(), end.len());
+    assert_eq!(end[..live.len()], live[..]);
+    assert!(
+        report["epochs"].as_u64().unwrap() >= 2,
+        "{}",
+        report["epochs"]
+    );
+}

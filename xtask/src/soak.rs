@@ -142,7 +142,7 @@ pub fn run(root: &Path, minutes: u32, fuzz_seconds: u32) -> anyhow::Result<()> {
         .find_map(|l| l.split("attributed in ").nth(1))
         .unwrap_or("?");
     println!(
-        "| after the run: reading back, attributing, writing outputs | {attributed}, RSS peak {:.1} MB (1 s samples) |",
+        "| after the run: finishing the attribution, writing outputs | {attributed}, RSS peak {:.1} MB (1 s samples) |",
         after.iter().max().copied().unwrap_or(0) as f64 / 1024.0
     );
     println!(

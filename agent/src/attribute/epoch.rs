@@ -103,10 +103,8 @@ impl Timeline {
     pub(super) fn epoch(&mut self, end: Option<u64>, force: bool) -> bool {
         let last = end.map_or(self.last_ns, |e| e.max(self.last_ns));
         self.sort_logs();
-        if self.done.rank.is_none() {
-            self.done.rank = self.choose_rank();
-        }
-        let rank = self.done.rank;
+        // Fixed by the first epoch attributed, not by a try that found too few steps.
+        let rank = self.done.rank.or_else(|| self.choose_rank());
         let cut = self.cut_ns.max(self.first_ns);
         let (detected, found) = self.detect(rank, last);
         let left_out = if self.done.epochs == 0 {
@@ -147,6 +145,7 @@ impl Timeline {
         if until <= cut && end.is_none() {
             return false;
         }
+        self.done.rank = rank;
         self.join_at_cut(&mut bounds, cut);
         if found {
             self.done

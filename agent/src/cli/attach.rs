@@ -156,6 +156,26 @@ enum Store {
     },
 }
 
+/// An aggregator that finds steps by `rule` and writes the outputs into `out` as the run is
+/// attributed (at the end instead, said, when the files cannot be made now).
+fn streaming_aggregator(
+    header: &Header,
+    rule: &crate::attribute::StepRule,
+    epoch_events: u64,
+    out: &std::path::Path,
+) -> Aggregator {
+    let mut agg = Aggregator::new(header.clone());
+    agg.stream(rule.clone(), epoch_events);
+    if let Err((path, e)) = agg.stream_into(out) {
+        crate::note!(
+            "nccltrace: warning: cannot write {} ({e}); the outputs are written at the end \
+             instead",
+            path.display()
+        );
+    }
+    agg
+}
+
 /// Saves each record and shows the run's progress.
 struct LiveSink {
     store: Store,
@@ -166,6 +186,10 @@ struct LiveSink {
     epoch_events: u64,
     /// The outputs' folder: written as the run is attributed.
     out: PathBuf,
+    /// The run attributed while it is traced: a thread following the recording as it is
+    /// written ([`crate::record::Follow`]), and what it goes by.
+    live: Option<std::thread::JoinHandle<Aggregator>>,
+    progress: std::sync::Arc<crate::record::Progress>,
     nccl_calls: u64,
     records: u64,
     status: bool,
@@ -174,16 +198,51 @@ struct LiveSink {
 
 impl LiveSink {
     fn aggregator(&self) -> Aggregator {
-        let mut agg = Aggregator::new(self.header.clone());
-        agg.stream(self.rule.clone(), self.epoch_events);
-        if let Err((path, e)) = agg.stream_into(&self.out) {
+        streaming_aggregator(&self.header, &self.rule, self.epoch_events, &self.out)
+    }
+
+    /// Starts attributing the run as it is recorded, on a thread that follows the
+    /// recording (it lags at most a second: `tick` flushes the writer). Without a thread to
+    /// be had, the recording is read back when the run ends.
+    fn attribute_live(&mut self) {
+        let mut agg = self.aggregator();
+        let (path, progress) = (self.path.clone(), self.progress.clone());
+        let follow = move || {
+            match crate::record::Follow::open(&path, progress) {
+                Ok(mut reader) => agg.feed(&mut reader),
+                Err(e) => agg.incomplete(e.to_string()),
+            }
+            agg
+        };
+        self.live = std::thread::Builder::new()
+            .name("nccltrace-attr".into())
+            .spawn(follow)
+            .ok();
+    }
+
+    /// Says that tracing stopped and what happens next.
+    fn say_stopped(&self, reason: &str, probes: usize) {
+        if self.live.is_some() {
             crate::note!(
-                "nccltrace: warning: cannot write {} ({e}); the outputs are written at the \
-                 end instead",
-                path.display()
+                "nccltrace: tracing stopped ({reason}); {} records, attributed as they came: \
+                 finishing the outputs while the kernel releases {probes} probes",
+                self.records
+            );
+        } else {
+            crate::note!(
+                "nccltrace: tracing stopped ({reason}); attributing {} records while the \
+                 kernel releases {probes} probes",
+                self.records
             );
         }
-        agg
+    }
+
+    /// What the live attribution made of the recording up to now (it is told to stop at
+    /// what is in the file); `None` when there is none, or its thread failed.
+    fn join_live(&mut self) -> Option<Aggregator> {
+        let live = self.live.take()?;
+        self.progress.close();
+        live.join().ok()
     }
 
     /// Moves from disk to memory after `error`: nothing written or gathered is lost.
@@ -196,16 +255,21 @@ impl LiveSink {
             return;
         };
         let unwritten = writer.take_unwritten();
-        let mut agg = self.aggregator();
-        match Reader::open(&self.path) {
-            Ok(mut reader) => agg.feed(&mut reader),
-            // Said, not silently dropped: the outputs cover what follows.
-            Err(e) => agg.incomplete(format!(
-                "the recording could not be read back after its write failed ({e}): the \
-                 records written before are left out of the outputs; `nccltrace report` may \
-                 read them"
-            )),
-        }
+        let mut agg = if let Some(agg) = self.join_live() {
+            agg
+        } else {
+            let mut agg = self.aggregator();
+            match Reader::open(&self.path) {
+                Ok(mut reader) => agg.feed(&mut reader),
+                // Said, not silently dropped: the outputs cover what follows.
+                Err(e) => agg.incomplete(format!(
+                    "the recording could not be read back after its write failed ({e}): the \
+                     records written before are left out of the outputs; `nccltrace report` \
+                     may read them"
+                )),
+            }
+            agg
+        };
         agg.feed(&mut Reader::records_only(
             std::io::Cursor::new(unwritten),
             &self.path,
@@ -237,12 +301,17 @@ impl LiveSink {
         {
             self.spill(e);
         }
-        // Made only to read the recording back: one made after a spill streams already.
-        let fresh = matches!(self.store, Store::Disk(_)).then(|| self.aggregator());
-        match (self.store, fresh) {
-            (Store::Memory { agg, error }, _) => (*agg, Err(error)),
-            (Store::Disk(writer), fresh) => {
-                let mut agg = fresh.unwrap_or_else(|| Aggregator::new(self.header));
+        // Attributed as it was recorded (`--max-attributed-events` reads it back instead;
+        // after a spill the memory aggregator holds it all).
+        let live = self.join_live();
+        match self.store {
+            Store::Memory { agg, error } => (*agg, Err(error)),
+            Store::Disk(writer) => {
+                if let Some(agg) = live {
+                    return (agg, Ok(writer));
+                }
+                let mut agg =
+                    streaming_aggregator(&self.header, &self.rule, self.epoch_events, &self.out);
                 let skip = if limit == 0 {
                     0
                 } else {
@@ -309,6 +378,12 @@ impl Sink for LiveSink {
     }
 
     fn tick(&mut self, lost: u64) {
+        // The live attribution reads what is flushed: at most a tick behind.
+        if let Store::Disk(writer) = &mut self.store
+            && let Err(e) = writer.flush()
+        {
+            self.spill(e);
+        }
         if lost > 0 && !self.status {
             crate::note!("nccltrace: warning: {lost} events lost so far (ring buffer full)");
         }
@@ -610,6 +685,7 @@ async fn trace(
     }
     settings.out.keep();
     stop.tracing_started();
+    let progress = writer.progress();
     let mut sink = LiveSink {
         store: Store::Disk(writer),
         path: rec_path.clone(),
@@ -617,11 +693,16 @@ async fn trace(
         rule: settings.step_rule.clone(),
         epoch_events: settings.epoch_events,
         out: out.clone(),
+        live: None,
+        progress,
         nccl_calls: 0,
         records: 0,
         status: std::io::stderr().is_terminal(),
         last: (Instant::now(), 0),
     };
+    if settings.max_attributed_events == 0 {
+        sink.attribute_live();
+    }
     let outcome = attached.run(settings.duration, &mut sink, &mut stop).await;
     attached.disarm();
     let reason = match &outcome {
@@ -642,11 +723,7 @@ async fn trace(
         crate::stop::shell_word(&out.to_string_lossy()),
     ));
     let (detaching, probes) = attached.detach_in_background();
-    crate::note!(
-        "nccltrace: tracing stopped ({reason}); attributing {} records while the kernel \
-         releases {probes} probes",
-        sink.records
-    );
+    sink.say_stopped(&reason, probes);
     let started = Instant::now();
     let (agg, writer) = sink.finish(settings.max_attributed_events);
     let mut outputs = agg.finish(settings.step_rule);

@@ -39,6 +39,11 @@ impl<W: Write> StepsJson<W> {
         Ok(())
     }
 
+    /// Writes out what is buffered.
+    pub fn flush(&mut self) -> io::Result<()> {
+        self.out.flush()
+    }
+
     /// The rest of the report (`report` has no steps), and the end.
     pub fn finish(mut self, report: &StepsReport) -> io::Result<()> {
         debug_assert!(report.steps.is_empty());
