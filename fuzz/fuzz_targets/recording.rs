@@ -11,7 +11,7 @@ fuzz_target!(|data: &[u8]| {
     else {
         return;
     };
-    let Ok(outputs) = nccltrace::pipeline::replay_from(reader, StepRule::Auto, 64) else {
+    let Ok(outputs) = nccltrace::pipeline::replay_from(reader, StepRule::Auto, 64, None) else {
         return;
     };
     let sink = &mut std::io::sink();
@@ -24,6 +24,7 @@ fuzz_target!(|data: &[u8]| {
     let _ = nccltrace::render::summary::write_text(&outputs.summary, sink);
     let _ = nccltrace::render::steps::write_json(&outputs.steps, sink);
     let _ = nccltrace::render::steps::write_csv(&outputs.steps, sink);
-    let _ = nccltrace::render::steps::write_table(&outputs.steps, sink);
+    let table = nccltrace::render::steps::StepTable::of(&outputs.steps.steps);
+    let _ = nccltrace::render::steps::write_table(&outputs.steps, &table, sink);
     let _ = nccltrace::render::trace::write(&outputs.header, &outputs.detail, &outputs.steps, sink);
 });
