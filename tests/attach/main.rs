@@ -445,6 +445,16 @@ fn breakdown_matches_truth(env: &[(&str, &str)], extra: &[&str]) {
     panic!("three runs outside the bounds: {failures:#?}");
 }
 
+/// The sum of a step's measured categories (those not null), ns.
+fn category_sum(step: &Value) -> u64 {
+    step["categories_ns"]
+        .as_object()
+        .unwrap()
+        .values()
+        .filter_map(Value::as_u64)
+        .sum()
+}
+
 /// One traced run of the comparison; `Err` names the first category outside 5%.
 fn breakdown_run(env: &[(&str, &str)], extra: &[&str]) -> Result<(), String> {
     let steps = 60;

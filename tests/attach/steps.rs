@@ -28,12 +28,7 @@ fn steps_begun_before_attach_are_left_out() {
     let found = steps["steps"].as_array().unwrap();
     assert!(found.len() > 100, "{} steps", found.len());
     for s in found {
-        let sum: u64 = s["categories_ns"]
-            .as_object()
-            .unwrap()
-            .values()
-            .filter_map(Value::as_u64)
-            .sum();
+        let sum = category_sum(s);
         let wall = s["wall_ns"].as_u64().unwrap();
         assert!(
             sum.abs_diff(wall) <= 1000,
@@ -339,13 +334,7 @@ fn steps_attributed_in_epochs_as_the_run_goes() {
     for (i, s) in found.iter().enumerate() {
         assert_eq!(s["index"], i);
         assert_eq!(s["nccl"]["collectives"], 10, "step {i}");
-        let sum: u64 = s["categories_ns"]
-            .as_object()
-            .unwrap()
-            .values()
-            .filter_map(Value::as_u64)
-            .sum();
-        assert_eq!(sum, s["wall_ns"].as_u64().unwrap(), "step {i}");
+        assert_eq!(category_sum(s), s["wall_ns"].as_u64().unwrap(), "step {i}");
         if i > 0 {
             assert_eq!(s["start_ns"], found[i - 1]["end_ns"], "step {i}");
         }

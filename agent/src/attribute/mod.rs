@@ -483,11 +483,7 @@ impl Timeline {
     }
 
     fn node(&self, cpu: i32) -> i32 {
-        usize::try_from(cpu)
-            .ok()
-            .and_then(|c| self.cpu_nodes.get(c))
-            .copied()
-            .unwrap_or(-1)
+        node_of(&self.cpu_nodes, cpu)
     }
 
     fn call(&mut self, c: &Call) {
@@ -682,6 +678,16 @@ impl Timeline {
             Event::Fork { .. } | Event::Exit { .. } => {}
         }
     }
+}
+
+/// The NUMA node of `cpu` in a CPU → node map (-1: unknown).
+#[must_use]
+pub fn node_of(cpu_nodes: &[i32], cpu: i32) -> i32 {
+    usize::try_from(cpu)
+        .ok()
+        .and_then(|c| cpu_nodes.get(c))
+        .copied()
+        .unwrap_or(-1)
 }
 
 /// How far past a faulting instruction a user-mode sample still counts as the fault's

@@ -156,6 +156,18 @@ enum Store {
     },
 }
 
+/// Puts the calling thread under SCHED_IDLE. A refusal (a seccomp filter, an old kernel)
+/// leaves it as it was: the attribution then competes with the job like any thread.
+fn idle_priority() {
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: `param` is a valid sched_param for the duration of the call; pid 0 is the
+    // calling thread.
+    let rc = unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &raw const param) };
+    if rc != 0 {
+        log::debug!("SCHED_IDLE refused: {}", std::io::Error::last_os_error());
+    }
+}
+
 /// An aggregator that finds steps by `rule` and writes the outputs into `out` as the run is
 /// attributed (at the end instead, said, when the files cannot be made now).
 fn streaming_aggregator(
@@ -208,6 +220,9 @@ impl LiveSink {
         let mut agg = self.aggregator();
         let (path, progress) = (self.path.clone(), self.progress.clone());
         let follow = move || {
+            // Only on CPU time nothing else wants (the threads it starts inherit this): the
+            // job being traced always comes first; attribution lags and catches up.
+            idle_priority();
             match crate::record::Follow::open(&path, progress) {
                 Ok(mut reader) => agg.feed(&mut reader),
                 Err(e) => agg.incomplete(e.to_string()),

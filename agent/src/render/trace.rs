@@ -487,11 +487,7 @@ impl<W: Write> TraceStream<W> {
     }
 
     fn node(&self, cpu: i32) -> i32 {
-        usize::try_from(cpu)
-            .ok()
-            .and_then(|c| self.cpu_nodes.get(c))
-            .copied()
-            .unwrap_or(-1)
+        crate::attribute::node_of(&self.cpu_nodes, cpu)
     }
 
     /// Runnable-but-waiting target threads, as a counter stepping at each change: the
