@@ -273,3 +273,130 @@ impl State {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The category of each kind of state, as the module docs state the rules: one row a
+    /// rule, and the order in which they win.
+    #[test]
+    fn state_categories_follow_the_rules() {
+        let on = State {
+            on_cpu: true,
+            runnable: true,
+            ..State::default()
+        };
+        let preempted = State {
+            runnable: true,
+            ..State::default()
+        };
+        let blocked = State::default();
+        let nccl_sync = |s: State| State {
+            sync_depth: 1,
+            sync_nccl: true,
+            ..s
+        };
+        let gpu_sync = |s: State| State { sync_depth: 1, ..s };
+        let rows: [(&str, State, Cat); 14] = [
+            ("on the CPU", on, Cat::Compute),
+            ("preempted", preempted, Cat::Runqueue),
+            (
+                "preempted after a migration",
+                State {
+                    migrated: true,
+                    ..preempted
+                },
+                Cat::CpuMigration,
+            ),
+            ("blocked", blocked, Cat::OtherOffcpu),
+            (
+                "blocked until its process wakes it",
+                State {
+                    waits_on_own: true,
+                    ..blocked
+                },
+                Cat::Compute,
+            ),
+            (
+                "spinning in a sync, NCCL outstanding",
+                nccl_sync(on),
+                Cat::NcclWait,
+            ),
+            (
+                "asleep in a sync, NCCL outstanding",
+                nccl_sync(blocked),
+                Cat::NcclWait,
+            ),
+            (
+                "preempted in a sync, NCCL outstanding",
+                nccl_sync(preempted),
+                Cat::NcclWait,
+            ),
+            (
+                "spinning in a sync, GPU work only",
+                gpu_sync(on),
+                Cat::Compute,
+            ),
+            (
+                "asleep in a sync, GPU work only",
+                gpu_sync(blocked),
+                Cat::Compute,
+            ),
+            (
+                "in an NCCL call that blocks the host, on the CPU",
+                State {
+                    nccl_depth: 1,
+                    nccl_blocking: true,
+                    ..on
+                },
+                Cat::NcclWait,
+            ),
+            (
+                "enqueueing in an NCCL call",
+                State {
+                    nccl_depth: 1,
+                    ..on
+                },
+                Cat::Compute,
+            ),
+            (
+                "handling a fault on the CPU",
+                State {
+                    fault_depth: 1,
+                    ..on
+                },
+                Cat::PageFault,
+            ),
+            (
+                "a fault inside an NCCL wait",
+                nccl_sync(State {
+                    fault_depth: 1,
+                    ..on
+                }),
+                Cat::NcclWait,
+            ),
+        ];
+        for (what, state, expected) in rows {
+            assert_eq!(state.category(), expected, "{what}: {state:?}");
+        }
+    }
+
+    /// Only a plain block waits for its wakeup to be settled across an epoch's end.
+    #[test]
+    fn only_plain_blocks_are_settled_later() {
+        let blocked = State::default();
+        assert!(blocked.blocked_other());
+        let in_sync = State {
+            sync_depth: 1,
+            sync_nccl: true,
+            ..blocked
+        };
+        assert!(!in_sync.blocked_other());
+        let preempted = State {
+            runnable: true,
+            ..blocked
+        };
+        assert!(!preempted.blocked_other());
+    }
+}
