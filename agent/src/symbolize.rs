@@ -20,8 +20,9 @@ use crate::source::discover::{MapEntry, parse_maps};
 pub struct Symbols {
     pub(crate) user: HashMap<(u32, u64), String>,
     pub(crate) kernel: BTreeMap<u64, String>,
-    /// Files that are not the ones the recording was made with (another build id): their
-    /// frames are left unnamed rather than named wrong. One line each, to show the user.
+    /// Files that are not the ones the recording was made with (another build id), or
+    /// whose symbols could not be read: their frames are left unnamed rather than named
+    /// wrong. One line each, to show the user.
     pub stale: Vec<String>,
 }
 
@@ -169,7 +170,7 @@ pub fn symbolize(
                 ));
                 vec![None; offsets.len()]
             }
-            _ => file_names(&symbolizer, pid, &path, &offsets),
+            _ => file_names(&symbolizer, pid, &path, &offsets, &mut stale),
         };
         let base = Path::new(&path)
             .file_name()
@@ -283,14 +284,19 @@ fn file_names(
     pid: u32,
     path: &str,
     offsets: &[u64],
+    errors: &mut Vec<String>,
 ) -> Vec<Option<String>> {
     let file = readable(pid, path);
-    let lookup = |elf: PathBuf, dwarf: bool, input: Input<&[u64]>| -> Vec<Option<String>> {
+    let mut failed: Option<String> = None;
+    let mut lookup = |elf: PathBuf, dwarf: bool, input: Input<&[u64]>| -> Vec<Option<String>> {
         let mut source = Elf::new(elf);
         source.debug_syms = dwarf;
         let found = symbolizer
             .symbolize(&Source::Elf(source), input)
-            .unwrap_or_default();
+            .unwrap_or_else(|e| {
+                failed.get_or_insert_with(|| format!("{e:#}"));
+                Vec::new()
+            });
         (0..input.as_inner_ref().len())
             .map(|i| match found.get(i) {
                 Some(Symbolized::Sym(sym)) => Some(sym.name.to_string()),
@@ -315,6 +321,12 @@ fn file_names(
     };
     for (i, name) in missing.into_iter().zip(more) {
         names[i] = name;
+    }
+    if let Some(e) = failed {
+        errors.push(format!(
+            "cannot read the symbols of {path} (pid {pid}): {e}; its frames are named by file \
+             offset"
+        ));
     }
     names
 }
@@ -398,6 +410,50 @@ mod tests {
         );
     }
 
+    /// Regression (issue 18): a file whose symbols cannot be read (gone, or not ELF) had its
+    /// frames named by offset with no word why; the reason is now said, once per file.
+    #[test]
+    fn unreadable_symbols_are_said() {
+        let dir = tempfile::tempdir().unwrap();
+        let not_elf = dir.path().join("libnot-elf.so");
+        std::fs::write(&not_elf, b"not an ELF file").unwrap();
+        let header = Header {
+            targets: vec![crate::record::TargetInfo {
+                pid: 1,
+                maps_text: format!(
+                    "100000000-100010000 r-xp 00000000 08:01 1 {}\n",
+                    not_elf.display()
+                ),
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let stacks = vec![StackKey {
+            pid: 1,
+            kstack: vec![],
+            ustack: vec![0x1_0000_0100, 0x1_0000_0200],
+        }];
+        let s = symbolize(
+            &header,
+            &stacks,
+            &BTreeMap::new(),
+            &BTreeMap::new(),
+            &BTreeMap::new(),
+        );
+        assert!(
+            s.user(1, 0x1_0000_0100).starts_with("[libnot-elf.so+"),
+            "{}",
+            s.user(1, 0x1_0000_0100)
+        );
+        assert_eq!(s.stale.len(), 1, "{:?}", s.stale);
+        assert!(
+            s.stale[0].contains("cannot read the symbols of")
+                && s.stale[0].contains("libnot-elf.so"),
+            "{:?}",
+            s.stale
+        );
+    }
+
     /// This test binary and the file offset of its `main`.
     fn main_of_this_test() -> (PathBuf, u64) {
         let exe = std::env::current_exe().unwrap();
@@ -467,6 +523,7 @@ mod tests {
         assert_eq!(s.user(1, 0x1_0000_0000 + main_off), "main");
         assert_eq!(s.kernel(5), "schedule");
         assert!(s.user(1, 7).starts_with("[unknown]"));
+        assert!(s.stale.is_empty(), "{:?}", s.stale);
         // Regression (issue 18): recordings kept paths only, so a changed file was named
         // wrong. With the build id the live run recorded, the same file is named; another
         // build id leaves its frames unnamed, and says so.
