@@ -29,3 +29,15 @@ traced() {
   wait "$pid"; echo "target exit $?" >> "$prefix-stderr.txt"
   wait "$agent"; echo "agent exit $?" >> "$prefix-stderr.txt"
 }
+#
+# running_ddp DIR
+#   Starts the DDP script for a million steps (output in DIR/train.json and .err), waits for
+#   its "ready", releases it and lets it run 2 s: a job already running when the agent
+#   attaches. Sets `train` to its pid.
+running_ddp() {
+  local dir=$1 go="$1/train.go"
+  "$PY" "$HERE/train.py" --mode ddp --steps 1000000 --go-file "$go" > "$dir/train.json" 2> "$dir/train.err" &
+  train=$!
+  for _ in $(seq 600); do grep -q ready "$dir/train.json" 2>/dev/null && break; sleep 0.1; done
+  touch "$go"; sleep 2
+}

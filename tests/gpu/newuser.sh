@@ -10,11 +10,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 # shellcheck source=lib.sh
 . "$HERE/lib.sh"
 rm -rf "$OUT"; mkdir -p "$OUT"
-go="$OUT/train.go"
-"$PY" "$HERE/train.py" --mode ddp --steps 1000000 --go-file "$go" > "$OUT/train.json" 2> "$OUT/train.err" &
-train=$!
-for _ in $(seq 600); do grep -q ready "$OUT/train.json" 2>/dev/null && break; sleep 0.1; done
-touch "$go"; sleep 2
+running_ddp "$OUT"
 summary() { "$PY" - "$1" <<'PY'
 import json, sys
 d = sys.argv[1]

@@ -11,11 +11,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 # shellcheck source=lib.sh
 . "$HERE/lib.sh"
 rm -rf "$OUT"; mkdir -p "$OUT"
-go="$OUT/train.go"
-"$PY" "$HERE/train.py" --mode ddp --steps 1000000 --go-file "$go" > "$OUT/train.json" 2> "$OUT/train.err" &
-train=$!
-for _ in $(seq 600); do grep -q ready "$OUT/train.json" 2>/dev/null && break; sleep 0.1; done
-touch "$go"; sleep 2
+running_ddp "$OUT"
 "$BIN" attach --pid "$train" --duration "${SECS}s" --out "$OUT/live" > "$OUT/live.txt" 2> "$OUT/live.err" &
 agent=$!
 sleep $((SECS / 2))
