@@ -86,6 +86,9 @@ pub fn identify(
         .collect()
 }
 
+/// Arrivals kept per rank and communicator until the other ranks reach them.
+const MAX_PENDING: usize = 65_536;
+
 /// Matches collectives across ranks as they come (each rank's in the order it issued
 /// them), and keeps the straggler's tallies: the same matching at any run length, in
 /// memory bounded by how far the ranks are apart.
@@ -111,6 +114,20 @@ impl Matcher {
             order.len() - 1
         });
         queues[k].push_back(c.start_ns);
+        // A rank alone (or one the others never reach) is not matched: keep only its last
+        // arrivals, so that a long single-rank run does not hold every collective.
+        if queues[k].len() > MAX_PENDING {
+            queues[k].pop_front();
+        }
+    }
+
+    /// Arrivals waiting for the other ranks, over all ranks and communicators.
+    #[must_use]
+    pub fn pending(&self) -> usize {
+        self.ranks
+            .values()
+            .flat_map(|r| r.1.iter().map(std::collections::VecDeque::len))
+            .sum()
     }
 
     /// Every collective that all ranks have now reached, matched: per collective, each
@@ -264,6 +281,25 @@ mod tests {
     }
 
     /// The rank that always arrives 300 µs late is the straggler, charged every wait.
+    /// A single rank's collectives are never matched: the matcher keeps only the last
+    /// MAX_PENDING of them (it held every one, growing for as long as the run).
+    #[test]
+    fn a_lone_rank_is_not_held_whole() {
+        let mut m = Matcher::default();
+        for i in 0..(MAX_PENDING as u64 + 10_000) {
+            let c = Collective {
+                func: Func::AllReduce,
+                bytes: 4,
+                start_ns: i,
+                end_ns: i + 1,
+                comm: 7,
+            };
+            m.add(100, &c);
+        }
+        assert!(m.matched().is_empty());
+        assert_eq!(m.pending(), MAX_PENDING);
+    }
+
     #[test]
     fn late_rank_is_the_straggler() {
         let c = ranks(&[0, 300_000, 10_000]);
