@@ -353,10 +353,16 @@ impl Timeline {
             from.insert(*tid, a);
         }
         self.match_ranks();
-        let steps = self.steps(bounds);
+        // Who is who, once for the epoch: the counts they follow do not change in it.
+        let identities = self.identities();
+        let loop_threads: BTreeMap<u32, u32> = identities
+            .iter()
+            .filter_map(|id| self.loop_thread(id.pid).map(|tid| (id.pid, tid)))
+            .collect();
+        let steps = self.steps(bounds, &identities, &loop_threads);
         self.done.next_index += steps.len();
-        self.totals(&from, until);
-        self.settle_blocks(until);
+        self.totals(&from, until, &identities, &loop_threads);
+        self.settle_blocks(until, &loop_threads);
         let emit = self.emit;
         let detail = self.epoch_detail(cut, until, emit);
         self.keep_or_emit(steps, detail, emit);
@@ -390,21 +396,21 @@ impl Timeline {
     }
 
     /// The rank thread's steps in `bounds`.
-    fn steps(&self, bounds: &[(u64, u64)]) -> Vec<Step> {
+    fn steps(
+        &self,
+        bounds: &[(u64, u64)],
+        identities: &[ranks::RankIdentity],
+        loop_threads: &BTreeMap<u32, u32>,
+    ) -> Vec<Step> {
         let Some((tid, pid)) = self.done.rank else {
             return Vec::new();
         };
-        let identities = self.identities();
         let rank_of = |pid: u32| {
             identities
                 .iter()
                 .find(|i| i.pid == pid)
                 .map_or(-1, |i| i.rank)
         };
-        let loop_threads: BTreeMap<u32, u32> = identities
-            .iter()
-            .filter_map(|id| self.loop_thread(id.pid).map(|tid| (id.pid, tid)))
-            .collect();
         let colls = self.process_collectives(pid, false);
         let log = &self.threads[&tid];
         let mut out = Vec::with_capacity(bounds.len());
@@ -426,8 +432,15 @@ impl Timeline {
         out
     }
 
-    /// Every thread's and every rank's totals over `[from, until)` (`from` per thread).
-    fn totals(&mut self, from: &BTreeMap<u32, u64>, until: u64) {
+    /// Every thread's and every rank's totals over `[from, until)` (`from` per thread;
+    /// `loop_threads`: each process's training-loop thread).
+    fn totals(
+        &mut self,
+        from: &BTreeMap<u32, u64>,
+        until: u64,
+        identities: &[ranks::RankIdentity],
+        loop_threads: &BTreeMap<u32, u32>,
+    ) {
         for (tid, log) in &self.threads {
             let t = self.done.threads.entry(*tid).or_default();
             let c = categories(log, from[tid], until);
@@ -443,15 +456,15 @@ impl Timeline {
             t.migrations += migrations.len() as u64;
             t.cross_node_migrations += migrations.iter().filter(|(_, x)| *x).count() as u64;
         }
-        for id in self.identities() {
+        for id in identities {
             let colls = self.process_collectives(id.pid, false);
             let n = self.done.rank_nccl.entry(id.pid).or_default();
             for c in colls.iter().take_while(|c| c.start_ns < until) {
                 n.collectives += 1;
                 n.bytes = n.bytes.saturating_add(c.bytes);
             }
-            if let Some(t) = self.loop_thread(id.pid) {
-                let c = categories(&self.threads[&t], from[&t], until);
+            if let Some(t) = loop_threads.get(&id.pid) {
+                let c = categories(&self.threads[t], from[t], until);
                 self.done.rank_categories.entry(id.pid).or_default().add(&c);
             }
         }
@@ -462,12 +475,10 @@ impl Timeline {
     /// `other_offcpu`) is known only in a later epoch. Its `other_offcpu` time is noted
     /// here and moved once the wakeup is seen (the switch-out stays in its changes so that
     /// the next epoch's cut sees the block).
-    fn settle_blocks(&mut self, until: u64) {
-        let loop_threads: BTreeMap<u32, u32> = self
-            .identities()
-            .iter()
-            .filter_map(|id| self.loop_thread(id.pid).map(|tid| (tid, id.pid)))
-            .collect();
+    fn settle_blocks(&mut self, until: u64, loop_threads: &BTreeMap<u32, u32>) {
+        // tid → pid of the training-loop threads.
+        let loop_threads: BTreeMap<u32, u32> =
+            loop_threads.iter().map(|(pid, tid)| (*tid, *pid)).collect();
         for (tid, log) in &mut self.threads {
             if let Some((since, ns)) = log.pending_block {
                 let next = log.changes.iter().take_while(|c| c.0 < until).find(|c| {
@@ -613,13 +624,7 @@ impl Timeline {
     /// Keeps an epoch's steps and timeline for [`Timeline::finish`], or hands them on.
     fn keep_or_emit(&mut self, mut steps: Vec<Step>, mut detail: Detail, emit: bool) {
         if emit {
-            let unmeasured = self.unmeasured();
-            for step in &mut steps {
-                step.categories.unmeasured = unmeasured;
-                for r in &mut step.ranks {
-                    r.categories.unmeasured = unmeasured;
-                }
-            }
+            mark_unmeasured(&mut steps, self.unmeasured());
             // The rank thread's stretches still open reach back into these steps.
             let from = self
                 .done
@@ -737,12 +742,7 @@ impl Timeline {
         let identities = self.identities();
         let unmeasured = self.unmeasured();
         let mut steps_out = std::mem::take(&mut self.done.steps);
-        for step in &mut steps_out {
-            step.categories.unmeasured = unmeasured;
-            for r in &mut step.ranks {
-                r.categories.unmeasured = unmeasured;
-            }
-        }
+        mark_unmeasured(&mut steps_out, unmeasured);
         let (ranks_out, threads) = self.reports(&identities, unmeasured);
         let straggler = self.done.matcher.straggler(&identities);
         let (method, mut reason, period) = self
@@ -966,6 +966,16 @@ impl Timeline {
             slowest_rank: None,
             ranks: Vec::new(),
             numa_task_moves: numa_moves.iter().filter(|(t, _)| *t == tid).count() as u64,
+        }
+    }
+}
+
+/// Marks what the run could not measure in `steps` and their per-rank categories.
+fn mark_unmeasured(steps: &mut [Step], unmeasured: Unmeasured) {
+    for step in steps {
+        step.categories.unmeasured = unmeasured;
+        for r in &mut step.ranks {
+            r.categories.unmeasured = unmeasured;
         }
     }
 }
