@@ -5,9 +5,15 @@
 //! its reservation lock (the return program took 162 ns with one calling process and
 //! 4.9 µs with fourteen). With a buffer per group of CPUs, records of different CPUs sit in
 //! different buffers; a pass merges them by their timestamp (the first field of every
-//! record), so the recording stays in time order as the attribution needs. What a pass can
-//! leave out of order is what was written while it ran, the same sub-millisecond slack a
-//! single buffer has (its writers take the time after reserving space).
+//! record), so the recording stays in time order as the attribution needs.
+//!
+//! A pass reads the buffers one after the other, so a buffer read early can still receive
+//! records older than the newest of a buffer read later (the pass was slow, or preempted
+//! on a busy host: CI saw 1.1 ms). Each buffer therefore has a watermark: the time before
+//! it was read (less a margin for writers that took the time but had not yet committed)
+//! when it was read to the end, else the time of the last record taken from it. A pass
+//! hands on what is no newer than the lowest watermark and holds the rest for the next
+//! pass; the last pass hands on everything.
 
 use std::os::fd::{AsFd as _, AsRawFd as _, FromRawFd as _, OwnedFd};
 
@@ -46,9 +52,74 @@ pub struct Rings {
     buffers: Vec<RingBuf<MapData>>,
     /// An epoll instance watching every buffer: readable when the programs wake the reader.
     ready: AsyncFd<OwnedFd>,
-    /// One pass's records (copied out to be put in order when there are several buffers).
+    /// Records copied out to be put in order when there are several buffers.
+    merge: Merge,
+}
+
+/// Records of several buffers put in time order across passes (see the module's text).
+#[derive(Default)]
+struct Merge {
+    /// This pass's records, the held ones first: (time, start in `bytes`, length).
     bytes: Vec<u8>,
     index: Vec<(u64, usize, usize)>,
+    /// Records newer than a pass's watermark, handed on by a later pass.
+    held_bytes: Vec<u8>,
+    held_index: Vec<(u64, usize, usize)>,
+}
+
+/// How long before a buffer was found empty a writer may have taken its record's time
+/// without having committed it yet (the programs run for microseconds).
+const COMMIT_SLACK_NS: u64 = 200_000;
+
+impl Merge {
+    /// Starts a pass with the records the last one held.
+    fn start(&mut self) {
+        self.bytes.clear();
+        self.index.clear();
+        std::mem::swap(&mut self.bytes, &mut self.held_bytes);
+        std::mem::swap(&mut self.index, &mut self.held_index);
+    }
+
+    fn push(&mut self, item: &[u8]) -> u64 {
+        let ts = item
+            .get(..8)
+            .map_or(0, |b| u64::from_le_bytes(b.try_into().unwrap_or_default()));
+        self.index.push((ts, self.bytes.len(), item.len()));
+        self.bytes.extend_from_slice(item);
+        ts
+    }
+
+    /// Hands on, in time order, the records no newer than `watermark` (all of them when
+    /// `None`) and holds the others.
+    fn finish(&mut self, watermark: Option<u64>, sink: &mut impl Sink) -> Result<(), crate::Error> {
+        // Stable: records of one buffer with equal times keep their order.
+        self.index.sort_by_key(|(ts, _, _)| *ts);
+        let ready = watermark.map_or(self.index.len(), |w| {
+            self.index.partition_point(|(ts, _, _)| *ts <= w)
+        });
+        for &(_, start, len) in &self.index[..ready] {
+            sink.record(&self.bytes[start..start + len])?;
+        }
+        self.held_bytes.clear();
+        self.held_index.clear();
+        for &(ts, start, len) in &self.index[ready..] {
+            self.held_index.push((ts, self.held_bytes.len(), len));
+            self.held_bytes
+                .extend_from_slice(&self.bytes[start..start + len]);
+        }
+        Ok(())
+    }
+}
+
+/// Now on the clock the programs stamp records with (`bpf_ktime_get_ns`).
+fn monotonic_ns() -> u64 {
+    let mut t = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a plain syscall writing into `t`.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &raw mut t) };
+    u64::try_from(t.tv_sec).unwrap_or(0) * 1_000_000_000 + u64::try_from(t.tv_nsec).unwrap_or(0)
 }
 
 impl Rings {
@@ -87,8 +158,7 @@ impl Rings {
         Ok(Rings {
             buffers,
             ready,
-            bytes: Vec::new(),
-            index: Vec::new(),
+            merge: Merge::default(),
         })
     }
 
@@ -115,7 +185,8 @@ impl Rings {
     }
 
     /// Hands at most about `budget` records to `sink`, in time order; true when a buffer
-    /// had more than its share left.
+    /// had more than its share left. With `budget` `usize::MAX` (the last pass) nothing is
+    /// held back.
     pub fn drain(&mut self, sink: &mut impl Sink, budget: usize) -> Result<bool, crate::Error> {
         if let [ring] = self.buffers.as_mut_slice() {
             // One buffer: already in order, handed on without a copy.
@@ -129,26 +200,22 @@ impl Rings {
         }
         let share = (budget / self.buffers.len()).max(1);
         let mut more = false;
-        self.bytes.clear();
-        self.index.clear();
+        let mut watermark = u64::MAX;
+        self.merge.start();
         for ring in &mut self.buffers {
-            let mut taken = 0;
+            let before = monotonic_ns().saturating_sub(COMMIT_SLACK_NS);
+            let (mut taken, mut last) = (0, 0);
             while taken < share {
                 let Some(item) = ring.next() else { break };
-                let ts = item
-                    .get(..8)
-                    .map_or(0, |b| u64::from_le_bytes(b.try_into().unwrap_or_default()));
-                self.index.push((ts, self.bytes.len(), item.len()));
-                self.bytes.extend_from_slice(&item);
+                last = self.merge.push(&item);
                 taken += 1;
             }
-            more |= taken == share;
+            let full = taken == share;
+            more |= full;
+            watermark = watermark.min(if full { last } else { before });
         }
-        // Stable: records of one buffer with equal times keep their order.
-        self.index.sort_by_key(|(ts, _, _)| *ts);
-        for &(_, start, len) in &self.index {
-            sink.record(&self.bytes[start..start + len])?;
-        }
+        let last_pass = budget == usize::MAX;
+        self.merge.finish((!last_pass).then_some(watermark), sink)?;
         Ok(more)
     }
 }
@@ -165,5 +232,49 @@ mod tests {
             .map(|c| shards_for(*c))
             .collect();
         assert_eq!(got, [1, 1, 2, 2, 4, 4, 8, 8, 8]);
+    }
+
+    #[derive(Default)]
+    struct Times(Vec<u64>);
+
+    impl Sink for Times {
+        fn record(&mut self, bytes: &[u8]) -> Result<(), crate::Error> {
+            self.0
+                .push(u64::from_le_bytes(bytes[..8].try_into().unwrap()));
+            Ok(())
+        }
+        fn target_added(&mut self, _: &super::super::TargetInfo) {}
+        fn tick(&mut self, _: u64) {}
+    }
+
+    fn record(ts: u64) -> Vec<u8> {
+        let mut r = ts.to_le_bytes().to_vec();
+        r.extend_from_slice(b"payload");
+        r
+    }
+
+    /// Records newer than the watermark wait for the pass that can put them in order;
+    /// the last pass hands on everything.
+    #[test]
+    fn passes_hold_what_a_slower_buffer_may_still_precede() {
+        let (mut merge, mut out) = (Merge::default(), Times::default());
+        merge.start();
+        for ts in [10, 30, 20, 50] {
+            merge.push(&record(ts));
+        }
+        merge.finish(Some(25), &mut out).unwrap();
+        assert_eq!(out.0, [10, 20]);
+        // Written while the first pass ran, older than what it held.
+        merge.start();
+        for ts in [26, 60] {
+            merge.push(&record(ts));
+        }
+        merge.finish(Some(55), &mut out).unwrap();
+        assert_eq!(out.0, [10, 20, 26, 30, 50]);
+        merge.start();
+        merge.push(&record(58));
+        merge.finish(None, &mut out).unwrap();
+        assert_eq!(out.0, [10, 20, 26, 30, 50, 58, 60]);
+        assert!(merge.held_index.is_empty() && merge.held_bytes.is_empty());
     }
 }
