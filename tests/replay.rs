@@ -244,3 +244,85 @@ fn epochs_give_the_outputs_of_one_epoch() {
         }
     }
 }
+
+/// The value of the one series in an exposition whose name is `name` and whose labels
+/// include every `key="value"` of `labels`; None when there is no such series.
+fn sample(text: &str, name: &str, labels: &[&str]) -> Option<f64> {
+    let mut found = text
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (series, value) = l.rsplit_once(' ')?;
+            let (n, rest) = series.split_once('{').unwrap_or((series, "}"));
+            (n == name && labels.iter().all(|kv| rest.contains(kv))).then(|| value.parse().unwrap())
+        });
+    let first = found.next();
+    assert!(found.next().is_none(), "several {name} {labels:?} series");
+    first
+}
+
+/// `--metrics` follows the attribution: replaying the DDP recording with the metrics fed,
+/// the step histogram counts the steps of steps.json, its sum is their wall time, each
+/// category's seconds are the steps' sum, and the NCCL calls by operation are the
+/// summary's. Labels come from the environment of the rank's process (none here: this
+/// host has no such process), never from its pid.
+#[test]
+fn metrics_follow_the_attribution() {
+    use nccltrace::attribute::StepRule;
+    use nccltrace::metrics::{Feed, Metrics};
+    let dir = tempfile::tempdir().unwrap();
+    let rec = unpacked("ddp", dir.path());
+    let out = dir.path().join("out");
+    std::fs::create_dir(&out).unwrap();
+    let empty = dir.path().join("empty-host");
+    std::fs::create_dir(&empty).unwrap();
+    let host = nccltrace::host::Host::at(&empty);
+    let metrics = std::sync::Arc::new(Metrics::new(host.clone()));
+    let mut reader = nccltrace::record::Reader::open(&rec).unwrap();
+    let mut agg = nccltrace::pipeline::Aggregator::new(reader.header.clone());
+    agg.stream(StepRule::Auto, nccltrace::pipeline::EPOCH_EVENTS);
+    agg.stream_into(&out).unwrap();
+    agg.feed_metrics(Feed::new(metrics.clone(), host, "node7".into()));
+    agg.feed(&mut reader);
+    let mut outputs = agg.finish(StepRule::Auto);
+    nccltrace::pipeline::write_outputs(&out, &mut outputs, &mut std::io::sink()).unwrap();
+    nccltrace::pipeline::write_summary(&out, &outputs.summary).unwrap();
+    let text = metrics.encode();
+    let read = |f: &str| -> Value {
+        serde_json::from_str(&std::fs::read_to_string(out.join(f)).unwrap()).unwrap()
+    };
+    let (steps, summary) = (read("steps.json"), read("summary.json"));
+    let steps = steps["steps"].as_array().unwrap();
+    assert!(steps.len() > 100, "{} steps", steps.len());
+    let rank = ["host=\"node7\"", "rank=\"\"", "job_id=\"\""];
+    let count = sample(&text, "nccltrace_step_seconds_count", &rank).unwrap();
+    assert_eq!(count as usize, steps.len());
+    let wall: u64 = steps.iter().map(|s| s["wall_ns"].as_u64().unwrap()).sum();
+    let sum = sample(&text, "nccltrace_step_seconds_sum", &rank).unwrap();
+    assert!(
+        (sum - wall as f64 / 1e9).abs() < 1e-6,
+        "{sum} s vs {wall} ns"
+    );
+    for (name, _) in steps[0]["categories_ns"].as_object().unwrap() {
+        let label = format!("category=\"{name}\"");
+        let ours = sample(&text, "nccltrace_step_category_seconds_total", &[&label]);
+        let theirs: Option<u64> = steps
+            .iter()
+            .map(|s| s["categories_ns"][name].as_u64())
+            .sum();
+        match theirs {
+            // Counters only get series for what was measured.
+            Some(ns) => assert!((ours.unwrap() - ns as f64 / 1e9).abs() < 1e-6, "{name}"),
+            None => assert_eq!(ours, None, "{name} is not measured: no series"),
+        }
+    }
+    for (op, stats) in summary["nccl"]["by_op"].as_object().unwrap() {
+        let label = format!("op=\"{op}\"");
+        let calls = sample(&text, "nccltrace_nccl_calls_total", &[&label]);
+        assert_eq!(calls, stats["calls"].as_f64(), "{op}");
+    }
+    // Nothing of a host this replay does not run on: no NUMA or InfiniBand series.
+    assert!(!text.contains("nccltrace_numa_pages"), "{text}");
+    assert!(!text.contains("nccltrace_infiniband"), "{text}");
+    assert!(text.ends_with("# EOF\n"));
+}

@@ -55,8 +55,47 @@ impl Host {
         self.root.join(rel)
     }
 
-    fn read(&self, rel: &str) -> Option<String> {
+    /// The text of `rel`, if it can be read.
+    #[must_use]
+    pub fn read(&self, rel: &str) -> Option<String> {
         std::fs::read_to_string(self.path(rel)).ok()
+    }
+
+    /// The names in folder `rel`, sorted; none if it cannot be read.
+    #[must_use]
+    pub fn list(&self, rel: &str) -> Vec<String> {
+        let Ok(dir) = std::fs::read_dir(self.path(rel)) else {
+            return Vec::new();
+        };
+        let mut names: Vec<String> = dir
+            .flatten()
+            .filter_map(|e| e.file_name().to_str().map(str::to_owned))
+            .collect();
+        names.sort();
+        names
+    }
+
+    /// The NUMA nodes the kernel has (`sys/devices/system/node/nodeN`), in order.
+    #[must_use]
+    pub fn numa_nodes(&self) -> Vec<u32> {
+        let mut nodes: Vec<u32> = self
+            .list("sys/devices/system/node")
+            .iter()
+            .filter_map(|n| n.strip_prefix("node")?.parse().ok())
+            .collect();
+        nodes.sort_unstable();
+        nodes
+    }
+
+    /// The environment `pid` was started with (`/proc/PID/environ`); empty if unreadable.
+    #[must_use]
+    pub fn environ(&self, pid: u32) -> Vec<(String, String)> {
+        self.read(&format!("proc/{pid}/environ"))
+            .unwrap_or_default()
+            .split('\0')
+            .filter_map(|kv| kv.split_once('='))
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect()
     }
 
     /// `/proc/PID` exists and is not a zombie.

@@ -10,6 +10,7 @@ pub mod decode;
 pub mod doctor;
 pub mod event;
 pub mod host;
+pub mod metrics;
 pub mod pipeline;
 pub mod profile;
 pub mod record;
@@ -85,6 +86,15 @@ pub enum Error {
          CAP_BPF, CAP_PERFMON and CAP_SYS_PTRACE; this process lacks {missing}. Run it with sudo"
     )]
     NotPrivileged { missing: String },
+    #[error(
+        "cannot serve metrics on {addr}: {source}: choose a free port (another agent or \
+         exporter may hold this one) or another address, e.g. --metrics 127.0.0.1:9465"
+    )]
+    MetricsAddress {
+        addr: String,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("cannot start the async runtime: {0}")]
     Runtime(#[source] std::io::Error),
 }
@@ -133,6 +143,7 @@ impl Error {
             | Error::Unreadable { .. }
             | Error::OutputFolder { .. }
             | Error::InvalidArgument { .. }
+            | Error::MetricsAddress { .. }
             | Error::NotPrivileged { .. } => true,
             Error::Output { .. } | Error::Runtime(_) => false,
         };

@@ -164,6 +164,8 @@ pub struct Aggregator {
     build_ids: crate::symbolize::BuildIds,
     /// Writes each epoch's outputs as it is attributed (see [`Aggregator::stream_into`]).
     streamer: Option<Streamer>,
+    /// `--metrics`: fed each event and each epoch.
+    metrics: Option<crate::metrics::Feed>,
 }
 
 impl Aggregator {
@@ -193,7 +195,14 @@ impl Aggregator {
             agent_peak_rss_kb: None,
             build_ids: BTreeMap::new(),
             streamer: None,
+            metrics: None,
         }
+    }
+
+    /// Publishes the steps as they are attributed, and the calls, to `feed`'s metrics.
+    pub fn feed_metrics(&mut self, feed: crate::metrics::Feed) {
+        self.metrics = Some(feed);
+        self.timeline.emit_epochs();
     }
 
     /// Writes the outputs into `dir` as the run is attributed ([`Streamer`]): memory is
@@ -215,13 +224,22 @@ impl Aggregator {
         };
         self.timeline.end(end_at, rule.clone());
         self.drain_epochs();
+        if let Some(feed) = &mut self.metrics {
+            feed.flush();
+        }
         self.streamer.take()
     }
 
     /// Hands the epochs attributed so far to the streamer.
     fn drain_epochs(&mut self) {
-        if let Some(streamer) = &mut self.streamer {
-            for e in self.timeline.take_epochs() {
+        if self.streamer.is_none() && self.metrics.is_none() {
+            return;
+        }
+        for e in self.timeline.take_epochs() {
+            if let Some(feed) = &mut self.metrics {
+                feed.epoch(&e);
+            }
+            if let Some(streamer) = &mut self.streamer {
                 streamer.epoch(e);
             }
         }
@@ -249,6 +267,9 @@ impl Aggregator {
 
     /// Adds one event.
     pub fn push(&mut self, event: &Event) {
+        if let Some(feed) = &mut self.metrics {
+            feed.event(event);
+        }
         self.timeline.push(event);
         self.count(event);
         self.drain_epochs();

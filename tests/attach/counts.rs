@@ -251,6 +251,7 @@ fn three_ranks_one_straggler() {
         stdout: std::thread::spawn(String::new),
         out: out.clone(),
         attached: String::new(),
+        before: Vec::new(),
     };
     std::fs::write(&go, b"").unwrap();
     let truths: Vec<Value> = trainers.into_iter().map(Target::finish).collect();

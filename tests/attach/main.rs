@@ -11,6 +11,7 @@ mod bad_input;
 mod counts;
 mod environment;
 mod lifecycle;
+mod metrics;
 mod steps;
 
 use std::io::{BufRead as _, BufReader, Lines};
@@ -138,8 +139,9 @@ struct Agent {
     /// What it prints on stdout, read as it comes (so a long table never blocks it).
     stdout: std::thread::JoinHandle<String>,
     out: PathBuf,
-    /// Its "attached to pid" line.
+    /// Its "attached to pid" line, and what it said before.
     attached: String,
+    before: Vec<String>,
 }
 
 impl Agent {
@@ -193,6 +195,7 @@ impl Agent {
             stdout,
             out: out.to_owned(),
             attached,
+            before: said,
         }
     }
 

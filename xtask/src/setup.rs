@@ -65,7 +65,7 @@ fn nightly() -> anyhow::Result<()> {
     Ok(())
 }
 
-const APT_PACKAGES: [&str; 9] = [
+const APT_PACKAGES: [&str; 10] = [
     "xz-utils",
     // GNU time: a test compares the agent's own peak memory with the kernel's figure.
     "time",
@@ -76,6 +76,8 @@ const APT_PACKAGES: [&str; 9] = [
     "make",
     "bpftool",
     "gcc",
+    // A real Prometheus (and its promtool) that the `--metrics` test scrapes the agent with.
+    "prometheus",
 ];
 
 fn apt() -> anyhow::Result<()> {
@@ -89,7 +91,7 @@ fn apt() -> anyhow::Result<()> {
         .collect();
     if missing.is_empty() {
         say(
-            "Debian packages (LLVM 22, clang, bpftool, chromium)",
+            "Debian packages (LLVM 22, clang, bpftool, chromium, prometheus)",
             "present",
         );
         return Ok(());

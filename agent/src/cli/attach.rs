@@ -63,6 +63,12 @@ pub struct AttachArgs {
     /// tests and for checking that epochs do not change the outputs.
     #[arg(long, hide = true, default_value_t = crate::pipeline::EPOCH_EVENTS)]
     epoch_events: u64,
+    /// Serve Prometheus metrics on this address while tracing (per-rank step times and
+    /// categories, NCCL calls and bytes, lost events, NUMA and InfiniBand counters). Alone:
+    /// 127.0.0.1:9464, loopback only; 0.0.0.0:PORT serves every interface. Port 0 picks a
+    /// free port (printed).
+    #[arg(long, value_name = "ADDR", num_args = 0..=1, default_missing_value = crate::metrics::DEFAULT_ADDR)]
+    metrics: Option<String>,
 }
 
 /// Validated attach settings.
@@ -78,6 +84,8 @@ struct Settings {
     follow: bool,
     max_attributed_events: u64,
     epoch_events: u64,
+    /// Bound before anything is traced (`--metrics`).
+    metrics: Option<std::net::TcpListener>,
 }
 
 impl AttachArgs {
@@ -126,6 +134,11 @@ impl AttachArgs {
                 expected: "a process id above 0",
             });
         }
+        let metrics = self
+            .metrics
+            .as_deref()
+            .map(crate::metrics::http::bind)
+            .transpose()?;
         // Last: a folder is made only for a command that is otherwise valid.
         let out = super::OutDir::create(&self.out, self.force)?;
         Ok(Settings {
@@ -140,6 +153,7 @@ impl AttachArgs {
             follow: self.follow,
             max_attributed_events: self.max_attributed_events,
             epoch_events: self.epoch_events,
+            metrics,
         })
     }
 }
@@ -175,9 +189,17 @@ fn streaming_aggregator(
     rule: &crate::attribute::StepRule,
     epoch_events: u64,
     out: &std::path::Path,
+    metrics: Option<&std::sync::Arc<crate::metrics::Metrics>>,
 ) -> Aggregator {
     let mut agg = Aggregator::new(header.clone());
     agg.stream(rule.clone(), epoch_events);
+    if let Some(m) = metrics {
+        agg.feed_metrics(crate::metrics::Feed::new(
+            m.clone(),
+            host::Host::live(),
+            header.hostname.clone(),
+        ));
+    }
     if let Err((path, e)) = agg.stream_into(out) {
         crate::note!(
             "nccltrace: warning: cannot write {} ({e}); the outputs are written at the end \
@@ -202,6 +224,8 @@ struct LiveSink {
     /// written ([`crate::record::Follow`]), and what it goes by.
     live: Option<std::thread::JoinHandle<Aggregator>>,
     progress: std::sync::Arc<crate::record::Progress>,
+    /// `--metrics`: fed by the attribution, lost counts and targets set each tick.
+    metrics: Option<std::sync::Arc<crate::metrics::Metrics>>,
     nccl_calls: u64,
     records: u64,
     status: bool,
@@ -210,7 +234,13 @@ struct LiveSink {
 
 impl LiveSink {
     fn aggregator(&self) -> Aggregator {
-        streaming_aggregator(&self.header, &self.rule, self.epoch_events, &self.out)
+        streaming_aggregator(
+            &self.header,
+            &self.rule,
+            self.epoch_events,
+            &self.out,
+            self.metrics.as_ref(),
+        )
     }
 
     /// Starts attributing the run as it is recorded, on a thread that follows the
@@ -325,8 +355,13 @@ impl LiveSink {
                 if let Some(agg) = live {
                     return (agg, Ok(writer));
                 }
-                let mut agg =
-                    streaming_aggregator(&self.header, &self.rule, self.epoch_events, &self.out);
+                let mut agg = streaming_aggregator(
+                    &self.header,
+                    &self.rule,
+                    self.epoch_events,
+                    &self.out,
+                    self.metrics.as_ref(),
+                );
                 let skip = if limit == 0 {
                     0
                 } else {
@@ -392,7 +427,12 @@ impl Sink for LiveSink {
         }
     }
 
-    fn tick(&mut self, lost: u64) {
+    fn tick(&mut self, lost_by_kind: &std::collections::BTreeMap<String, u64>, alive: usize) {
+        let lost: u64 = lost_by_kind.values().sum();
+        if let Some(m) = &self.metrics {
+            m.set_lost(lost_by_kind);
+            m.set_targets(alive);
+        }
         // The live attribution reads what is flushed: at most a tick behind.
         if let Store::Disk(writer) = &mut self.store
             && let Err(e) = writer.flush()
@@ -664,6 +704,38 @@ fn end_record(attached: &source::Attached, reason: String) -> Meta {
     }
 }
 
+type SharedMetrics = std::sync::Arc<crate::metrics::Metrics>;
+
+/// With `--metrics`, starts the `/metrics` server on the runtime and says where it is.
+fn serve_metrics(
+    listener: Option<std::net::TcpListener>,
+    doctor: Option<&serde_json::Value>,
+) -> Result<(Option<SharedMetrics>, Option<tokio::task::JoinHandle<()>>), Error> {
+    let Some(listener) = listener else {
+        return Ok((None, None));
+    };
+    let addr = listener.local_addr().map_err(Error::Runtime)?;
+    let metrics = std::sync::Arc::new(crate::metrics::Metrics::new(host::Host::live()));
+    if let Some(report) = doctor {
+        metrics.set_findings(report);
+    }
+    let server = crate::metrics::http::serve(listener, metrics.clone()).map_err(|source| {
+        Error::MetricsAddress {
+            addr: addr.to_string(),
+            source,
+        }
+    })?;
+    let reach = if addr.ip().is_loopback() {
+        "this host only"
+    } else {
+        "other hosts too"
+    };
+    crate::note!(
+        "nccltrace: metrics at http://{addr}/metrics (Prometheus; reachable from {reach})"
+    );
+    Ok((Some(metrics), Some(server)))
+}
+
 async fn trace(
     mut settings: Settings,
     targets: &[source::Target],
@@ -673,6 +745,7 @@ async fn trace(
         Some(first) => Some(health_report(&settings.out.path, first.pid)?),
         None => None,
     };
+    let (metrics, server) = serve_metrics(settings.metrics.take(), doctor.as_ref())?;
     let mut attached = source::attach(targets, &settings.profile)?;
     for t in &attached.header.targets {
         let ms = attached.attach_time.as_millis();
@@ -710,6 +783,7 @@ async fn trace(
         out: out.clone(),
         live: None,
         progress,
+        metrics,
         nccl_calls: 0,
         records: 0,
         status: std::io::stderr().is_terminal(),
@@ -720,6 +794,8 @@ async fn trace(
     }
     let outcome = attached.run(settings.duration, &mut sink, &mut stop).await;
     attached.disarm();
+    // Scrapes are refused from here on, never left waiting while the outputs are written.
+    server.inspect(tokio::task::JoinHandle::abort);
     let reason = match &outcome {
         Ok(r) => r.to_string(),
         Err(e) => format!("stopped by an error: {e}"),

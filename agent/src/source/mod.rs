@@ -886,8 +886,9 @@ pub trait Sink {
     fn record(&mut self, bytes: &[u8]) -> Result<(), crate::Error>;
     /// A target attached during the run (`--follow`).
     fn target_added(&mut self, target: &TargetInfo);
-    /// Called about once a second with the lost-record total so far.
-    fn tick(&mut self, lost: u64);
+    /// Called about once a second with the records lost so far, by kind, and the number
+    /// of targets still running.
+    fn tick(&mut self, lost: &BTreeMap<String, u64>, alive: usize);
 }
 
 impl Attached {
@@ -1023,8 +1024,9 @@ impl Attached {
                     }
                     if last_tick.elapsed() >= Duration::from_secs(1) {
                         last_tick = Instant::now();
-                        let lost = self.counters().0.values().sum();
-                        sink.tick(lost);
+                        let lost = self.counters().0;
+                        let alive = self.pids.iter().filter(|p| host.process_alive(**p)).count();
+                        sink.tick(&lost, alive);
                     }
                 }
                 // The kernel only signals readiness once the consumer has caught up, so

@@ -244,7 +244,7 @@ mod tests {
             Ok(())
         }
         fn target_added(&mut self, _: &super::super::TargetInfo) {}
-        fn tick(&mut self, _: u64) {}
+        fn tick(&mut self, _: &std::collections::BTreeMap<String, u64>, _: usize) {}
     }
 
     fn record(ts: u64) -> Vec<u8> {

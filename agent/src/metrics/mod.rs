@@ -1,0 +1,326 @@
+//! `--metrics ADDR`: the run as Prometheus metrics, served over HTTP while tracing.
+//!
+//! Names follow Prometheus's conventions: the `nccltrace_` prefix, base units (seconds,
+//! bytes), `_total` on counters. Label sets are bounded: per rank (`host`, `job_id`,
+//! `rank`, `local_rank`), per category or NCCL operation, per NUMA node and InfiniBand
+//! port; never a pid or a step number. `job_id` (not `job`, which Prometheus gives the
+//! scrape job) comes from the rank's environment; a label the environment does not give is
+//! left empty, which Prometheus treats as absent.
+//!
+//! Per-rank series are updated by the attribution as steps become final (so they lag the
+//! run by an epoch); node series (NUMA, InfiniBand) and the agent's own CPU and memory are
+//! read from `/sys` and `/proc` at each scrape. A source the host does not have (no
+//! InfiniBand, no NUMA) gives no series, never zeros.
+
+pub mod http;
+mod node;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::{Registry, Unit};
+
+use crate::attribute::Epoch;
+use crate::event::{Event, Func, Library};
+use crate::host::Host;
+
+/// The address `--metrics` serves on when none is given: loopback only.
+pub const DEFAULT_ADDR: &str = "127.0.0.1:9464";
+
+/// The labels of one rank's series.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RankLabels {
+    pub host: String,
+    pub job_id: String,
+    pub rank: String,
+    pub local_rank: String,
+}
+
+/// A rank's labels and one more (a category, an operation).
+type With = (RankLabels, [(&'static str, String); 1]);
+type Seconds = Counter<f64, AtomicU64>;
+
+/// Step-time histogram buckets: 0.5 ms to about 28 s, 1.5× apart.
+fn step_buckets() -> Histogram {
+    Histogram::new(exponential_buckets(0.000_5, 1.5, 28))
+}
+
+/// What scrapes read besides the per-rank series, set by the agent as it runs.
+#[derive(Debug, Default)]
+pub(crate) struct State {
+    /// Events lost so far, by kind.
+    pub lost: BTreeMap<String, u64>,
+    /// Doctor findings present at attach: (id, severity).
+    pub findings: Vec<(String, String)>,
+    /// Processes traced now.
+    pub targets: usize,
+}
+
+/// The registry a scrape encodes, and the series the attribution updates.
+pub struct Metrics {
+    registry: Registry,
+    step_seconds: Family<RankLabels, Histogram, fn() -> Histogram>,
+    category_seconds: Family<With, Seconds>,
+    nccl_calls: Family<With, Counter>,
+    nccl_bytes: Family<With, Counter>,
+    cuda_sync_wait: Family<RankLabels, Seconds>,
+    state: Arc<Mutex<State>>,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
+}
+
+impl Metrics {
+    /// A registry with every series, node series read from `host` at each scrape.
+    #[must_use]
+    pub fn new(host: Host) -> Metrics {
+        let mut registry = Registry::with_prefix("nccltrace");
+        let step_seconds = Family::new_with_constructor(step_buckets as fn() -> Histogram);
+        registry.register_with_unit(
+            "step",
+            "Wall time of each training step of the rank's training-loop thread",
+            Unit::Seconds,
+            step_seconds.clone(),
+        );
+        let category_seconds = Family::<With, Seconds>::default();
+        registry.register_with_unit(
+            "step_category",
+            "Where the steps' wall time went, by category (a category the profile cannot \
+             measure has no series)",
+            Unit::Seconds,
+            category_seconds.clone(),
+        );
+        let nccl_calls = Family::<With, Counter>::default();
+        registry.register(
+            "nccl_calls",
+            "NCCL calls made by the rank's process, by operation",
+            nccl_calls.clone(),
+        );
+        let nccl_bytes = Family::<With, Counter>::default();
+        registry.register_with_unit(
+            "nccl",
+            "Bytes the rank contributed to NCCL calls that move data, by operation",
+            Unit::Bytes,
+            nccl_bytes.clone(),
+        );
+        let cuda_sync_wait = Family::<RankLabels, Seconds>::default();
+        registry.register_with_unit(
+            "cuda_sync_wait",
+            "Time the rank's threads spent inside CUDA synchronize calls",
+            Unit::Seconds,
+            cuda_sync_wait.clone(),
+        );
+        let state = Arc::new(Mutex::new(State::default()));
+        registry.register_collector(Box::new(node::Collector {
+            host,
+            state: state.clone(),
+        }));
+        Metrics {
+            registry,
+            step_seconds,
+            category_seconds,
+            nccl_calls,
+            nccl_bytes,
+            cuda_sync_wait,
+            state,
+        }
+    }
+
+    /// The exposition (OpenMetrics text, which Prometheus reads).
+    #[must_use]
+    pub fn encode(&self) -> String {
+        let mut text = String::new();
+        // Writing into a String does not fail.
+        let _ = prometheus_client::encoding::text::encode(&mut text, &self.registry);
+        text
+    }
+
+    pub(crate) fn with_state(&self, f: impl FnOnce(&mut State)) {
+        if let Ok(mut state) = self.state.lock() {
+            f(&mut state);
+        }
+    }
+
+    /// Sets the events lost so far, by kind.
+    pub fn set_lost(&self, lost: &BTreeMap<String, u64>) {
+        self.with_state(|s| s.lost.clone_from(lost));
+    }
+
+    /// Sets the number of processes traced now.
+    pub fn set_targets(&self, targets: usize) {
+        self.with_state(|s| s.targets = targets);
+    }
+
+    /// Sets the doctor's findings (a gauge per finding id).
+    pub fn set_findings(&self, report: &serde_json::Value) {
+        let findings = report["findings"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|f| {
+                Some((
+                    f["id"].as_str()?.to_owned(),
+                    f["severity"].as_str().unwrap_or("").to_lowercase(),
+                ))
+            })
+            .collect();
+        self.with_state(|s| s.findings = findings);
+    }
+}
+
+/// Feeds one aggregator's events and epochs into [`Metrics`]: NCCL and sync totals are
+/// kept per process and published with each epoch, under labels fixed the first time a
+/// process is published.
+pub struct Feed {
+    metrics: Arc<Metrics>,
+    host: Host,
+    hostname: String,
+    labels: HashMap<u32, RankLabels>,
+    /// Ranks given to ncclCommInitRank, by pid (preferred over the environment).
+    init_ranks: HashMap<u32, i32>,
+    /// Not yet published: per (pid, function) calls and bytes; per pid sync wait, ns.
+    calls: HashMap<(u32, Func), (u64, u64)>,
+    sync_ns: HashMap<u32, u64>,
+}
+
+impl std::fmt::Debug for Feed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Feed").finish_non_exhaustive()
+    }
+}
+
+impl Feed {
+    #[must_use]
+    pub fn new(metrics: Arc<Metrics>, host: Host, hostname: String) -> Feed {
+        Feed {
+            metrics,
+            host,
+            hostname,
+            labels: HashMap::new(),
+            init_ranks: HashMap::new(),
+            calls: HashMap::new(),
+            sync_ns: HashMap::new(),
+        }
+    }
+
+    /// Counts a call.
+    pub fn event(&mut self, event: &Event) {
+        let Event::Call(c) = event else { return };
+        let pid = c.task.tgid;
+        match c.func.library() {
+            Library::Nccl => {
+                if let Some(rank) = c.rank
+                    && matches!(c.func, Func::CommInitRank | Func::CommInitRankConfig)
+                {
+                    self.init_ranks.entry(pid).or_insert(rank);
+                }
+                let entry = self.calls.entry((pid, c.func)).or_default();
+                entry.0 += 1;
+                if c.func.is_collective() {
+                    entry.1 += c.bytes.unwrap_or(0);
+                }
+            }
+            Library::Cuda => {
+                *self.sync_ns.entry(pid).or_default() += c.end_ns.saturating_sub(c.start_ns);
+            }
+            Library::Marker | Library::Nvtx => {}
+        }
+    }
+
+    /// The labels of `pid`'s series, fixed when first asked for.
+    fn labels(&mut self, pid: u32) -> RankLabels {
+        if let Some(l) = self.labels.get(&pid) {
+            return l.clone();
+        }
+        let env = self.host.environ(pid);
+        let var = |names: &[&str]| -> String {
+            names
+                .iter()
+                .find_map(|n| env.iter().find(|(k, _)| k == n).map(|(_, v)| v.clone()))
+                .unwrap_or_default()
+        };
+        let rank = self.init_ranks.get(&pid).map_or_else(
+            || var(&["RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "PMI_RANK"]),
+            ToString::to_string,
+        );
+        let labels = RankLabels {
+            host: self.hostname.clone(),
+            job_id: var(&[
+                "SLURM_JOB_ID",
+                "TORCHELASTIC_RUN_ID",
+                "PBS_JOBID",
+                "LSB_JOBID",
+                "JOB_ID",
+            ]),
+            rank,
+            local_rank: var(&[
+                "LOCAL_RANK",
+                "OMPI_COMM_WORLD_LOCAL_RANK",
+                "SLURM_LOCALID",
+                "MPI_LOCALRANKID",
+            ]),
+        };
+        self.labels.insert(pid, labels.clone());
+        labels
+    }
+
+    /// Publishes an epoch's final steps and the calls counted so far.
+    pub fn epoch(&mut self, epoch: &Epoch) {
+        for step in &epoch.steps {
+            let wall = step.wall_ns as f64 / 1e9;
+            let per_rank: Vec<(u32, crate::attribute::Categories)> = if step.ranks.is_empty() {
+                epoch
+                    .detail
+                    .rank_pid
+                    .map(|pid| (pid, step.categories))
+                    .into_iter()
+                    .collect()
+            } else {
+                step.ranks.iter().map(|r| (r.pid, r.categories)).collect()
+            };
+            for (pid, categories) in per_rank {
+                let labels = self.labels(pid);
+                self.metrics
+                    .step_seconds
+                    .get_or_create(&labels)
+                    .observe(wall);
+                for (name, value) in categories.named() {
+                    let Some(ns) = value else { continue };
+                    self.metrics
+                        .category_seconds
+                        .get_or_create(&(labels.clone(), [("category", name.to_owned())]))
+                        .inc_by(ns as f64 / 1e9);
+                }
+            }
+        }
+        self.flush();
+    }
+
+    /// Publishes the calls counted since the last epoch.
+    pub fn flush(&mut self) {
+        let calls = std::mem::take(&mut self.calls);
+        for ((pid, func), (n, bytes)) in calls {
+            let key = (self.labels(pid), [("op", func.name().to_owned())]);
+            self.metrics.nccl_calls.get_or_create(&key).inc_by(n);
+            if func.is_collective() {
+                self.metrics.nccl_bytes.get_or_create(&key).inc_by(bytes);
+            }
+        }
+        let syncs = std::mem::take(&mut self.sync_ns);
+        for (pid, ns) in syncs {
+            let labels = self.labels(pid);
+            self.metrics
+                .cuda_sync_wait
+                .get_or_create(&labels)
+                .inc_by(ns as f64 / 1e9);
+        }
+    }
+}

@@ -1,0 +1,323 @@
+//! Series read at each scrape: the node's NUMA allocation counters and InfiniBand ports,
+//! the agent's own CPU and memory, and what the agent sets as it runs (lost events, doctor
+//! findings, targets).
+
+use std::sync::{Arc, Mutex};
+
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric as _};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::registry::Unit;
+
+use super::State;
+use crate::host::Host;
+
+#[derive(Debug)]
+pub(super) struct Collector {
+    pub host: Host,
+    pub state: Arc<Mutex<State>>,
+}
+
+type Labels = Vec<(&'static str, String)>;
+
+/// One metric family of counters (`f64` values), written only when it has samples.
+fn counters(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    unit: Option<&Unit>,
+    samples: &[(Labels, f64)],
+) -> Result<(), std::fmt::Error> {
+    if samples.is_empty() {
+        return Ok(());
+    }
+    let mut family = encoder.encode_descriptor(name, help, unit, MetricType::Counter)?;
+    for (labels, value) in samples {
+        ConstCounter::new(*value).encode(family.encode_family(labels)?)?;
+    }
+    Ok(())
+}
+
+/// One metric family of gauges, written only when it has samples.
+fn gauges(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    unit: Option<&Unit>,
+    samples: &[(Labels, f64)],
+) -> Result<(), std::fmt::Error> {
+    if samples.is_empty() {
+        return Ok(());
+    }
+    let mut family = encoder.encode_descriptor(name, help, unit, MetricType::Gauge)?;
+    for (labels, value) in samples {
+        ConstGauge::new(*value).encode(family.encode_family(labels)?)?;
+    }
+    Ok(())
+}
+
+/// The node's NUMA allocation counters (`numa_hit`, `numa_miss`, …), in pages, per node.
+pub(super) fn numastat(host: &Host) -> Vec<(Labels, f64)> {
+    let mut out = Vec::new();
+    for node in host.numa_nodes() {
+        let Some(text) = host.read(&format!("sys/devices/system/node/node{node}/numastat")) else {
+            continue;
+        };
+        for line in text.lines() {
+            let mut words = line.split_whitespace();
+            let (Some(stat), Some(Ok(value))) = (words.next(), words.next().map(str::parse::<u64>))
+            else {
+                continue;
+            };
+            out.push((
+                vec![("node", node.to_string()), ("stat", stat.to_owned())],
+                value as f64,
+            ));
+        }
+    }
+    out
+}
+
+/// An InfiniBand port's readings.
+#[derive(Debug, Default, PartialEq)]
+pub(super) struct IbPorts {
+    /// 1 when the port is ACTIVE.
+    pub up: Vec<(Labels, f64)>,
+    pub rate_bytes: Vec<(Labels, f64)>,
+    /// Data moved, bytes (the port counts 4-byte words).
+    pub data_bytes: Vec<(Labels, f64)>,
+    /// Every other counter of `counters/`, by name.
+    pub counters: Vec<(Labels, f64)>,
+}
+
+/// Every port of every InfiniBand device under `sys/class/infiniband`.
+pub(super) fn infiniband(host: &Host) -> IbPorts {
+    let mut out = IbPorts::default();
+    for device in host.list("sys/class/infiniband") {
+        for port in host.list(&format!("sys/class/infiniband/{device}/ports")) {
+            let dir = format!("sys/class/infiniband/{device}/ports/{port}");
+            let labels = vec![("device", device.clone()), ("port", port.clone())];
+            if let Some(state) = host.read(&format!("{dir}/state")) {
+                // "4: ACTIVE"
+                let active = state.split(':').nth(1).map(str::trim) == Some("ACTIVE");
+                out.up.push((labels.clone(), f64::from(u8::from(active))));
+            }
+            // "200 Gb/sec (4X HDR)"
+            if let Some(gbits) = host
+                .read(&format!("{dir}/rate"))
+                .and_then(|r| r.split_whitespace().next()?.parse::<f64>().ok())
+            {
+                out.rate_bytes.push((labels.clone(), gbits * 1e9 / 8.0));
+            }
+            for counter in host.list(&format!("{dir}/counters")) {
+                let Some(value) = host
+                    .read(&format!("{dir}/counters/{counter}"))
+                    .and_then(|v| v.trim().parse::<u64>().ok())
+                else {
+                    continue;
+                };
+                let direction = match counter.as_str() {
+                    "port_xmit_data" => Some("transmit"),
+                    "port_rcv_data" => Some("receive"),
+                    _ => None,
+                };
+                let mut l = labels.clone();
+                if let Some(d) = direction {
+                    l.push(("direction", d.to_owned()));
+                    out.data_bytes.push((l, value as f64 * 4.0));
+                } else {
+                    l.push(("counter", counter));
+                    out.counters.push((l, value as f64));
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The agent's CPU time (s) and resident and peak memory (bytes).
+fn agent_self(host: &Host) -> Option<(f64, f64, f64)> {
+    let pid = std::process::id();
+    let stat = host.read(&format!("proc/{pid}/stat"))?;
+    // After the command name (which may hold spaces): state is field 3, utime 14, stime 15.
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
+    // SAFETY: a plain sysconf query.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    let status = host.read(&format!("proc/{pid}/status"))?;
+    let kb = |key: &str| -> Option<f64> {
+        let line = status.lines().find(|l| l.starts_with(key))?;
+        Some(line.split_whitespace().nth(1)?.parse::<f64>().ok()? * 1024.0)
+    };
+    Some((ticks / hz, kb("VmRSS:")?, kb("VmHWM:")?))
+}
+
+impl prometheus_client::collector::Collector for Collector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let e = &mut encoder;
+        if let Some((cpu, rss, peak)) = agent_self(&self.host) {
+            let none = || vec![(Vec::new(), 0.0)];
+            let one = |v: f64| {
+                let mut s = none();
+                s[0].1 = v;
+                s
+            };
+            counters(
+                e,
+                "agent_cpu",
+                "CPU time of the agent process",
+                Some(&Unit::Seconds),
+                &one(cpu),
+            )?;
+            gauges(
+                e,
+                "agent_resident_memory",
+                "Resident memory of the agent process",
+                Some(&Unit::Bytes),
+                &one(rss),
+            )?;
+            gauges(
+                e,
+                "agent_peak_resident_memory",
+                "Peak resident memory of the agent process",
+                Some(&Unit::Bytes),
+                &one(peak),
+            )?;
+        }
+        let (lost, findings, targets) = match self.state.lock() {
+            Ok(s) => (s.lost.clone(), s.findings.clone(), s.targets),
+            Err(_) => Default::default(),
+        };
+        let lost: Vec<(Labels, f64)> = lost
+            .into_iter()
+            .map(|(kind, n)| (vec![("kind", kind)], n as f64))
+            .collect();
+        counters(
+            e,
+            "lost_events",
+            "Events the kernel programs could not hand over (ring buffer full), by kind",
+            None,
+            &lost,
+        )?;
+        gauges(
+            e,
+            "targets",
+            "Processes traced now",
+            None,
+            &[(Vec::new(), targets as f64)],
+        )?;
+        let findings: Vec<(Labels, f64)> = findings
+            .into_iter()
+            .map(|(id, severity)| (vec![("id", id), ("severity", severity)], 1.0))
+            .collect();
+        gauges(
+            e,
+            "doctor_finding",
+            "1 for each placement problem the doctor found at attach",
+            None,
+            &findings,
+        )?;
+        counters(
+            e,
+            "numa_pages",
+            "NUMA allocation counters of the node (numastat), in pages",
+            None,
+            &numastat(&self.host),
+        )?;
+        let ib = infiniband(&self.host);
+        gauges(
+            e,
+            "infiniband_port_up",
+            "1 when the InfiniBand port is ACTIVE",
+            None,
+            &ib.up,
+        )?;
+        gauges(
+            e,
+            "infiniband_port_rate",
+            "Link rate of the InfiniBand port",
+            Some(&Unit::Other("bytes_per_second".into())),
+            &ib.rate_bytes,
+        )?;
+        counters(
+            e,
+            "infiniband_port_data",
+            "Data through the InfiniBand port",
+            Some(&Unit::Bytes),
+            &ib.data_bytes,
+        )?;
+        counters(
+            e,
+            "infiniband_port_counter",
+            "The InfiniBand port's other counters (errors, discards, packets), by name",
+            None,
+            &ib.counters,
+        )?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(root: &std::path::Path, rel: &str, text: &str) {
+        let path = root.join(rel);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, text).unwrap();
+    }
+
+    /// NUMA and InfiniBand series from a sysfs tree; none without it.
+    #[test]
+    #[allow(clippy::float_cmp)] // exact small integers
+    fn node_series_from_sysfs() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        let host = Host::at(root);
+        assert!(numastat(&host).is_empty());
+        assert_eq!(infiniband(&host), IbPorts::default());
+        write(
+            root,
+            "sys/devices/system/node/node1/numastat",
+            "numa_hit 10\nnuma_miss 3\n",
+        );
+        write(
+            root,
+            "sys/devices/system/node/node0/numastat",
+            "numa_hit 7\n",
+        );
+        let numa = numastat(&host);
+        assert_eq!(numa.len(), 3);
+        assert_eq!(
+            numa[0],
+            (vec![("node", "0".into()), ("stat", "numa_hit".into())], 7.0)
+        );
+        assert_eq!(numa[2].1, 3.0);
+        let port = "sys/class/infiniband/mlx5_0/ports/1";
+        write(root, &format!("{port}/state"), "4: ACTIVE\n");
+        write(root, &format!("{port}/rate"), "200 Gb/sec (4X HDR)\n");
+        write(root, &format!("{port}/counters/port_xmit_data"), "1000\n");
+        write(root, &format!("{port}/counters/port_rcv_errors"), "2\n");
+        write(
+            root,
+            "sys/class/infiniband/mlx5_1/ports/1/state",
+            "1: DOWN\n",
+        );
+        let ib = infiniband(&host);
+        assert_eq!(ib.up.iter().map(|s| s.1).collect::<Vec<_>>(), [1.0, 0.0]);
+        assert_eq!(ib.rate_bytes[0].1, 25e9);
+        assert_eq!(ib.data_bytes[0].1, 4000.0);
+        assert!(
+            ib.data_bytes[0]
+                .0
+                .contains(&("direction", "transmit".into()))
+        );
+        assert_eq!(ib.counters.len(), 1);
+        assert!(
+            ib.counters[0]
+                .0
+                .contains(&("counter", "port_rcv_errors".into()))
+        );
+    }
+}

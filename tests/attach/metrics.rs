@@ -1,0 +1,266 @@
+//! `--metrics`: a real Prometheus scrapes the agent traced on the demo trainer, and what
+//! it stored matches the trainer's own numbers.
+
+use std::io::{Read as _, Write as _};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use super::{Agent, Target, fixtures, privileged};
+
+/// `GET path` on `addr` with the given Accept header; the status code and body.
+fn get(addr: &str, path: &str, accept: &str) -> (u32, String) {
+    let Ok(mut stream) = std::net::TcpStream::connect(addr) else {
+        return (0, String::new());
+    };
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
+    let _ = write!(
+        stream,
+        "GET {path} HTTP/1.0\r\nHost: {addr}\r\nAccept: {accept}\r\n\r\n"
+    );
+    let mut answer = String::new();
+    let _ = stream.read_to_string(&mut answer);
+    let status = answer
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let body = answer
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    (status, body)
+}
+
+/// Percent-encodes a query for a URL.
+fn encode(query: &str) -> String {
+    query
+        .bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// A Prometheus server of the test's own, killed when dropped.
+struct Prometheus {
+    child: Child,
+    addr: String,
+}
+
+impl Drop for Prometheus {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Prometheus {
+    /// Starts Debian's `prometheus` scraping `target` every second; waits until it is
+    /// ready.
+    fn start(dir: &std::path::Path, target: &str) -> Prometheus {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let config = dir.join("prometheus.yml");
+        std::fs::write(
+            &config,
+            format!(
+                "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\nscrape_configs:\n  - \
+                 job_name: nccltrace\n    static_configs:\n      - targets: ['{target}']\n"
+            ),
+        )
+        .unwrap();
+        let addr = format!("127.0.0.1:{port}");
+        let child = Command::new("prometheus")
+            .arg(format!("--config.file={}", config.display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.join("tsdb").display()
+            ))
+            .arg(format!("--web.listen-address={addr}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("prometheus (Debian's package, installed by `cargo xtask setup`)");
+        let server = Prometheus { child, addr };
+        let started = Instant::now();
+        while get(&server.addr, "/-/ready", "*/*").0 != 200 {
+            assert!(
+                started.elapsed() < Duration::from_secs(60),
+                "prometheus not ready in 60 s"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        server
+    }
+
+    /// Waits until the agent was scraped at least `n` times (at most 30 s): Prometheus
+    /// starts its scrape loops up to a few seconds after it is ready.
+    fn scrapes(&self, n: f64) -> f64 {
+        let started = Instant::now();
+        loop {
+            let seen = self
+                .value(r#"count_over_time(up{job="nccltrace"}[10m])"#)
+                .unwrap_or(0.0);
+            if seen >= n {
+                return seen;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "{seen} scrapes of {n} in 30 s"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// An instant query's one value (None when it has no result).
+    fn value(&self, query: &str) -> Option<f64> {
+        let (status, body) = get(
+            &self.addr,
+            &format!("/api/v1/query?query={}", encode(query)),
+            "application/json",
+        );
+        assert_eq!(status, 200, "{query}: {body}");
+        let v: Value = serde_json::from_str(&body).unwrap();
+        let result = v["data"]["result"].as_array()?;
+        assert!(result.len() <= 1, "{query}: {body}");
+        result.first()?["value"][1].as_str()?.parse().ok()
+    }
+}
+
+/// `promtool check metrics` (Prometheus's own parser and linter) finds nothing wrong.
+fn promtool_accepts(text: &str) {
+    let mut promtool = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("promtool (Debian's prometheus package)");
+    promtool
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let linted = promtool.wait_with_output().unwrap();
+    assert!(
+        linted.status.success(),
+        "promtool check metrics: {}{}\n{text}",
+        String::from_utf8_lossy(&linted.stdout),
+        String::from_utf8_lossy(&linted.stderr)
+    );
+}
+
+/// The trainer runs 600 steps and lingers; Prometheus scrapes the agent every second.
+/// Through Prometheus's query API: the target was up for at least two scrapes, the step
+/// histogram counts the trainer's steps, and the mean step, the compute and NCCL-wait
+/// shares and the AllReduce calls match what the trainer says it did, within 15%. The
+/// labels carry the rank's environment. Also: the 0.0.4 text format passes `promtool
+/// check metrics`, and a scrape after the agent stopped is refused, not left hanging.
+#[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
+fn prometheus_scrapes_the_run() {
+    let _guard = privileged();
+    let dir = tempfile::tempdir().unwrap();
+    let go = dir.path().join("go");
+    let steps = 600;
+    let trainer = Target::spawn(
+        &fixtures().join("trainer"),
+        &[
+            "--steps",
+            &steps.to_string(),
+            "--compute-us",
+            "2000",
+            "--go-file",
+            go.to_str().unwrap(),
+            "--linger-ms",
+            "6000",
+        ],
+        &[
+            ("FAKE_NCCL_US", "300"),
+            ("RANK", "5"),
+            ("LOCAL_RANK", "1"),
+            ("SLURM_JOB_ID", "4242"),
+        ],
+        dir.path(),
+    );
+    let out = dir.path().join("out");
+    let agent = Agent::attach(trainer.child.id(), &out, &["--metrics", "127.0.0.1:0"]);
+    let addr = agent
+        .before
+        .iter()
+        .find_map(|l| Some(l.split("http://").nth(1)?.split('/').next()?.to_owned()))
+        .unwrap_or_else(|| panic!("no metrics address said: {:?}", agent.before));
+    let prometheus = Prometheus::start(dir.path(), &addr);
+    prometheus.scrapes(1.0);
+    trainer.release();
+    let mut truth = Vec::new();
+    let mut stdout = trainer.stdout;
+    let totals: Value = loop {
+        let line = stdout.next().expect("trainer output").unwrap();
+        let v: Value = serde_json::from_str(&line).unwrap();
+        if v.get("total").is_some() {
+            break v["total"].clone();
+        }
+        truth.push(v);
+    };
+    // Two scrapes after the last step (the trainer lingers meanwhile).
+    let before = prometheus.scrapes(0.0);
+    prometheus.scrapes(before + 2.0);
+    let (status, text) = get(&addr, "/metrics", "text/plain");
+    assert_eq!(status, 200);
+    promtool_accepts(&text);
+    let rank = r#"{job="nccltrace",rank="5",local_rank="1",job_id="4242"}"#;
+    let value = |q: &str| {
+        prometheus
+            .value(q)
+            .unwrap_or_else(|| panic!("no result for {q}"))
+    };
+    assert!(value(r#"up{job="nccltrace"}"#) > 0.5, "target down");
+    let count = value(&format!("nccltrace_step_seconds_count{rank}"));
+    let within = |what: &str, ours: f64, theirs: f64| {
+        assert!(
+            (ours - theirs).abs() <= 0.15 * theirs,
+            "{what}: {ours} vs the trainer's {theirs}"
+        );
+    };
+    within("steps", count, f64::from(steps));
+    let sum = value(&format!("nccltrace_step_seconds_sum{rank}"));
+    let n = truth.len() as f64;
+    let field = |k: &str| truth.iter().map(|s| s[k].as_f64().unwrap()).sum::<f64>() / n / 1e9;
+    within("mean step (s)", sum / count, field("wall_ns"));
+    let share = |category: &str| {
+        let selector = rank.replace('}', &format!(",category=\"{category}\"}}"));
+        value(&format!("nccltrace_step_category_seconds_total{selector}")) / sum
+    };
+    within(
+        "compute share",
+        share("compute"),
+        field("compute_ns") / field("wall_ns"),
+    );
+    within(
+        "nccl_wait share",
+        share("nccl_wait"),
+        field("wait_ns") / field("wall_ns"),
+    );
+    let selector = rank.replace('}', ",op=\"AllReduce\"}");
+    within(
+        "AllReduce calls",
+        value(&format!("nccltrace_nccl_calls_total{selector}")),
+        totals["calls"]["AllReduce"].as_f64().unwrap(),
+    );
+    let code = agent.wait(Duration::from_secs(60)).0;
+    assert_eq!(code, 0);
+    // The agent is gone: a scrape is refused at once, never left waiting.
+    let started = Instant::now();
+    assert_eq!(get(&addr, "/metrics", "*/*").0, 0);
+    assert!(started.elapsed() < Duration::from_secs(2));
+}
