@@ -172,9 +172,12 @@ pub fn symbolize(
             }
             _ => file_names(&symbolizer, pid, &path, &offsets, &mut stale),
         };
-        let base = Path::new(&path)
-            .file_name()
-            .map_or(path.clone(), |n| n.to_string_lossy().into_owned());
+        let base = Path::new(&path).file_name().map_or(path.clone(), |n| {
+            n.to_string_lossy()
+                .trim_start_matches('[')
+                .trim_end_matches(']')
+                .to_owned()
+        });
         for ((addr, offset), name) in addrs.iter().zip(names) {
             let name = name.unwrap_or_else(|| format!("[{base}+{offset:#x}]"));
             user.insert((pid, *addr), name);
@@ -286,6 +289,11 @@ fn file_names(
     offsets: &[u64],
     errors: &mut Vec<String>,
 ) -> Vec<Option<String>> {
+    // The kernel's own mappings ([vdso], [stack], [uprobes]: the page a uprobe runs the
+    // probed instruction from) have no file to read: named by offset, without a warning.
+    if path.starts_with('[') {
+        return vec![None; offsets.len()];
+    }
     let file = readable(pid, path);
     let mut failed: Option<String> = None;
     let mut lookup = |elf: PathBuf, dwarf: bool, input: Input<&[u64]>| -> Vec<Option<String>> {
@@ -411,7 +419,9 @@ mod tests {
     }
 
     /// Regression (issue 18): a file whose symbols cannot be read (gone, or not ELF) had its
-    /// frames named by offset with no word why; the reason is now said, once per file.
+    /// frames named by offset with no word why; the reason is now said, once per file. The
+    /// kernel's mappings ([vdso], [uprobes]) have no file: named without a warning (every
+    /// attach warned about them).
     #[test]
     fn unreadable_symbols_are_said() {
         let dir = tempfile::tempdir().unwrap();
@@ -421,7 +431,8 @@ mod tests {
             targets: vec![crate::record::TargetInfo {
                 pid: 1,
                 maps_text: format!(
-                    "100000000-100010000 r-xp 00000000 08:01 1 {}\n",
+                    "100000000-100010000 r-xp 00000000 08:01 1 {}\n\
+                     7fff00000000-7fff00002000 r-xp 00000000 00:00 0 [vdso]\n",
                     not_elf.display()
                 ),
                 ..Default::default()
@@ -431,7 +442,7 @@ mod tests {
         let stacks = vec![StackKey {
             pid: 1,
             kstack: vec![],
-            ustack: vec![0x1_0000_0100, 0x1_0000_0200],
+            ustack: vec![0x1_0000_0100, 0x1_0000_0200, 0x7fff_0000_0010],
         }];
         let s = symbolize(
             &header,
@@ -445,6 +456,8 @@ mod tests {
             "{}",
             s.user(1, 0x1_0000_0100)
         );
+        // A return address: named by the call instruction before it.
+        assert_eq!(s.user(1, 0x7fff_0000_0010), "[vdso+0xf]");
         assert_eq!(s.stale.len(), 1, "{:?}", s.stale);
         assert!(
             s.stale[0].contains("cannot read the symbols of")
