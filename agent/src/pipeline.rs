@@ -166,6 +166,8 @@ pub struct Aggregator {
     streamer: Option<Streamer>,
     /// `--metrics`: fed each event and each epoch.
     metrics: Option<crate::metrics::Feed>,
+    /// The status line's last step.
+    last_step: Option<std::sync::Arc<crate::metrics::LastStep>>,
 }
 
 impl Aggregator {
@@ -196,7 +198,14 @@ impl Aggregator {
             build_ids: BTreeMap::new(),
             streamer: None,
             metrics: None,
+            last_step: None,
         }
+    }
+
+    /// Keeps `last` up to date with the steps as they are attributed.
+    pub fn show_steps(&mut self, last: std::sync::Arc<crate::metrics::LastStep>) {
+        self.last_step = Some(last);
+        self.timeline.emit_epochs();
     }
 
     /// Publishes the steps as they are attributed, and the calls, to `feed`'s metrics.
@@ -232,10 +241,13 @@ impl Aggregator {
 
     /// Hands the epochs attributed so far to the streamer.
     fn drain_epochs(&mut self) {
-        if self.streamer.is_none() && self.metrics.is_none() {
+        if self.streamer.is_none() && self.metrics.is_none() && self.last_step.is_none() {
             return;
         }
         for e in self.timeline.take_epochs() {
+            if let Some(last) = &self.last_step {
+                last.epoch(&e);
+            }
             if let Some(feed) = &mut self.metrics {
                 feed.epoch(&e);
             }

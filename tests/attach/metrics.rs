@@ -264,3 +264,55 @@ fn prometheus_scrapes_the_run() {
     assert_eq!(get(&addr, "/metrics", "*/*").0, 0);
     assert!(started.elapsed() < Duration::from_secs(2));
 }
+
+/// On a terminal, the status line says the steps attributed so far, the last one's time
+/// and its largest category (the agent runs under `script`, which gives it a terminal).
+#[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
+fn status_line_shows_the_steps() {
+    let _guard = privileged();
+    let dir = tempfile::tempdir().unwrap();
+    let steps = 800;
+    let trainer = super::waiting_trainer(dir.path(), steps, 2000);
+    let out = dir.path().join("out");
+    let typescript = dir.path().join("typescript");
+    let command = format!(
+        "{} attach --pid {} --out {}",
+        env!("CARGO_BIN_EXE_nccltrace"),
+        trainer.child.id(),
+        out.display()
+    );
+    let mut script = Command::new("script")
+        .args(["-qec", &command])
+        .arg(&typescript)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("script (util-linux)");
+    // The agent has attached when it wrote its doctor's report.
+    let started = Instant::now();
+    while !out.join("doctor.json").exists() {
+        assert!(started.elapsed() < Duration::from_secs(60), "no attach");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    trainer.release();
+    let truth = trainer.finish();
+    assert!(script.wait().unwrap().success());
+    let text = String::from_utf8_lossy(&std::fs::read(&typescript).unwrap()).into_owned();
+    let last = text
+        .split(['\r', '\n'])
+        .filter(|l| l.contains("steps, last"))
+        .last()
+        .unwrap_or_else(|| panic!("no step status: {text}"));
+    let shown: u64 = last
+        .split("lost")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next()?.parse().ok())
+        .unwrap_or_else(|| panic!("{last}"));
+    assert!(
+        shown > 0 && shown <= truth["total"]["steps"].as_u64().unwrap(),
+        "{last}"
+    );
+    assert!(last.contains(" ms (") && last.contains("%)"), "{last}");
+}

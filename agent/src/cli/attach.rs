@@ -190,9 +190,11 @@ fn streaming_aggregator(
     epoch_events: u64,
     out: &std::path::Path,
     metrics: Option<&std::sync::Arc<crate::metrics::Metrics>>,
+    last_step: &std::sync::Arc<crate::metrics::LastStep>,
 ) -> Aggregator {
     let mut agg = Aggregator::new(header.clone());
     agg.stream(rule.clone(), epoch_events);
+    agg.show_steps(last_step.clone());
     if let Some(m) = metrics {
         agg.feed_metrics(crate::metrics::Feed::new(
             m.clone(),
@@ -226,6 +228,8 @@ struct LiveSink {
     progress: std::sync::Arc<crate::record::Progress>,
     /// `--metrics`: fed by the attribution, lost counts and targets set each tick.
     metrics: Option<std::sync::Arc<crate::metrics::Metrics>>,
+    /// The last step attributed, for the status line.
+    last_step: std::sync::Arc<crate::metrics::LastStep>,
     nccl_calls: u64,
     records: u64,
     status: bool,
@@ -240,6 +244,7 @@ impl LiveSink {
             self.epoch_events,
             &self.out,
             self.metrics.as_ref(),
+            &self.last_step,
         )
     }
 
@@ -361,6 +366,7 @@ impl LiveSink {
                     self.epoch_events,
                     &self.out,
                     self.metrics.as_ref(),
+                    &self.last_step,
                 );
                 let skip = if limit == 0 {
                     0
@@ -448,9 +454,11 @@ impl Sink for LiveSink {
         let (at, before) = self.last;
         let rate = (self.records - before) as f64 / at.elapsed().as_secs_f64().max(1e-3);
         self.last = (Instant::now(), self.records);
+        let steps = self.last_step.line().unwrap_or_default();
+        // Cleared to the end of the line: the step part varies in length.
         let _ = write!(
             std::io::stderr(),
-            "\rnccltrace: {rate:>9.0} events/s  {:>8} NCCL calls  {lost:>6} lost ",
+            "\rnccltrace: {rate:>9.0} events/s  {:>8} NCCL calls  {lost:>6} lost  {steps}\x1b[K",
             self.nccl_calls
         );
     }
@@ -784,6 +792,7 @@ async fn trace(
         live: None,
         progress,
         metrics,
+        last_step: std::sync::Arc::default(),
         nccl_calls: 0,
         records: 0,
         status: std::io::stderr().is_terminal(),

@@ -176,6 +176,52 @@ impl Metrics {
     }
 }
 
+/// The last final step, for the status line on a terminal (the numbers the metrics have).
+#[derive(Debug, Default)]
+pub struct LastStep {
+    /// Steps so far, the last one's wall time (ns), its largest category and share.
+    inner: Mutex<(u64, u64, Option<TopCategory>)>,
+}
+
+type TopCategory = (&'static str, f64);
+
+impl LastStep {
+    /// Counts an epoch's steps and keeps the last one's wall time and top category.
+    pub fn epoch(&self, epoch: &Epoch) {
+        let Some(last) = epoch.steps.last() else {
+            return;
+        };
+        let top = last
+            .categories
+            .named()
+            .into_iter()
+            .filter_map(|(n, v)| Some((n, v?)))
+            .max_by_key(|(_, v)| *v)
+            .map(|(n, v)| (n, v as f64 / last.wall_ns.max(1) as f64));
+        if let Ok(mut inner) = self.inner.lock() {
+            inner.0 += epoch.steps.len() as u64;
+            inner.1 = last.wall_ns;
+            inner.2 = top;
+        }
+    }
+
+    /// "N steps, last 2.61 ms (compute 78%)"; None before the first step.
+    #[must_use]
+    pub fn line(&self) -> Option<String> {
+        let (steps, wall, top) = *self.inner.lock().ok()?;
+        if steps == 0 {
+            return None;
+        }
+        let top = top.map_or(String::new(), |(n, share)| {
+            format!(" ({n} {:.0}%)", share * 100.0)
+        });
+        Some(format!(
+            "{steps} steps, last {:.2} ms{top}",
+            wall as f64 / 1e6
+        ))
+    }
+}
+
 /// Feeds one aggregator's events and epochs into [`Metrics`]: NCCL and sync totals are
 /// kept per process and published with each epoch, under labels fixed the first time a
 /// process is published.
