@@ -302,8 +302,7 @@ fn status_line_shows_the_steps() {
     let text = String::from_utf8_lossy(&std::fs::read(&typescript).unwrap()).into_owned();
     let last = text
         .split(['\r', '\n'])
-        .filter(|l| l.contains("steps, last"))
-        .last()
+        .rfind(|l| l.contains("steps, last"))
         .unwrap_or_else(|| panic!("no step status: {text}"));
     let shown: u64 = last
         .split("lost")
