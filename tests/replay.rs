@@ -264,8 +264,8 @@ fn sample(text: &str, name: &str, labels: &[&str]) -> Option<f64> {
 /// `--metrics` follows the attribution: replaying the DDP recording with the metrics fed,
 /// the step histogram counts the steps of steps.json, its sum is their wall time, each
 /// category's seconds are the steps' sum, and the NCCL calls by operation are the
-/// summary's. Labels come from the environment of the rank's process (none here: this
-/// host has no such process), never from its pid.
+/// summary's. The rank is numbered as the summary numbers it; the environment's labels
+/// (none here: this host has no such process) are read from the live process.
 #[test]
 fn metrics_follow_the_attribution() {
     use nccltrace::attribute::StepRule;
@@ -282,7 +282,9 @@ fn metrics_follow_the_attribution() {
     let mut agg = nccltrace::pipeline::Aggregator::new(reader.header.clone());
     agg.stream(StepRule::Auto, nccltrace::pipeline::EPOCH_EVENTS);
     agg.stream_into(&out).unwrap();
-    agg.feed_metrics(Feed::new(metrics.clone(), host, "node7".into()));
+    let mut header = reader.header.clone();
+    header.hostname = "node7".into();
+    agg.feed_metrics(Feed::new(metrics.clone(), host, &header));
     agg.feed(&mut reader);
     let mut outputs = agg.finish(StepRule::Auto);
     nccltrace::pipeline::write_outputs(&out, &mut outputs, &mut std::io::sink()).unwrap();
@@ -294,7 +296,9 @@ fn metrics_follow_the_attribution() {
     let (steps, summary) = (read("steps.json"), read("summary.json"));
     let steps = steps["steps"].as_array().unwrap();
     assert!(steps.len() > 100, "{} steps", steps.len());
-    let rank = ["host=\"node7\"", "rank=\"\"", "job_id=\"\""];
+    // Numbered as the summary numbers it: one process, rank 0 by pid order.
+    assert_eq!(summary["ranks"][0]["rank"], 0);
+    let rank = ["host=\"node7\"", "rank=\"0\"", "job_id=\"\""];
     let count = sample(&text, "nccltrace_step_seconds_count", &rank).unwrap();
     assert_eq!(count as usize, steps.len());
     let wall: u64 = steps.iter().map(|s| s["wall_ns"].as_u64().unwrap()).sum();

@@ -359,6 +359,9 @@ impl Aggregator {
             }
             Meta::Target { target } => {
                 self.timeline.add_target(&target);
+                if let Some(feed) = &mut self.metrics {
+                    feed.target(&target);
+                }
                 self.header.targets.push(*target);
             }
             end @ Meta::End { .. } => self.end = Some(end),
@@ -756,6 +759,7 @@ pub fn write_outputs(
         s.epoch(crate::attribute::Epoch {
             steps: std::mem::take(&mut outputs.steps.steps),
             detail,
+            lateness: Vec::new(),
         });
         s
     };

@@ -320,6 +320,7 @@ fn three_ranks_one_straggler() {
         / steps.len() as u64;
     assert!(wait0 > 2_000_000, "rank 0 waited {wait0} ns a step");
     recording_in_time_order(&out);
+    super::metrics::straggler_in_metrics(&out, &summary);
 }
 
 /// `--all --follow`: a trainer that starts after the agent is attached too, its calls all

@@ -315,3 +315,60 @@ fn status_line_shows_the_steps() {
     );
     assert!(last.contains(" ms (") && last.contains("%)"), "{last}");
 }
+
+/// The value of the one series named `name` whose labels include each of `labels`.
+fn sample(text: &str, name: &str, labels: &[&str]) -> Option<f64> {
+    text.lines().filter(|l| !l.starts_with('#')).find_map(|l| {
+        let (series, value) = l.rsplit_once(' ')?;
+        let (n, rest) = series.split_once('{').unwrap_or((series, "}"));
+        (n == name && labels.iter().all(|kv| rest.contains(kv))).then(|| value.parse().ok())?
+    })
+}
+
+/// The metrics of the recording in `out`, as `--metrics` would have served them at its end.
+fn replayed_metrics(out: &std::path::Path) -> String {
+    use nccltrace::attribute::StepRule;
+    let rec = out.join("recording.nctr");
+    let empty = tempfile::tempdir().unwrap();
+    let host = nccltrace::host::Host::at(empty.path());
+    let metrics = std::sync::Arc::new(nccltrace::metrics::Metrics::new(host.clone()));
+    let mut reader = nccltrace::record::Reader::open(&rec).unwrap();
+    let mut agg = nccltrace::pipeline::Aggregator::new(reader.header.clone());
+    agg.stream(StepRule::Auto, nccltrace::pipeline::EPOCH_EVENTS);
+    agg.feed_metrics(nccltrace::metrics::Feed::new(
+        metrics.clone(),
+        host,
+        &reader.header,
+    ));
+    agg.feed(&mut reader);
+    drop(agg.finish(StepRule::Auto));
+    metrics.encode()
+}
+
+/// The three-rank run of `counts::three_ranks_one_straggler` (rank 1 slowed) as metrics:
+/// one series per rank, numbered as the summary numbers them, and rank 1 caused most of
+/// the others' waiting and arrived latest on average.
+pub(super) fn straggler_in_metrics(out: &std::path::Path, summary: &Value) {
+    let text = replayed_metrics(out);
+    let per_rank = |name: &str, rank: u32| {
+        sample(&text, name, &[&format!("rank=\"{rank}\"")])
+            .unwrap_or_else(|| panic!("no {name} for rank {rank}: {text}"))
+    };
+    let caused: Vec<f64> = (0..3)
+        .map(|r| per_rank("nccltrace_collective_wait_caused_seconds_total", r))
+        .collect();
+    let total: f64 = caused.iter().sum();
+    let share = summary["straggler"]["share_of_waits"].as_f64().unwrap();
+    assert!(
+        (caused[1] / total - share).abs() < 0.01,
+        "{caused:?} vs the summary's share {share}"
+    );
+    let mean_late = |r| {
+        per_rank("nccltrace_collective_lateness_seconds_total", r)
+            / per_rank("nccltrace_collectives_matched_total", r)
+    };
+    assert!(
+        mean_late(1) > mean_late(0) && mean_late(1) > mean_late(2),
+        "{text}"
+    );
+}

@@ -81,6 +81,9 @@ pub(super) struct Attributed {
 pub struct Epoch {
     pub steps: Vec<Step>,
     pub detail: Detail,
+    /// The ranks' cross-rank tallies from the run's start to this epoch's end (empty
+    /// with one rank).
+    pub lateness: Vec<ranks::Lateness>,
 }
 
 impl Timeline {
@@ -643,7 +646,12 @@ impl Timeline {
                 .filter(|(_, e)| *e > from.min(until))
                 .copied()
                 .collect();
-            self.done.ready.push(Epoch { steps, detail });
+            let lateness = self.done.matcher.lateness();
+            self.done.ready.push(Epoch {
+                steps,
+                detail,
+                lateness,
+            });
             return;
         }
         self.done.steps.extend(steps);

@@ -56,6 +56,17 @@ pub struct Straggler {
     pub mean_lateness_ns: u64,
 }
 
+/// One rank's cross-rank tallies so far ([`Matcher::lateness`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Lateness {
+    pub pid: u32,
+    /// Waits it made the others do, as the last to arrive.
+    pub caused_ns: u64,
+    /// Summed lateness behind the first arrival.
+    pub behind_ns: u64,
+    pub matched: u64,
+}
+
 /// Numbers the ranks: CommInitRank's argument when seen, else the environment, else the
 /// order of the pids.
 #[must_use]
@@ -168,6 +179,21 @@ impl Matcher {
             e.0 += t - first;
             e.1 += 1;
         }
+    }
+
+    /// Per pid, so far: the waits it made the others do as the last to arrive, its summed
+    /// lateness behind the first arrival, and its matched collectives.
+    #[must_use]
+    pub fn lateness(&self) -> Vec<Lateness> {
+        self.behind
+            .iter()
+            .map(|(pid, (behind_ns, matched))| Lateness {
+                pid: *pid,
+                caused_ns: self.charged.get(pid).copied().unwrap_or(0),
+                behind_ns: *behind_ns,
+                matched: *matched,
+            })
+            .collect()
     }
 
     /// The rank charged the most waits so far, when at least two ranks issued collectives.

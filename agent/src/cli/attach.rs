@@ -199,7 +199,7 @@ fn streaming_aggregator(
         agg.feed_metrics(crate::metrics::Feed::new(
             m.clone(),
             host::Host::live(),
-            header.hostname.clone(),
+            header,
         ));
     }
     if let Err((path, e)) = agg.stream_into(out) {

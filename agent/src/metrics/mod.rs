@@ -69,6 +69,9 @@ pub struct Metrics {
     nccl_calls: Family<With, Counter>,
     nccl_bytes: Family<With, Counter>,
     cuda_sync_wait: Family<RankLabels, Seconds>,
+    wait_caused: Family<RankLabels, Seconds>,
+    lateness: Family<RankLabels, Seconds>,
+    matched: Family<RankLabels, Counter>,
     state: Arc<Mutex<State>>,
 }
 
@@ -118,6 +121,28 @@ impl Metrics {
             Unit::Seconds,
             cuda_sync_wait.clone(),
         );
+        let wait_caused = Family::<RankLabels, Seconds>::default();
+        registry.register_with_unit(
+            "collective_wait_caused",
+            "Time the other ranks of the node spent waiting for this rank, the last to \
+             arrive at a collective they all joined (the node's straggler causes the most)",
+            Unit::Seconds,
+            wait_caused.clone(),
+        );
+        let lateness = Family::<RankLabels, Seconds>::default();
+        registry.register_with_unit(
+            "collective_lateness",
+            "Summed lateness of the rank's arrival at collectives behind the first rank of \
+             the node (divide by nccltrace_collectives_matched_total for the mean)",
+            Unit::Seconds,
+            lateness.clone(),
+        );
+        let matched = Family::<RankLabels, Counter>::default();
+        registry.register(
+            "collectives_matched",
+            "Collectives matched across the node's traced ranks",
+            matched.clone(),
+        );
         let state = Arc::new(Mutex::new(State::default()));
         registry.register_collector(Box::new(node::Collector {
             host,
@@ -130,6 +155,9 @@ impl Metrics {
             nccl_calls,
             nccl_bytes,
             cuda_sync_wait,
+            wait_caused,
+            lateness,
+            matched,
             state,
         }
     }
@@ -232,9 +260,14 @@ pub struct Feed {
     labels: HashMap<u32, RankLabels>,
     /// Ranks given to ncclCommInitRank, by pid (preferred over the environment).
     init_ranks: HashMap<u32, i32>,
+    /// The traced processes, with the rank their environment gave when they were attached
+    /// (as the recording keeps it).
+    targets: std::collections::BTreeMap<u32, Option<i32>>,
     /// Not yet published: per (pid, function) calls and bytes; per pid sync wait, ns.
     calls: HashMap<(u32, Func), (u64, u64)>,
     sync_ns: HashMap<u32, u64>,
+    /// Each pid's cross-rank tallies as last published (they come as running totals).
+    lateness: HashMap<u32, crate::attribute::ranks::Lateness>,
 }
 
 impl std::fmt::Debug for Feed {
@@ -244,17 +277,31 @@ impl std::fmt::Debug for Feed {
 }
 
 impl Feed {
+    /// A feed for the run `header` describes; `host` is where the targets' environment is
+    /// read (for `local_rank` and `job_id`).
     #[must_use]
-    pub fn new(metrics: Arc<Metrics>, host: Host, hostname: String) -> Feed {
-        Feed {
+    pub fn new(metrics: Arc<Metrics>, host: Host, header: &crate::record::Header) -> Feed {
+        let mut feed = Feed {
             metrics,
             host,
-            hostname,
+            hostname: header.hostname.clone(),
             labels: HashMap::new(),
             init_ranks: HashMap::new(),
+            targets: BTreeMap::new(),
             calls: HashMap::new(),
             sync_ns: HashMap::new(),
+            lateness: HashMap::new(),
+        };
+        for t in &header.targets {
+            feed.target(t);
         }
+        feed
+    }
+
+    /// A process traced from now on (`--follow`).
+    pub fn target(&mut self, t: &crate::record::TargetInfo) {
+        self.targets
+            .insert(t.pid, t.env_rank.as_ref().map(|(_, r)| *r));
     }
 
     /// Counts a call.
@@ -293,10 +340,18 @@ impl Feed {
                 .find_map(|n| env.iter().find(|(k, _)| k == n).map(|(_, v)| v.clone()))
                 .unwrap_or_default()
         };
-        let rank = self.init_ranks.get(&pid).map_or_else(
-            || var(&["RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "PMI_RANK"]),
-            ToString::to_string,
-        );
+        // As the summary numbers the ranks (`attribute::ranks::identify`).
+        let rank = self
+            .init_ranks
+            .get(&pid)
+            .copied()
+            .or_else(|| self.targets.get(&pid).copied().flatten())
+            .or_else(|| {
+                let order = self.targets.keys().position(|p| *p == pid)?;
+                i32::try_from(order).ok()
+            })
+            .map(|r| r.to_string())
+            .unwrap_or_default();
         let labels = RankLabels {
             host: self.hostname.clone(),
             job_id: var(&[
@@ -346,6 +401,21 @@ impl Feed {
                         .inc_by(ns as f64 / 1e9);
                 }
             }
+        }
+        for now in &epoch.lateness {
+            let then = self.lateness.insert(now.pid, *now).unwrap_or_default();
+            let labels = self.labels(now.pid);
+            let seconds = |a: u64, b: u64| a.saturating_sub(b) as f64 / 1e9;
+            let m = &self.metrics;
+            m.wait_caused
+                .get_or_create(&labels)
+                .inc_by(seconds(now.caused_ns, then.caused_ns));
+            m.lateness
+                .get_or_create(&labels)
+                .inc_by(seconds(now.behind_ns, then.behind_ns));
+            m.matched
+                .get_or_create(&labels)
+                .inc_by(now.matched.saturating_sub(then.matched));
         }
         self.flush();
     }
