@@ -168,6 +168,8 @@ pub struct Aggregator {
     metrics: Option<crate::metrics::Feed>,
     /// The status line's last step.
     last_step: Option<std::sync::Arc<crate::metrics::LastStep>>,
+    /// When the last epoch was tried because the reader caught up with the run.
+    last_idle_epoch: Option<std::time::Instant>,
 }
 
 impl Aggregator {
@@ -199,6 +201,7 @@ impl Aggregator {
             streamer: None,
             metrics: None,
             last_step: None,
+            last_idle_epoch: None,
         }
     }
 
@@ -237,6 +240,20 @@ impl Aggregator {
             feed.flush();
         }
         self.streamer.take()
+    }
+
+    /// The run is read up to what was written: at most once a second, the steps closed
+    /// since the last epoch are attributed without waiting for a full epoch of events, so
+    /// a quiet run (a job that paused or ended, under `--follow`) has its steps out.
+    fn caught_up(&mut self) {
+        let due = self
+            .last_idle_epoch
+            .is_none_or(|t| t.elapsed() >= std::time::Duration::from_secs(1));
+        if due {
+            self.last_idle_epoch = Some(std::time::Instant::now());
+            self.timeline.try_epoch_now();
+            self.drain_epochs();
+        }
     }
 
     /// Hands the epochs attributed so far to the streamer.
@@ -434,6 +451,7 @@ impl Aggregator {
                             self.undecodable += 1;
                         }
                         Decoded::Meta(meta) => self.meta(meta),
+                        Decoded::CaughtUp => self.caught_up(),
                         Decoded::Skipped(damage) => {
                             crate::note!(
                                 "nccltrace: warning: the recording is damaged: {damage}; the \
@@ -609,6 +627,9 @@ enum Decoded {
     Skipped(record::Damage),
     /// The damaged tail: the last item.
     Damaged(record::RecordError),
+    /// The reader has caught up with a recording being written (the end of a batch sent
+    /// before it was full).
+    CaughtUp,
 }
 
 /// Records per batch handed from the reading thread to the attribution.
@@ -628,6 +649,12 @@ fn decode_batches<R: io::BufRead + io::Seek>(
             .unwrap_or_else(|_| Vec::with_capacity(BATCH));
         let mut done = false;
         while batch.len() < BATCH {
+            // Followed live and caught up: what is read so far goes now, not when the
+            // batch is full (a quiet run would hold its last steps back).
+            if !batch.is_empty() && reader.would_wait() {
+                batch.push(Decoded::CaughtUp);
+                break;
+            }
             match reader.next_raw() {
                 Ok(Some(RawRecord::Kernel(bytes))) => {
                     let item = decode::decode(bytes).map_or(Decoded::Undecodable, Decoded::Event);

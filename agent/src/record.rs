@@ -269,9 +269,11 @@ impl Follow {
         let follow = Follow {
             file,
             pos: 0,
-            progress,
+            progress: progress.clone(),
         };
-        Reader::new(BufReader::with_capacity(1 << 16, follow), path)
+        let mut reader = Reader::new(BufReader::with_capacity(1 << 16, follow), path)?;
+        reader.follow = Some(progress);
+        Ok(reader)
     }
 }
 
@@ -478,6 +480,8 @@ pub struct Reader<R> {
     consume: usize,
     damage: Damage,
     pub header: Header,
+    /// When the recording is read while it is written ([`Follow`]): how far it is.
+    follow: Option<std::sync::Arc<Progress>>,
 }
 
 /// Damaged stretches a reader skipped to resume at the next whole record.
@@ -600,6 +604,7 @@ impl<R: BufRead> Reader<R> {
             consume: 0,
             damage: Damage::default(),
             header,
+            follow: None,
         })
     }
 
@@ -614,7 +619,18 @@ impl<R: BufRead> Reader<R> {
             consume: 0,
             damage: Damage::default(),
             header,
+            follow: None,
         }
+    }
+
+    /// True when the next record is not written yet and reading it would wait for the
+    /// writer (a recording followed as it is written, caught up); false otherwise.
+    #[must_use]
+    pub fn would_wait(&self) -> bool {
+        use std::sync::atomic::Ordering::Acquire;
+        self.follow
+            .as_ref()
+            .is_some_and(|p| !p.closed.load(Acquire) && p.durable.load(Acquire) <= self.offset)
     }
 
     /// The damaged stretches skipped so far.

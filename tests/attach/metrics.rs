@@ -372,3 +372,85 @@ pub(super) fn straggler_in_metrics(out: &std::path::Path, summary: &Value) {
         "{text}"
     );
 }
+
+/// With `--all --follow`, a rank whose process exits keeps its series for the grace
+/// period (the last scrapes see its final counts), then they are removed while the agent
+/// goes on serving the others.
+#[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
+fn series_of_a_gone_rank_are_removed_after_the_grace() {
+    let _guard = privileged();
+    let dir = tempfile::tempdir().unwrap();
+    let go = dir.path().join("go");
+    let trainer = Target::spawn(
+        &fixtures().join("trainer"),
+        &[
+            "--steps",
+            "300",
+            "--compute-us",
+            "500",
+            "--go-file",
+            go.to_str().unwrap(),
+        ],
+        &[("RANK", "7")],
+        dir.path(),
+    );
+    let out = dir.path().join("out");
+    let agent = Agent::attach_many(
+        &[],
+        &out,
+        &[
+            "--all",
+            "--follow",
+            "--duration",
+            "60s",
+            "--profile",
+            "minimal",
+            "--metrics",
+            "127.0.0.1:0",
+            "--metrics-grace",
+            "8s",
+        ],
+    );
+    let addr = agent
+        .before
+        .iter()
+        .find_map(|l| Some(l.split("http://").nth(1)?.split('/').next()?.to_owned()))
+        .unwrap_or_else(|| panic!("no metrics address said: {:?}", agent.before));
+    trainer.release();
+    trainer.finish();
+    let exited = Instant::now();
+    let steps = || {
+        let (status, text) = get(&addr, "/metrics", "text/plain");
+        assert_eq!(status, 200, "{text}");
+        sample(&text, "nccltrace_step_seconds_count", &["rank=\"7\""])
+    };
+    // Within the grace: there, with the run's steps (the attribution follows the
+    // recording a second or so behind).
+    let seen = loop {
+        if let Some(n) = steps().filter(|n| *n > 100.0) {
+            break n;
+        }
+        assert!(
+            exited.elapsed() < Duration::from_secs(7),
+            "rank 7's steps not served within the grace period: {:?}",
+            steps()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert!(seen <= 300.0, "{seen} steps");
+    // After it (ticks are a second apart): gone, and the agent still serves.
+    let started = Instant::now();
+    while steps().is_some() {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "rank 7's series still served 20 s after its process exited"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(exited.elapsed() >= Duration::from_secs(8));
+    let mut child = agent.child;
+    // SAFETY: a plain kill of our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    assert!(child.wait().unwrap().success());
+}

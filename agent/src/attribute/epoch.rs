@@ -101,6 +101,14 @@ impl Timeline {
         }
     }
 
+    /// Tries an epoch now, with what is buffered, once the first has been attributed (the
+    /// step period is then known): for a run that went quiet.
+    pub fn try_epoch_now(&mut self) {
+        if self.epoch_events > 0 && self.buffered > 0 && self.done.epochs > 0 {
+            self.try_epoch();
+        }
+    }
+
     /// Attributes the buffer up to the end of its last closed step (up to `end` when it
     /// is the run's end) and cuts it there. False when nothing could be attributed yet.
     pub(super) fn epoch(&mut self, end: Option<u64>, force: bool) -> bool {

@@ -18,7 +18,7 @@
 //!   handler (or that sit on the instruction that just faulted, being retried), times
 //!   the on-CPU time since the previous sample, are `page_fault`.
 
-mod categories;
+pub mod categories;
 mod cut;
 mod epoch;
 pub use epoch::Epoch;

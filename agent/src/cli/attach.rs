@@ -69,6 +69,10 @@ pub struct AttachArgs {
     /// free port (printed).
     #[arg(long, value_name = "ADDR", num_args = 0..=1, default_missing_value = crate::metrics::DEFAULT_ADDR)]
     metrics: Option<String>,
+    /// How long the series of a rank whose process is gone stay served (a restarted rank
+    /// with the same labels keeps them).
+    #[arg(long, hide = true, default_value = "5m", requires = "metrics")]
+    metrics_grace: String,
 }
 
 /// Validated attach settings.
@@ -84,8 +88,10 @@ struct Settings {
     follow: bool,
     max_attributed_events: u64,
     epoch_events: u64,
-    /// Bound before anything is traced (`--metrics`).
+    /// Bound before anything is traced (`--metrics`), and how long a gone rank's series
+    /// stay.
     metrics: Option<std::net::TcpListener>,
+    metrics_grace: Duration,
 }
 
 impl AttachArgs {
@@ -154,6 +160,7 @@ impl AttachArgs {
             max_attributed_events: self.max_attributed_events,
             epoch_events: self.epoch_events,
             metrics,
+            metrics_grace: super::parse_duration(&self.metrics_grace)?,
         })
     }
 }
@@ -228,6 +235,7 @@ struct LiveSink {
     progress: std::sync::Arc<crate::record::Progress>,
     /// `--metrics`: fed by the attribution, lost counts and targets set each tick.
     metrics: Option<std::sync::Arc<crate::metrics::Metrics>>,
+    metrics_grace: Duration,
     /// The last step attributed, for the status line.
     last_step: std::sync::Arc<crate::metrics::LastStep>,
     nccl_calls: u64,
@@ -438,6 +446,13 @@ impl Sink for LiveSink {
         if let Some(m) = &self.metrics {
             m.set_lost(lost_by_kind);
             m.set_targets(alive);
+            let host = host::Host::live();
+            for gone in m.retire(|pid| host.process_alive(pid), self.metrics_grace) {
+                crate::note!(
+                    "nccltrace: rank {:?}'s process is gone: its series are no longer served",
+                    gone.rank
+                );
+            }
         }
         // The live attribution reads what is flushed: at most a tick behind.
         if let Store::Disk(writer) = &mut self.store
@@ -792,6 +807,7 @@ async fn trace(
         live: None,
         progress,
         metrics,
+        metrics_grace: settings.metrics_grace,
         last_step: std::sync::Arc::default(),
         nccl_calls: 0,
         records: 0,

@@ -73,6 +73,8 @@ pub struct Metrics {
     lateness: Family<RankLabels, Seconds>,
     matched: Family<RankLabels, Counter>,
     state: Arc<Mutex<State>>,
+    /// Every process with series, its labels, and since when it is gone (`retire`).
+    published: Mutex<HashMap<u32, (RankLabels, Option<std::time::Instant>)>>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -159,6 +161,65 @@ impl Metrics {
             lateness,
             matched,
             state,
+            published: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Removes the series of ranks whose process has been gone for `grace` (and whose
+    /// labels no running process shares: a rank restarted under the same labels keeps
+    /// them); returns the label sets removed.
+    pub fn retire(
+        &self,
+        alive: impl Fn(u32) -> bool,
+        grace: std::time::Duration,
+    ) -> Vec<RankLabels> {
+        let Ok(mut published) = self.published.lock() else {
+            return Vec::new();
+        };
+        let now = std::time::Instant::now();
+        for (pid, (_, gone)) in published.iter_mut() {
+            if gone.is_none() && !alive(*pid) {
+                *gone = Some(now);
+            }
+        }
+        let live: std::collections::HashSet<RankLabels> = published
+            .values()
+            .filter(|(_, gone)| gone.is_none())
+            .map(|(l, _)| l.clone())
+            .collect();
+        let expired: Vec<u32> = published
+            .iter()
+            .filter(|(_, (_, gone))| gone.is_some_and(|t| now.duration_since(t) >= grace))
+            .map(|(pid, _)| *pid)
+            .collect();
+        let mut removed = Vec::new();
+        for pid in expired {
+            let Some((labels, _)) = published.remove(&pid) else {
+                continue;
+            };
+            if live.contains(&labels) || removed.contains(&labels) {
+                continue;
+            }
+            self.remove_series(&labels);
+            removed.push(labels);
+        }
+        removed
+    }
+
+    fn remove_series(&self, labels: &RankLabels) {
+        self.step_seconds.remove(labels);
+        for family in [&self.cuda_sync_wait, &self.wait_caused, &self.lateness] {
+            family.remove(labels);
+        }
+        self.matched.remove(labels);
+        for name in crate::attribute::categories::NAMES {
+            self.category_seconds
+                .remove(&(labels.clone(), [("category", name.to_owned())]));
+        }
+        for (func, _, _) in Func::ALL {
+            let key = (labels.clone(), [("op", func.name().to_owned())]);
+            self.nccl_calls.remove(&key);
+            self.nccl_bytes.remove(&key);
         }
     }
 
@@ -370,6 +431,9 @@ impl Feed {
             ]),
         };
         self.labels.insert(pid, labels.clone());
+        if let Ok(mut published) = self.metrics.published.lock() {
+            published.insert(pid, (labels.clone(), None));
+        }
         labels
     }
 
