@@ -239,6 +239,12 @@ pub struct Progress {
 }
 
 impl Progress {
+    /// Bytes of the recording written and flushed so far.
+    #[must_use]
+    pub fn durable(&self) -> u64 {
+        self.durable.load(std::sync::atomic::Ordering::Acquire)
+    }
+
     /// No more records will be read by followers (the rest of the run is handled
     /// otherwise, or the run is over): they end at what is in the file now.
     pub fn close(&self) {

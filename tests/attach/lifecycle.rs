@@ -412,3 +412,61 @@ fn steps_are_written_while_the_run_goes() {
         report["epochs"]
     );
 }
+
+/// `--rotate 2s`: the run is cut into windows, each a complete output folder named by its
+/// UTC start under --out, while tracing goes on: together they count every NCCL call the
+/// trainer made (none lost at a cut) and nearly all its steps (a step across a cut is
+/// left out); each window's recording is replayed by `report` on its own.
+#[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
+fn rotate_cuts_the_run_into_complete_windows() {
+    let _guard = privileged();
+    let dir = tempfile::tempdir().unwrap();
+    let trainer = waiting_trainer(dir.path(), 2000, 2000);
+    let out = dir.path().join("out");
+    let agent = Agent::attach(trainer.child.id(), &out, &["--rotate", "2s"]);
+    trainer.release();
+    let truth = trainer.finish();
+    let (code, _, stderr) = agent.wait_for_exit(Duration::from_secs(120));
+    assert_eq!(code, 0, "{stderr}");
+    let mut windows: Vec<std::path::PathBuf> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_dir())
+        .collect();
+    windows.sort();
+    assert!(windows.len() >= 2, "{windows:?}: {stderr}");
+    let (mut calls, mut steps) = (0, 0);
+    for w in &windows {
+        let name = w.file_name().unwrap().to_str().unwrap();
+        assert!(name.len() == 16 && name.ends_with('Z'), "{name}");
+        let summary: Value =
+            serde_json::from_str(&std::fs::read_to_string(w.join("summary.json")).unwrap())
+                .unwrap();
+        assert_eq!(summary["lost_events"], 0, "{name}");
+        calls += summary["nccl"]["by_op"]["AllReduce"]["calls"]
+            .as_u64()
+            .unwrap_or(0);
+        let report: Value =
+            serde_json::from_str(&std::fs::read_to_string(w.join("steps.json")).unwrap()).unwrap();
+        steps += report["steps"].as_array().unwrap().len();
+    }
+    assert_eq!(
+        calls,
+        truth["total"]["calls"]["AllReduce"].as_u64().unwrap()
+    );
+    let expected = truth["total"]["steps"].as_u64().unwrap() as usize;
+    assert!(
+        steps <= expected && steps + 4 * windows.len() + 2 >= expected,
+        "{steps} steps in {} windows, the trainer made {expected}",
+        windows.len()
+    );
+    let again = report(&windows[0], dir.path());
+    let replayed: Value =
+        serde_json::from_str(&std::fs::read_to_string(again.join("summary.json")).unwrap())
+            .unwrap();
+    let first: Value =
+        serde_json::from_str(&std::fs::read_to_string(windows[0].join("summary.json")).unwrap())
+            .unwrap();
+    assert_eq!(replayed["nccl"], first["nccl"]);
+}

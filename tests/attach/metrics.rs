@@ -241,9 +241,15 @@ fn prometheus_scrapes_the_run() {
         let selector = rank.replace('}', &format!(",category=\"{category}\"}}"));
         value(&format!("nccltrace_step_category_seconds_total{selector}")) / sum
     };
+    // The trainer's compute is its step less its faults and waits: ours with the time
+    // the scheduler and migrations took from it (a busy 2-CPU host preempts it).
+    let on_cpu: f64 = ["compute", "runqueue", "cpu_migration", "other_offcpu"]
+        .iter()
+        .map(|c| share(c))
+        .sum();
     within(
-        "compute share",
-        share("compute"),
+        "compute share (with runqueue, migrations, other off-CPU)",
+        on_cpu,
         field("compute_ns") / field("wall_ns"),
     );
     within(

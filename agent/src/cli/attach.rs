@@ -1,5 +1,6 @@
 //! `nccltrace attach --pid PID`: join running ranks, trace, write every output.
 
+use std::collections::BTreeMap;
 use std::io::{IsTerminal as _, Write as _};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -69,6 +70,14 @@ pub struct AttachArgs {
     /// free port (printed).
     #[arg(long, value_name = "ADDR", num_args = 0..=1, default_missing_value = crate::metrics::DEFAULT_ADDR)]
     metrics: Option<String>,
+    /// Cut the run into windows, each a complete output folder named by its UTC start
+    /// time under --out: after a length of time (1h) or once the recording holds a size
+    /// (1GiB). For an agent left running: tracing goes on across windows.
+    #[arg(long, value_name = "TIME|SIZE")]
+    rotate: Option<String>,
+    /// With --rotate: keep only the newest N windows (0: all).
+    #[arg(long, value_name = "N", requires = "rotate", default_value_t = 0)]
+    keep: usize,
     /// How long the series of a rank whose process is gone stay served (a restarted rank
     /// with the same labels keeps them).
     #[arg(long, hide = true, default_value = "5m", requires = "metrics")]
@@ -92,6 +101,8 @@ struct Settings {
     /// stay.
     metrics: Option<std::net::TcpListener>,
     metrics_grace: Duration,
+    rotate: Option<super::Rotate>,
+    keep: usize,
 }
 
 impl AttachArgs {
@@ -140,6 +151,20 @@ impl AttachArgs {
                 expected: "a process id above 0",
             });
         }
+        let rotate = self
+            .rotate
+            .as_deref()
+            .map(super::parse_rotate)
+            .transpose()?;
+        if let Some(super::Rotate::Every(d)) = rotate
+            && d < Duration::from_secs(1)
+        {
+            return Err(Error::InvalidArgument {
+                what: "--rotate",
+                value: self.rotate.unwrap_or_default(),
+                expected: "windows of at least 1s (windows are named by the second they start)",
+            });
+        }
         let metrics = self
             .metrics
             .as_deref()
@@ -161,6 +186,8 @@ impl AttachArgs {
             epoch_events: self.epoch_events,
             metrics,
             metrics_grace: super::parse_duration(&self.metrics_grace)?,
+            rotate,
+            keep: self.keep,
         })
     }
 }
@@ -236,6 +263,9 @@ struct LiveSink {
     /// `--metrics`: fed by the attribution, lost counts and targets set each tick.
     metrics: Option<std::sync::Arc<crate::metrics::Metrics>>,
     metrics_grace: Duration,
+    /// `--rotate`, and when this sink's window began.
+    rotate: Option<super::Rotate>,
+    started: Instant,
     /// The last step attributed, for the status line.
     last_step: std::sync::Arc<crate::metrics::LastStep>,
     nccl_calls: u64,
@@ -392,6 +422,14 @@ impl LiveSink {
 }
 
 impl Sink for LiveSink {
+    fn rotate_due(&self) -> bool {
+        match self.rotate {
+            Some(super::Rotate::Every(d)) => self.started.elapsed() >= d,
+            Some(super::Rotate::Bytes(b)) => self.progress.durable() >= b,
+            None => false,
+        }
+    }
+
     fn record(&mut self, bytes: &[u8]) -> Result<(), Error> {
         self.records += 1;
         match &mut self.store {
@@ -759,16 +797,178 @@ fn serve_metrics(
     Ok((Some(metrics), Some(server)))
 }
 
-async fn trace(
-    mut settings: Settings,
-    targets: &[source::Target],
-    mut stop: crate::stop::Stop,
-) -> Result<(), Error> {
-    let doctor = match targets.first() {
-        Some(first) => Some(health_report(&settings.out.path, first.pid)?),
-        None => None,
+/// What a window of the run needs besides its folder: the same for every window.
+struct WindowPlan<'a> {
+    settings: &'a Settings,
+    doctor: Option<&'a serde_json::Value>,
+    metrics: Option<&'a SharedMetrics>,
+    last_step: &'a std::sync::Arc<crate::metrics::LastStep>,
+}
+
+impl WindowPlan<'_> {
+    /// Starts recording into `dir` (made if missing; an old recording there replaced),
+    /// attributed live.
+    fn open(&self, dir: &std::path::Path, header: &Header) -> Result<LiveSink, Error> {
+        let folder = |source| Error::OutputFolder {
+            path: dir.to_owned(),
+            source,
+        };
+        std::fs::create_dir_all(dir).map_err(folder)?;
+        let rec_path = dir.join("recording.nctr");
+        if rec_path.exists() {
+            std::fs::remove_file(&rec_path).map_err(|source| Error::Output {
+                path: rec_path.clone(),
+                source,
+            })?;
+        }
+        let mut writer = Writer::create(&rec_path, header)?;
+        if let Some(report) = self.doctor {
+            writer.meta(&Meta::Doctor {
+                report: report.clone(),
+            })?;
+        }
+        let settings = self.settings;
+        let progress = writer.progress();
+        let mut sink = LiveSink {
+            store: Store::Disk(writer),
+            path: rec_path,
+            header: header.clone(),
+            rule: settings.step_rule.clone(),
+            epoch_events: settings.epoch_events,
+            out: dir.to_owned(),
+            live: None,
+            progress,
+            metrics: self.metrics.cloned(),
+            metrics_grace: settings.metrics_grace,
+            rotate: settings.rotate,
+            started: Instant::now(),
+            last_step: self.last_step.clone(),
+            nccl_calls: 0,
+            records: 0,
+            status: std::io::stderr().is_terminal(),
+            last: (Instant::now(), 0),
+        };
+        if settings.max_attributed_events == 0 {
+            sink.attribute_live();
+        }
+        Ok(sink)
+    }
+
+    /// The folder of a window starting now: a new one under --out with --rotate, else
+    /// --out itself.
+    fn folder(&self) -> PathBuf {
+        let root = &self.settings.out.path;
+        match self.settings.rotate {
+            Some(_) => root.join(super::utc_stamp(std::time::SystemTime::now())),
+            None => root.clone(),
+        }
+    }
+}
+
+/// The closing record of a window: lost events and counters since `base` (the last
+/// window's end; moved on), or since attach when `base` is None.
+fn closing_record(attached: &source::Attached, reason: String, base: Option<&mut Counts>) -> Meta {
+    let end = end_record(attached, reason);
+    let Some(base) = base else { return end };
+    let (lost, counted) = window_counts(attached, base);
+    match end {
+        Meta::End {
+            end_monotonic_ns,
+            reason,
+            attach_ns,
+            agent_peak_rss_kb,
+            ..
+        } => Meta::End {
+            end_monotonic_ns,
+            reason,
+            lost_by_kind: lost,
+            counters: counted,
+            attach_ns,
+            agent_peak_rss_kb,
+        },
+        other => other,
+    }
+}
+
+/// Lost events by kind, and the other counters, as the programs count them.
+type Counts = (BTreeMap<String, u64>, BTreeMap<String, u64>);
+
+/// Lost events and counters since `base` (the last window's end), and `base` moved on.
+fn window_counts(attached: &source::Attached, base: &mut Counts) -> Counts {
+    let now = attached.counters();
+    let since = |now: &BTreeMap<String, u64>, then: &BTreeMap<String, u64>| {
+        now.iter()
+            .map(|(k, v)| {
+                (
+                    k.clone(),
+                    v.saturating_sub(then.get(k).copied().unwrap_or(0)),
+                )
+            })
+            .collect::<BTreeMap<_, _>>()
     };
-    let (metrics, server) = serve_metrics(settings.metrics.take(), doctor.as_ref())?;
+    let delta = (since(&now.0, &base.0), since(&now.1, &base.1));
+    *base = now;
+    delta
+}
+
+/// Ends a window while tracing goes on into the next: its closing record now, its
+/// outputs on a thread of their own (the drain must not pause for them).
+fn end_window(
+    mut sink: LiveSink,
+    end: &Meta,
+    dir: PathBuf,
+    settings: &Settings,
+) -> std::thread::JoinHandle<()> {
+    sink.close(end);
+    let (rule, limit) = (settings.step_rule.clone(), settings.max_attributed_events);
+    std::thread::spawn(move || {
+        let (agg, writer) = sink.finish(limit);
+        let mut outputs = agg.finish(rule);
+        let (written, write_end) = write_everything(&dir, &mut outputs, writer);
+        if let Err((path, e)) = written {
+            crate::note!("nccltrace: warning: cannot write {}: {e}", path.display());
+        }
+        if let Err(e) = write_end {
+            crate::note!("nccltrace: warning: {e}");
+        }
+        crate::note!("nccltrace: window complete in {}", dir.display());
+    })
+}
+
+/// With `--keep N`: removes the oldest complete windows (their summary.json written)
+/// beyond N. Only folders named as windows are touched.
+fn prune_windows(root: &std::path::Path, keep: usize, current: &std::path::Path) {
+    if keep == 0 {
+        return;
+    }
+    let is_window =
+        |name: &str| name.len() == 16 && name.as_bytes()[8] == b'T' && name.ends_with('Z');
+    let mut windows: Vec<PathBuf> = host::Host::at(root)
+        .list("")
+        .into_iter()
+        .filter(|n| is_window(n))
+        .map(|n| root.join(n))
+        .collect();
+    windows.sort();
+    let mut excess = windows.len().saturating_sub(keep);
+    for w in windows {
+        if excess == 0 {
+            break;
+        }
+        if w != current && w.join("summary.json").exists() {
+            if let Err(e) = std::fs::remove_dir_all(&w) {
+                crate::note!(
+                    "nccltrace: warning: cannot remove old window {}: {e}",
+                    w.display()
+                );
+            }
+            excess -= 1;
+        }
+    }
+}
+
+/// Attaches to `targets` (and, with --follow, to later ones) and says so.
+fn attach_all(settings: &Settings, targets: &[source::Target]) -> Result<source::Attached, Error> {
     let mut attached = source::attach(targets, &settings.profile)?;
     for t in &attached.header.targets {
         let ms = attached.attach_time.as_millis();
@@ -782,42 +982,81 @@ async fn trace(
         ));
         crate::note!("nccltrace: --follow: attaching to processes that load NCCL until stopped");
     }
-    let out = settings.out.path.clone();
-    let rec_path = out.join("recording.nctr");
-    if rec_path.exists() {
-        std::fs::remove_file(&rec_path).map_err(|source| Error::Output {
-            path: rec_path.clone(),
-            source,
-        })?;
+    Ok(attached)
+}
+
+/// The windows of a run: the one being recorded, and those still being finished.
+struct Windows {
+    sink: LiveSink,
+    out: PathBuf,
+    base: Counts,
+    finishing: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Windows {
+    /// Starts the next window; the current one is finished on a thread. If the next
+    /// cannot be started, the current one goes on.
+    fn rotate(&mut self, plan: &WindowPlan<'_>, attached: &source::Attached) {
+        let next_dir = plan.folder();
+        match plan.open(&next_dir, &attached.header) {
+            Ok(next) => {
+                let reason = source::StopReason::Rotate.to_string();
+                let end = closing_record(attached, reason, Some(&mut self.base));
+                let done = std::mem::replace(&mut self.sink, next);
+                let dir = std::mem::replace(&mut self.out, next_dir);
+                self.finishing.retain(|t| !t.is_finished());
+                self.finishing
+                    .push(end_window(done, &end, dir, plan.settings));
+                prune_windows(&plan.settings.out.path, plan.settings.keep, &self.out);
+            }
+            Err(e) => {
+                crate::note!(
+                    "nccltrace: warning: cannot start the next window ({e}); this one goes on"
+                );
+                self.sink.started = Instant::now();
+            }
+        }
     }
-    let mut writer = Writer::create(&rec_path, &attached.header)?;
-    if let Some(report) = doctor {
-        writer.meta(&Meta::Doctor { report })?;
-    }
-    settings.out.keep();
-    stop.tracing_started();
-    let progress = writer.progress();
-    let mut sink = LiveSink {
-        store: Store::Disk(writer),
-        path: rec_path.clone(),
-        header: attached.header.clone(),
-        rule: settings.step_rule.clone(),
-        epoch_events: settings.epoch_events,
-        out: out.clone(),
-        live: None,
-        progress,
-        metrics,
-        metrics_grace: settings.metrics_grace,
-        last_step: std::sync::Arc::default(),
-        nccl_calls: 0,
-        records: 0,
-        status: std::io::stderr().is_terminal(),
-        last: (Instant::now(), 0),
+}
+
+async fn trace(
+    mut settings: Settings,
+    targets: &[source::Target],
+    mut stop: crate::stop::Stop,
+) -> Result<(), Error> {
+    let doctor = match targets.first() {
+        Some(first) => Some(health_report(&settings.out.path, first.pid)?),
+        None => None,
     };
-    if settings.max_attributed_events == 0 {
-        sink.attribute_live();
-    }
-    let outcome = attached.run(settings.duration, &mut sink, &mut stop).await;
+    let (metrics, server) = serve_metrics(settings.metrics.take(), doctor.as_ref())?;
+    let mut attached = attach_all(&settings, targets)?;
+    let last_step = std::sync::Arc::default();
+    let mut out_dir = settings.out.take();
+    let plan = WindowPlan {
+        settings: &settings,
+        doctor: doctor.as_ref(),
+        metrics: metrics.as_ref(),
+        last_step: &last_step,
+    };
+    let out = plan.folder();
+    let sink = plan.open(&out, &attached.header)?;
+    out_dir.keep();
+    stop.tracing_started();
+    let deadline = settings.duration.map(|d| Instant::now() + d);
+    let mut w = Windows {
+        sink,
+        out,
+        base: Counts::default(),
+        finishing: Vec::new(),
+    };
+    let outcome = loop {
+        let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+        let outcome = attached.run(left, &mut w.sink, &mut stop).await;
+        if !matches!(outcome, Ok(source::StopReason::Rotate)) {
+            break outcome;
+        }
+        w.rotate(&plan, &attached);
+    };
     attached.disarm();
     // Scrapes are refused from here on, never left waiting while the outputs are written.
     server.inspect(tokio::task::JoinHandle::abort);
@@ -825,10 +1064,18 @@ async fn trace(
         Ok(r) => r.to_string(),
         Err(e) => format!("stopped by an error: {e}"),
     };
+    let Windows {
+        mut sink,
+        out,
+        mut base,
+        finishing,
+    } = w;
     if sink.status {
         crate::note!();
     }
-    let end = end_record(&attached, reason.clone());
+    let windows = settings.rotate.is_some().then_some(&mut base);
+    let end = closing_record(&attached, reason.clone(), windows);
+    let rec_path = sink.path.clone();
     // Whatever happened above, keep what was collected: the closing record goes to disk
     // first (a forced exit from here on loses no record), then every output is written
     // before the error is reported.
@@ -842,7 +1089,7 @@ async fn trace(
     sink.say_stopped(&reason, probes);
     let started = Instant::now();
     let (agg, writer) = sink.finish(settings.max_attributed_events);
-    let mut outputs = agg.finish(settings.step_rule);
+    let mut outputs = agg.finish(settings.step_rule.clone());
     crate::note!(
         "nccltrace: attributed in {:.1} s",
         started.elapsed().as_secs_f64()
@@ -851,6 +1098,9 @@ async fn trace(
         whole_run_hint(&rec_path, &out);
     }
     let (written, write_end) = write_everything(&out, &mut outputs, writer);
+    for t in finishing {
+        let _ = t.join();
+    }
     stop.outputs_complete();
     if let Some(thread) = detaching {
         if !thread.is_finished() {
@@ -866,4 +1116,38 @@ async fn trace(
     written.map_err(|(path, source)| Error::Output { path, source })?;
     write_end?;
     Ok(())
+}
+
+#[cfg(test)]
+mod window_tests {
+    use super::*;
+
+    /// `--keep 2`: the oldest complete windows go; the current one, one still being
+    /// written (no summary.json yet) and other folders stay.
+    #[test]
+    fn prune_keeps_the_newest_complete_windows() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        let names = [
+            "20261203T100000Z",
+            "20261203T110000Z",
+            "20261203T120000Z",
+            "20261203T130000Z",
+        ];
+        for (i, n) in names.iter().enumerate() {
+            std::fs::create_dir(root.join(n)).unwrap();
+            // The newest but one is still being finished; the newest is current.
+            if i < 2 {
+                std::fs::write(root.join(n).join("summary.json"), "{}").unwrap();
+            }
+        }
+        std::fs::create_dir(root.join("mine")).unwrap();
+        prune_windows(root, 2, &root.join(names[3]));
+        let mut left = host::Host::at(root).list("");
+        left.sort();
+        assert_eq!(left, ["20261203T120000Z", "20261203T130000Z", "mine"]);
+        // 0 keeps everything.
+        prune_windows(root, 0, &root.join(names[3]));
+        assert_eq!(host::Host::at(root).list("").len(), 3);
+    }
 }

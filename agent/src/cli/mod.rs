@@ -143,6 +143,75 @@ pub fn parse_duration(text: &str) -> Result<Duration, Error> {
     Ok(Duration::from_secs_f64(secs))
 }
 
+/// When `--rotate` starts a new output folder: after a length of time, or once the
+/// recording holds this many bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rotate {
+    Every(Duration),
+    Bytes(u64),
+}
+
+/// Parses `--rotate`: a length of time (`30m`, `1h`) or a size (`500MiB`, `1GiB`, `2G`).
+pub fn parse_rotate(text: &str) -> Result<Rotate, Error> {
+    let t = text.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let scale = match unit.trim() {
+        "B" => Some(1.0),
+        "K" | "KB" | "KiB" => Some(1024.0),
+        "M" | "MB" | "MiB" => Some(1024.0 * 1024.0),
+        "G" | "GB" | "GiB" => Some(1024.0 * 1024.0 * 1024.0),
+        "T" | "TB" | "TiB" => Some(1024.0 * 1024.0 * 1024.0 * 1024.0),
+        _ => None,
+    };
+    let Some(scale) = scale else {
+        return parse_duration(t).map(Rotate::Every).map_err(|_| Error::InvalidArgument {
+            what: "--rotate",
+            value: text.to_owned(),
+            expected: "a length of time (30m, 1h) or a recording size (500MiB, 1GiB) of at least \
+                       1 MiB",
+        });
+    };
+    let bytes = num.parse::<f64>().unwrap_or(0.0) * scale;
+    if !bytes.is_finite() || bytes < 1024.0 * 1024.0 {
+        return Err(Error::InvalidArgument {
+            what: "--rotate",
+            value: text.to_owned(),
+            expected: "a recording size of at least 1 MiB (500MiB, 1GiB) or a length of time \
+                       (30m, 1h)",
+        });
+    }
+    Ok(Rotate::Bytes(bytes as u64))
+}
+
+/// A folder name for an output window starting at `t`: its UTC time, `20261203T161822Z`
+/// (names sort as times do).
+#[must_use]
+pub fn utc_stamp(t: std::time::SystemTime) -> String {
+    let secs = t
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let (days, rest) = (secs / 86_400, secs % 86_400);
+    // Days since 1970-01-01 to a civil date (proleptic Gregorian), by 400-year eras.
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}{month:02}{day:02}T{:02}{:02}{:02}Z",
+        rest / 3600,
+        rest / 60 % 60,
+        rest % 60
+    )
+}
+
 /// The step rule from `--step-window` or `--step-nvtx`.
 pub fn step_rule(
     window: Option<&str>,
@@ -208,6 +277,16 @@ impl OutDir {
     pub fn keep(&mut self) {
         self.made = None;
     }
+
+    /// Moves the duty to remove the folder (if this run made it and nothing was kept) to
+    /// the returned value; `self` keeps the path.
+    #[must_use]
+    pub fn take(&mut self) -> OutDir {
+        OutDir {
+            path: self.path.clone(),
+            made: self.made.take(),
+        }
+    }
 }
 
 impl Drop for OutDir {
@@ -241,5 +320,30 @@ mod tests {
             assert!(err.to_string().contains("500ms"), "{bad}: {err}");
             assert_eq!(err.exit_code(), 2);
         }
+    }
+
+    /// `--rotate` takes a length of time or a size; too small or nonsense is refused.
+    #[test]
+    fn rotations() {
+        assert_eq!(
+            parse_rotate("1h").unwrap(),
+            Rotate::Every(Duration::from_secs(3600))
+        );
+        assert_eq!(parse_rotate("1GiB").unwrap(), Rotate::Bytes(1 << 30));
+        assert_eq!(parse_rotate("500M").unwrap(), Rotate::Bytes(500 << 20));
+        for bad in ["", "1KiB", "lots", "-1h", "0"] {
+            let err = parse_rotate(bad).unwrap_err();
+            assert!(err.to_string().contains("1GiB"), "{bad}: {err}");
+            assert_eq!(err.exit_code(), 2);
+        }
+    }
+
+    #[test]
+    fn stamps_are_utc_times() {
+        let at = |s: u64| utc_stamp(std::time::UNIX_EPOCH + Duration::from_secs(s));
+        assert_eq!(at(0), "19700101T000000Z");
+        // 2026-12-03 16:18:22 UTC; 2024-02-29 (a leap day) 23:59:59.
+        assert_eq!(at(1_796_314_702), "20261203T161822Z");
+        assert_eq!(at(1_709_251_199), "20240229T235959Z");
     }
 }

@@ -868,6 +868,8 @@ pub enum StopReason {
     TargetsExited,
     Duration,
     Signal(&'static str),
+    /// The sink asked for a new output window (`--rotate`): tracing goes on.
+    Rotate,
 }
 
 impl std::fmt::Display for StopReason {
@@ -876,6 +878,7 @@ impl std::fmt::Display for StopReason {
             StopReason::TargetsExited => write!(f, "every target exited"),
             StopReason::Duration => write!(f, "--duration elapsed"),
             StopReason::Signal(name) => write!(f, "{name} received"),
+            StopReason::Rotate => write!(f, "--rotate: the next window began"),
         }
     }
 }
@@ -889,6 +892,11 @@ pub trait Sink {
     /// Called about once a second with the records lost so far, by kind, and the number
     /// of targets still running.
     fn tick(&mut self, lost: &BTreeMap<String, u64>, alive: usize);
+    /// Checked about ten times a second: true ends [`Attached::run`] with
+    /// [`StopReason::Rotate`], the programs still armed.
+    fn rotate_due(&self) -> bool {
+        false
+    }
 }
 
 impl Attached {
@@ -1011,6 +1019,9 @@ impl Attached {
                     if !ticks.is_multiple_of(10) {
                         continue;
                     }
+                    if sink.rotate_due() {
+                        break StopReason::Rotate;
+                    }
                     if let Some(logger) = self.logger.as_mut() {
                         logger.flush();
                     }
@@ -1038,7 +1049,10 @@ impl Attached {
                 }
             }
         };
-        self.disarm();
+        if !matches!(reason, StopReason::Rotate) {
+            self.disarm();
+        }
+        // Everything drained so far goes to this sink (a window's last records included).
         self.rings.drain(sink, usize::MAX)?;
         Ok(reason)
     }
