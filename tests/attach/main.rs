@@ -9,6 +9,7 @@
 
 mod bad_input;
 mod counts;
+mod deploy;
 mod environment;
 mod lifecycle;
 mod metrics;
