@@ -50,6 +50,10 @@ enum Task {
         /// Seconds per fuzz target.
         #[arg(long, default_value_t = 300)]
         fuzz_seconds: u32,
+        /// As an agent left running on a node: with `--metrics` (scraped every 10 s) and
+        /// `--rotate 1m --keep 3`.
+        #[arg(long)]
+        daemon: bool,
     },
     /// Validation on a GPU machine with PyTorch and NCCL (see docs/validation.md).
     GpuCheck {
@@ -76,7 +80,8 @@ fn main() -> anyhow::Result<()> {
         Task::Soak {
             minutes,
             fuzz_seconds,
-        } => soak::run(&root, minutes, fuzz_seconds),
+            daemon,
+        } => soak::run(&root, minutes, fuzz_seconds, daemon),
     }
 }
 

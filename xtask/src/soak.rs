@@ -9,6 +9,19 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 
+/// One GET of /metrics; true when it answered 200 with the step histogram.
+fn scrape(addr: &str) -> bool {
+    use std::io::{Read as _, Write as _};
+    let Ok(mut s) = std::net::TcpStream::connect(addr) else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
+    let _ = write!(s, "GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n");
+    let mut text = String::new();
+    let _ = s.read_to_string(&mut text);
+    text.starts_with("HTTP/1.1 200") && text.contains("nccltrace_step_seconds_count")
+}
+
 fn rss_kb(pid: u32) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     status
@@ -18,7 +31,7 @@ fn rss_kb(pid: u32) -> Option<u64> {
 }
 
 #[allow(clippy::too_many_lines)] // one run start to end, then its table
-pub fn run(root: &Path, minutes: u32, fuzz_seconds: u32) -> anyhow::Result<()> {
+pub fn run(root: &Path, minutes: u32, fuzz_seconds: u32, daemon: bool) -> anyhow::Result<()> {
     if !super::setup::is_root() {
         bail!("the soak test loads eBPF programs: run `sudo -E cargo xtask soak`");
     }
@@ -41,11 +54,16 @@ pub fn run(root: &Path, minutes: u32, fuzz_seconds: u32) -> anyhow::Result<()> {
         .spawn()
         .context("starting the trainer")?;
     let out = work.join("out");
-    let mut a = Command::new(&agent)
-        .args(["attach", "--duration", &format!("{minutes}m"), "--pid"])
+    let _ = std::fs::remove_dir_all(&out);
+    let mut a = Command::new(&agent);
+    a.args(["attach", "--duration", &format!("{minutes}m"), "--pid"])
         .arg(trainer.id().to_string())
         .arg("--out")
-        .arg(&out)
+        .arg(&out);
+    if daemon {
+        a.args(["--metrics", "127.0.0.1:0", "--rotate", "1m", "--keep", "3"]);
+    }
+    let mut a = a
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()?;
@@ -57,13 +75,19 @@ pub fn run(root: &Path, minutes: u32, fuzz_seconds: u32) -> anyhow::Result<()> {
         }
     });
     let started = Instant::now();
+    let mut metrics = None;
     loop {
         match rx.recv_timeout(Duration::from_secs(60)) {
             Ok(line) if line.contains("attached to pid") => break,
-            Ok(_) => {}
+            Ok(line) => {
+                metrics = metrics.or_else(|| {
+                    Some(line.split("http://").nth(1)?.split('/').next()?.to_owned())
+                });
+            }
             Err(_) => bail!("nccltrace did not attach within a minute"),
         }
     }
+    let mut scrapes = (0u32, 0u32);
     std::fs::write(&go, b"")?;
     // RSS while tracing, and separately while the agent reads the recording back and
     // writes its outputs (after "tracing stopped").
@@ -74,6 +98,13 @@ pub fn run(root: &Path, minutes: u32, fuzz_seconds: u32) -> anyhow::Result<()> {
         std::thread::sleep(Duration::from_secs(1));
         said.extend(rx.try_iter());
         let stopped = said.iter().any(|l| l.contains("tracing stopped"));
+        if let Some(addr) = metrics.as_deref()
+            && !stopped
+            && samples.len().is_multiple_of(10)
+        {
+            scrapes.0 += 1;
+            scrapes.1 += u32::from(scrape(addr));
+        }
         if let Some(kb) = rss_kb(a.id()) {
             let t = started.elapsed().as_secs_f64();
             if stopped {
@@ -93,9 +124,22 @@ pub fn run(root: &Path, minutes: u32, fuzz_seconds: u32) -> anyhow::Result<()> {
     let _ = trainer.kill();
     let _ = trainer.wait();
     said.extend(rx.try_iter());
-    let summary = std::fs::read_to_string(out.join("summary.json"))
+    // The run's summary, or with --rotate each kept window's (events and losses added up
+    // over the windows kept; the whole-process peak is the last window's).
+    let mut summaries = vec![out.join("summary.json")];
+    if daemon {
+        summaries = std::fs::read_dir(&out)?
+            .filter_map(|e| Some(e.ok()?.path().join("summary.json")))
+            .filter(|p| p.exists())
+            .collect();
+        summaries.sort();
+    }
+    let texts = summaries
+        .iter()
+        .map(std::fs::read_to_string)
+        .collect::<Result<Vec<_>, _>>()
         .context("the agent wrote no summary.json")?;
-    let value = |key: &str| -> f64 {
+    let read = |summary: &str, key: &str| -> f64 {
         summary
             .split(&format!("\"{key}\": "))
             .nth(1)
@@ -103,7 +147,9 @@ pub fn run(root: &Path, minutes: u32, fuzz_seconds: u32) -> anyhow::Result<()> {
             .and_then(|v| v.trim().parse().ok())
             .unwrap_or(0.0)
     };
-    let (events, lost) = (value("events"), value("lost_events"));
+    let total = |key: &str| texts.iter().map(|t| read(t, key)).sum::<f64>();
+    let value = |key: &str| texts.last().map_or(0.0, |t| read(t, key));
+    let (events, lost) = (total("events"), total("lost_events"));
     let warned = said.iter().any(|l| l.contains("events lost"));
     // Growth per minute over the second half of the run (the first half includes warm-up).
     let half: Vec<&(f64, u64)> = samples
@@ -117,12 +163,23 @@ pub fn run(root: &Path, minutes: u32, fuzz_seconds: u32) -> anyhow::Result<()> {
         _ => 0.0,
     };
     let peak = samples.iter().map(|s| s.1).max().unwrap_or(0);
-    println!("\nnccltrace soak ({minutes} min, demo trainer, default profile)");
+    let mode = if daemon {
+        format!(
+            ", --metrics scraped {} times ({} answered), --rotate 1m --keep 3: {} windows kept",
+            scrapes.0,
+            scrapes.1,
+            texts.len()
+        )
+    } else {
+        String::new()
+    };
+    println!("\nnccltrace soak ({minutes} min, demo trainer, default profile{mode})");
     println!("| measure | value |");
     println!("| --- | --- |");
     println!(
-        "| events recorded | {events:.0} ({:.0}/s) |",
-        events / (f64::from(minutes) * 60.0)
+        "| events recorded{} | {events:.0} ({:.0}/s) |",
+        if daemon { " (windows kept)" } else { "" },
+        events / (f64::from(minutes) * 60.0).min(texts.len() as f64 * 60.0)
     );
     println!(
         "| events lost | {lost:.0} (reported during the run: {}) |",

@@ -21,7 +21,28 @@ pub(super) struct Collector {
 
 type Labels = Vec<(&'static str, String)>;
 
-/// One metric family of counters (`f64` values), written only when it has samples.
+/// One metric family of counters or gauges (`f64` values), written only when it has
+/// samples.
+fn family(
+    encoder: &mut DescriptorEncoder,
+    kind: MetricType,
+    (name, help, unit): (&str, &str, Option<&Unit>),
+    samples: &[(Labels, f64)],
+) -> Result<(), std::fmt::Error> {
+    if samples.is_empty() {
+        return Ok(());
+    }
+    let mut family = encoder.encode_descriptor(name, help, unit, kind)?;
+    for (labels, value) in samples {
+        let metric = family.encode_family(labels)?;
+        match kind {
+            MetricType::Counter => ConstCounter::new(*value).encode(metric)?,
+            _ => ConstGauge::new(*value).encode(metric)?,
+        }
+    }
+    Ok(())
+}
+
 fn counters(
     encoder: &mut DescriptorEncoder,
     name: &str,
@@ -29,17 +50,9 @@ fn counters(
     unit: Option<&Unit>,
     samples: &[(Labels, f64)],
 ) -> Result<(), std::fmt::Error> {
-    if samples.is_empty() {
-        return Ok(());
-    }
-    let mut family = encoder.encode_descriptor(name, help, unit, MetricType::Counter)?;
-    for (labels, value) in samples {
-        ConstCounter::new(*value).encode(family.encode_family(labels)?)?;
-    }
-    Ok(())
+    family(encoder, MetricType::Counter, (name, help, unit), samples)
 }
 
-/// One metric family of gauges, written only when it has samples.
 fn gauges(
     encoder: &mut DescriptorEncoder,
     name: &str,
@@ -47,14 +60,7 @@ fn gauges(
     unit: Option<&Unit>,
     samples: &[(Labels, f64)],
 ) -> Result<(), std::fmt::Error> {
-    if samples.is_empty() {
-        return Ok(());
-    }
-    let mut family = encoder.encode_descriptor(name, help, unit, MetricType::Gauge)?;
-    for (labels, value) in samples {
-        ConstGauge::new(*value).encode(family.encode_family(labels)?)?;
-    }
-    Ok(())
+    family(encoder, MetricType::Gauge, (name, help, unit), samples)
 }
 
 /// The node's NUMA allocation counters (`numa_hit`, `numa_miss`, …), in pages, per node.
