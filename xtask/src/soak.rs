@@ -63,10 +63,7 @@ pub fn run(root: &Path, minutes: u32, fuzz_seconds: u32, daemon: bool) -> anyhow
     if daemon {
         a.args(["--metrics", "127.0.0.1:0", "--rotate", "1m", "--keep", "3"]);
     }
-    let mut a = a
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()?;
+    let mut a = a.stdout(Stdio::null()).stderr(Stdio::piped()).spawn()?;
     let stderr = BufReader::new(a.stderr.take().context("stderr")?);
     let (tx, rx) = std::sync::mpsc::channel::<String>();
     std::thread::spawn(move || {
@@ -80,9 +77,8 @@ pub fn run(root: &Path, minutes: u32, fuzz_seconds: u32, daemon: bool) -> anyhow
         match rx.recv_timeout(Duration::from_secs(60)) {
             Ok(line) if line.contains("attached to pid") => break,
             Ok(line) => {
-                metrics = metrics.or_else(|| {
-                    Some(line.split("http://").nth(1)?.split('/').next()?.to_owned())
-                });
+                metrics = metrics
+                    .or_else(|| Some(line.split("http://").nth(1)?.split('/').next()?.to_owned()));
             }
             Err(_) => bail!("nccltrace did not attach within a minute"),
         }

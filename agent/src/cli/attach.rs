@@ -558,7 +558,21 @@ fn discover(
     }
 }
 
+/// At most two malloc arenas. glibc gives threads arenas of their own (up to eight per
+/// CPU) and keeps what they freed: with `--rotate`, each window's threads (attribution,
+/// reading, trace writer, finishing) left the process about 7 MB larger, up to ~35 MB more
+/// on a 2-CPU host. The agent's threads allocate little concurrently; two arenas are
+/// plenty.
+fn few_malloc_arenas() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: mallopt only sets an allocator parameter; called before any thread starts.
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, 2);
+    }
+}
+
 pub fn run(args: AttachArgs) -> Result<(), Error> {
+    few_malloc_arenas();
     // First, before any folder is made: without privileges nothing else can work, and
     // /proc of other users' processes would look absent.
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
