@@ -392,14 +392,23 @@ impl LiveSink {
         // Attributed as it was recorded (`--max-attributed-events` reads it back instead;
         // after a spill the memory aggregator holds it all).
         let live = self.join_live();
-        let fresh = self.aggregator();
+        // Made only when the recording is to be read back: a streaming aggregator creates
+        // the output files, which would clobber those the live one wrote.
+        let read_back = live.is_none() && matches!(self.store, Store::Disk(_));
+        let agg = if read_back {
+            Some(self.aggregator())
+        } else {
+            live
+        };
         match self.store {
             Store::Memory { agg, error } => (*agg, Err(error)),
             Store::Disk(writer) => {
-                if let Some(agg) = live {
+                let Some(mut agg) = agg else {
+                    return (Aggregator::new(self.header.clone()), Ok(writer));
+                };
+                if !read_back {
                     return (agg, Ok(writer));
                 }
-                let mut agg = fresh;
                 let skip = if limit == 0 {
                     0
                 } else {
