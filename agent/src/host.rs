@@ -114,8 +114,16 @@ impl Host {
     /// Peak resident memory (`VmHWM` in status), in KiB.
     #[must_use]
     pub fn peak_rss_kb(&self, pid: u32) -> Option<u64> {
+        self.status_kb(pid, "VmHWM")
+    }
+
+    /// A `kB` figure of `/proc/PID/status` (`VmRSS`, `VmHWM`, …).
+    #[must_use]
+    pub fn status_kb(&self, pid: u32, key: &str) -> Option<u64> {
         let status = self.read(&format!("proc/{pid}/status"))?;
-        let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+        let line = status
+            .lines()
+            .find(|l| l.strip_prefix(key).is_some_and(|r| r.starts_with(':')))?;
         line.split_whitespace().nth(1)?.parse().ok()
     }
 
@@ -157,11 +165,7 @@ impl Host {
     /// OMPI_COMM_WORLD_RANK, SLURM_PROCID, PMI_RANK, LOCAL_RANK that is set.
     #[must_use]
     pub fn env_rank(&self, pid: u32) -> Option<(String, i32)> {
-        let environ = self.read(&format!("proc/{pid}/environ"))?;
-        let vars: Vec<(&str, &str)> = environ
-            .split('\0')
-            .filter_map(|kv| kv.split_once('='))
-            .collect();
+        let vars = self.environ(pid);
         [
             "RANK",
             "OMPI_COMM_WORLD_RANK",

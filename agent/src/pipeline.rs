@@ -258,9 +258,7 @@ impl Aggregator {
 
     /// Hands the epochs attributed so far to the streamer.
     fn drain_epochs(&mut self) {
-        if self.streamer.is_none() && self.metrics.is_none() && self.last_step.is_none() {
-            return;
-        }
+        // Epochs are handed on only when one of these asked for them (`emit_epochs`).
         for e in self.timeline.take_epochs() {
             if let Some(last) = &self.last_step {
                 last.epoch(&e);

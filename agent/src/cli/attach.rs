@@ -766,8 +766,14 @@ fn whole_run_hint(rec_path: &std::path::Path, out: &std::path::Path) {
 }
 
 /// The recording's closing record: why the run stopped, what was lost, what it cost.
-fn end_record(attached: &source::Attached, reason: String) -> Meta {
-    let (lost_by_kind, counters) = attached.counters();
+/// The closing record of the recording: lost events and counters since attach, or, with
+/// `base` (the last window's end, moved on), since then.
+fn end_record(attached: &source::Attached, reason: String, base: Option<&mut Counts>) -> Meta {
+    let now = attached.counters();
+    let (lost_by_kind, counters) = match base {
+        Some(base) => window_counts(now, base),
+        None => now,
+    };
     Meta::End {
         end_monotonic_ns: attached
             .stopped_ns
@@ -882,37 +888,12 @@ impl WindowPlan<'_> {
     }
 }
 
-/// The closing record of a window: lost events and counters since `base` (the last
-/// window's end; moved on), or since attach when `base` is None.
-fn closing_record(attached: &source::Attached, reason: String, base: Option<&mut Counts>) -> Meta {
-    let end = end_record(attached, reason);
-    let Some(base) = base else { return end };
-    let (lost, counted) = window_counts(attached, base);
-    match end {
-        Meta::End {
-            end_monotonic_ns,
-            reason,
-            attach_ns,
-            agent_peak_rss_kb,
-            ..
-        } => Meta::End {
-            end_monotonic_ns,
-            reason,
-            lost_by_kind: lost,
-            counters: counted,
-            attach_ns,
-            agent_peak_rss_kb,
-        },
-        other => other,
-    }
-}
-
 /// Lost events by kind, and the other counters, as the programs count them.
 type Counts = (BTreeMap<String, u64>, BTreeMap<String, u64>);
 
-/// Lost events and counters since `base` (the last window's end), and `base` moved on.
-fn window_counts(attached: &source::Attached, base: &mut Counts) -> Counts {
-    let now = attached.counters();
+/// Lost events and counters `now` since `base` (the last window's end), and `base` moved
+/// on.
+fn window_counts(now: Counts, base: &mut Counts) -> Counts {
     let since = |now: &BTreeMap<String, u64>, then: &BTreeMap<String, u64>| {
         now.iter()
             .map(|(k, v)| {
@@ -1032,7 +1013,7 @@ impl Windows {
         match plan.open(&next_dir, &attached.header) {
             Ok(next) => {
                 let reason = source::StopReason::Rotate.to_string();
-                let end = closing_record(attached, reason, Some(&mut self.base));
+                let end = end_record(attached, reason, Some(&mut self.base));
                 let done = std::mem::replace(&mut self.sink, next);
                 let dir = std::mem::replace(&mut self.out, next_dir);
                 self.finishing.retain(|t| !t.is_finished());
@@ -1105,7 +1086,7 @@ async fn trace(
         crate::note!();
     }
     let windows = settings.rotate.is_some().then_some(&mut base);
-    let end = closing_record(&attached, reason.clone(), windows);
+    let end = end_record(&attached, reason.clone(), windows);
     let rec_path = sink.path.clone();
     // Whatever happened above, keep what was collected: the closing record goes to disk
     // first (a forced exit from here on loses no record), then every output is written

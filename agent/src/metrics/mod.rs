@@ -320,10 +320,11 @@ pub struct Feed {
     hostname: String,
     labels: HashMap<u32, RankLabels>,
     /// Ranks given to ncclCommInitRank, by pid (preferred over the environment).
-    init_ranks: HashMap<u32, i32>,
-    /// The traced processes, with the rank their environment gave when they were attached
+    init_ranks: BTreeMap<u32, i32>,
+    /// The traced processes, and the rank their environment gave when they were attached
     /// (as the recording keeps it).
-    targets: std::collections::BTreeMap<u32, Option<i32>>,
+    pids: Vec<u32>,
+    env_ranks: BTreeMap<u32, (String, i32)>,
     /// Not yet published: per (pid, function) calls and bytes; per pid sync wait, ns.
     calls: HashMap<(u32, Func), (u64, u64)>,
     sync_ns: HashMap<u32, u64>,
@@ -347,8 +348,9 @@ impl Feed {
             host,
             hostname: header.hostname.clone(),
             labels: HashMap::new(),
-            init_ranks: HashMap::new(),
-            targets: BTreeMap::new(),
+            init_ranks: BTreeMap::new(),
+            pids: Vec::new(),
+            env_ranks: BTreeMap::new(),
             calls: HashMap::new(),
             sync_ns: HashMap::new(),
             lateness: HashMap::new(),
@@ -361,8 +363,10 @@ impl Feed {
 
     /// A process traced from now on (`--follow`).
     pub fn target(&mut self, t: &crate::record::TargetInfo) {
-        self.targets
-            .insert(t.pid, t.env_rank.as_ref().map(|(_, r)| *r));
+        self.pids.push(t.pid);
+        if let Some(r) = &t.env_rank {
+            self.env_ranks.insert(t.pid, r.clone());
+        }
     }
 
     /// Counts a call.
@@ -401,17 +405,11 @@ impl Feed {
                 .find_map(|n| env.iter().find(|(k, _)| k == n).map(|(_, v)| v.clone()))
                 .unwrap_or_default()
         };
-        // As the summary numbers the ranks (`attribute::ranks::identify`).
-        let rank = self
-            .init_ranks
-            .get(&pid)
-            .copied()
-            .or_else(|| self.targets.get(&pid).copied().flatten())
-            .or_else(|| {
-                let order = self.targets.keys().position(|p| *p == pid)?;
-                i32::try_from(order).ok()
-            })
-            .map(|r| r.to_string())
+        // Numbered as the summary numbers the ranks.
+        let rank = crate::attribute::ranks::identify(&self.pids, &self.init_ranks, &self.env_ranks)
+            .into_iter()
+            .find(|r| r.pid == pid)
+            .map(|r| r.rank.to_string())
             .unwrap_or_default();
         let labels = RankLabels {
             host: self.hostname.clone(),

@@ -26,7 +26,9 @@ type Labels = Vec<(&'static str, String)>;
 fn family(
     encoder: &mut DescriptorEncoder,
     kind: MetricType,
-    (name, help, unit): (&str, &str, Option<&Unit>),
+    name: &str,
+    help: &str,
+    unit: Option<&Unit>,
     samples: &[(Labels, f64)],
 ) -> Result<(), std::fmt::Error> {
     if samples.is_empty() {
@@ -41,26 +43,6 @@ fn family(
         }
     }
     Ok(())
-}
-
-fn counters(
-    encoder: &mut DescriptorEncoder,
-    name: &str,
-    help: &str,
-    unit: Option<&Unit>,
-    samples: &[(Labels, f64)],
-) -> Result<(), std::fmt::Error> {
-    family(encoder, MetricType::Counter, (name, help, unit), samples)
-}
-
-fn gauges(
-    encoder: &mut DescriptorEncoder,
-    name: &str,
-    help: &str,
-    unit: Option<&Unit>,
-    samples: &[(Labels, f64)],
-) -> Result<(), std::fmt::Error> {
-    family(encoder, MetricType::Gauge, (name, help, unit), samples)
 }
 
 /// The node's NUMA allocation counters (`numa_hit`, `numa_miss`, …), in pages, per node.
@@ -151,17 +133,20 @@ fn agent_self(host: &Host) -> Option<(f64, f64, f64)> {
     let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
     // SAFETY: a plain sysconf query.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
-    let status = host.read(&format!("proc/{pid}/status"))?;
-    let kb = |key: &str| -> Option<f64> {
-        let line = status.lines().find(|l| l.starts_with(key))?;
-        Some(line.split_whitespace().nth(1)?.parse::<f64>().ok()? * 1024.0)
-    };
-    Some((ticks / hz, kb("VmRSS:")?, kb("VmHWM:")?))
+    let bytes = |key: &str| Some(host.status_kb(pid, key)? as f64 * 1024.0);
+    Some((ticks / hz, bytes("VmRSS")?, bytes("VmHWM")?))
 }
 
 impl prometheus_client::collector::Collector for Collector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let e = &mut encoder;
+        self.agent(&mut encoder)?;
+        node(&self.host, &mut encoder)
+    }
+}
+
+impl Collector {
+    /// The agent's own series: CPU, memory, lost events, targets, doctor findings.
+    fn agent(&self, e: &mut DescriptorEncoder) -> Result<(), std::fmt::Error> {
         if let Some((cpu, rss, peak)) = agent_self(&self.host) {
             let none = || vec![(Vec::new(), 0.0)];
             let one = |v: f64| {
@@ -169,22 +154,25 @@ impl prometheus_client::collector::Collector for Collector {
                 s[0].1 = v;
                 s
             };
-            counters(
+            family(
                 e,
+                MetricType::Counter,
                 "agent_cpu",
                 "CPU time of the agent process",
                 Some(&Unit::Seconds),
                 &one(cpu),
             )?;
-            gauges(
+            family(
                 e,
+                MetricType::Gauge,
                 "agent_resident_memory",
                 "Resident memory of the agent process",
                 Some(&Unit::Bytes),
                 &one(rss),
             )?;
-            gauges(
+            family(
                 e,
+                MetricType::Gauge,
                 "agent_peak_resident_memory",
                 "Peak resident memory of the agent process",
                 Some(&Unit::Bytes),
@@ -199,15 +187,17 @@ impl prometheus_client::collector::Collector for Collector {
             .into_iter()
             .map(|(kind, n)| (vec![("kind", kind)], n as f64))
             .collect();
-        counters(
+        family(
             e,
+            MetricType::Counter,
             "lost_events",
             "Events the kernel programs could not hand over (ring buffer full), by kind",
             None,
             &lost,
         )?;
-        gauges(
+        family(
             e,
+            MetricType::Gauge,
             "targets",
             "Processes traced now",
             None,
@@ -217,51 +207,62 @@ impl prometheus_client::collector::Collector for Collector {
             .into_iter()
             .map(|(id, severity)| (vec![("id", id), ("severity", severity)], 1.0))
             .collect();
-        gauges(
+        family(
             e,
+            MetricType::Gauge,
             "doctor_finding",
             "1 for each placement problem the doctor found at attach",
             None,
             &findings,
         )?;
-        counters(
-            e,
-            "numa_pages",
-            "NUMA allocation counters of the node (numastat), in pages",
-            None,
-            &numastat(&self.host),
-        )?;
-        let ib = infiniband(&self.host);
-        gauges(
-            e,
-            "infiniband_port_up",
-            "1 when the InfiniBand port is ACTIVE",
-            None,
-            &ib.up,
-        )?;
-        gauges(
-            e,
-            "infiniband_port_rate",
-            "Link rate of the InfiniBand port",
-            Some(&Unit::Other("bytes_per_second".into())),
-            &ib.rate_bytes,
-        )?;
-        counters(
-            e,
-            "infiniband_port_data",
-            "Data through the InfiniBand port",
-            Some(&Unit::Bytes),
-            &ib.data_bytes,
-        )?;
-        counters(
-            e,
-            "infiniband_port_counter",
-            "The InfiniBand port's other counters (errors, discards, packets), by name",
-            None,
-            &ib.counters,
-        )?;
         Ok(())
     }
+}
+
+/// The node's series: NUMA allocation counters and InfiniBand ports.
+fn node(host: &Host, e: &mut DescriptorEncoder) -> Result<(), std::fmt::Error> {
+    family(
+        e,
+        MetricType::Counter,
+        "numa_pages",
+        "NUMA allocation counters of the node (numastat), in pages",
+        None,
+        &numastat(host),
+    )?;
+    let ib = infiniband(host);
+    family(
+        e,
+        MetricType::Gauge,
+        "infiniband_port_up",
+        "1 when the InfiniBand port is ACTIVE",
+        None,
+        &ib.up,
+    )?;
+    family(
+        e,
+        MetricType::Gauge,
+        "infiniband_port_rate",
+        "Link rate of the InfiniBand port",
+        Some(&Unit::Other("bytes_per_second".into())),
+        &ib.rate_bytes,
+    )?;
+    family(
+        e,
+        MetricType::Counter,
+        "infiniband_port_data",
+        "Data through the InfiniBand port",
+        Some(&Unit::Bytes),
+        &ib.data_bytes,
+    )?;
+    family(
+        e,
+        MetricType::Counter,
+        "infiniband_port_counter",
+        "The InfiniBand port's other counters (errors, discards, packets), by name",
+        None,
+        &ib.counters,
+    )?;
+    Ok(())
 }
 
 #[cfg(test)]

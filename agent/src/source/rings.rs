@@ -111,17 +111,6 @@ impl Merge {
     }
 }
 
-/// Now on the clock the programs stamp records with (`bpf_ktime_get_ns`).
-fn monotonic_ns() -> u64 {
-    let mut t = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: a plain syscall writing into `t`.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &raw mut t) };
-    u64::try_from(t.tv_sec).unwrap_or(0) * 1_000_000_000 + u64::try_from(t.tv_nsec).unwrap_or(0)
-}
-
 impl Rings {
     /// Takes the first `shards` buffers out of `ebpf`.
     pub fn take(ebpf: &mut Ebpf, shards: u32) -> Result<Rings, SourceError> {
@@ -203,7 +192,9 @@ impl Rings {
         let mut watermark = u64::MAX;
         self.merge.start();
         for ring in &mut self.buffers {
-            let before = monotonic_ns().saturating_sub(COMMIT_SLACK_NS);
+            // The programs stamp records with `bpf_ktime_get_ns`: CLOCK_MONOTONIC.
+            let before =
+                crate::host::clock_ns(libc::CLOCK_MONOTONIC).saturating_sub(COMMIT_SLACK_NS);
             let (mut taken, mut last) = (0, 0);
             while taken < share {
                 let Some(item) = ring.next() else { break };
