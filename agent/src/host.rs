@@ -180,6 +180,25 @@ impl Host {
         })
     }
 
+    /// The job a launcher started the process in, from its environment: the first of
+    /// SLURM_JOB_ID, TORCHELASTIC_RUN_ID, PBS_JOBID, LSB_JOBID, JOB_ID that is set.
+    #[must_use]
+    pub fn env_job(&self, pid: u32) -> Option<(String, String)> {
+        let vars = self.environ(pid);
+        [
+            "SLURM_JOB_ID",
+            "TORCHELASTIC_RUN_ID",
+            "PBS_JOBID",
+            "LSB_JOBID",
+            "JOB_ID",
+        ]
+        .iter()
+        .find_map(|name| {
+            let value = &vars.iter().find(|(k, _)| k == name)?.1;
+            Some(((*name).to_owned(), value.clone()))
+        })
+    }
+
     /// Thread ids with their names.
     #[must_use]
     pub fn thread_names(&self, pid: u32) -> Vec<(u32, String)> {

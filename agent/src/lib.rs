@@ -10,6 +10,7 @@ pub mod decode;
 pub mod doctor;
 pub mod event;
 pub mod host;
+pub mod merge;
 pub mod metrics;
 pub mod pipeline;
 pub mod profile;
@@ -40,6 +41,8 @@ pub enum Error {
     Record(#[from] record::RecordError),
     #[error(transparent)]
     Profile(#[from] profile::ProfileError),
+    #[error(transparent)]
+    Merge(#[from] merge::MergeError),
     #[error("output folder {path} already exists: choose another --out or pass --force")]
     OutputExists { path: PathBuf },
     #[error("--out {path} is a file, not a folder: choose a folder for the outputs")]
@@ -136,6 +139,7 @@ impl Error {
         let bad_input = match self {
             Error::Source(e) => e.is_bad_input(),
             Error::Record(e) => e.is_bad_input(),
+            Error::Merge(e) => e.is_bad_input(),
             Error::Interrupted { signal, .. } => return stop::exit_code(signal),
             Error::Profile(_)
             | Error::OutputExists { .. }

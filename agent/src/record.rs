@@ -111,6 +111,9 @@ pub struct TargetInfo {
     /// The rank from the environment at attach: (variable, value).
     #[serde(default)]
     pub env_rank: Option<(String, i32)>,
+    /// The job from the launcher's environment at attach: (variable, value).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job: Option<(String, String)>,
 }
 
 /// What a recording starts with.

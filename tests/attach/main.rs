@@ -12,6 +12,7 @@ mod counts;
 mod deploy;
 mod environment;
 mod lifecycle;
+mod merge;
 mod metrics;
 mod steps;
 

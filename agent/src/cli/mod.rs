@@ -3,6 +3,7 @@
 mod attach;
 mod doctor;
 mod manual;
+mod merge;
 mod report;
 mod snapshot;
 
@@ -29,6 +30,10 @@ enum Command {
     /// Rebuild every output from a recording, without root.
     #[command(after_help = REPORT_EXAMPLES)]
     Report(report::ReportArgs),
+    /// Join the recordings of several hosts on one time axis: clock offsets, one
+    /// timeline, the straggler across hosts.
+    #[command(after_help = MERGE_EXAMPLES)]
+    Merge(merge::MergeArgs),
     /// Check GPU / NUMA / NIC placement of a rank and say how to fix it.
     #[command(after_help = DOCTOR_EXAMPLES)]
     Doctor(doctor::DoctorArgs),
@@ -58,6 +63,16 @@ Outputs go to --out (default nccltrace-out/): summary.json, steps.json/.csv, fla
 trace.json (ui.perfetto.dev), doctor.json, recording.nctr (replay with `nccltrace report`).
 Exit codes: 0 done, 1 runtime failure, 2 bad input, 128+N stopped at once by a second
 signal N (the recording is kept and closed).";
+
+const MERGE_EXAMPLES: &str = "Examples:
+  nccltrace merge node1/ node2/ node3/ --out job42/    output folders of each node's agent
+  nccltrace merge a.nctr b.nctr --clock-error 1ms      clocks known to agree within 1 ms
+
+Outputs in --out (default nccltrace-merge/): trace.json (every rank of every host on the
+reference host's clock), summary.json (offsets with error bounds, ranks, the straggler
+across hosts), hosts/HOST/ (each host's own outputs, as `nccltrace report` makes them).
+Exit codes: 0 done, 1 runtime failure, 2 bad input (recordings of different jobs, too few
+collectives in common, an ambiguous pairing).";
 
 const REPORT_EXAMPLES: &str = "Examples:
   nccltrace report run1/recording.nctr                     outputs into nccltrace-report/
@@ -95,6 +110,7 @@ impl Cli {
         match self.command {
             Command::Attach(args) => attach::run(args),
             Command::Report(args) => report::run(args),
+            Command::Merge(args) => merge::run(args),
             Command::Doctor(args) => doctor::run(args),
             Command::Snapshot(args) => snapshot::run(args),
             Command::Completions(args) => manual::run_completions(args),

@@ -413,13 +413,7 @@ impl Feed {
             .unwrap_or_default();
         let labels = RankLabels {
             host: self.hostname.clone(),
-            job_id: var(&[
-                "SLURM_JOB_ID",
-                "TORCHELASTIC_RUN_ID",
-                "PBS_JOBID",
-                "LSB_JOBID",
-                "JOB_ID",
-            ]),
+            job_id: self.host.env_job(pid).map(|(_, v)| v).unwrap_or_default(),
             rank,
             local_rank: var(&[
                 "LOCAL_RANK",

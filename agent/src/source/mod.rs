@@ -613,6 +613,7 @@ fn target_info(host: &Host, t: &Target, probes: Vec<ProbeInfo>) -> TargetInfo {
         maps: t.maps.clone(),
         threads: host.thread_names(t.pid),
         env_rank: host.env_rank(t.pid),
+        job: host.env_job(t.pid),
         maps_text: std::fs::read_to_string(host.path(&format!("proc/{}/maps", t.pid)))
             .unwrap_or_default(),
     }

@@ -1,0 +1,376 @@
+//! Clock alignment of two ranks from the collectives they share.
+//!
+//! A collective completes at one instant C for all its ranks: no rank's wait on it can end
+//! before C, and C cannot come before the last rank arrived. So each matched collective
+//! gives, for the offset between two clocks, a hard interval (arrival on one side to
+//! completion seen on the other) and a point (the two completions seen, which both trail C
+//! by the time the host took to notice). The offset is the median of the points; its
+//! error bound covers the interval every collective allows (causality, exact) narrowed to
+//! the range of the points, and is never below half their central 90% (the median assumes
+//! both hosts notice completion alike; a rank that always arrives last notices it at
+//! once while the others poll).
+//!
+//! Which collective of one rank is which of the other is not known either: agents attach
+//! at different moments, so their first collectives differ. Candidates are the pairings
+//! that the wall clocks allow (within `max_error`), kept when every pair calls the same
+//! function with the same bytes and causality holds; a periodic job lines up as well one
+//! step later, and then only the wall clocks can choose.
+
+use crate::event::Func;
+
+/// One collective as one rank saw it, on its host's clock (ns).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Seen {
+    pub func: Func,
+    pub bytes: u64,
+    /// Call entry.
+    pub arrival_ns: u64,
+    /// When the rank saw it complete: the end of the call when the call waits for its
+    /// peers, else of the first CUDA synchronisation of that thread after it.
+    pub done_ns: u64,
+}
+
+/// How two ranks' collectives line up, and the offset between their clocks.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Alignment {
+    /// `x[i + shift]` is `r[i]`.
+    pub shift: i64,
+    /// Added to x's times (after the wall-clock guess) to put them on r's clock, at the
+    /// middle of the overlap.
+    pub correction_ns: i64,
+    /// The correction lies within ± this: the interval causality allows (no wait on a
+    /// collective ends before its last rank arrived), narrowed to the range of the
+    /// per-collective differences, and never less than half their central 90%.
+    pub bound_ns: u64,
+    /// Rate of the correction's change (x's clock running slow: positive), parts per
+    /// million; 0 when no drift stands out of the noise over the overlap.
+    pub drift_ppm: f64,
+    /// The time on r's clock the correction is given at (middle of the overlap).
+    pub at_ns: u64,
+    pub matched: usize,
+    /// The interval causality alone allows.
+    pub causal_ns: (i64, i64),
+}
+
+impl Alignment {
+    /// The correction at `t` (r's clock).
+    #[must_use]
+    pub fn correction_at(&self, t: u64) -> i64 {
+        let dt = t as f64 - self.at_ns as f64;
+        self.correction_ns + (self.drift_ppm * 1e-6 * dt).round() as i64
+    }
+}
+
+/// Why two ranks could not be aligned.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum AlignError {
+    #[error(
+        "no pairing of their collectives within the clock error puts the same calls with the \
+         same sizes side by side ({candidates} tried)"
+    )]
+    NoMatch { candidates: usize },
+    #[error("only {matched} collectives overlap (at least {needed} needed)")]
+    TooFew { matched: usize, needed: usize },
+    #[error(
+        "the collectives line up equally well at clock corrections of {} and {} (the steps \
+         repeat): the wall clocks cannot tell which",
+        ms(*chosen), ms(*other)
+    )]
+    Ambiguous { chosen: i64, other: i64 },
+}
+
+fn ms(ns: i64) -> String {
+    format!("{:+.3} ms", ns as f64 / 1e6)
+}
+
+/// Collectives both ranks must share.
+pub const MIN_MATCHED: usize = 20;
+/// How late one rank may notice one collective's completion.
+const PAIR_SLACK_NS: u64 = 5_000_000;
+/// Pairs looked at when screening a candidate pairing.
+const SCREEN: usize = 256;
+
+/// Aligns `x` to `r`: `guess_ns` is what the wall clocks say to add to x's times; the
+/// true correction is assumed within `max_error_ns` of it.
+pub fn align(
+    r: &[Seen],
+    x: &[Seen],
+    guess_ns: i64,
+    max_error_ns: u64,
+) -> Result<Alignment, AlignError> {
+    let candidates = candidates(r, x, guess_ns, max_error_ns);
+    let mut fits: Vec<(i64, i64)> = candidates
+        .iter()
+        .filter_map(|&shift| {
+            let c = screen(r, x, shift, guess_ns);
+            log::debug!("pairing shifted by {shift}: correction {c:?}");
+            c.map(|c| (shift, c))
+        })
+        .filter(|(_, c)| c.unsigned_abs() <= max_error_ns)
+        .collect();
+    if fits.is_empty() {
+        return Err(AlignError::NoMatch {
+            candidates: candidates.len(),
+        });
+    }
+    fits.sort_by_key(|(_, c)| c.unsigned_abs());
+    if let Some(&(_, other)) = fits.get(1) {
+        return Err(AlignError::Ambiguous {
+            chosen: fits[0].1,
+            other,
+        });
+    }
+    let shift = fits[0].0;
+    let matched = pairs(r, x, shift).count();
+    if matched < MIN_MATCHED {
+        return Err(AlignError::TooFew {
+            matched,
+            needed: MIN_MATCHED,
+        });
+    }
+    Ok(estimate(r, x, shift, guess_ns))
+}
+
+/// Pairings whose first pair the wall clocks allow: x's first collective against each of
+/// r's near it, and r's first against each of x's.
+fn candidates(r: &[Seen], x: &[Seen], guess_ns: i64, max_error_ns: u64) -> Vec<i64> {
+    let (Some(r0), Some(x0)) = (r.first(), x.first()) else {
+        return Vec::new();
+    };
+    // One collective's completion is noticed late by as much as a descheduled rank takes:
+    // the first pair may be off by more than the clocks are.
+    let near = |a: u64, b: u64| {
+        (a as i64 - b as i64).unsigned_abs() <= max_error_ns.saturating_add(PAIR_SLACK_NS)
+    };
+    let on_r = |s: &Seen| s.done_ns.saturating_add_signed(guess_ns);
+    let mut out: Vec<i64> = r
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| near(s.done_ns, on_r(x0)))
+        .map(|(j, _)| -(j as i64))
+        .chain(
+            x.iter()
+                .enumerate()
+                .filter(|(_, s)| near(on_r(s), r0.done_ns))
+                .map(|(i, _)| i as i64),
+        )
+        .collect();
+    out.sort_unstable();
+    out.dedup();
+    out
+}
+
+/// Matched pairs `(r[j], x[j + shift])`.
+fn pairs<'a>(
+    r: &'a [Seen],
+    x: &'a [Seen],
+    shift: i64,
+) -> impl Iterator<Item = (&'a Seen, &'a Seen)> {
+    let j0 = (-shift).max(0) as usize;
+    r.iter()
+        .skip(j0)
+        .zip(x.iter().skip((j0 as i64 + shift) as usize))
+}
+
+/// The correction a pairing gives when its first pairs call the same functions with the
+/// same sizes and causality holds among them; `None` otherwise.
+fn screen(refs: &[Seen], other: &[Seen], shift: i64, guess_ns: i64) -> Option<i64> {
+    let mut points = Vec::with_capacity(SCREEN);
+    let (mut lo, mut hi) = (i64::MIN, i64::MAX);
+    for (a, b) in pairs(refs, other, shift).take(SCREEN) {
+        if a.func != b.func || a.bytes != b.bytes {
+            return None;
+        }
+        let (low, high, p) = bounds(a, b, guess_ns);
+        lo = lo.max(low);
+        hi = hi.min(high);
+        points.push(p);
+    }
+    if points.is_empty() || lo > hi {
+        return None;
+    }
+    Some(median(&mut points))
+}
+
+/// For one matched pair: the hard interval of the correction and its point estimate.
+fn bounds(a: &Seen, b: &Seen, guess_ns: i64) -> (i64, i64, i64) {
+    let (ra, rd) = (a.arrival_ns as i64, a.done_ns as i64);
+    let (xa, xd) = (b.arrival_ns as i64 + guess_ns, b.done_ns as i64 + guess_ns);
+    (ra - xd, rd - xa, rd - xd)
+}
+
+fn median(v: &mut [i64]) -> i64 {
+    let mid = v.len() / 2;
+    *v.select_nth_unstable(mid).1
+}
+
+fn quantile(sorted: &[f64], q: f64) -> f64 {
+    sorted[((sorted.len() - 1) as f64 * q).round() as usize]
+}
+
+/// The correction, its drift and bound over every matched pair.
+fn estimate(refs: &[Seen], other: &[Seen], shift: i64, guess_ns: i64) -> Alignment {
+    let pts: Vec<(f64, i64, i64, i64)> = pairs(refs, other, shift)
+        .map(|(a, b)| {
+            let (low, high, p) = bounds(a, b, guess_ns);
+            (a.done_ns as f64, low, high, p)
+        })
+        .collect();
+    let count = pts.len() as f64;
+    let t_mid = pts.iter().map(|p| p.0).sum::<f64>() / count;
+    let d_mean = pts.iter().map(|p| p.3 as f64).sum::<f64>() / count;
+    let (sxy, sxx) = pts.iter().fold((0.0, 0.0), |(sxy, sxx), p| {
+        let dt = p.0 - t_mid;
+        (sxy + dt * (p.3 as f64 - d_mean), sxx + dt * dt)
+    });
+    let slope = if sxx > 0.0 { sxy / sxx } else { 0.0 };
+    let mut residuals: Vec<f64> = pts
+        .iter()
+        .map(|p| p.3 as f64 - slope * (p.0 - t_mid))
+        .collect();
+    residuals.sort_unstable_by(f64::total_cmp);
+    let (q05, q95) = (quantile(&residuals, 0.05), quantile(&residuals, 0.95));
+    // A drift only counts when it moves the correction over the overlap by more than the
+    // spread of the points: otherwise it is noise, and a constant correction is better.
+    let span = pts.last().map_or(0.0, |p| p.0) - pts.first().map_or(0.0, |p| p.0);
+    let slope = if (slope * span).abs() > (q95 - q05) {
+        slope
+    } else {
+        0.0
+    };
+    let detrend = |p: &(f64, i64, i64, i64), v: i64| v as f64 - slope * (p.0 - t_mid);
+    let mut centred: Vec<f64> = pts.iter().map(|p| detrend(p, p.3)).collect();
+    centred.sort_unstable_by(f64::total_cmp);
+    let est = quantile(&centred, 0.5);
+    let (q05, q95) = (quantile(&centred, 0.05), quantile(&centred, 0.95));
+    let (dmin, dmax) = (centred[0], centred[centred.len() - 1]);
+    let lo = pts.iter().map(|p| detrend(p, p.1)).fold(f64::MIN, f64::max);
+    let hi = pts.iter().map(|p| detrend(p, p.2)).fold(f64::MAX, f64::min);
+    // The truth lies among the differences when each side sometimes notices completion
+    // first, and within causality always; the median assumes both notice it alike, so the
+    // bound is never below half the central spread of the differences (how unevenly they
+    // notice it).
+    let (a, b) = (dmin.max(lo), dmax.min(hi));
+    let bound = if a <= b {
+        (est - a).max(b - est).max((q95 - q05) / 2.0)
+    } else {
+        (est - lo).max(hi - est)
+    };
+    Alignment {
+        shift,
+        correction_ns: est.round() as i64,
+        bound_ns: bound.ceil() as u64,
+        drift_ppm: slope * 1e6,
+        at_ns: t_mid as u64,
+        matched: pts.len(),
+        causal_ns: (lo.round() as i64, hi.round() as i64),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A job: steps of `period` ns with four all-reduces of growing size; each rank's
+    /// arrivals `late` ns after the first, and every rank seeing completion within `noise`
+    /// of it (a fixed pseudo-random pattern).
+    fn job(steps: u64, period: u64, late: u64, noise: u64, clock: i64, skip: usize) -> Vec<Seen> {
+        let mut out = Vec::new();
+        let mut rng = 0x2545_f491_u64.wrapping_add(late);
+        for s in 0..steps {
+            for k in 0..4u64 {
+                rng = rng.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+                let c = s * period + k * 300_000 + 1_000_000;
+                let jitter = (rng >> 33) % noise.max(1);
+                out.push(Seen {
+                    func: Func::AllReduce,
+                    bytes: 4096 << k,
+                    arrival_ns: (c as i64 - 50_000 + late as i64 - clock) as u64 - 100_000,
+                    done_ns: (c as i64 + jitter as i64 - clock) as u64,
+                });
+            }
+        }
+        out.split_off(skip)
+    }
+
+    /// Another host's clock 7.3 ms behind and its agent attached 13 collectives later:
+    /// found within a few µs, the bound covers the truth, the pairing is the true one.
+    #[test]
+    fn recovers_a_shifted_clock() {
+        let r = job(200, 5_000_000, 0, 40_000, 0, 0);
+        let x = job(200, 5_000_000, 30_000, 40_000, -7_300_000, 13);
+        // The wall clocks say 0 and claim to be right within 1 ms: no pairing fits.
+        assert!(matches!(
+            align(&r, &x, 0, 1_000_000),
+            Err(AlignError::NoMatch { .. })
+        ));
+        let a = align(&r, &x, -7_000_000, 2_000_000).unwrap();
+        assert_eq!(a.shift, -13);
+        assert!((a.correction_ns + 300_000).abs() < 10_000, "{a:?}");
+        assert!(
+            a.bound_ns >= (a.correction_ns + 300_000).unsigned_abs(),
+            "{a:?}"
+        );
+        assert!(a.bound_ns < 60_000, "{a:?}");
+        assert!(a.drift_ppm.abs() < f64::EPSILON);
+        assert_eq!(a.matched, 787);
+    }
+
+    /// Steps repeat every 5 ms: with a 10 ms clock error, pairings one step apart are as
+    /// good, and the wall clocks cannot choose: said, not guessed.
+    #[test]
+    fn periodic_steps_are_ambiguous_beyond_half_a_period() {
+        let r = job(100, 5_000_000, 0, 40_000, 0, 0);
+        let x = job(100, 5_000_000, 0, 40_000, 0, 4);
+        match align(&r, &x, 0, 10_000_000) {
+            Err(AlignError::Ambiguous { chosen, other }) => {
+                assert!(chosen.abs() < 50_000);
+                assert!((other.abs() - 5_000_000).abs() < 50_000);
+            }
+            other => panic!("{other:?}"),
+        }
+        let a = align(&r, &x, 0, 2_000_000).unwrap();
+        assert_eq!((a.shift, a.matched), (-4, 396));
+    }
+
+    /// Different sizes never pair: a job whose collectives another rank does not issue.
+    #[test]
+    fn different_collectives_do_not_match() {
+        let r = job(50, 5_000_000, 0, 40_000, 0, 0);
+        let mut x = r.clone();
+        for s in &mut x {
+            s.bytes += 1;
+        }
+        assert!(matches!(
+            align(&r, &x, 0, 1_000_000),
+            Err(AlignError::NoMatch { .. })
+        ));
+        let short = job(3, 5_000_000, 0, 40_000, 0, 0);
+        assert!(matches!(
+            align(&short, &short, 0, 1_000_000),
+            Err(AlignError::TooFew { matched: 12, .. })
+        ));
+    }
+
+    /// A clock drifting 20 ppm over 60 s (1.2 ms by the end) is followed: the drift found,
+    /// the correction right at both ends.
+    #[test]
+    fn follows_a_drifting_clock() {
+        let r = job(12_000, 5_000_000, 0, 20_000, 0, 0);
+        let mut x = r.clone();
+        for s in &mut x {
+            let skew = |t: u64| t - (t as f64 * 20e-6) as u64;
+            s.arrival_ns = skew(s.arrival_ns);
+            s.done_ns = skew(s.done_ns);
+        }
+        let a = align(&r, &x, 0, 2_000_000).unwrap();
+        assert!((a.drift_ppm - 20.0).abs() < 0.5, "{a:?}");
+        let at_end = r.last().unwrap().done_ns;
+        let truth_end = (at_end as f64 * 20e-6) as i64;
+        assert!(
+            (a.correction_at(at_end) - truth_end).abs() < 20_000,
+            "{a:?}"
+        );
+        assert!(a.correction_at(1_000_000).abs() < 20_000, "{a:?}");
+    }
+}

@@ -1,0 +1,650 @@
+//! `nccltrace merge`: several hosts' recordings on one time axis.
+//!
+//! Each recording is read once for its collectives ([`read_input`]); every rank is aligned
+//! with one reference rank ([`align`]), which gives each host's clock correction with its
+//! error bound, and the pairing of collectives across hosts that the straggler verdict
+//! needs. Each host's own outputs are then made by the same pipeline as `report`, one
+//! host at a time (`hosts/<host>/`), and joined: trace.json on the aligned axis
+//! ([`trace`]), summary.json and the words with the offsets and the cross-host straggler.
+
+pub mod align;
+pub mod trace;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+
+use crate::attribute::ranks::{Matcher, RankIdentity, Straggler};
+use crate::attribute::steps::Collective;
+use crate::event::{Event, Func};
+use crate::record::{RawRecord, Reader, RecordError, TargetInfo};
+use align::{AlignError, Alignment, Seen};
+
+/// Why recordings could not be merged.
+#[derive(Debug, thiserror::Error)]
+pub enum MergeError {
+    #[error(
+        "merge needs the recordings of at least two hosts (or agents); {usable} usable of \
+         {given} given{}",
+        reasons(skipped)
+    )]
+    TooFew {
+        given: usize,
+        usable: usize,
+        skipped: Vec<Skipped>,
+    },
+    #[error("{a} and {b} are different jobs ({a_job} vs {b_job}): merge the recordings of one job")]
+    DifferentJobs {
+        a: String,
+        a_job: String,
+        b: String,
+        b_job: String,
+    },
+    #[error(
+        "host {host}, rank {rank}: {source}. Pass --clock-error with what the hosts' wall \
+         clocks may really differ by (smaller than half a step), e.g. --clock-error 1ms"
+    )]
+    Ambiguous {
+        host: String,
+        rank: i32,
+        #[source]
+        source: AlignError,
+    },
+}
+
+impl MergeError {
+    /// Every merge error is about the input the user gave.
+    #[must_use]
+    pub fn is_bad_input(&self) -> bool {
+        true
+    }
+}
+
+fn reasons(skipped: &[Skipped]) -> String {
+    use std::fmt::Write as _;
+    skipped.iter().fold(String::new(), |mut out, s| {
+        let _ = write!(out, "; {}: {}", s.recording.display(), s.reason);
+        out
+    })
+}
+
+/// A recording left out of the merge, and why.
+#[derive(Clone, Debug, Serialize)]
+pub struct Skipped {
+    pub recording: PathBuf,
+    pub reason: String,
+}
+
+/// What the user asked for.
+#[derive(Clone, Debug)]
+pub struct Options {
+    pub inputs: Vec<PathBuf>,
+    /// What the hosts' wall clocks may differ by.
+    pub clock_error_ns: u64,
+    pub rule: crate::attribute::StepRule,
+}
+
+/// One recording, read for what the alignment needs.
+#[derive(Debug)]
+pub struct Input {
+    pub path: PathBuf,
+    /// The host's name, made unique among the inputs.
+    pub label: String,
+    pub hostname: String,
+    /// realtime − monotonic at attach: the wall clock's word on this host's clock.
+    pub wall_ns: i64,
+    pub targets: Vec<TargetInfo>,
+    pub ranks: Vec<RankIdentity>,
+    /// Per pid: the collectives on its first communicator, in order.
+    pub seen: BTreeMap<u32, Vec<Seen>>,
+    /// Damage met while reading (the collectives before it are kept).
+    pub damage: Option<String>,
+}
+
+/// CUDA calls in which the host waits for the GPU.
+fn is_sync(f: Func) -> bool {
+    matches!(
+        f,
+        Func::CuStreamSynchronize
+            | Func::CuStreamSynchronizePtsz
+            | Func::CuEventSynchronize
+            | Func::CuCtxSynchronize
+    )
+}
+
+/// Per process while reading: communicators in first-use order, the collectives on the
+/// first, and which of them wait for a synchronisation to be seen complete.
+#[derive(Default)]
+struct Reading {
+    comms: Vec<u64>,
+    seen: Vec<Seen>,
+    /// The synchronisation end seen after each collective (0: none yet).
+    synced: Vec<u64>,
+    /// Collectives from `synced`'s first unset one on.
+    open_from: usize,
+    has_sync: bool,
+}
+
+impl Reading {
+    fn call(&mut self, c: &crate::event::Call) {
+        if c.func.is_collective() {
+            let comm = c.comm.unwrap_or(0);
+            let k = self
+                .comms
+                .iter()
+                .position(|h| *h == comm)
+                .unwrap_or_else(|| {
+                    self.comms.push(comm);
+                    self.comms.len() - 1
+                });
+            if k == 0 {
+                self.seen.push(Seen {
+                    func: c.func,
+                    bytes: c.bytes.unwrap_or(0),
+                    arrival_ns: c.start_ns,
+                    done_ns: c.end_ns,
+                });
+                self.synced.push(0);
+            }
+        } else if is_sync(c.func) {
+            self.has_sync = true;
+            while self.open_from < self.seen.len()
+                && self.seen[self.open_from].arrival_ns < c.end_ns
+            {
+                self.synced[self.open_from] = c.end_ns;
+                self.open_from += 1;
+            }
+        }
+    }
+
+    /// The collectives with their completion as seen: with CUDA synchronisations in the
+    /// recording the call returns when the work is queued (NCCL's asynchronous calls), so
+    /// completion is seen when a synchronisation after it returns; without any, the call
+    /// itself waited for its peers.
+    fn finish(self) -> Vec<Seen> {
+        if !self.has_sync {
+            return self.seen;
+        }
+        self.seen
+            .into_iter()
+            .zip(self.synced)
+            .filter(|(_, s)| *s > 0)
+            .map(|(c, s)| Seen { done_ns: s, ..c })
+            .collect()
+    }
+}
+
+/// Reads a recording's targets, rank identities and collectives.
+pub fn read_input(path: &Path) -> Result<Input, RecordError> {
+    let mut reader = Reader::open(path)?;
+    let header = reader.header.clone();
+    let mut targets = header.targets.clone();
+    let mut procs: BTreeMap<u32, Reading> = BTreeMap::new();
+    let mut init_ranks = BTreeMap::new();
+    let damage = loop {
+        match reader.next_raw() {
+            Ok(Some(RawRecord::Kernel(bytes))) => {
+                if let Ok(Event::Call(c)) = crate::decode::decode(bytes) {
+                    if matches!(c.func, Func::CommInitRank | Func::CommInitRankConfig)
+                        && let Some(rank) = c.rank
+                    {
+                        init_ranks.insert(c.task.tgid, rank);
+                    }
+                    procs.entry(c.task.tgid).or_default().call(&c);
+                }
+            }
+            Ok(Some(RawRecord::Meta(crate::record::Meta::Target { target }))) => {
+                targets.push(*target);
+            }
+            Ok(Some(RawRecord::Meta(_))) => {}
+            Ok(None) => break None,
+            Err(e) => break Some(e.to_string()),
+        }
+    };
+    let damage =
+        damage.or_else(|| (reader.damage().regions > 0).then(|| reader.damage().to_string()));
+    let pids: Vec<u32> = targets.iter().map(|t| t.pid).collect();
+    let env_ranks: BTreeMap<u32, (String, i32)> = targets
+        .iter()
+        .filter_map(|t| Some((t.pid, t.env_rank.clone()?)))
+        .collect();
+    let ranks = crate::attribute::ranks::identify(&pids, &init_ranks, &env_ranks);
+    Ok(Input {
+        path: path.to_owned(),
+        label: header.hostname.clone(),
+        hostname: header.hostname.clone(),
+        wall_ns: header.clock.realtime_ns as i64 - header.clock.monotonic_ns as i64,
+        targets,
+        ranks,
+        seen: procs
+            .into_iter()
+            .map(|(pid, r)| (pid, r.finish()))
+            .collect(),
+        damage,
+    })
+}
+
+/// A recording named directly, or the `recording.nctr` in an output folder.
+#[must_use]
+pub fn recording_path(input: &Path) -> PathBuf {
+    if input.is_dir() {
+        input.join("recording.nctr")
+    } else {
+        input.to_owned()
+    }
+}
+
+/// One rank in the merge.
+#[derive(Clone, Debug, Serialize)]
+pub struct MergedRank {
+    pub host: String,
+    pub pid: u32,
+    pub rank: i32,
+    pub rank_source: String,
+    /// Collectives paired with the reference rank's.
+    pub collectives_matched: usize,
+    /// Its training-loop thread's categories over the run, from its host's summary.
+    pub categories_ns: Option<crate::attribute::Categories>,
+    /// Why it was left out of the cross-host matching.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub unmatched: Option<String>,
+}
+
+/// One host's clock, as the merge puts it on the reference's.
+#[derive(Clone, Debug, Serialize)]
+pub struct HostClock {
+    pub host: String,
+    pub hostname: String,
+    pub recording: PathBuf,
+    /// Added to this host's wall-clock times to put them on the reference host's, at
+    /// `offset_at_unix_ns`.
+    pub offset_ns: i64,
+    /// The offset lies within ± this.
+    pub error_bound_ns: u64,
+    pub drift_ppm: f64,
+    pub offset_at_unix_ns: u64,
+    /// The interval causality alone allows (the waits on collectives cannot end before
+    /// the last rank arrived).
+    pub causal_interval_ns: (i64, i64),
+    pub collectives_matched: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub damage: Option<String>,
+}
+
+/// The straggler across hosts.
+#[derive(Clone, Debug, Serialize)]
+pub struct CrossStraggler {
+    pub host: String,
+    #[serde(flatten)]
+    pub straggler: Straggler,
+}
+
+/// What the alignment found: every host's clock, the ranks, the straggler.
+#[derive(Debug, Serialize)]
+pub struct Merged {
+    pub reference: String,
+    pub method: &'static str,
+    pub clock_error_assumed_ns: u64,
+    pub hosts: Vec<HostClock>,
+    pub ranks: Vec<MergedRank>,
+    pub straggler: Option<CrossStraggler>,
+    /// Collectives every merged rank reached, matched across hosts.
+    pub collectives_matched_all_ranks: u64,
+    pub skipped: Vec<Skipped>,
+}
+
+const METHOD: &str = "collectives paired per communicator (first-used) by calls and sizes; \
+    each host's offset is the median difference of the ends of the waits on them, bounded by \
+    causality (no wait ends before the last rank arrived) and the central 90% of the differences";
+
+/// Unique host labels: the host name, with `#2`, `#3`… for the second and later agents of
+/// one host.
+fn label(inputs: &mut [Input]) {
+    let mut count: BTreeMap<String, usize> = BTreeMap::new();
+    for i in inputs {
+        let n = count.entry(i.hostname.clone()).or_default();
+        *n += 1;
+        if *n > 1 {
+            i.label = format!("{}#{n}", i.hostname);
+        }
+    }
+}
+
+/// The job a target belongs to, from its launcher's environment.
+fn job(input: &Input) -> Option<String> {
+    input
+        .targets
+        .iter()
+        .find_map(|t| t.job.as_ref().map(|(var, v)| format!("{var}={v}")))
+}
+
+/// Reads the inputs, refusing mixed jobs; unreadable ones are skipped with the reason.
+pub fn read_inputs(paths: &[PathBuf]) -> Result<(Vec<Input>, Vec<Skipped>), MergeError> {
+    let mut inputs = Vec::new();
+    let mut skipped = Vec::new();
+    for p in paths {
+        let path = recording_path(p);
+        match read_input(&path) {
+            Ok(i) if i.seen.values().all(Vec::is_empty) => skipped.push(Skipped {
+                recording: path,
+                reason: "no collectives recorded".into(),
+            }),
+            Ok(i) => inputs.push(i),
+            Err(e) => skipped.push(Skipped {
+                recording: path,
+                reason: e.to_string(),
+            }),
+        }
+    }
+    if inputs.len() < 2 {
+        return Err(MergeError::TooFew {
+            given: paths.len(),
+            usable: inputs.len(),
+            skipped,
+        });
+    }
+    label(&mut inputs);
+    let jobs: Vec<(&Input, String)> = inputs.iter().filter_map(|i| Some((i, job(i)?))).collect();
+    if let Some((a, a_job)) = jobs.first()
+        && let Some((b, b_job)) = jobs.iter().find(|(_, j)| j != a_job)
+    {
+        return Err(MergeError::DifferentJobs {
+            a: a.label.clone(),
+            a_job: a_job.clone(),
+            b: b.label.clone(),
+            b_job: b_job.clone(),
+        });
+    }
+    Ok((inputs, skipped))
+}
+
+/// The rank every other is aligned with: on the host with the most ranks, its lowest rank
+/// with collectives enough.
+fn reference(inputs: &[Input]) -> (usize, u32) {
+    let usable = |i: &Input| {
+        i.ranks
+            .iter()
+            .filter(|r| {
+                i.seen
+                    .get(&r.pid)
+                    .is_some_and(|s| s.len() >= align::MIN_MATCHED)
+            })
+            .min_by_key(|r| r.rank)
+            .map(|r| r.pid)
+    };
+    inputs
+        .iter()
+        .enumerate()
+        .filter_map(|(n, i)| Some((n, usable(i)?, i.ranks.len())))
+        .max_by_key(|(n, _, ranks)| (*ranks, std::cmp::Reverse(*n)))
+        .map_or((0, 0), |(n, pid, _)| (n, pid))
+}
+
+/// How far apart two ranks of one host may see the same collective complete.
+const SAME_CLOCK_NS: u64 = 1_000_000;
+
+/// One rank's pairing with the reference, on the way to the host's clock.
+struct RankFit {
+    input: usize,
+    pid: u32,
+    fit: Result<Alignment, AlignError>,
+}
+
+/// Aligns every host's clock with the reference's and finds the straggler across hosts.
+pub fn align_hosts(
+    inputs: &[Input],
+    mut skipped: Vec<Skipped>,
+    clock_error_ns: u64,
+) -> Result<Merged, MergeError> {
+    let given = inputs.len() + skipped.len();
+    let (ri, rpid) = reference(inputs);
+    let empty = Vec::new();
+    let r = inputs[ri].seen.get(&rpid).unwrap_or(&empty);
+    let mut fits = Vec::new();
+    for (n, input) in inputs.iter().enumerate() {
+        let guess = input.wall_ns - inputs[ri].wall_ns;
+        // The reference host's own ranks share its clock: only their pairing is looked for.
+        let error = if n == ri {
+            SAME_CLOCK_NS
+        } else {
+            clock_error_ns
+        };
+        for (pid, x) in &input.seen {
+            let error = if n == ri && *pid == rpid { 0 } else { error };
+            let fit = align::align(r, x, guess, error);
+            if let Err(source @ AlignError::Ambiguous { .. }) = &fit {
+                return Err(MergeError::Ambiguous {
+                    host: input.label.clone(),
+                    rank: rank_of(input, *pid).0,
+                    source: source.clone(),
+                });
+            }
+            fits.push(RankFit {
+                input: n,
+                pid: *pid,
+                fit,
+            });
+        }
+    }
+    let mut hosts = Vec::new();
+    let mut ranks = Vec::new();
+    for (n, input) in inputs.iter().enumerate() {
+        let mine: Vec<&RankFit> = fits.iter().filter(|f| f.input == n).collect();
+        let good: Vec<&Alignment> = mine.iter().filter_map(|f| f.fit.as_ref().ok()).collect();
+        for f in &mine {
+            let (rank, rank_source) = rank_of(input, f.pid);
+            ranks.push(MergedRank {
+                host: input.label.clone(),
+                pid: f.pid,
+                rank,
+                rank_source,
+                collectives_matched: f.fit.as_ref().map_or(0, |a| a.matched),
+                categories_ns: None,
+                unmatched: f.fit.as_ref().err().map(ToString::to_string),
+            });
+        }
+        let Some(clock) = host_clock(input, &good, n == ri, inputs[ri].wall_ns) else {
+            let why = mine.iter().find_map(|f| f.fit.as_ref().err()).map_or_else(
+                || "no rank with collectives".to_owned(),
+                ToString::to_string,
+            );
+            skipped.push(Skipped {
+                recording: input.path.clone(),
+                reason: format!(
+                    "its collectives do not line up with {}'s: {why}",
+                    inputs[ri].label
+                ),
+            });
+            continue;
+        };
+        hosts.push(clock);
+    }
+    if hosts.len() < 2 {
+        return Err(MergeError::TooFew {
+            given,
+            usable: hosts.len(),
+            skipped,
+        });
+    }
+    let (straggler, all) = straggler(inputs, &fits, &hosts, &ranks);
+    Ok(Merged {
+        reference: inputs[ri].label.clone(),
+        method: METHOD,
+        clock_error_assumed_ns: clock_error_ns,
+        hosts,
+        ranks,
+        straggler,
+        collectives_matched_all_ranks: all,
+        skipped,
+    })
+}
+
+fn rank_of(input: &Input, pid: u32) -> (i32, String) {
+    input
+        .ranks
+        .iter()
+        .find(|r| r.pid == pid)
+        .map_or((-1, "unknown".into()), |r| (r.rank, r.rank_source.clone()))
+}
+
+/// A host's clock from its ranks' alignments: the median correction, the widest bound
+/// (the reference host: 0 by definition).
+fn host_clock(
+    input: &Input,
+    good: &[&Alignment],
+    is_ref: bool,
+    ref_wall: i64,
+) -> Option<HostClock> {
+    let mut sorted: Vec<&&Alignment> = good.iter().collect();
+    sorted.sort_by_key(|a| a.correction_ns);
+    let mid = **sorted.get(sorted.len() / 2)?;
+    let matched = good.iter().map(|a| a.matched).max().unwrap_or(0);
+    let at = (mid.at_ns as i64 + ref_wall) as u64;
+    Some(if is_ref {
+        HostClock {
+            host: input.label.clone(),
+            hostname: input.hostname.clone(),
+            recording: input.path.clone(),
+            offset_ns: 0,
+            error_bound_ns: 0,
+            drift_ppm: 0.0,
+            offset_at_unix_ns: at,
+            causal_interval_ns: (0, 0),
+            collectives_matched: matched,
+            damage: input.damage.clone(),
+        }
+    } else {
+        HostClock {
+            host: input.label.clone(),
+            hostname: input.hostname.clone(),
+            recording: input.path.clone(),
+            offset_ns: mid.correction_ns,
+            error_bound_ns: good.iter().map(|a| a.bound_ns).max().unwrap_or(0),
+            drift_ppm: mid.drift_ppm,
+            offset_at_unix_ns: at,
+            causal_interval_ns: mid.causal_ns,
+            collectives_matched: matched,
+            damage: input.damage.clone(),
+        }
+    })
+}
+
+impl HostClock {
+    /// A time of this host (its monotonic clock) on the merged axis (the reference's
+    /// wall clock).
+    #[must_use]
+    pub fn to_merged(&self, wall_ns: i64, t: u64) -> i64 {
+        let wall = t as i64 + wall_ns;
+        let drift = self.drift_ppm * 1e-6 * (wall as f64 - self.offset_at_unix_ns as f64);
+        wall + self.offset_ns + drift.round() as i64
+    }
+}
+
+/// Feeds every merged rank's collectives, paired through the reference and on the merged
+/// axis, to the straggler matcher: (the straggler, collectives all ranks reached).
+fn straggler(
+    inputs: &[Input],
+    fits: &[RankFit],
+    hosts: &[HostClock],
+    ranks: &[MergedRank],
+) -> (Option<CrossStraggler>, u64) {
+    let usable: Vec<(usize, &RankFit, &Alignment, &HostClock)> = fits
+        .iter()
+        .enumerate()
+        .filter_map(|(id, f)| {
+            let host = hosts.iter().find(|h| h.host == inputs[f.input].label)?;
+            Some((id, f, f.fit.as_ref().ok()?, host))
+        })
+        .collect();
+    // The first reference index every rank reached.
+    let start = usable
+        .iter()
+        .map(|(_, _, a, _)| -a.shift)
+        .max()
+        .unwrap_or(0);
+    let mut m = Matcher::default();
+    let mut ids = Vec::new();
+    for (id, f, a, host) in &usable {
+        let input = &inputs[f.input];
+        let x = &input.seen[&f.pid];
+        let skip = (start + a.shift).max(0) as usize;
+        for s in x.iter().skip(skip) {
+            let c = Collective {
+                func: s.func,
+                bytes: s.bytes,
+                start_ns: host.to_merged(input.wall_ns, s.arrival_ns).max(0) as u64,
+                end_ns: host.to_merged(input.wall_ns, s.done_ns).max(0) as u64,
+                comm: 1,
+            };
+            m.add(*id as u32, &c);
+        }
+        ids.push(RankIdentity {
+            pid: *id as u32,
+            rank: ranks[*id].rank,
+            rank_source: ranks[*id].rank_source.clone(),
+        });
+    }
+    let all = m.matched().len() as u64;
+    let straggler = m.straggler(&ids).map(|s| {
+        let r = &ranks[s.pid as usize];
+        CrossStraggler {
+            host: r.host.clone(),
+            straggler: Straggler { pid: r.pid, ..s },
+        }
+    });
+    (straggler, all)
+}
+
+/// The merge in words.
+pub fn write_text(m: &Merged, out: &mut impl std::io::Write) -> std::io::Result<()> {
+    writeln!(
+        out,
+        "nccltrace merge: {} hosts on {}'s clock",
+        m.hosts.len(),
+        m.reference
+    )?;
+    for h in &m.hosts {
+        writeln!(
+            out,
+            "  {:<24} offset {:+10.3} ms ± {:.3} ms, drift {:+.2} ppm, {} collectives paired",
+            h.host,
+            h.offset_ns as f64 / 1e6,
+            h.error_bound_ns as f64 / 1e6,
+            h.drift_ppm,
+            h.collectives_matched
+        )?;
+    }
+    for r in m.ranks.iter().filter(|r| r.unmatched.is_some()) {
+        writeln!(
+            out,
+            "  left out: {} rank {} (pid {}): {}",
+            r.host,
+            r.rank,
+            r.pid,
+            r.unmatched.as_deref().unwrap_or_default()
+        )?;
+    }
+    for s in &m.skipped {
+        writeln!(out, "  skipped: {}: {}", s.recording.display(), s.reason)?;
+    }
+    match &m.straggler {
+        Some(s) => writeln!(
+            out,
+            "straggler across hosts: {} rank {} (pid {}): {:.0}% of the waits, {:.3} ms late \
+             on average over {} collectives all ranks reached",
+            s.host,
+            s.straggler.rank,
+            s.straggler.pid,
+            s.straggler.share_of_waits * 100.0,
+            s.straggler.mean_lateness_ns as f64 / 1e6,
+            m.collectives_matched_all_ranks
+        ),
+        None => writeln!(
+            out,
+            "straggler across hosts: none (fewer than two ranks matched)"
+        ),
+    }
+}
+
+pub use trace::merge_traces;
