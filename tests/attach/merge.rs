@@ -180,6 +180,29 @@ fn moved_clock_recovered(dir: &Path, pids: &[u32], a: &Path, b: &Path) -> i64 {
     }
     assert_eq!(trace["otherData"]["reference"], host.as_str());
     assert!(out.join(format!("hosts/{moved_host}/steps.json")).is_file());
+    // The job's steps, from B's first on: every rank of both hosts in nearly all, rank 1
+    // of B the slowest of most (the steps are rank 0's, found by itself).
+    let steps = json(&out.join("steps.json"));
+    let steps = steps["steps"].as_array().unwrap();
+    let three = |s: &&Value| s["ranks"].as_array().unwrap().len() == 3;
+    let first = steps.iter().position(|s| three(&s)).unwrap();
+    let steps = &steps[first..];
+    assert!(steps.len() > 300, "{} steps", steps.len());
+    let whole = steps.iter().filter(three).count();
+    let slow_b = steps
+        .iter()
+        .filter(|s| s["slowest"]["host"] == moved_host.as_str() && s["slowest"]["rank"] == 1)
+        .count();
+    assert!(
+        whole * 10 > steps.len() * 9,
+        "{whole} of {} steps",
+        steps.len()
+    );
+    assert!(
+        slow_b * 2 > steps.len(),
+        "{slow_b} of {} steps",
+        steps.len()
+    );
 
     // Unmoved: zero within the bound.
     let (code, _, stderr) = merge(&[a, b], &dir.join("same"), &["--clock-error", "2ms"]);

@@ -87,6 +87,23 @@ pub fn run(args: MergeArgs) -> Result<(), Error> {
         .collect();
     let trace = out.path.join("trace.json");
     merge::merge_traces(&trace, &trace_parts, &other).map_err(|e| output(trace.clone(), e))?;
+    // The reference host first: its steps are the job's.
+    let steps_paths: Vec<PathBuf> = parts
+        .iter()
+        .map(|(t, ..)| t.with_file_name("steps.json"))
+        .collect();
+    let mut hosts: Vec<merge::HostSteps<'_>> = parts
+        .iter()
+        .zip(&steps_paths)
+        .map(|((_, wall_ns, clock), steps)| merge::HostSteps {
+            steps,
+            wall_ns: *wall_ns,
+            clock,
+        })
+        .collect();
+    hosts.sort_by_key(|h| h.clock.host != merged.reference);
+    let steps = out.path.join("steps.json");
+    merge::merge_steps(&steps, &hosts, &merged).map_err(|e| output(steps.clone(), e))?;
     write_summary(&out.path, &merged)?;
     match merge::write_text(&merged, &mut std::io::stdout().lock()) {
         Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {

@@ -48,6 +48,8 @@ pub struct Alignment {
     /// The time on r's clock the correction is given at (middle of the overlap).
     pub at_ns: u64,
     pub matched: usize,
+    /// Pairs left out because their calls or sizes differ (a call lost on one side).
+    pub mismatched: usize,
     /// The interval causality alone allows.
     pub causal_ns: (i64, i64),
 }
@@ -121,14 +123,14 @@ pub fn align(
         });
     }
     let shift = fits[0].0;
-    let matched = pairs(r, x, shift).count();
-    if matched < MIN_MATCHED {
+    let fit = estimate(r, x, shift, guess_ns);
+    if fit.matched < MIN_MATCHED {
         return Err(AlignError::TooFew {
-            matched,
+            matched: fit.matched,
             needed: MIN_MATCHED,
         });
     }
-    Ok(estimate(r, x, shift, guess_ns))
+    Ok(fit)
 }
 
 /// Pairings whose first pair the wall clocks allow: x's first collective against each of
@@ -179,6 +181,7 @@ fn screen(refs: &[Seen], other: &[Seen], shift: i64, guess_ns: i64) -> Option<i6
     let (mut lo, mut hi) = (i64::MIN, i64::MAX);
     for (a, b) in pairs(refs, other, shift).take(SCREEN) {
         if a.func != b.func || a.bytes != b.bytes {
+            log::trace!("shift {shift}: {a:?} beside {b:?}");
             return None;
         }
         let (low, high, p) = bounds(a, b, guess_ns);
@@ -187,6 +190,7 @@ fn screen(refs: &[Seen], other: &[Seen], shift: i64, guess_ns: i64) -> Option<i6
         points.push(p);
     }
     if points.is_empty() || lo > hi {
+        log::trace!("shift {shift}: causality allows {lo}..{hi}");
         return None;
     }
     Some(median(&mut points))
@@ -210,7 +214,14 @@ fn quantile(sorted: &[f64], q: f64) -> f64 {
 
 /// The correction, its drift and bound over every matched pair.
 fn estimate(refs: &[Seen], other: &[Seen], shift: i64, guess_ns: i64) -> Alignment {
+    let mut mismatched = 0;
     let pts: Vec<(f64, i64, i64, i64)> = pairs(refs, other, shift)
+        .filter(|(a, b)| {
+            // A call lost on one side moves every later pair: those are left out.
+            let same = a.func == b.func && a.bytes == b.bytes;
+            mismatched += usize::from(!same);
+            same
+        })
         .map(|(a, b)| {
             let (low, high, p) = bounds(a, b, guess_ns);
             (a.done_ns as f64, low, high, p)
@@ -263,6 +274,7 @@ fn estimate(refs: &[Seen], other: &[Seen], shift: i64, guess_ns: i64) -> Alignme
         drift_ppm: slope * 1e6,
         at_ns: t_mid as u64,
         matched: pts.len(),
+        mismatched,
         causal_ns: (lo.round() as i64, hi.round() as i64),
     }
 }

@@ -8,6 +8,7 @@
 //! ([`trace`]), summary.json and the words with the offsets and the cross-host straggler.
 
 pub mod align;
+mod steps;
 pub mod trace;
 
 use std::collections::BTreeMap;
@@ -185,7 +186,11 @@ pub fn read_input(path: &Path) -> Result<Input, RecordError> {
     let damage = loop {
         match reader.next_raw() {
             Ok(Some(RawRecord::Kernel(bytes))) => {
-                if let Ok(Event::Call(c)) = crate::decode::decode(bytes) {
+                // Probes are attached one function after another, and the clock reference
+                // is taken once all are: calls before it may miss a function's calls.
+                if let Ok(Event::Call(c)) = crate::decode::decode(bytes)
+                    && c.start_ns >= header.clock.monotonic_ns
+                {
                     if matches!(c.func, Func::CommInitRank | Func::CommInitRankConfig)
                         && let Some(rank) = c.rank
                     {
@@ -268,6 +273,8 @@ pub struct HostClock {
     /// the last rank arrived).
     pub causal_interval_ns: (i64, i64),
     pub collectives_matched: usize,
+    /// Pairs left out because one side lost a call (their calls or sizes differ).
+    pub collectives_mismatched: usize,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub damage: Option<String>,
 }
@@ -292,6 +299,10 @@ pub struct Merged {
     /// Collectives every merged rank reached, matched across hosts.
     pub collectives_matched_all_ranks: u64,
     pub skipped: Vec<Skipped>,
+    /// Per collective all ranks reached, by the reference rank's arrival (merged axis):
+    /// (that arrival, the rank arriving last as an index into `ranks`, how late).
+    #[serde(skip)]
+    pub lateness: Vec<(u64, u32, u64)>,
 }
 
 const METHOD: &str = "collectives paired per communicator (first-used) by calls and sizes; \
@@ -467,7 +478,7 @@ pub fn align_hosts(
             skipped,
         });
     }
-    let (straggler, all) = straggler(inputs, &fits, &hosts, &ranks);
+    let (straggler, all, lateness) = straggler(inputs, (ri, rpid), &fits, &hosts, &ranks);
     Ok(Merged {
         reference: inputs[ri].label.clone(),
         method: METHOD,
@@ -477,6 +488,7 @@ pub fn align_hosts(
         straggler,
         collectives_matched_all_ranks: all,
         skipped,
+        lateness,
     })
 }
 
@@ -512,6 +524,7 @@ fn host_clock(
             offset_at_unix_ns: at,
             causal_interval_ns: (0, 0),
             collectives_matched: matched,
+            collectives_mismatched: good.iter().map(|a| a.mismatched).max().unwrap_or(0),
             damage: input.damage.clone(),
         }
     } else {
@@ -525,6 +538,7 @@ fn host_clock(
             offset_at_unix_ns: at,
             causal_interval_ns: mid.causal_ns,
             collectives_matched: matched,
+            collectives_mismatched: good.iter().map(|a| a.mismatched).max().unwrap_or(0),
             damage: input.damage.clone(),
         }
     })
@@ -545,10 +559,11 @@ impl HostClock {
 /// axis, to the straggler matcher: (the straggler, collectives all ranks reached).
 fn straggler(
     inputs: &[Input],
+    reference: (usize, u32),
     fits: &[RankFit],
     hosts: &[HostClock],
     ranks: &[MergedRank],
-) -> (Option<CrossStraggler>, u64) {
+) -> (Option<CrossStraggler>, u64, Vec<(u64, u32, u64)>) {
     let usable: Vec<(usize, &RankFit, &Alignment, &HostClock)> = fits
         .iter()
         .enumerate()
@@ -585,7 +600,17 @@ fn straggler(
             rank_source: ranks[*id].rank_source.clone(),
         });
     }
-    let all = m.matched().len() as u64;
+    let matched = m.matched();
+    let reference = usable
+        .iter()
+        .find(|(_, f, _, _)| (f.input, f.pid) == reference)
+        .map_or(0, |(id, ..)| *id as u32);
+    let mut lateness: Vec<(u64, u32, u64)> = matched
+        .iter()
+        .filter_map(|arrivals| crate::attribute::ranks::late_entry(arrivals, reference))
+        .collect();
+    lateness.sort_unstable();
+    let all = matched.len() as u64;
     let straggler = m.straggler(&ids).map(|s| {
         let r = &ranks[s.pid as usize];
         CrossStraggler {
@@ -593,7 +618,7 @@ fn straggler(
             straggler: Straggler { pid: r.pid, ..s },
         }
     });
-    (straggler, all)
+    (straggler, all, lateness)
 }
 
 /// The merge in words.
@@ -607,12 +632,20 @@ pub fn write_text(m: &Merged, out: &mut impl std::io::Write) -> std::io::Result<
     for h in &m.hosts {
         writeln!(
             out,
-            "  {:<24} offset {:+10.3} ms ± {:.3} ms, drift {:+.2} ppm, {} collectives paired",
+            "  {:<24} offset {:+10.3} ms ± {:.3} ms, drift {:+.2} ppm, {} collectives paired{}",
             h.host,
             h.offset_ns as f64 / 1e6,
             h.error_bound_ns as f64 / 1e6,
             h.drift_ppm,
-            h.collectives_matched
+            h.collectives_matched,
+            if h.collectives_mismatched > 0 {
+                format!(
+                    " ({} left out: a call lost on one side)",
+                    h.collectives_mismatched
+                )
+            } else {
+                String::new()
+            }
         )?;
     }
     for r in m.ranks.iter().filter(|r| r.unmatched.is_some()) {
@@ -647,4 +680,5 @@ pub fn write_text(m: &Merged, out: &mut impl std::io::Write) -> std::io::Result<
     }
 }
 
+pub use steps::{HostSteps, merge_steps};
 pub use trace::merge_traces;
