@@ -682,3 +682,141 @@ pub fn write_text(m: &Merged, out: &mut impl std::io::Write) -> std::io::Result<
 
 pub use steps::{HostSteps, merge_steps};
 pub use trace::merge_traces;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::event::{Call, Task};
+
+    fn call(func: Func, start: u64, end: u64, comm: u64) -> Call {
+        Call {
+            task: Task::default(),
+            func,
+            start_ns: start,
+            end_ns: end,
+            ret: 0,
+            count: Some(1),
+            datatype: Some(7),
+            bytes: Some(4),
+            redop: None,
+            peer: None,
+            comm: Some(comm),
+            stream: None,
+            new_comm: None,
+            rank: None,
+            nranks: None,
+            message: None,
+        }
+    }
+
+    /// Asynchronous collectives are seen complete when the next synchronisation returns;
+    /// ones never followed by one are left out; only the first-used communicator counts.
+    /// Without any synchronisation in the recording, the call's own end is its completion.
+    #[test]
+    fn completion_seen_at_the_next_sync() {
+        let mut r = Reading::default();
+        r.call(&call(Func::AllReduce, 10, 12, 0xa));
+        r.call(&call(Func::AllReduce, 20, 22, 0xb));
+        r.call(&call(Func::AllReduce, 30, 32, 0xa));
+        r.call(&call(Func::CuStreamSynchronize, 40, 90, 0));
+        r.call(&call(Func::AllReduce, 100, 102, 0xa));
+        let seen = r.finish();
+        assert_eq!(
+            seen.iter()
+                .map(|s| (s.arrival_ns, s.done_ns))
+                .collect::<Vec<_>>(),
+            [(10, 90), (30, 90)]
+        );
+        let mut r = Reading::default();
+        r.call(&call(Func::AllReduce, 10, 12, 0xa));
+        assert_eq!(r.finish()[0].done_ns, 12);
+    }
+
+    /// A host's time on the merged axis: its wall clock, the offset, and the drift from
+    /// where the offset was measured.
+    #[test]
+    fn host_time_on_the_merged_axis() {
+        let clock = HostClock {
+            host: "b".into(),
+            hostname: "b".into(),
+            recording: PathBuf::new(),
+            offset_ns: -1_700_000,
+            error_bound_ns: 10_000,
+            drift_ppm: 10.0,
+            offset_at_unix_ns: 2_000_000_000,
+            causal_interval_ns: (0, 0),
+            collectives_matched: 100,
+            collectives_mismatched: 0,
+            damage: None,
+        };
+        assert_eq!(
+            clock.to_merged(1_000_000_000, 1_000_000_000),
+            2_000_000_000 - 1_700_000
+        );
+        // One second later: 10 µs of drift.
+        assert_eq!(
+            clock.to_merged(1_000_000_000, 2_000_000_000),
+            3_000_000_000 - 1_700_000 + 10_000
+        );
+    }
+
+    /// Two hosts' traces joined: times moved by each host's offset onto one axis whose 0 is
+    /// the earliest event, pids moved apart, process names prefixed with the host.
+    #[test]
+    fn traces_joined_on_one_axis() {
+        let dir = tempfile::tempdir().unwrap();
+        let host = |name: &str, zero: u64| {
+            let path = dir.path().join(format!("{name}.json"));
+            std::fs::write(
+                &path,
+                format!(
+                    "{{\"displayTimeUnit\":\"ns\",\"traceEvents\":[\n\
+                     {{\"ph\":\"M\",\"name\":\"process_name\",\"pid\":7,\"args\":{{\"name\":\"rank 0\"}}}},\n\
+                     {{\"ph\":\"X\",\"name\":\"AllReduce\",\"pid\":7,\"tid\":8,\"ts\":1.5,\"dur\":2}}\n\
+                     ],\"otherData\":{{\"monotonic_ns_at_0\":{zero}}}}}\n"
+                ),
+            )
+            .unwrap();
+            path
+        };
+        let clock = |name: &str, offset_ns: i64| HostClock {
+            host: name.into(),
+            hostname: name.into(),
+            recording: PathBuf::new(),
+            offset_ns,
+            error_bound_ns: 0,
+            drift_ppm: 0.0,
+            offset_at_unix_ns: 0,
+            causal_interval_ns: (0, 0),
+            collectives_matched: 0,
+            collectives_mismatched: 0,
+            damage: None,
+        };
+        let (ta, tb) = (host("a", 1_000_000), host("b", 5_000_000));
+        let (ca, cb) = (clock("a", 0), clock("b", -4_000_000));
+        let parts = [
+            trace::Part {
+                trace: &ta,
+                wall_ns: 0,
+                clock: &ca,
+            },
+            trace::Part {
+                trace: &tb,
+                wall_ns: 0,
+                clock: &cb,
+            },
+        ];
+        let out = dir.path().join("trace.json");
+        merge_traces(&out, &parts, &serde_json::json!({"reference": "a"})).unwrap();
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+        let events = v["traceEvents"].as_array().unwrap();
+        assert_eq!(events.len(), 4);
+        // b's 0 is 5 ms on its clock, 1 ms on a's: both slices at 1.5 µs.
+        assert_eq!(events[1]["ts"], 1.5);
+        assert_eq!(events[3]["ts"], 1.5);
+        assert_eq!(events[3]["pid"], trace::PID_SPAN + 7);
+        assert_eq!(events[2]["args"]["name"], "b: rank 0");
+        assert_eq!(v["otherData"]["reference"], "a");
+    }
+}
