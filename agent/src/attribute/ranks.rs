@@ -157,14 +157,16 @@ impl Matcher {
                     .iter_mut()
                     .filter_map(|(pid, r)| r.1[k].pop_front().map(|t| (*pid, t)))
                     .collect();
-                self.tally(&arrivals);
+                self.record(&arrivals);
                 out.push(arrivals);
             }
         }
         out
     }
 
-    fn tally(&mut self, arrivals: &BTreeMap<u32, u64>) {
+    /// Charges one matched collective (each pid's arrival): the last to arrive made the
+    /// others wait.
+    pub fn record(&mut self, arrivals: &BTreeMap<u32, u64>) {
         let Some(first) = arrivals.values().copied().min() else {
             return;
         };
@@ -199,7 +201,7 @@ impl Matcher {
     /// The rank charged the most waits so far, when at least two ranks issued collectives.
     #[must_use]
     pub fn straggler(&self, ids: &[RankIdentity]) -> Option<Straggler> {
-        if self.ranks.len() < 2 {
+        if self.behind.len() < 2 {
             return None;
         }
         let (&pid, &waits) = self.charged.iter().max_by_key(|(_, w)| **w)?;

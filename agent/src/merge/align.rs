@@ -30,10 +30,55 @@ pub struct Seen {
     pub done_ns: u64,
 }
 
+/// A rank's collectives: every one, or, past what is kept, runs of them in windows spread
+/// over the run ([`Sampler`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Kept {
+    /// Runs of consecutive collectives: (the first one's index in the rank's order, them),
+    /// in order.
+    pub runs: Vec<(usize, Vec<Seen>)>,
+}
+
+impl Kept {
+    /// One run from the first collective on.
+    #[must_use]
+    pub fn whole(seen: Vec<Seen>) -> Kept {
+        Kept {
+            runs: vec![(0, seen)],
+        }
+    }
+
+    /// How many are kept.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.runs.iter().map(|r| r.1.len()).sum()
+    }
+
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The collective of index `i`, when kept.
+    #[must_use]
+    pub fn get(&self, i: usize) -> Option<&Seen> {
+        let at = self.runs.partition_point(|(first, _)| *first <= i);
+        let (first, run) = self.runs.get(at.checked_sub(1)?)?;
+        run.get(i - first)
+    }
+
+    /// Every kept collective with its index.
+    pub fn iter(&self) -> impl Iterator<Item = (usize, &Seen)> {
+        self.runs
+            .iter()
+            .flat_map(|(first, run)| run.iter().enumerate().map(move |(k, s)| (first + k, s)))
+    }
+}
+
 /// How two ranks' collectives line up, and the offset between their clocks.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Alignment {
-    /// `x[i + shift]` is `r[i]`.
+    /// `x[j + shift]` is `r[j]` (indices in each rank's order).
     pub shift: i64,
     /// Added to x's times (after the wall-clock guess) to put them on r's clock, at the
     /// middle of the overlap.
@@ -95,8 +140,8 @@ const SCREEN: usize = 256;
 /// Aligns `x` to `r`: `guess_ns` is what the wall clocks say to add to x's times; the
 /// true correction is assumed within `max_error_ns` of it.
 pub fn align(
-    r: &[Seen],
-    x: &[Seen],
+    r: &Kept,
+    x: &Kept,
     guess_ns: i64,
     max_error_ns: u64,
 ) -> Result<Alignment, AlignError> {
@@ -133,50 +178,60 @@ pub fn align(
     Ok(fit)
 }
 
-/// Pairings whose first pair the wall clocks allow: x's first collective against each of
-/// r's near it, and r's first against each of x's.
-fn candidates(r: &[Seen], x: &[Seen], guess_ns: i64, max_error_ns: u64) -> Vec<i64> {
-    let (Some(r0), Some(x0)) = (r.first(), x.first()) else {
-        return Vec::new();
-    };
+/// Pairings whose first pair the wall clocks allow: the first collective of each of x's
+/// runs (until one finds any) against each of r's near it, and the same from r's side.
+fn candidates(r: &Kept, x: &Kept, guess_ns: i64, max_error_ns: u64) -> Vec<i64> {
     // One collective's completion is noticed late by as much as a descheduled rank takes:
     // the first pair may be off by more than the clocks are.
     let near = |a: u64, b: u64| {
         (a as i64 - b as i64).unsigned_abs() <= max_error_ns.saturating_add(PAIR_SLACK_NS)
     };
     let on_r = |s: &Seen| s.done_ns.saturating_add_signed(guess_ns);
-    let mut out: Vec<i64> = r
-        .iter()
-        .enumerate()
-        .filter(|(_, s)| near(s.done_ns, on_r(x0)))
-        .map(|(j, _)| -(j as i64))
-        .chain(
-            x.iter()
-                .enumerate()
-                .filter(|(_, s)| near(on_r(s), r0.done_ns))
-                .map(|(i, _)| i as i64),
-        )
-        .collect();
+    let starts = |k: &Kept| -> Vec<(usize, Seen)> {
+        k.runs
+            .iter()
+            .filter_map(|(first, run)| Some((*first, *run.first()?)))
+            .collect()
+    };
+    let mut out = Vec::new();
+    for (i, a) in starts(x) {
+        let found: Vec<i64> = r
+            .iter()
+            .filter(|(_, s)| near(s.done_ns, on_r(&a)))
+            .map(|(j, _)| i as i64 - j as i64)
+            .collect();
+        if !found.is_empty() {
+            out.extend(found);
+            break;
+        }
+    }
+    for (j, b) in starts(r) {
+        let found: Vec<i64> = x
+            .iter()
+            .filter(|(_, s)| near(on_r(s), b.done_ns))
+            .map(|(i, _)| i as i64 - j as i64)
+            .collect();
+        if !found.is_empty() {
+            out.extend(found);
+            break;
+        }
+    }
     out.sort_unstable();
     out.dedup();
     out
 }
 
-/// Matched pairs `(r[j], x[j + shift])`.
-fn pairs<'a>(
-    r: &'a [Seen],
-    x: &'a [Seen],
-    shift: i64,
-) -> impl Iterator<Item = (&'a Seen, &'a Seen)> {
-    let j0 = (-shift).max(0) as usize;
-    r.iter()
-        .skip(j0)
-        .zip(x.iter().skip((j0 as i64 + shift) as usize))
+/// Matched pairs `(r[j], x[j + shift])` that both keep.
+fn pairs<'a>(r: &'a Kept, x: &'a Kept, shift: i64) -> impl Iterator<Item = (&'a Seen, &'a Seen)> {
+    r.iter().filter_map(move |(j, a)| {
+        let i = usize::try_from(j as i64 + shift).ok()?;
+        Some((a, x.get(i)?))
+    })
 }
 
 /// The correction a pairing gives when its first pairs call the same functions with the
 /// same sizes and causality holds among them; `None` otherwise.
-fn screen(refs: &[Seen], other: &[Seen], shift: i64, guess_ns: i64) -> Option<i64> {
+fn screen(refs: &Kept, other: &Kept, shift: i64, guess_ns: i64) -> Option<i64> {
     let mut points = Vec::with_capacity(SCREEN);
     let (mut lo, mut hi) = (i64::MIN, i64::MAX);
     for (a, b) in pairs(refs, other, shift).take(SCREEN) {
@@ -213,7 +268,7 @@ fn quantile(sorted: &[f64], q: f64) -> f64 {
 }
 
 /// The correction, its drift and bound over every matched pair.
-fn estimate(refs: &[Seen], other: &[Seen], shift: i64, guess_ns: i64) -> Alignment {
+fn estimate(refs: &Kept, other: &Kept, shift: i64, guess_ns: i64) -> Alignment {
     let mut mismatched = 0;
     let pts: Vec<(f64, i64, i64, i64)> = pairs(refs, other, shift)
         .filter(|(a, b)| {
@@ -313,10 +368,21 @@ mod tests {
         let x = job(200, 5_000_000, 30_000, 40_000, -7_300_000, 13);
         // The wall clocks say 0 and claim to be right within 1 ms: no pairing fits.
         assert!(matches!(
-            align(&r, &x, 0, 1_000_000),
+            align(
+                &Kept::whole(r.clone()),
+                &Kept::whole(x.clone()),
+                0,
+                1_000_000
+            ),
             Err(AlignError::NoMatch { .. })
         ));
-        let a = align(&r, &x, -7_000_000, 2_000_000).unwrap();
+        let a = align(
+            &Kept::whole(r.clone()),
+            &Kept::whole(x.clone()),
+            -7_000_000,
+            2_000_000,
+        )
+        .unwrap();
         assert_eq!(a.shift, -13);
         assert!((a.correction_ns + 300_000).abs() < 10_000, "{a:?}");
         assert!(
@@ -334,14 +400,25 @@ mod tests {
     fn periodic_steps_are_ambiguous_beyond_half_a_period() {
         let r = job(100, 5_000_000, 0, 40_000, 0, 0);
         let x = job(100, 5_000_000, 0, 40_000, 0, 4);
-        match align(&r, &x, 0, 10_000_000) {
+        match align(
+            &Kept::whole(r.clone()),
+            &Kept::whole(x.clone()),
+            0,
+            10_000_000,
+        ) {
             Err(AlignError::Ambiguous { chosen, other }) => {
                 assert!(chosen.abs() < 50_000);
                 assert!((other.abs() - 5_000_000).abs() < 50_000);
             }
             other => panic!("{other:?}"),
         }
-        let a = align(&r, &x, 0, 2_000_000).unwrap();
+        let a = align(
+            &Kept::whole(r.clone()),
+            &Kept::whole(x.clone()),
+            0,
+            2_000_000,
+        )
+        .unwrap();
         assert_eq!((a.shift, a.matched), (-4, 396));
     }
 
@@ -354,14 +431,46 @@ mod tests {
             s.bytes += 1;
         }
         assert!(matches!(
-            align(&r, &x, 0, 1_000_000),
+            align(
+                &Kept::whole(r.clone()),
+                &Kept::whole(x.clone()),
+                0,
+                1_000_000
+            ),
             Err(AlignError::NoMatch { .. })
         ));
         let short = job(3, 5_000_000, 0, 40_000, 0, 0);
         assert!(matches!(
-            align(&short, &short, 0, 1_000_000),
+            align(
+                &Kept::whole(short.clone()),
+                &Kept::whole(short.clone()),
+                0,
+                1_000_000
+            ),
             Err(AlignError::TooFew { matched: 12, .. })
         ));
+    }
+
+    /// Only windows of each rank kept (every third of 100 steps, both hosts alike, as
+    /// wall-clock windows fall): paired through the runs both keep, the same offset.
+    #[test]
+    fn windows_of_collectives_align() {
+        let windows = |v: Vec<Seen>| Kept {
+            runs: v
+                .chunks(40)
+                .enumerate()
+                .filter(|(n, _)| n.is_multiple_of(3))
+                .map(|(n, c)| (n * 40, c.to_vec()))
+                .collect(),
+        };
+        let r = windows(job(1000, 5_000_000, 0, 40_000, 0, 0));
+        let x = windows(job(1000, 5_000_000, 30_000, 40_000, -7_300_000, 0));
+        let a = align(&r, &x, -7_000_000, 2_000_000).unwrap();
+        assert_eq!(a.shift, 0);
+        assert!((a.correction_ns + 300_000).abs() < 10_000, "{a:?}");
+        assert_eq!(a.matched, r.len());
+        assert_eq!(r.get(41), None);
+        assert_eq!(r.get(120), r.runs[1].1.first());
     }
 
     /// A clock drifting 20 ppm over 60 s (1.2 ms by the end) is followed: the drift found,
@@ -375,7 +484,13 @@ mod tests {
             s.arrival_ns = skew(s.arrival_ns);
             s.done_ns = skew(s.done_ns);
         }
-        let a = align(&r, &x, 0, 2_000_000).unwrap();
+        let a = align(
+            &Kept::whole(r.clone()),
+            &Kept::whole(x.clone()),
+            0,
+            2_000_000,
+        )
+        .unwrap();
         assert!((a.drift_ppm - 20.0).abs() < 0.5, "{a:?}");
         let at_end = r.last().unwrap().done_ns;
         let truth_end = (at_end as f64 * 20e-6) as i64;

@@ -17,10 +17,9 @@ use std::path::{Path, PathBuf};
 use serde::Serialize;
 
 use crate::attribute::ranks::{Matcher, RankIdentity, Straggler};
-use crate::attribute::steps::Collective;
 use crate::event::{Event, Func};
 use crate::record::{RawRecord, Reader, RecordError, TargetInfo};
-use align::{AlignError, Alignment, Seen};
+use align::{AlignError, Alignment, Kept, Seen};
 
 /// Why recordings could not be merged.
 #[derive(Debug, thiserror::Error)]
@@ -97,8 +96,11 @@ pub struct Input {
     pub wall_ns: i64,
     pub targets: Vec<TargetInfo>,
     pub ranks: Vec<RankIdentity>,
-    /// Per pid: the collectives on its first communicator, in order.
-    pub seen: BTreeMap<u32, Vec<Seen>>,
+    /// Per pid: the collectives on its first communicator, in order (in windows past
+    /// [`KEEP`]).
+    pub seen: BTreeMap<u32, Kept>,
+    /// Past [`KEEP`] collectives of a rank, one window in this many was kept.
+    pub sampled: Option<u64>,
     /// Damage met while reading (the collectives before it are kept).
     pub damage: Option<String>,
 }
@@ -114,21 +116,40 @@ fn is_sync(f: Func) -> bool {
     )
 }
 
-/// Per process while reading: communicators in first-use order, the collectives on the
-/// first, and which of them wait for a synchronisation to be seen complete.
+/// Collectives kept per rank; past this, windows of them spread over the run.
+const KEEP: usize = 1 << 15;
+/// Width of a window of kept collectives, on the wall clock: every host keeps the same
+/// windows (its clock is off by far less), so the kept collectives still pair up.
+const WINDOW_NS: u64 = 1_000_000_000;
+
+/// Consecutive kept collectives of one window.
+struct Run {
+    first: usize,
+    window: u64,
+    seen: Vec<Seen>,
+    /// The synchronisation end seen after each (0: none yet).
+    synced: Vec<u64>,
+}
+
+/// Per process while reading: communicators in first-use order, and the collectives on
+/// the first: every one up to [`KEEP`], then those of every other window, every fourth…
+/// (the first window always), in memory bounded at any run length.
 #[derive(Default)]
 struct Reading {
     comms: Vec<u64>,
-    seen: Vec<Seen>,
-    /// The synchronisation end seen after each collective (0: none yet).
-    synced: Vec<u64>,
-    /// Collectives from `synced`'s first unset one on.
+    runs: Vec<Run>,
+    /// Index of the next collective on the first communicator.
+    next: usize,
+    /// The first collective not yet followed by a synchronisation.
     open_from: usize,
+    kept: usize,
+    /// Windows kept: those whose number is a multiple of this (0 or 1: all).
+    every: u64,
     has_sync: bool,
 }
 
 impl Reading {
-    fn call(&mut self, c: &crate::event::Call) {
+    fn call(&mut self, c: &crate::event::Call, wall_ns: i64) {
         if c.func.is_collective() {
             let comm = c.comm.unwrap_or(0);
             let k = self
@@ -140,39 +161,92 @@ impl Reading {
                     self.comms.len() - 1
                 });
             if k == 0 {
-                self.seen.push(Seen {
-                    func: c.func,
-                    bytes: c.bytes.unwrap_or(0),
-                    arrival_ns: c.start_ns,
-                    done_ns: c.end_ns,
-                });
-                self.synced.push(0);
+                self.keep(c, wall_ns);
             }
         } else if is_sync(c.func) {
             self.has_sync = true;
-            while self.open_from < self.seen.len()
-                && self.seen[self.open_from].arrival_ns < c.end_ns
-            {
-                self.synced[self.open_from] = c.end_ns;
-                self.open_from += 1;
+            for run in self.runs.iter_mut().rev() {
+                if run.first + run.seen.len() <= self.open_from {
+                    break;
+                }
+                for (n, s) in run.seen.iter().enumerate() {
+                    if run.first + n >= self.open_from && s.arrival_ns < c.end_ns {
+                        run.synced[n] = c.end_ns;
+                    }
+                }
             }
+            self.open_from = self.next;
+        }
+    }
+
+    fn keep(&mut self, c: &crate::event::Call, wall_ns: i64) {
+        let i = self.next;
+        self.next += 1;
+        let window = u64::try_from(c.start_ns as i64 + wall_ns).unwrap_or(0) / WINDOW_NS;
+        let head = self.runs.len() <= 1 && self.runs.first().is_none_or(|r| r.window == window);
+        if !head && !window.is_multiple_of(self.every.max(1)) {
+            return;
+        }
+        let seen = Seen {
+            func: c.func,
+            bytes: c.bytes.unwrap_or(0),
+            arrival_ns: c.start_ns,
+            done_ns: c.end_ns,
+        };
+        match self.runs.last_mut() {
+            Some(r) if r.window == window && r.first + r.seen.len() == i => {
+                r.seen.push(seen);
+                r.synced.push(0);
+            }
+            _ => self.runs.push(Run {
+                first: i,
+                window,
+                seen: vec![seen],
+                synced: vec![0],
+            }),
+        }
+        self.kept += 1;
+        while self.kept > KEEP && self.runs.len() > 1 {
+            self.every = self.every.max(1) * 2;
+            let every = self.every;
+            let mut n = 0;
+            self.runs.retain(|r| {
+                n += 1;
+                n == 1 || r.window.is_multiple_of(every)
+            });
+            self.kept = self.runs.iter().map(|r| r.seen.len()).sum();
         }
     }
 
     /// The collectives with their completion as seen: with CUDA synchronisations in the
     /// recording the call returns when the work is queued (NCCL's asynchronous calls), so
-    /// completion is seen when a synchronisation after it returns; without any, the call
-    /// itself waited for its peers.
-    fn finish(self) -> Vec<Seen> {
-        if !self.has_sync {
-            return self.seen;
+    /// completion is seen when a synchronisation after it returns (those never followed by
+    /// one are left out); without any, the call itself waited for its peers.
+    fn finish(self) -> Kept {
+        let mut runs = Vec::new();
+        for r in self.runs {
+            if !self.has_sync {
+                runs.push((r.first, r.seen));
+                continue;
+            }
+            let mut cur: Option<(usize, Vec<Seen>)> = None;
+            for (n, (s, synced)) in r.seen.into_iter().zip(r.synced).enumerate() {
+                if synced == 0 {
+                    runs.extend(cur.take());
+                    continue;
+                }
+                let s = Seen {
+                    done_ns: synced,
+                    ..s
+                };
+                match &mut cur {
+                    Some(c) => c.1.push(s),
+                    None => cur = Some((r.first + n, vec![s])),
+                }
+            }
+            runs.extend(cur);
         }
-        self.seen
-            .into_iter()
-            .zip(self.synced)
-            .filter(|(_, s)| *s > 0)
-            .map(|(c, s)| Seen { done_ns: s, ..c })
-            .collect()
+        Kept { runs }
     }
 }
 
@@ -183,6 +257,7 @@ pub fn read_input(path: &Path) -> Result<Input, RecordError> {
     let mut targets = header.targets.clone();
     let mut procs: BTreeMap<u32, Reading> = BTreeMap::new();
     let mut init_ranks = BTreeMap::new();
+    let wall_ns = header.clock.realtime_ns as i64 - header.clock.monotonic_ns as i64;
     let damage = loop {
         match reader.next_raw() {
             Ok(Some(RawRecord::Kernel(bytes))) => {
@@ -196,7 +271,7 @@ pub fn read_input(path: &Path) -> Result<Input, RecordError> {
                     {
                         init_ranks.insert(c.task.tgid, rank);
                     }
-                    procs.entry(c.task.tgid).or_default().call(&c);
+                    procs.entry(c.task.tgid).or_default().call(&c, wall_ns);
                 }
             }
             Ok(Some(RawRecord::Meta(crate::record::Meta::Target { target }))) => {
@@ -219,7 +294,8 @@ pub fn read_input(path: &Path) -> Result<Input, RecordError> {
         path: path.to_owned(),
         label: header.hostname.clone(),
         hostname: header.hostname.clone(),
-        wall_ns: header.clock.realtime_ns as i64 - header.clock.monotonic_ns as i64,
+        wall_ns,
+        sampled: procs.values().map(|r| r.every).max().filter(|e| *e > 1),
         targets,
         ranks,
         seen: procs
@@ -298,6 +374,10 @@ pub struct Merged {
     pub straggler: Option<CrossStraggler>,
     /// Collectives every merged rank reached, matched across hosts.
     pub collectives_matched_all_ranks: u64,
+    /// Set when a rank had more collectives than are kept: which windows of the run the
+    /// offsets, the straggler and the steps' slowest ranks come from.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sampled: Option<String>,
     pub skipped: Vec<Skipped>,
     /// Per collective all ranks reached, by the reference rank's arrival (merged axis):
     /// (that arrival, the rank arriving last as an index into `ranks`, how late).
@@ -337,7 +417,7 @@ pub fn read_inputs(paths: &[PathBuf]) -> Result<(Vec<Input>, Vec<Skipped>), Merg
     for p in paths {
         let path = recording_path(p);
         match read_input(&path) {
-            Ok(i) if i.seen.values().all(Vec::is_empty) => skipped.push(Skipped {
+            Ok(i) if i.seen.values().all(Kept::is_empty) => skipped.push(Skipped {
                 recording: path,
                 reason: "no collectives recorded".into(),
             }),
@@ -410,7 +490,7 @@ pub fn align_hosts(
 ) -> Result<Merged, MergeError> {
     let given = inputs.len() + skipped.len();
     let (ri, rpid) = reference(inputs);
-    let empty = Vec::new();
+    let empty = Kept::default();
     let r = inputs[ri].seen.get(&rpid).unwrap_or(&empty);
     let mut fits = Vec::new();
     for (n, input) in inputs.iter().enumerate() {
@@ -487,6 +567,12 @@ pub fn align_hosts(
         ranks,
         straggler,
         collectives_matched_all_ranks: all,
+        sampled: inputs.iter().filter_map(|i| i.sampled).max().map(|every| {
+            format!(
+                "past {KEEP} collectives a rank, only those in 1-s wall-clock windows whose \
+                 number is a multiple of {every} are kept (and the first window)"
+            )
+        }),
         skipped,
         lateness,
     })
@@ -572,45 +658,46 @@ fn straggler(
             Some((id, f, f.fit.as_ref().ok()?, host))
         })
         .collect();
-    // The first reference index every rank reached.
-    let start = usable
+    let ids: Vec<RankIdentity> = usable
         .iter()
-        .map(|(_, _, a, _)| -a.shift)
-        .max()
-        .unwrap_or(0);
-    let mut m = Matcher::default();
-    let mut ids = Vec::new();
-    for (id, f, a, host) in &usable {
-        let input = &inputs[f.input];
-        let x = &input.seen[&f.pid];
-        let skip = (start + a.shift).max(0) as usize;
-        for s in x.iter().skip(skip) {
-            let c = Collective {
-                func: s.func,
-                bytes: s.bytes,
-                start_ns: host.to_merged(input.wall_ns, s.arrival_ns).max(0) as u64,
-                end_ns: host.to_merged(input.wall_ns, s.done_ns).max(0) as u64,
-                comm: 1,
-            };
-            m.add(*id as u32, &c);
-        }
-        ids.push(RankIdentity {
+        .map(|(id, ..)| RankIdentity {
             pid: *id as u32,
             rank: ranks[*id].rank,
             rank_source: ranks[*id].rank_source.clone(),
-        });
-    }
-    let matched = m.matched();
-    let reference = usable
+        })
+        .collect();
+    let reference_id = usable
         .iter()
         .find(|(_, f, _, _)| (f.input, f.pid) == reference)
         .map_or(0, |(id, ..)| *id as u32);
-    let mut lateness: Vec<(u64, u32, u64)> = matched
-        .iter()
-        .filter_map(|arrivals| crate::attribute::ranks::late_entry(arrivals, reference))
-        .collect();
+    let empty = Kept::default();
+    let r = inputs[reference.0].seen.get(&reference.1).unwrap_or(&empty);
+    // Every collective of the reference that every rank kept, its arrivals on the merged
+    // axis.
+    let mut m = Matcher::default();
+    let mut lateness = Vec::new();
+    let mut all = 0;
+    for (j, _) in r.iter() {
+        let arrivals: BTreeMap<u32, u64> = usable
+            .iter()
+            .filter_map(|(id, f, a, host)| {
+                let input = &inputs[f.input];
+                let s = input
+                    .seen
+                    .get(&f.pid)?
+                    .get(usize::try_from(j as i64 + a.shift).ok()?)?;
+                let at = host.to_merged(input.wall_ns, s.arrival_ns);
+                Some((*id as u32, u64::try_from(at).ok()?))
+            })
+            .collect();
+        if arrivals.len() < usable.len().max(2) {
+            continue;
+        }
+        m.record(&arrivals);
+        lateness.extend(crate::attribute::ranks::late_entry(&arrivals, reference_id));
+        all += 1;
+    }
     lateness.sort_unstable();
-    let all = matched.len() as u64;
     let straggler = m.straggler(&ids).map(|s| {
         let r = &ranks[s.pid as usize];
         CrossStraggler {
@@ -660,6 +747,9 @@ pub fn write_text(m: &Merged, out: &mut impl std::io::Write) -> std::io::Result<
     }
     for s in &m.skipped {
         writeln!(out, "  skipped: {}: {}", s.recording.display(), s.reason)?;
+    }
+    if let Some(sampled) = &m.sampled {
+        writeln!(out, "  sampled: {sampled}")?;
     }
     match &m.straggler {
         Some(s) => writeln!(
@@ -715,21 +805,49 @@ mod tests {
     #[test]
     fn completion_seen_at_the_next_sync() {
         let mut r = Reading::default();
-        r.call(&call(Func::AllReduce, 10, 12, 0xa));
-        r.call(&call(Func::AllReduce, 20, 22, 0xb));
-        r.call(&call(Func::AllReduce, 30, 32, 0xa));
-        r.call(&call(Func::CuStreamSynchronize, 40, 90, 0));
-        r.call(&call(Func::AllReduce, 100, 102, 0xa));
+        r.call(&call(Func::AllReduce, 10, 12, 0xa), 0);
+        r.call(&call(Func::AllReduce, 20, 22, 0xb), 0);
+        r.call(&call(Func::AllReduce, 30, 32, 0xa), 0);
+        r.call(&call(Func::CuStreamSynchronize, 40, 90, 0), 0);
+        r.call(&call(Func::AllReduce, 100, 102, 0xa), 0);
         let seen = r.finish();
         assert_eq!(
             seen.iter()
-                .map(|s| (s.arrival_ns, s.done_ns))
+                .map(|(i, s)| (i, s.arrival_ns, s.done_ns))
                 .collect::<Vec<_>>(),
-            [(10, 90), (30, 90)]
+            [(0, 10, 90), (1, 30, 90)]
         );
         let mut r = Reading::default();
-        r.call(&call(Func::AllReduce, 10, 12, 0xa));
-        assert_eq!(r.finish()[0].done_ns, 12);
+        r.call(&call(Func::AllReduce, 10, 12, 0xa), 0);
+        assert_eq!(r.finish().get(0).unwrap().done_ns, 12);
+    }
+
+    /// A rank of 200 s at 1,000 collectives a second keeps at most KEEP of them, in whole
+    /// wall-clock windows (the first always), spread over the run: memory bounded at any
+    /// length, and every host keeps the same windows.
+    #[test]
+    fn long_runs_keep_windows() {
+        let mut r = Reading::default();
+        for i in 0..200_000u64 {
+            let t = 5_000_000_000 + i * 1_000_000;
+            r.call(&call(Func::AllReduce, t, t + 10, 0xa), 0);
+        }
+        assert_eq!(r.every, 8);
+        let kept = r.finish();
+        assert!(
+            kept.len() <= KEEP && kept.len() > KEEP / 2,
+            "{}",
+            kept.len()
+        );
+        let windows: Vec<u64> = kept
+            .runs
+            .iter()
+            .map(|(first, _)| (5_000_000_000 + *first as u64 * 1_000_000) / WINDOW_NS)
+            .collect();
+        assert_eq!(windows[0], 5);
+        assert!(windows[1..].iter().all(|w| w % 8 == 0), "{windows:?}");
+        assert!(kept.runs[1..].iter().all(|(_, run)| run.len() == 1000));
+        assert_eq!(kept.get(3_000).map(|s| s.arrival_ns), Some(8_000_000_000));
     }
 
     /// A host's time on the merged axis: its wall clock, the offset, and the drift from
