@@ -248,6 +248,23 @@ fn others_refused_or_skipped(dir: &Path, a: &Path, b: &Path, offset: i64) {
         "{stderr}"
     );
 
+    // A recording of another job (a real PyTorch rank on the H200, months apart) shares
+    // no collective: refused, saying why.
+    let h200 = dir.join("h200.nctr");
+    let xz = std::process::Command::new("xz")
+        .arg("-dc")
+        .arg(super::workspace().join("tests/data/h200/allreduce.nctr.xz"))
+        .output()
+        .unwrap();
+    std::fs::write(&h200, xz.stdout).unwrap();
+    let (code, _, stderr) = merge(&[a, &h200], &dir.join("other"), &[]);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(
+        stderr.contains("h200.nctr: its collectives do not line up")
+            && stderr.contains("none of their collectives"),
+        "{stderr}"
+    );
+
     // A damaged recording among them: merged without it, said why.
     let bad = dir.join("bad.nctr");
     std::fs::write(&bad, b"not a recording at all").unwrap();

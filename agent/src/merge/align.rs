@@ -112,6 +112,11 @@ impl Alignment {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum AlignError {
     #[error(
+        "none of their collectives falls within the clock error of the reference's (by the \
+         wall clocks): not the same run, or clocks further apart than --clock-error"
+    )]
+    NoOverlap,
+    #[error(
         "no pairing of their collectives within the clock error puts the same calls with the \
          same sizes side by side ({candidates} tried)"
     )]
@@ -146,6 +151,9 @@ pub fn align(
     max_error_ns: u64,
 ) -> Result<Alignment, AlignError> {
     let candidates = candidates(r, x, guess_ns, max_error_ns);
+    if candidates.is_empty() {
+        return Err(AlignError::NoOverlap);
+    }
     let mut fits: Vec<(i64, i64)> = candidates
         .iter()
         .filter_map(|&shift| {
