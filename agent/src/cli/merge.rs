@@ -68,7 +68,12 @@ pub fn run(args: MergeArgs) -> Result<(), Error> {
                 .find(|s| s.pid == r.pid)
                 .map(|s| s.categories);
         }
-        parts.push((dir.join("trace.json"), input.wall_ns, host.clone()));
+        parts.push((
+            dir.join("trace.json"),
+            input.wall_ns,
+            host.clone(),
+            outputs.steps.rank_pid,
+        ));
     }
     let other = json!({
         "clock": "the reference host's wall clock (CLOCK_REALTIME at its attach, carried on by \
@@ -79,7 +84,7 @@ pub fn run(args: MergeArgs) -> Result<(), Error> {
     });
     let trace_parts: Vec<merge::trace::Part<'_>> = parts
         .iter()
-        .map(|(trace, wall_ns, clock)| merge::trace::Part {
+        .map(|(trace, wall_ns, clock, _)| merge::trace::Part {
             trace,
             wall_ns: *wall_ns,
             clock,
@@ -95,10 +100,11 @@ pub fn run(args: MergeArgs) -> Result<(), Error> {
     let mut hosts: Vec<merge::HostSteps<'_>> = parts
         .iter()
         .zip(&steps_paths)
-        .map(|((_, wall_ns, clock), steps)| merge::HostSteps {
+        .map(|((_, wall_ns, clock, rank_pid), steps)| merge::HostSteps {
             steps,
             wall_ns: *wall_ns,
             clock,
+            rank_pid: *rank_pid,
         })
         .collect();
     hosts.sort_by_key(|h| h.clock.host != merged.reference);
