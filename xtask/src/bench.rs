@@ -197,6 +197,7 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
         &work.join("report-trainer"),
     )?;
     let (_, caller_report_s) = report_speed(&agent, &recording, &work.join("report-caller"))?;
+    let (merge_s, merge_kb) = merge_speed(&agent, &long.join("recording.nctr"), &work)?;
 
     let (bare, pair, traced, bpftrace) =
         (median(bare), median(pair), median(traced), median(bpftrace));
@@ -240,7 +241,45 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
         "| report, caller recording ({events:.0} events, each call its own step) | {:.2} M events/s ({caller_report_s:.2} s) | | |",
         events / caller_report_s / 1e6
     );
+    println!(
+        "| merge, the trainer recording with a copy of itself as a second host ({:.0} events) | {:.2} M events/s ({merge_s:.2} s), peak RSS {:.1} MB | | |",
+        2.0 * trainer_events,
+        2.0 * trainer_events / merge_s / 1e6,
+        merge_kb as f64 / 1024.0
+    );
     Ok(())
+}
+
+/// `nccltrace merge` of `recording` with a copy of itself: (seconds, peak RSS in KiB of the
+/// whole process, from GNU time).
+fn merge_speed(agent: &Path, recording: &Path, work: &Path) -> anyhow::Result<(f64, u64)> {
+    let copy = work.join("merge-copy.nctr");
+    std::fs::copy(recording, &copy)?;
+    let out = work.join("merge");
+    let _ = std::fs::remove_dir_all(&out);
+    let started = Instant::now();
+    let run = Command::new("/usr/bin/time")
+        .args(["-f", "%M"])
+        .arg(agent)
+        .arg("merge")
+        .arg(recording)
+        .arg(&copy)
+        .args(["--clock-error", "1ms", "--out"])
+        .arg(&out)
+        .stdout(Stdio::null())
+        .output()
+        .context("/usr/bin/time (Debian's time, installed by cargo xtask setup)")?;
+    let seconds = started.elapsed().as_secs_f64();
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    if !run.status.success() {
+        bail!("nccltrace merge failed: {stderr}");
+    }
+    let kb = stderr
+        .lines()
+        .last()
+        .and_then(|l| l.trim().parse().ok())
+        .context("no peak RSS from /usr/bin/time")?;
+    Ok((seconds, kb))
 }
 
 /// User + system CPU seconds of a live process so far.

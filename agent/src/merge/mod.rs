@@ -118,6 +118,8 @@ fn is_sync(f: Func) -> bool {
 
 /// Collectives kept per rank; past this, windows of them spread over the run.
 const KEEP: usize = 1 << 15;
+/// Collectives kept of one window.
+const WINDOW_CAP: usize = KEEP / 8;
 /// Width of a window of kept collectives, on the wall clock: every host keeps the same
 /// windows (its clock is off by far less), so the kept collectives still pair up.
 const WINDOW_NS: u64 = 1_000_000_000;
@@ -194,6 +196,8 @@ impl Reading {
             done_ns: c.end_ns,
         };
         match self.runs.last_mut() {
+            // A burst keeps its first WINDOW_CAP: memory stays bounded whatever the rate.
+            Some(r) if r.window == window && r.seen.len() >= WINDOW_CAP => return,
             Some(r) if r.window == window && r.first + r.seen.len() == i => {
                 r.seen.push(seen);
                 r.synced.push(0);
@@ -824,7 +828,8 @@ mod tests {
 
     /// A rank of 200 s at 1,000 collectives a second keeps at most KEEP of them, in whole
     /// wall-clock windows (the first always), spread over the run: memory bounded at any
-    /// length, and every host keeps the same windows.
+    /// length, and every host keeps the same windows. A burst in one window keeps its
+    /// first WINDOW_CAP.
     #[test]
     fn long_runs_keep_windows() {
         let mut r = Reading::default();
@@ -848,6 +853,12 @@ mod tests {
         assert!(windows[1..].iter().all(|w| w % 8 == 0), "{windows:?}");
         assert!(kept.runs[1..].iter().all(|(_, run)| run.len() == 1000));
         assert_eq!(kept.get(3_000).map(|s| s.arrival_ns), Some(8_000_000_000));
+        // 100,000 in one second: its first WINDOW_CAP.
+        let mut r = Reading::default();
+        for i in 0..100_000u64 {
+            r.call(&call(Func::AllReduce, i * 10_000, i * 10_000 + 10, 0xa), 0);
+        }
+        assert_eq!(r.finish().len(), WINDOW_CAP);
     }
 
     /// A host's time on the merged axis: its wall clock, the offset, and the drift from
