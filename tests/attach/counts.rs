@@ -193,36 +193,7 @@ fn three_ranks_one_straggler() {
     let _serial = privileged();
     let dir = tempfile::tempdir().unwrap();
     let go = dir.path().join("go");
-    let shm = format!("/nccltrace-test-{}", std::process::id());
-    let mut trainers = Vec::new();
-    for rank in 0..3 {
-        let rank_s = rank.to_string();
-        let mut args = vec![
-            "--steps",
-            "20",
-            "--compute-us",
-            "1000",
-            "--no-migrate",
-            "--go-file",
-            go.to_str().unwrap(),
-        ];
-        if rank == 1 {
-            args.extend(["--step-sleep-us", "3000"]);
-        }
-        let env = [
-            ("FAKE_NCCL_WORLD", "3"),
-            ("FAKE_NCCL_RANK", rank_s.as_str()),
-            ("FAKE_NCCL_SHM", shm.as_str()),
-            ("RANK", rank_s.as_str()),
-            ("FAKE_NCCL_US", "100"),
-        ];
-        trainers.push(Target::spawn(
-            &fixtures().join("trainer"),
-            &args,
-            &env,
-            dir.path(),
-        ));
-    }
+    let (trainers, shm) = straggler_job(dir.path(), "20");
     let pids: Vec<u32> = trainers.iter().map(|t| t.child.id()).collect();
     let out = dir.path().join("out");
     // `--all` finds them: every process mapping NCCL (the tests run one at a time).

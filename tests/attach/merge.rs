@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-use super::{Agent, Target, agent, fixtures, privileged};
+use super::{Agent, agent, privileged};
 
 /// Copies a recording with its header changed by `edit` (a host whose wall clock is off,
 /// a target of another job), record for record.
@@ -69,30 +69,7 @@ fn two_agents_merged_on_one_clock() {
 /// from 300 ms later: (the folder, the pids, A's and B's output folders).
 fn two_agents() -> (tempfile::TempDir, Vec<u32>, PathBuf, PathBuf) {
     let dir = tempfile::tempdir().unwrap();
-    let shm = format!("/nccltrace-merge-{}", std::process::id());
-    let go = dir.path().join("go");
-    let mut trainers = Vec::new();
-    for rank in 0..3 {
-        let rank_s = rank.to_string();
-        let mut args = vec!["--steps", "700", "--compute-us", "1000", "--no-migrate"];
-        args.extend(["--go-file", go.to_str().unwrap()]);
-        if rank == 1 {
-            args.extend(["--step-sleep-us", "3000"]);
-        }
-        let env = [
-            ("FAKE_NCCL_WORLD", "3"),
-            ("FAKE_NCCL_RANK", rank_s.as_str()),
-            ("FAKE_NCCL_SHM", shm.as_str()),
-            ("RANK", rank_s.as_str()),
-            ("FAKE_NCCL_US", "100"),
-        ];
-        trainers.push(Target::spawn(
-            &fixtures().join("trainer"),
-            &args,
-            &env,
-            dir.path(),
-        ));
-    }
+    let (trainers, shm) = super::straggler_job(dir.path(), "700");
     let pids: Vec<u32> = trainers.iter().map(|t| t.child.id()).collect();
     let (rec_a, rec_b) = (dir.path().join("a"), dir.path().join("b"));
     let agent_a = Agent::attach_many(&[pids[0], pids[2]], &rec_a, &["--profile", "minimal"]);

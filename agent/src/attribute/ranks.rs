@@ -198,10 +198,12 @@ impl Matcher {
             .collect()
     }
 
-    /// The rank charged the most waits so far, when at least two ranks issued collectives.
+    /// The rank charged the most waits so far, when at least two ranks issued collectives
+    /// and one made another wait.
     #[must_use]
     pub fn straggler(&self, ids: &[RankIdentity]) -> Option<Straggler> {
-        if self.behind.len() < 2 {
+        // Nobody made anybody wait: no straggler to name.
+        if self.behind.len() < 2 || self.total == 0 {
             return None;
         }
         let (&pid, &waits) = self.charged.iter().max_by_key(|(_, w)| **w)?;
@@ -209,11 +211,7 @@ impl Matcher {
         Some(Straggler {
             rank: ids.iter().find(|r| r.pid == pid).map_or(-1, |r| r.rank),
             pid,
-            share_of_waits: if self.total == 0 {
-                0.0
-            } else {
-                waits as f64 / self.total as f64
-            },
+            share_of_waits: waits as f64 / self.total as f64,
             mean_lateness_ns: sum / n.max(1),
         })
     }

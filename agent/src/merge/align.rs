@@ -346,6 +346,21 @@ fn estimate(refs: &Kept, other: &Kept, shift: i64, guess_ns: i64) -> Alignment {
 mod tests {
     use super::*;
 
+    /// Aligns two ranks that kept every collective.
+    fn fit(
+        r: &[Seen],
+        x: &[Seen],
+        guess_ns: i64,
+        max_error_ns: u64,
+    ) -> Result<Alignment, AlignError> {
+        align(
+            &Kept::whole(r.to_vec()),
+            &Kept::whole(x.to_vec()),
+            guess_ns,
+            max_error_ns,
+        )
+    }
+
     /// A job: steps of `period` ns with four all-reduces of growing size; each rank's
     /// arrivals `late` ns after the first, and every rank seeing completion within `noise`
     /// of it (a fixed pseudo-random pattern).
@@ -376,21 +391,10 @@ mod tests {
         let x = job(200, 5_000_000, 30_000, 40_000, -7_300_000, 13);
         // The wall clocks say 0 and claim to be right within 1 ms: no pairing fits.
         assert!(matches!(
-            align(
-                &Kept::whole(r.clone()),
-                &Kept::whole(x.clone()),
-                0,
-                1_000_000
-            ),
+            fit(&r, &x, 0, 1_000_000),
             Err(AlignError::NoMatch { .. })
         ));
-        let a = align(
-            &Kept::whole(r.clone()),
-            &Kept::whole(x.clone()),
-            -7_000_000,
-            2_000_000,
-        )
-        .unwrap();
+        let a = fit(&r, &x, -7_000_000, 2_000_000).unwrap();
         assert_eq!(a.shift, -13);
         assert!((a.correction_ns + 300_000).abs() < 10_000, "{a:?}");
         assert!(
@@ -408,25 +412,14 @@ mod tests {
     fn periodic_steps_are_ambiguous_beyond_half_a_period() {
         let r = job(100, 5_000_000, 0, 40_000, 0, 0);
         let x = job(100, 5_000_000, 0, 40_000, 0, 4);
-        match align(
-            &Kept::whole(r.clone()),
-            &Kept::whole(x.clone()),
-            0,
-            10_000_000,
-        ) {
+        match fit(&r, &x, 0, 10_000_000) {
             Err(AlignError::Ambiguous { chosen, other }) => {
                 assert!(chosen.abs() < 50_000);
                 assert!((other.abs() - 5_000_000).abs() < 50_000);
             }
             other => panic!("{other:?}"),
         }
-        let a = align(
-            &Kept::whole(r.clone()),
-            &Kept::whole(x.clone()),
-            0,
-            2_000_000,
-        )
-        .unwrap();
+        let a = fit(&r, &x, 0, 2_000_000).unwrap();
         assert_eq!((a.shift, a.matched), (-4, 396));
     }
 
@@ -439,22 +432,12 @@ mod tests {
             s.bytes += 1;
         }
         assert!(matches!(
-            align(
-                &Kept::whole(r.clone()),
-                &Kept::whole(x.clone()),
-                0,
-                1_000_000
-            ),
+            fit(&r, &x, 0, 1_000_000),
             Err(AlignError::NoMatch { .. })
         ));
         let short = job(3, 5_000_000, 0, 40_000, 0, 0);
         assert!(matches!(
-            align(
-                &Kept::whole(short.clone()),
-                &Kept::whole(short.clone()),
-                0,
-                1_000_000
-            ),
+            fit(&short, &short, 0, 1_000_000),
             Err(AlignError::TooFew { matched: 12, .. })
         ));
     }
@@ -492,13 +475,7 @@ mod tests {
             s.arrival_ns = skew(s.arrival_ns);
             s.done_ns = skew(s.done_ns);
         }
-        let a = align(
-            &Kept::whole(r.clone()),
-            &Kept::whole(x.clone()),
-            0,
-            2_000_000,
-        )
-        .unwrap();
+        let a = fit(&r, &x, 0, 2_000_000).unwrap();
         assert!((a.drift_ppm - 20.0).abs() < 0.5, "{a:?}");
         let at_end = r.last().unwrap().done_ns;
         let truth_end = (at_end as f64 * 20e-6) as i64;

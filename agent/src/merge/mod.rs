@@ -767,9 +767,13 @@ pub fn write_text(m: &Merged, out: &mut impl std::io::Write) -> std::io::Result<
             s.straggler.mean_lateness_ns as f64 / 1e6,
             m.collectives_matched_all_ranks
         ),
+        None if m.collectives_matched_all_ranks == 0 => writeln!(
+            out,
+            "straggler across hosts: none (no collective that every rank reached)"
+        ),
         None => writeln!(
             out,
-            "straggler across hosts: none (fewer than two ranks matched)"
+            "straggler across hosts: none (no rank made the others wait)"
         ),
     }
 }
