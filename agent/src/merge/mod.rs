@@ -782,6 +782,26 @@ pub use steps::{HostSteps, merge_steps};
 pub use trace::merge_traces;
 
 #[cfg(test)]
+impl HostClock {
+    /// A host whose clock is `offset_ns` off the reference's, without drift.
+    pub(crate) fn fixed(host: &str, offset_ns: i64) -> HostClock {
+        HostClock {
+            host: host.into(),
+            hostname: host.into(),
+            recording: PathBuf::new(),
+            offset_ns,
+            error_bound_ns: 0,
+            drift_ppm: 0.0,
+            offset_at_unix_ns: 0,
+            causal_interval_ns: (0, 0),
+            collectives_matched: 0,
+            collectives_mismatched: 0,
+            damage: None,
+        }
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
     use crate::event::{Call, Task};
@@ -870,17 +890,9 @@ mod tests {
     #[test]
     fn host_time_on_the_merged_axis() {
         let clock = HostClock {
-            host: "b".into(),
-            hostname: "b".into(),
-            recording: PathBuf::new(),
-            offset_ns: -1_700_000,
-            error_bound_ns: 10_000,
             drift_ppm: 10.0,
             offset_at_unix_ns: 2_000_000_000,
-            causal_interval_ns: (0, 0),
-            collectives_matched: 100,
-            collectives_mismatched: 0,
-            damage: None,
+            ..HostClock::fixed("b", -1_700_000)
         };
         assert_eq!(
             clock.to_merged(1_000_000_000, 1_000_000_000),
@@ -912,21 +924,8 @@ mod tests {
             .unwrap();
             path
         };
-        let clock = |name: &str, offset_ns: i64| HostClock {
-            host: name.into(),
-            hostname: name.into(),
-            recording: PathBuf::new(),
-            offset_ns,
-            error_bound_ns: 0,
-            drift_ppm: 0.0,
-            offset_at_unix_ns: 0,
-            causal_interval_ns: (0, 0),
-            collectives_matched: 0,
-            collectives_mismatched: 0,
-            damage: None,
-        };
         let (ta, tb) = (host("a", 1_000_000), host("b", 5_000_000));
-        let (ca, cb) = (clock("a", 0), clock("b", -4_000_000));
+        let (ca, cb) = (HostClock::fixed("a", 0), HostClock::fixed("b", -4_000_000));
         let parts = [
             trace::Part {
                 trace: &ta,

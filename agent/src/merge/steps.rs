@@ -285,19 +285,7 @@ mod tests {
                 .unwrap();
         let whole = doc["steps"].as_array().unwrap();
         assert!(whole.len() > 100);
-        let clock = HostClock {
-            host: "h".into(),
-            hostname: "h".into(),
-            recording: rec.clone(),
-            offset_ns: 5,
-            error_bound_ns: 0,
-            drift_ppm: 0.0,
-            offset_at_unix_ns: 0,
-            causal_interval_ns: (0, 0),
-            collectives_matched: 0,
-            collectives_mismatched: 0,
-            damage: None,
-        };
+        let clock = HostClock::fixed("h", 5);
         let path = out.join("steps.json");
         let host = HostSteps {
             steps: &path,
