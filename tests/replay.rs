@@ -330,3 +330,57 @@ fn metrics_follow_the_attribution() {
     assert!(!text.contains("nccltrace_infiniband"), "{text}");
     assert!(text.ends_with("# EOF\n"));
 }
+
+/// The outputs of the stored H200 recordings, byte for byte, against golden files
+/// (`tests/data/golden/h200-NAME-FILE`; `NCCLTRACE_BLESS=1` rewrites them): a change in
+/// what `report` finds, or in how it writes it, shows here as a diff to review (issue 18:
+/// the streaming attribution must keep today's outputs).
+#[test]
+fn outputs_match_the_golden_files() {
+    let golden = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/data/golden");
+    let bless = std::env::var_os("NCCLTRACE_BLESS").is_some();
+    for name in ["ddp", "allreduce"] {
+        let dir = tempfile::tempdir().unwrap();
+        let rec = unpacked(name, dir.path());
+        let out = dir.path().join("out");
+        let report = Command::new(env!("CARGO_BIN_EXE_nccltrace"))
+            .arg("report")
+            .arg(&rec)
+            .arg("--out")
+            .arg(&out)
+            .output()
+            .unwrap();
+        assert!(report.status.success());
+        let words = String::from_utf8(report.stdout).unwrap();
+        for file in ["summary.json", "steps.json", "steps.csv", "summary.txt"] {
+            let actual = if file == "summary.txt" {
+                words.clone()
+            } else {
+                std::fs::read_to_string(out.join(file)).unwrap()
+            };
+            let path = golden.join(format!("h200-{name}-{file}"));
+            if bless {
+                std::fs::write(&path, &actual).unwrap();
+                continue;
+            }
+            let expected = std::fs::read_to_string(&path).unwrap_or_else(|e| {
+                panic!("{}: {e} (NCCLTRACE_BLESS=1 writes it)", path.display())
+            });
+            if actual != expected {
+                let line = actual
+                    .lines()
+                    .zip(expected.lines())
+                    .position(|(a, b)| a != b)
+                    .unwrap_or(0);
+                panic!(
+                    "{} differs from its golden file at line {} (NCCLTRACE_BLESS=1 to update):\n  \
+                     now:    {}\n  golden: {}",
+                    path.display(),
+                    line + 1,
+                    actual.lines().nth(line).unwrap_or(""),
+                    expected.lines().nth(line).unwrap_or("")
+                );
+            }
+        }
+    }
+}
