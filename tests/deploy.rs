@@ -182,6 +182,7 @@ fn one_step_of_every_kind(
             rank: None,
             nranks: None,
             message: None,
+            comm_id: None,
         })
     };
     feed.event(&call(Func::AllReduce));

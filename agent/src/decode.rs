@@ -58,6 +58,17 @@ fn task(h: &Header) -> Task {
     }
 }
 
+/// A communicator's name from the first 16 bytes of its ncclUniqueId (FNV-1a over them).
+#[must_use]
+pub fn unique_id(a: u64, b: u64) -> u64 {
+    a.to_le_bytes()
+        .iter()
+        .chain(&b.to_le_bytes())
+        .fold(0xcbf2_9ce4_8422_2325, |h, byte| {
+            (h ^ u64::from(*byte)).wrapping_mul(0x0100_0000_01b3)
+        })
+}
+
 /// Decodes one raw record.
 #[allow(clippy::many_single_char_names, clippy::too_many_lines)] // one short arm per kind
 pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
@@ -229,6 +240,7 @@ fn decode_call(e: &CallEvent) -> Result<Call, DecodeError> {
         rank: None,
         nranks: None,
         message: None,
+        comm_id: None,
     };
     let layout: Option<ArgLayout> = match func {
         Func::AllReduce | Func::ReduceScatter => Some((2, 3, Some(4), None, 5, 6)),
@@ -253,6 +265,8 @@ fn decode_call(e: &CallEvent) -> Result<Call, DecodeError> {
             call.nranks = Some(a[1] as i32);
             call.rank = Some(a[2] as i32);
             call.new_comm = Some(e.out);
+            // All zero: a recording from before the id was read.
+            call.comm_id = (a[6] | a[7] != 0).then(|| unique_id(a[6], a[7]));
         }
         Func::CommInitAll => {
             call.nranks = Some(a[1] as i32);
@@ -364,17 +378,30 @@ mod tests {
     }
 
     /// ncclCommInitRank passes the 128-byte ncclUniqueId in memory, so rank is the third
-    /// register argument; the new handle is read through the out pointer.
+    /// register argument; the new handle is read through the out pointer; the id's first
+    /// 16 bytes (read off the stack into the last two slots) name the communicator, and a
+    /// recording from before they were read (zeros) names none.
     #[test]
     fn comm_init_rank() {
-        let rec = call_record(func::NCCL_COMM_INIT_RANK, [0x1000, 8, 3, 0, 0, 0, 0, 0]);
+        assert_eq!(func::stack_args(func::NCCL_COMM_INIT_RANK, false), 2);
+        assert_eq!(func::stack_args(func::NCCL_COMM_INIT_RANK_CONFIG, true), 2);
+        let rec = call_record(
+            func::NCCL_COMM_INIT_RANK,
+            [0x1000, 8, 3, 0, 0, 0, 0x5eed, 7],
+        );
         let Event::Call(c) = decode(&as_bytes(&rec)).unwrap() else {
             panic!("not a call")
         };
         assert_eq!(
-            (c.nranks, c.rank, c.new_comm),
-            (Some(8), Some(3), Some(0xabc))
+            (c.nranks, c.rank, c.new_comm, c.comm_id),
+            (Some(8), Some(3), Some(0xabc), Some(unique_id(0x5eed, 7)))
         );
+        assert_ne!(unique_id(0x5eed, 7), unique_id(0x5eed, 8));
+        let old = call_record(func::NCCL_COMM_INIT_RANK, [0x1000, 8, 3, 0, 0, 0, 0, 0]);
+        let Event::Call(c) = decode(&as_bytes(&old)).unwrap() else {
+            panic!("not a call")
+        };
+        assert_eq!(c.comm_id, None);
     }
 
     /// Truncated and unknown records are errors, not panics.

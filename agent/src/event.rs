@@ -317,6 +317,9 @@ pub struct Call {
     pub nranks: Option<i32>,
     /// The range name given to `nvtxRangePushA` (at most 55 bytes kept).
     pub message: Option<String>,
+    /// The communicator a CommInitRank* call creates, named alike on every rank: a hash
+    /// of the first 16 bytes of its ncclUniqueId.
+    pub comm_id: Option<u64>,
 }
 
 impl Call {

@@ -1108,6 +1108,7 @@ mod tests {
                 rank: None,
                 nranks: None,
                 message: None,
+                comm_id: None,
             }));
         }
         let out = agg.finish(StepRule::Auto);

@@ -193,7 +193,7 @@ fn three_ranks_one_straggler() {
     let _serial = privileged();
     let dir = tempfile::tempdir().unwrap();
     let go = dir.path().join("go");
-    let (trainers, shm) = straggler_job(dir.path(), "20");
+    let (trainers, shm) = straggler_job(dir.path(), "20", &[]);
     let pids: Vec<u32> = trainers.iter().map(|t| t.child.id()).collect();
     let out = dir.path().join("out");
     // `--all` finds them: every process mapping NCCL (the tests run one at a time).

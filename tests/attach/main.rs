@@ -137,7 +137,7 @@ impl Target {
 /// Three ranks of one job, waiting for `dir/go`: the stand-in's collectives complete only
 /// when all three have arrived (shared memory named by the returned string, to remove
 /// after), rank 1 sleeps 3 ms a step, ranks given by `RANK`.
-fn straggler_job(dir: &Path, steps: &str) -> (Vec<Target>, String) {
+fn straggler_job(dir: &Path, steps: &str, extra: &[&str]) -> (Vec<Target>, String) {
     let go = dir.join("go");
     let shm = format!("/nccltrace-test-{}-{steps}", std::process::id());
     let mut trainers = Vec::new();
@@ -145,6 +145,7 @@ fn straggler_job(dir: &Path, steps: &str) -> (Vec<Target>, String) {
         let rank_s = rank.to_string();
         let mut args = vec!["--steps", steps, "--compute-us", "1000", "--no-migrate"];
         args.extend(["--go-file", go.to_str().unwrap()]);
+        args.extend(extra);
         if rank == 1 {
             args.extend(["--step-sleep-us", "3000"]);
         }
@@ -154,6 +155,7 @@ fn straggler_job(dir: &Path, steps: &str) -> (Vec<Target>, String) {
             ("FAKE_NCCL_SHM", shm.as_str()),
             ("RANK", rank_s.as_str()),
             ("FAKE_NCCL_US", "100"),
+            ("FAKE_NCCL_UID", shm.as_str()),
         ];
         trainers.push(Target::spawn(&fixtures().join("trainer"), &args, &env, dir));
     }

@@ -69,7 +69,7 @@ fn two_agents_merged_on_one_clock() {
 /// from 300 ms later: (the folder, the pids, A's and B's output folders).
 fn two_agents() -> (tempfile::TempDir, Vec<u32>, PathBuf, PathBuf) {
     let dir = tempfile::tempdir().unwrap();
-    let (trainers, shm) = super::straggler_job(dir.path(), "700");
+    let (trainers, shm) = super::straggler_job(dir.path(), "700", &["--init-after-go"]);
     let pids: Vec<u32> = trainers.iter().map(|t| t.child.id()).collect();
     let (rec_a, rec_b) = (dir.path().join("a"), dir.path().join("b"));
     let agent_a = Agent::attach_many(&[pids[0], pids[2]], &rec_a, &["--profile", "minimal"]);
@@ -127,6 +127,12 @@ fn moved_clock_recovered(dir: &Path, pids: &[u32], a: &Path, b: &Path) -> i64 {
         "bound {bound} ns does not cover the truth: {h:#}"
     );
     assert!(h["collectives_matched"].as_u64().unwrap() > 500, "{h:#}");
+    // A saw the ranks' ncclCommInitRank (the trainers call it once released): their
+    // communicator is named by its unique id; B attached later and pairs by first use.
+    for r in mm["ranks"].as_array().unwrap() {
+        let by_id = r["communicator"].as_str().unwrap().starts_with("unique id");
+        assert_eq!(by_id, r["host"] == host.as_str(), "{r:#}");
+    }
     let s = &mm["straggler"];
     assert_eq!(
         (s["host"].as_str(), s["rank"].as_i64()),

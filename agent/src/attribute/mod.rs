@@ -880,6 +880,7 @@ mod tests {
             rank: None,
             nranks: None,
             message: None,
+            comm_id: None,
         })
     }
 

@@ -121,6 +121,11 @@ pub enum AlignError {
          same sizes side by side ({candidates} tried)"
     )]
     NoMatch { candidates: usize },
+    #[error(
+        "none of its communicators is the reference rank's (unique id {id:#018x}): another \
+         job's, or one the reference rank does not use first"
+    )]
+    OtherCommunicator { id: u64 },
     #[error("only {matched} collectives overlap (at least {needed} needed)")]
     TooFew { matched: usize, needed: usize },
     #[error(

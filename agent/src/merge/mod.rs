@@ -96,9 +96,9 @@ pub struct Input {
     pub wall_ns: i64,
     pub targets: Vec<TargetInfo>,
     pub ranks: Vec<RankIdentity>,
-    /// Per pid: the collectives on its first communicator, in order (in windows past
-    /// [`KEEP`]).
-    pub seen: BTreeMap<u32, Kept>,
+    /// Per pid: its communicators in first-use order, with their collectives (in windows
+    /// past [`KEEP`]).
+    pub seen: BTreeMap<u32, Vec<Communicator>>,
     /// Past [`KEEP`] collectives of a rank, one window in this many was kept.
     pub sampled: Option<u64>,
     /// Damage met while reading (the collectives before it are kept).
@@ -133,54 +133,22 @@ struct Run {
     synced: Vec<u64>,
 }
 
-/// Per process while reading: communicators in first-use order, and the collectives on
-/// the first: every one up to [`KEEP`], then those of every other window, every fourth…
-/// (the first window always), in memory bounded at any run length.
+/// One communicator's collectives while reading: every one up to [`KEEP`], then those of
+/// every other window, every fourth… (the first window always), in memory bounded at any
+/// run length.
 #[derive(Default)]
-struct Reading {
-    comms: Vec<u64>,
+struct Sequence {
     runs: Vec<Run>,
-    /// Index of the next collective on the first communicator.
+    /// Index of the next collective.
     next: usize,
     /// The first collective not yet followed by a synchronisation.
     open_from: usize,
     kept: usize,
     /// Windows kept: those whose number is a multiple of this (0 or 1: all).
     every: u64,
-    has_sync: bool,
 }
 
-impl Reading {
-    fn call(&mut self, c: &crate::event::Call, wall_ns: i64) {
-        if c.func.is_collective() {
-            let comm = c.comm.unwrap_or(0);
-            let k = self
-                .comms
-                .iter()
-                .position(|h| *h == comm)
-                .unwrap_or_else(|| {
-                    self.comms.push(comm);
-                    self.comms.len() - 1
-                });
-            if k == 0 {
-                self.keep(c, wall_ns);
-            }
-        } else if is_sync(c.func) {
-            self.has_sync = true;
-            for run in self.runs.iter_mut().rev() {
-                if run.first + run.seen.len() <= self.open_from {
-                    break;
-                }
-                for (n, s) in run.seen.iter().enumerate() {
-                    if run.first + n >= self.open_from && s.arrival_ns < c.end_ns {
-                        run.synced[n] = c.end_ns;
-                    }
-                }
-            }
-            self.open_from = self.next;
-        }
-    }
-
+impl Sequence {
     fn keep(&mut self, c: &crate::event::Call, wall_ns: i64) {
         let i = self.next;
         self.next += 1;
@@ -222,14 +190,31 @@ impl Reading {
         }
     }
 
+    /// A synchronisation of the process returned at `end_ns`: the collectives called before
+    /// are seen complete then.
+    fn synced(&mut self, end_ns: u64) {
+        for run in self.runs.iter_mut().rev() {
+            if run.first + run.seen.len() <= self.open_from {
+                break;
+            }
+            for (n, s) in run.seen.iter().enumerate() {
+                if run.first + n >= self.open_from && s.arrival_ns < end_ns {
+                    run.synced[n] = end_ns;
+                }
+            }
+        }
+        self.open_from = self.next;
+    }
+
     /// The collectives with their completion as seen: with CUDA synchronisations in the
-    /// recording the call returns when the work is queued (NCCL's asynchronous calls), so
-    /// completion is seen when a synchronisation after it returns (those never followed by
-    /// one are left out); without any, the call itself waited for its peers.
-    fn finish(self) -> Kept {
+    /// recording (`has_sync`) the call returns when the work is queued (NCCL's
+    /// asynchronous calls), so completion is seen when a synchronisation after it returns
+    /// (those never followed by one are left out); without any, the call itself waited
+    /// for its peers.
+    fn finish(self, has_sync: bool) -> Kept {
         let mut runs = Vec::new();
         for r in self.runs {
-            if !self.has_sync {
+            if !has_sync {
                 runs.push((r.first, r.seen));
                 continue;
             }
@@ -251,6 +236,65 @@ impl Reading {
             runs.extend(cur);
         }
         Kept { runs }
+    }
+}
+
+/// Communicators followed per process (in first-use order; later ones are not paired).
+const MAX_COMMS: usize = 4;
+
+/// One communicator of a rank: its name when its CommInitRank was seen, its collectives.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Communicator {
+    /// [`crate::decode::unique_id`] of its ncclUniqueId, alike on every rank.
+    pub unique_id: Option<u64>,
+    pub kept: Kept,
+}
+
+/// Per process while reading: its communicators in first-use order, with the names the
+/// CommInitRank calls seen gave them.
+#[derive(Default)]
+struct Reading {
+    comms: Vec<(u64, Option<u64>, Sequence)>,
+    /// Handle → unique id, from the CommInitRank calls seen.
+    named: BTreeMap<u64, u64>,
+    has_sync: bool,
+}
+
+impl Reading {
+    fn call(&mut self, c: &crate::event::Call, wall_ns: i64) {
+        if let (Some(handle), Some(id)) = (c.new_comm, c.comm_id) {
+            self.named.insert(handle, id);
+        }
+        if c.func.is_collective() {
+            let handle = c.comm.unwrap_or(0);
+            let k = match self.comms.iter().position(|(h, ..)| *h == handle) {
+                Some(k) => k,
+                None if self.comms.len() < MAX_COMMS => {
+                    let id = self.named.get(&handle).copied();
+                    self.comms.push((handle, id, Sequence::default()));
+                    self.comms.len() - 1
+                }
+                None => return,
+            };
+            self.comms[k].2.keep(c, wall_ns);
+        } else if is_sync(c.func) {
+            self.has_sync = true;
+            for (_, _, seq) in &mut self.comms {
+                seq.synced(c.end_ns);
+            }
+        }
+    }
+
+    /// Its communicators in first-use order.
+    fn finish(self) -> Vec<Communicator> {
+        let has_sync = self.has_sync;
+        self.comms
+            .into_iter()
+            .map(|(_, unique_id, seq)| Communicator {
+                unique_id,
+                kept: seq.finish(has_sync),
+            })
+            .collect()
     }
 }
 
@@ -299,7 +343,11 @@ pub fn read_input(path: &Path) -> Result<Input, RecordError> {
         label: header.hostname.clone(),
         hostname: header.hostname.clone(),
         wall_ns,
-        sampled: procs.values().map(|r| r.every).max().filter(|e| *e > 1),
+        sampled: procs
+            .values()
+            .flat_map(|r| r.comms.iter().map(|c| c.2.every))
+            .max()
+            .filter(|e| *e > 1),
         targets,
         ranks,
         seen: procs
@@ -327,6 +375,9 @@ pub struct MergedRank {
     pub pid: u32,
     pub rank: i32,
     pub rank_source: String,
+    /// Which of its communicators was paired with the reference rank's: the one of the
+    /// same unique id (its ncclCommInitRank seen), or its first-used.
+    pub communicator: String,
     /// Collectives paired with the reference rank's.
     pub collectives_matched: usize,
     /// Its training-loop thread's categories over the run, from its host's summary.
@@ -421,10 +472,12 @@ pub fn read_inputs(paths: &[PathBuf]) -> Result<(Vec<Input>, Vec<Skipped>), Merg
     for p in paths {
         let path = recording_path(p);
         match read_input(&path) {
-            Ok(i) if i.seen.values().all(Kept::is_empty) => skipped.push(Skipped {
-                recording: path,
-                reason: "no collectives recorded".into(),
-            }),
+            Ok(i) if i.seen.values().flatten().all(|c| c.kept.is_empty()) => {
+                skipped.push(Skipped {
+                    recording: path,
+                    reason: "no collectives recorded".into(),
+                });
+            }
             Ok(i) => inputs.push(i),
             Err(e) => skipped.push(Skipped {
                 recording: path,
@@ -463,7 +516,8 @@ fn reference(inputs: &[Input]) -> (usize, u32) {
             .filter(|r| {
                 i.seen
                     .get(&r.pid)
-                    .is_some_and(|s| s.len() >= align::MIN_MATCHED)
+                    .and_then(|c| c.first())
+                    .is_some_and(|c| c.kept.len() >= align::MIN_MATCHED)
             })
             .min_by_key(|r| r.rank)
             .map(|r| r.pid)
@@ -483,7 +537,30 @@ const SAME_CLOCK_NS: u64 = 1_000_000;
 struct RankFit {
     input: usize,
     pid: u32,
+    /// Which of its communicators (first-use order) is paired with the reference's.
+    comm: usize,
     fit: Result<Alignment, AlignError>,
+}
+
+/// Of `x`'s communicators, the one to pair with the reference rank's first-used `r`: the
+/// one of the same unique id when both CommInitRank calls were seen, else its first-used.
+fn counterpart(r: &Communicator, x: &[Communicator]) -> Result<usize, AlignError> {
+    if let Some(id) = r.unique_id {
+        if let Some(k) = x.iter().position(|c| c.unique_id == Some(id)) {
+            return Ok(k);
+        }
+        if x.first().is_some_and(|c| c.unique_id.is_some()) {
+            return Err(AlignError::OtherCommunicator { id });
+        }
+    }
+    if x.is_empty() {
+        Err(AlignError::TooFew {
+            matched: 0,
+            needed: align::MIN_MATCHED,
+        })
+    } else {
+        Ok(0)
+    }
 }
 
 /// Aligns every host's clock with the reference's and finds the straggler across hosts.
@@ -494,8 +571,12 @@ pub fn align_hosts(
 ) -> Result<Merged, MergeError> {
     let given = inputs.len() + skipped.len();
     let (ri, rpid) = reference(inputs);
-    let empty = Kept::default();
-    let r = inputs[ri].seen.get(&rpid).unwrap_or(&empty);
+    let empty = Communicator::default();
+    let r = inputs[ri]
+        .seen
+        .get(&rpid)
+        .and_then(|c| c.first())
+        .unwrap_or(&empty);
     let mut fits = Vec::new();
     for (n, input) in inputs.iter().enumerate() {
         let guess = input.wall_ns - inputs[ri].wall_ns;
@@ -507,7 +588,10 @@ pub fn align_hosts(
         };
         for (pid, x) in &input.seen {
             let error = if n == ri && *pid == rpid { 0 } else { error };
-            let fit = align::align(r, x, guess, error);
+            let comm = counterpart(r, x);
+            let fit = comm
+                .clone()
+                .and_then(|k| align::align(&r.kept, &x[k].kept, guess, error));
             if let Err(source @ AlignError::Ambiguous { .. }) = &fit {
                 return Err(MergeError::Ambiguous {
                     host: input.label.clone(),
@@ -518,6 +602,7 @@ pub fn align_hosts(
             fits.push(RankFit {
                 input: n,
                 pid: *pid,
+                comm: comm.unwrap_or(0),
                 fit,
             });
         }
@@ -529,11 +614,16 @@ pub fn align_hosts(
         let good: Vec<&Alignment> = mine.iter().filter_map(|f| f.fit.as_ref().ok()).collect();
         for f in &mine {
             let (rank, rank_source) = rank_of(input, f.pid);
+            let comm = input.seen.get(&f.pid).and_then(|c| c.get(f.comm));
             ranks.push(MergedRank {
                 host: input.label.clone(),
                 pid: f.pid,
                 rank,
                 rank_source,
+                communicator: match comm.and_then(|c| c.unique_id) {
+                    Some(id) => format!("unique id {id:#018x} (its ncclCommInitRank seen)"),
+                    None => "first used (its ncclCommInitRank not seen)".into(),
+                },
                 collectives_matched: f.fit.as_ref().map_or(0, |a| a.matched),
                 categories_ns: None,
                 unmatched: f.fit.as_ref().err().map(ToString::to_string),
@@ -674,14 +764,18 @@ fn straggler(
         .iter()
         .find(|(_, f, _, _)| (f.input, f.pid) == reference)
         .map_or(0, |(id, ..)| *id as u32);
-    let empty = Kept::default();
-    let r = inputs[reference.0].seen.get(&reference.1).unwrap_or(&empty);
+    let empty = Communicator::default();
+    let r = inputs[reference.0]
+        .seen
+        .get(&reference.1)
+        .and_then(|c| c.first())
+        .unwrap_or(&empty);
     // Every collective of the reference that every rank kept, its arrivals on the merged
     // axis.
     let mut m = Matcher::default();
     let mut lateness = Vec::new();
     let mut all = 0;
-    for (j, _) in r.iter() {
+    for (j, _) in r.kept.iter() {
         let arrivals: BTreeMap<u32, u64> = usable
             .iter()
             .filter_map(|(id, f, a, host)| {
@@ -689,6 +783,8 @@ fn straggler(
                 let s = input
                     .seen
                     .get(&f.pid)?
+                    .get(f.comm)?
+                    .kept
                     .get(usize::try_from(j as i64 + a.shift).ok()?)?;
                 let at = host.to_merged(input.wall_ns, s.arrival_ns);
                 Some((*id as u32, u64::try_from(at).ok()?))
@@ -824,6 +920,7 @@ mod tests {
             rank: None,
             nranks: None,
             message: None,
+            comm_id: None,
         }
     }
 
@@ -838,7 +935,7 @@ mod tests {
         r.call(&call(Func::AllReduce, 30, 32, 0xa), 0);
         r.call(&call(Func::CuStreamSynchronize, 40, 90, 0), 0);
         r.call(&call(Func::AllReduce, 100, 102, 0xa), 0);
-        let seen = r.finish();
+        let seen = r.finish().swap_remove(0).kept;
         assert_eq!(
             seen.iter()
                 .map(|(i, s)| (i, s.arrival_ns, s.done_ns))
@@ -847,7 +944,7 @@ mod tests {
         );
         let mut r = Reading::default();
         r.call(&call(Func::AllReduce, 10, 12, 0xa), 0);
-        assert_eq!(r.finish().get(0).unwrap().done_ns, 12);
+        assert_eq!(r.finish()[0].kept.get(0).unwrap().done_ns, 12);
     }
 
     /// A rank of 200 s at 1,000 collectives a second keeps at most KEEP of them, in whole
@@ -861,8 +958,8 @@ mod tests {
             let t = 5_000_000_000 + i * 1_000_000;
             r.call(&call(Func::AllReduce, t, t + 10, 0xa), 0);
         }
-        assert_eq!(r.every, 8);
-        let kept = r.finish();
+        assert_eq!(r.comms[0].2.every, 8);
+        let kept = r.finish().swap_remove(0).kept;
         assert!(
             kept.len() <= KEEP && kept.len() > KEEP / 2,
             "{}",
@@ -882,7 +979,40 @@ mod tests {
         for i in 0..100_000u64 {
             r.call(&call(Func::AllReduce, i * 10_000, i * 10_000 + 10, 0xa), 0);
         }
-        assert_eq!(r.finish().len(), WINDOW_CAP);
+        assert_eq!(r.finish()[0].kept.len(), WINDOW_CAP);
+    }
+
+    /// Communicators are named by the unique id of the CommInitRank seen for them; a rank
+    /// is paired through the communicator of the reference's id, else its first-used, and
+    /// refused when its named communicators are all others.
+    #[test]
+    fn communicators_paired_by_unique_id() {
+        let mut r = Reading::default();
+        let init = |handle: u64, id: u64| Call {
+            new_comm: Some(handle),
+            comm_id: Some(id),
+            ..call(Func::CommInitRank, 1, 2, 0)
+        };
+        r.call(&init(0xb, 42), 0);
+        r.call(&call(Func::AllReduce, 10, 12, 0xa), 0);
+        r.call(&call(Func::AllReduce, 20, 22, 0xb), 0);
+        let comms = r.finish();
+        assert_eq!(
+            comms.iter().map(|c| c.unique_id).collect::<Vec<_>>(),
+            [None, Some(42)]
+        );
+        let named = |id| Communicator {
+            unique_id: id,
+            kept: Kept::default(),
+        };
+        assert_eq!(counterpart(&named(Some(42)), &comms), Ok(1));
+        assert_eq!(counterpart(&named(None), &comms), Ok(0));
+        assert_eq!(counterpart(&named(Some(7)), &comms), Ok(0));
+        let other = [named(Some(9)), named(Some(42))];
+        assert_eq!(
+            counterpart(&named(Some(7)), &other),
+            Err(AlignError::OtherCommunicator { id: 7 })
+        );
     }
 
     /// A host's time on the merged axis: its wall clock, the offset, and the drift from

@@ -110,6 +110,7 @@ pub(crate) mod fixture {
             comm: (func == Func::AllReduce).then_some(0xc0),
             stream: Some(0x50),
             message: None,
+            comm_id: None,
             new_comm: None,
             rank: None,
             nranks: None,

@@ -138,11 +138,17 @@ pub mod func {
     }
 
     /// How many arguments the entry program reads off the user stack (those past the
-    /// sixth). The communicator is always read; the stream of a collective (its last
+    /// sixth, or the start of CommInitRank's unique id). The communicator is always read; the stream of a collective (its last
     /// argument, the only one on the stack for the seven-argument calls) only when
     /// `streams` is set: reading user memory costs about 100 ns a call.
     #[must_use]
     pub const fn stack_args(id: u32, streams: bool) -> u32 {
+        if id == NCCL_COMM_INIT_RANK || id == NCCL_COMM_INIT_RANK_CONFIG {
+            // The ncclUniqueId passed by value sits above the return address: its first 16
+            // bytes (the bootstrap's random magic and the root's address) name the
+            // communicator on every rank.
+            return 2;
+        }
         match (nargs(id), streams) {
             (n, true) if n > 6 => n - 6,
             // ncclReduce's communicator is its seventh argument.
