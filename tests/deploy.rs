@@ -162,27 +162,20 @@ fn one_step_of_every_kind(
     let mut feed = nccltrace::metrics::Feed::new(metrics.clone(), host, &header);
     let call = |func: Func| {
         Event::Call(Call {
-            task: Task {
-                tgid: 1,
-                tid: 1,
-                cpu: 0,
-            },
-            func,
-            start_ns: 1_000,
-            end_ns: 2_000,
-            ret: 0,
             count: Some(4),
             datatype: Some(7),
             bytes: Some(16),
-            redop: None,
-            peer: None,
             comm: Some(1),
-            stream: None,
-            new_comm: None,
-            rank: None,
-            nranks: None,
-            message: None,
-            comm_id: None,
+            ..Call::new(
+                Task {
+                    tgid: 1,
+                    tid: 1,
+                    cpu: 0,
+                },
+                func,
+                1_000,
+                2_000,
+            )
         })
     };
     feed.event(&call(Func::AllReduce));

@@ -224,23 +224,8 @@ fn decode_call(e: &CallEvent) -> Result<Call, DecodeError> {
     let func = Func::from_id(e.func).ok_or(DecodeError::UnknownFunc { id: e.func })?;
     let a = &e.args;
     let mut call = Call {
-        task: task(&e.hdr),
-        func,
-        start_ns: e.start_ns,
-        end_ns: e.hdr.ts_ns,
         ret: e.ret,
-        count: None,
-        datatype: None,
-        bytes: None,
-        redop: None,
-        peer: None,
-        comm: None,
-        stream: None,
-        new_comm: None,
-        rank: None,
-        nranks: None,
-        message: None,
-        comm_id: None,
+        ..Call::new(task(&e.hdr), func, e.start_ns, e.hdr.ts_ns)
     };
     let layout: Option<ArgLayout> = match func {
         Func::AllReduce | Func::ReduceScatter => Some((2, 3, Some(4), None, 5, 6)),

@@ -323,6 +323,30 @@ pub struct Call {
 }
 
 impl Call {
+    /// A call that returned 0, with no argument interpreted yet.
+    #[must_use]
+    pub fn new(task: Task, func: Func, start_ns: u64, end_ns: u64) -> Call {
+        Call {
+            task,
+            func,
+            start_ns,
+            end_ns,
+            ret: 0,
+            count: None,
+            datatype: None,
+            bytes: None,
+            redop: None,
+            peer: None,
+            comm: None,
+            stream: None,
+            new_comm: None,
+            rank: None,
+            nranks: None,
+            message: None,
+            comm_id: None,
+        }
+    }
+
     #[must_use]
     pub fn duration_ns(&self) -> u64 {
         self.end_ns.saturating_sub(self.start_ns)

@@ -1088,27 +1088,18 @@ mod tests {
         let mut agg = Aggregator::new(Header::default());
         for func in [Func::AllReduce, Func::AllReduce, Func::CuStreamSynchronize] {
             agg.push(&Event::Call(Call {
-                task: Task {
-                    tgid: 1,
-                    tid: 1,
-                    cpu: 0,
-                },
-                func,
-                start_ns: 0,
-                end_ns: u64::MAX,
-                ret: 0,
-                count: None,
-                datatype: None,
                 bytes: Some(u64::MAX - 1),
-                redop: None,
-                peer: None,
                 comm: Some(1),
-                stream: None,
-                new_comm: None,
-                rank: None,
-                nranks: None,
-                message: None,
-                comm_id: None,
+                ..Call::new(
+                    Task {
+                        tgid: 1,
+                        tid: 1,
+                        cpu: 0,
+                    },
+                    func,
+                    0,
+                    u64::MAX,
+                )
             }));
         }
         let out = agg.finish(StepRule::Auto);

@@ -864,23 +864,12 @@ mod tests {
 
     fn call(func: Func, start: u64, end: u64) -> Event {
         Event::Call(Call {
-            task: task(10),
-            func,
-            start_ns: start,
-            end_ns: end,
-            ret: 0,
             count: Some(256),
             datatype: Some(7),
             bytes: Some(1024),
-            redop: None,
-            peer: None,
             comm: Some(1),
             stream: Some(2),
-            new_comm: None,
-            rank: None,
-            nranks: None,
-            message: None,
-            comm_id: None,
+            ..Call::new(task(10), func, start, end)
         })
     }
 

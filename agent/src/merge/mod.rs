@@ -904,23 +904,11 @@ mod tests {
 
     fn call(func: Func, start: u64, end: u64, comm: u64) -> Call {
         Call {
-            task: Task::default(),
-            func,
-            start_ns: start,
-            end_ns: end,
-            ret: 0,
             count: Some(1),
             datatype: Some(7),
             bytes: Some(4),
-            redop: None,
-            peer: None,
             comm: Some(comm),
-            stream: None,
-            new_comm: None,
-            rank: None,
-            nranks: None,
-            message: None,
-            comm_id: None,
+            ..Call::new(Task::default(), func, start, end)
         }
     }
 

@@ -93,27 +93,22 @@ pub(crate) mod fixture {
             open: None,
         };
         let call = |func, start, end| Call {
-            task: Task {
-                tgid: 10,
-                tid: 10,
-                cpu: 0,
-            },
-            func,
-            start_ns: start,
-            end_ns: end,
-            ret: 0,
             count: (func == Func::AllReduce).then_some(1024),
             datatype: (func == Func::AllReduce).then_some(7),
             bytes: (func == Func::AllReduce).then_some(4096),
             redop: (func == Func::AllReduce).then_some(0),
-            peer: None,
             comm: (func == Func::AllReduce).then_some(0xc0),
             stream: Some(0x50),
-            message: None,
-            comm_id: None,
-            new_comm: None,
-            rank: None,
-            nranks: None,
+            ..Call::new(
+                Task {
+                    tgid: 10,
+                    tid: 10,
+                    cpu: 0,
+                },
+                func,
+                start,
+                end,
+            )
         };
         let detail = Detail {
             first_ns: 0,
