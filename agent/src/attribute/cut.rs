@@ -258,14 +258,16 @@ impl State {
             Cat::PageFault
         } else if self.on_cpu {
             Cat::Compute
-        } else if self.nccl_depth > 0 {
-            Cat::NcclWait
         } else if self.runnable {
+            // Preempted, inside an NCCL call or not: a wait for a CPU (a call only
+            // preempted is enqueue work, docs/attribution.md).
             if self.migrated {
                 Cat::CpuMigration
             } else {
                 Cat::Runqueue
             }
+        } else if self.nccl_depth > 0 {
+            Cat::NcclWait
         } else if self.sync_depth > 0 || self.waits_on_own {
             Cat::Compute
         } else {
@@ -298,7 +300,7 @@ mod tests {
             ..s
         };
         let gpu_sync = |s: State| State { sync_depth: 1, ..s };
-        let rows: [(&str, State, Cat); 14] = [
+        let rows: [(&str, State, Cat); 16] = [
             ("on the CPU", on, Cat::Compute),
             ("preempted", preempted, Cat::Runqueue),
             (
@@ -359,6 +361,25 @@ mod tests {
                     ..on
                 },
                 Cat::Compute,
+            ),
+            // Regression: a preemption inside an NCCL call that never slept was nccl_wait,
+            // which also made a `minimal` run's nccl_wait a "lower bound" (measured) at
+            // random on a busy machine.
+            (
+                "preempted in an NCCL call",
+                State {
+                    nccl_depth: 1,
+                    ..preempted
+                },
+                Cat::Runqueue,
+            ),
+            (
+                "asleep in an NCCL call",
+                State {
+                    nccl_depth: 1,
+                    ..blocked
+                },
+                Cat::NcclWait,
             ),
             (
                 "handling a fault on the CPU",
