@@ -283,6 +283,7 @@ mod tests {
     /// The category of each kind of state, as the module docs state the rules: one row a
     /// rule, and the order in which they win.
     #[test]
+    #[allow(clippy::too_many_lines)] // one table: every rule, one row each
     fn state_categories_follow_the_rules() {
         let on = State {
             on_cpu: true,
