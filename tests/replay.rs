@@ -15,20 +15,27 @@ fn data(name: &str) -> PathBuf {
         .join(name)
 }
 
+/// Runs `nccltrace report REC --out OUT EXTRA…`, which must succeed; returns what it
+/// printed.
+fn report(rec: &Path, out: &Path, extra: &[&str]) -> String {
+    let run = Command::new(env!("CARGO_BIN_EXE_nccltrace"))
+        .arg("report")
+        .arg(rec)
+        .arg("--out")
+        .arg(out)
+        .args(extra)
+        .output()
+        .unwrap();
+    assert!(run.status.success(), "{run:?}");
+    String::from_utf8(run.stdout).unwrap()
+}
+
 /// Decompresses a stored recording and runs `report` on it; returns summary and steps.
 fn replay(name: &str) -> (Value, Value) {
     let dir = tempfile::tempdir().unwrap();
     let rec = unpacked(name, dir.path());
     let out = dir.path().join("out");
-    let status = Command::new(env!("CARGO_BIN_EXE_nccltrace"))
-        .arg("report")
-        .arg(&rec)
-        .arg("--out")
-        .arg(&out)
-        .stdout(std::process::Stdio::null())
-        .status()
-        .unwrap();
-    assert!(status.success());
+    report(&rec, &out, &[]);
     let read = |f: &str| -> Value {
         serde_json::from_str(&std::fs::read_to_string(out.join(f)).unwrap()).unwrap()
     };
@@ -141,24 +148,17 @@ fn closed_stdout_and_stderr_end_quietly() {
 fn damage_in_the_middle_loses_only_its_record() {
     let dir = tempfile::tempdir().unwrap();
     let rec = unpacked("allreduce", dir.path());
-    let report = |rec: &Path, out: &Path| -> Value {
-        let run = Command::new(env!("CARGO_BIN_EXE_nccltrace"))
-            .arg("report")
-            .arg(rec)
-            .arg("--out")
-            .arg(out)
-            .output()
-            .unwrap();
-        assert!(run.status.success(), "{run:?}");
+    let summary_of = |rec: &Path, out: &Path| -> Value {
+        report(rec, out, &[]);
         serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap()
     };
-    let clean = report(&rec, &dir.path().join("clean"));
+    let clean = summary_of(&rec, &dir.path().join("clean"));
     let mut bytes = std::fs::read(&rec).unwrap();
     let middle = bytes.len() / 2;
     bytes[middle] ^= 0xff;
     let damaged_rec = dir.path().join("damaged.nctr");
     std::fs::write(&damaged_rec, &bytes).unwrap();
-    let damaged = report(&damaged_rec, &dir.path().join("damaged"));
+    let damaged = summary_of(&damaged_rec, &dir.path().join("damaged"));
     assert!(clean["damaged"].is_null());
     let what = damaged["damaged"].as_str().expect("damage named");
     assert!(what.contains("1 damaged stretch"), "{what}");
@@ -187,16 +187,7 @@ fn epochs_give_the_outputs_of_one_epoch() {
         let rec = unpacked(name, dir.path());
         let report = |epoch_events: u64| -> PathBuf {
             let out = dir.path().join(format!("out-{epoch_events}"));
-            let run = Command::new(env!("CARGO_BIN_EXE_nccltrace"))
-                .arg("report")
-                .arg(&rec)
-                .arg("--out")
-                .arg(&out)
-                .arg("--epoch-events")
-                .arg(epoch_events.to_string())
-                .output()
-                .unwrap();
-            assert!(run.status.success(), "{run:?}");
+            report(&rec, &out, &["--epoch-events", &epoch_events.to_string()]);
             out
         };
         let (whole, epochs) = (report(0), report(2000));
@@ -343,15 +334,7 @@ fn outputs_match_the_golden_files() {
         let dir = tempfile::tempdir().unwrap();
         let rec = unpacked(name, dir.path());
         let out = dir.path().join("out");
-        let report = Command::new(env!("CARGO_BIN_EXE_nccltrace"))
-            .arg("report")
-            .arg(&rec)
-            .arg("--out")
-            .arg(&out)
-            .output()
-            .unwrap();
-        assert!(report.status.success());
-        let words = String::from_utf8(report.stdout).unwrap();
+        let words = report(&rec, &out, &[]);
         for file in ["summary.json", "steps.json", "steps.csv", "summary.txt"] {
             let actual = if file == "summary.txt" {
                 words.clone()
