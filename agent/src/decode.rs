@@ -3,11 +3,11 @@
 
 use nccltrace_common::{
     CallEvent, FaultEvent, FaultTimeEvent, Header, KSTACK_DEPTH, MigrateEvent, NOT_READ,
-    NumaTaskEvent, PageMigrationEvent, SampleEvent, SwitchEvent, TaskEvent, USTACK_DEPTH,
-    WakeupEvent, kind, numa_task, switch_flags,
+    NumaTaskEvent, PY_DEPTH, PageMigrationEvent, PyStackEvent, SampleEvent, SwitchEvent, TaskEvent,
+    USTACK_DEPTH, WakeupEvent, kind, numa_task, switch_flags,
 };
 
-use crate::event::{Call, Event, Func, NumaTaskKind, Task, datatype_size};
+use crate::event::{Call, Event, Func, NumaTaskKind, PyFrame, Task, datatype_size};
 
 /// A record that cannot be decoded.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -209,6 +209,20 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
                     kstack,
                     ustack,
                 }
+            }
+        }
+        kind::PY_STACK => {
+            let e = read::<PyStackEvent>(bytes, "python stack record")?;
+            let n = (e.len as usize).min(PY_DEPTH);
+            Event::PyStack {
+                ts_ns: h.ts_ns,
+                task: t,
+                frames: e.codes[..n]
+                    .iter()
+                    .zip(&e.offsets[..n])
+                    .map(|(&code, &offset)| PyFrame { code, offset })
+                    .collect(),
+                truncated: e.truncated != 0,
             }
         }
         other => return Err(DecodeError::UnknownKind { kind: other }),

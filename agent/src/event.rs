@@ -292,6 +292,23 @@ pub struct Task {
     pub cpu: u16,
 }
 
+/// One Python frame of a stack: the code object executing and how far its instruction
+/// pointer was from the code object's address, in bytes. `code == 0` marks an
+/// interpreter entry: the frames after it ran in an outer call of the interpreter loop.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize)]
+pub struct PyFrame {
+    pub code: u64,
+    pub offset: u32,
+}
+
+impl PyFrame {
+    /// Whether this is an interpreter-entry marker rather than a frame.
+    #[must_use]
+    pub fn is_entry(self) -> bool {
+        self.code == nccltrace_common::PY_ENTRY
+    }
+}
+
 /// A traced call, with entry and exit times and its interpreted arguments.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Call {
@@ -442,6 +459,15 @@ pub enum Event {
         task: Task,
         ustack: Vec<u64>,
     },
+    /// The Python frames (innermost first) of the stack record that follows for the same
+    /// thread with the same time.
+    PyStack {
+        ts_ns: u64,
+        task: Task,
+        frames: Vec<PyFrame>,
+        /// Outer frames are missing (the walk's bound, or an unreadable frame).
+        truncated: bool,
+    },
 }
 
 /// What a NUMA-balancing tracepoint said.
@@ -469,7 +495,8 @@ impl Event {
             | Event::NumaTask { task, .. }
             | Event::Sample { task, .. }
             | Event::OffCpu { task, .. }
-            | Event::CallStack { task, .. } => *task,
+            | Event::CallStack { task, .. }
+            | Event::PyStack { task, .. } => *task,
         }
     }
 
@@ -489,7 +516,8 @@ impl Event {
             | Event::NumaTask { ts_ns, .. }
             | Event::Sample { ts_ns, .. }
             | Event::OffCpu { ts_ns, .. }
-            | Event::CallStack { ts_ns, .. } => *ts_ns,
+            | Event::CallStack { ts_ns, .. }
+            | Event::PyStack { ts_ns, .. } => *ts_ns,
         }
     }
 
@@ -511,6 +539,7 @@ impl Event {
             k::OFFCPU => "offcpu_stack",
             k::FAULT_TIME => "fault_time",
             k::CALL_STACK => "call_stack",
+            k::PY_STACK => "python_stack",
             _ => "unknown",
         }
     }

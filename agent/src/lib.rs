@@ -14,6 +14,7 @@ pub mod merge;
 pub mod metrics;
 pub mod pipeline;
 pub mod profile;
+pub mod python;
 pub mod record;
 pub mod render;
 pub mod source;

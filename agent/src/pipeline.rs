@@ -85,6 +85,13 @@ pub struct TargetSummary {
     pub nccl_library: Option<String>,
     pub cuda_library: Option<String>,
     pub probes: usize,
+    /// The CPython interpreter found in it: its version, whether its frames are named,
+    /// and why not.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub python: Option<crate::python::PythonInfo>,
+    /// Python stacks (frames walked) taken of its threads.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub python_stacks: Option<u64>,
 }
 
 /// What the agent itself cost.
@@ -150,9 +157,11 @@ pub struct Aggregator {
     samples: u64,
     offcpu_stacks: u64,
     call_stacks: u64,
+    python_stacks_by_pid: BTreeMap<u32, u64>,
     timeline: Timeline,
     kernel_symbols: BTreeMap<u64, String>,
     jit_symbols: BTreeMap<u32, Vec<(u64, u64, String)>>,
+    python_codes: crate::python::PythonCodes,
     /// Attribution covers only the records after this many, from this time.
     window: Option<(u64, u64)>,
     end: Option<Meta>,
@@ -189,8 +198,10 @@ impl Aggregator {
             samples: 0,
             offcpu_stacks: 0,
             call_stacks: 0,
+            python_stacks_by_pid: BTreeMap::new(),
             kernel_symbols: BTreeMap::new(),
             jit_symbols: BTreeMap::new(),
+            python_codes: BTreeMap::new(),
             window: None,
             end: None,
             incomplete: None,
@@ -362,9 +373,36 @@ impl Aggregator {
             Event::Sample { .. } => self.samples += 1,
             Event::OffCpu { .. } => self.offcpu_stacks += 1,
             Event::CallStack { .. } => self.call_stacks += 1,
+            Event::PyStack { task, .. } => {
+                *self.python_stacks_by_pid.entry(task.tgid).or_default() += 1;
+            }
         }
     }
+}
 
+/// What summary.json says of each target (`python_stacks`: Python stacks by pid).
+fn target_summaries(
+    targets: &[crate::record::TargetInfo],
+    python_stacks: &BTreeMap<u32, u64>,
+) -> Vec<TargetSummary> {
+    targets
+        .iter()
+        .map(|t| TargetSummary {
+            pid: t.pid,
+            comm: t.comm.clone(),
+            nccl_library: t.nccl_library.clone(),
+            cuda_library: t.cuda_library.clone(),
+            probes: t.probes.len(),
+            python: t.python.clone(),
+            python_stacks: t
+                .python
+                .as_ref()
+                .map(|_| python_stacks.get(&t.pid).copied().unwrap_or(0)),
+        })
+        .collect()
+}
+
+impl Aggregator {
     /// Adds agent metadata.
     pub fn meta(&mut self, meta: Meta) {
         match meta {
@@ -372,6 +410,9 @@ impl Aggregator {
             Meta::JitSymbols { pid, symbols } => {
                 self.jit_symbols.entry(pid).or_default().extend(symbols);
             }
+            Meta::PythonCodes { pid, codes } => self
+                .python_codes
+                .extend(codes.into_iter().map(|(code, info)| ((pid, code), info))),
             Meta::Target { target } => {
                 self.timeline.add_target(&target);
                 if let Some(feed) = &mut self.metrics {
@@ -521,6 +562,7 @@ impl Aggregator {
         if let Some(why) = &attributed {
             steps.reason = format!("{}; {why}", steps.reason);
         }
+        let targets = target_summaries(&self.header.targets, &self.python_stacks_by_pid);
         let nccl = nccl_totals(self.nccl);
         let mut cuda_sync = CudaSyncStats::default();
         for (func, s) in self.cuda {
@@ -530,18 +572,6 @@ impl Aggregator {
         }
         let mut sched = self.sched;
         sched.threads_seen = self.threads.len() as u64;
-        let targets = self
-            .header
-            .targets
-            .iter()
-            .map(|t| TargetSummary {
-                pid: t.pid,
-                comm: t.comm.clone(),
-                nccl_library: t.nccl_library.clone(),
-                cuda_library: t.cuda_library.clone(),
-                probes: t.probes.len(),
-            })
-            .collect();
         let summary = Summary {
             duration_ns: end_ns.saturating_sub(start),
             start_unix_ns: self.header.clock.realtime_ns,
@@ -572,6 +602,7 @@ impl Aggregator {
             detail,
             kernel_symbols: self.kernel_symbols,
             jit_symbols: self.jit_symbols,
+            python_codes: self.python_codes,
             doctor: self.doctor,
             build_ids: self.build_ids,
             header: self.header,
@@ -605,6 +636,8 @@ pub struct Outputs {
     pub kernel_symbols: BTreeMap<u64, String>,
     /// JIT code names per target (perf map files), recorded at the end of the live run.
     pub jit_symbols: BTreeMap<u32, Vec<(u64, u64, String)>>,
+    /// Python code objects named during the live run.
+    pub python_codes: crate::python::PythonCodes,
     /// The placement health report made at attach (`doctor.json`), when the recording
     /// keeps it.
     pub doctor: Option<serde_json::Value>,
@@ -1014,6 +1047,7 @@ impl Streamer {
             stacks,
             &outputs.kernel_symbols,
             &outputs.jit_symbols,
+            &outputs.python_codes,
             &outputs.build_ids,
         );
         for line in &symbols.stale {

@@ -37,6 +37,11 @@ pub struct Probes {
     /// stack: about 100 ns more a call). Off when not given.
     #[serde(default)]
     pub streams: bool,
+    /// Walk the Python frames of CPython targets (3.11, 3.12) with every stack taken, so
+    /// stacks name `function (file:line)` instead of the interpreter loop. Off when not
+    /// given.
+    #[serde(default)]
+    pub python_frames: bool,
 }
 
 /// Which traced calls get their entry stack.

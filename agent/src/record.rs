@@ -114,6 +114,9 @@ pub struct TargetInfo {
     /// The job from the launcher's environment at attach: (variable, value).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub job: Option<(String, String)>,
+    /// The CPython interpreter found in the target, and whether its frames are walked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub python: Option<crate::python::PythonInfo>,
 }
 
 /// What a recording starts with.
@@ -192,6 +195,13 @@ pub enum Meta {
     /// The agent's peak resident memory (VmHWM) over the whole live run, taken after
     /// every output but summary.json was written: the recording's last record.
     AgentPeak { peak_rss_kb: u64 },
+    /// Python code objects of a target, named while it ran, as its stacks first showed
+    /// them: (address, name, file, line table), so that `report` names Python frames
+    /// anywhere.
+    PythonCodes {
+        pid: u32,
+        codes: Vec<(u64, crate::python::CodeInfo)>,
+    },
 }
 
 impl Meta {
@@ -207,6 +217,7 @@ impl Meta {
             Meta::AgentPeak { .. } => "agent_peak",
             Meta::BuildIds { .. } => "build_ids",
             Meta::Maps { .. } => "maps",
+            Meta::PythonCodes { .. } => "python_codes",
         }
     }
 }

@@ -20,6 +20,8 @@ use crate::source::discover::{MapEntry, parse_maps};
 pub struct Symbols {
     pub(crate) user: HashMap<(u32, u64), String>,
     pub(crate) kernel: BTreeMap<u64, String>,
+    /// Python code objects, by (pid, address).
+    pub(crate) python: crate::python::PythonCodes,
     /// Files that are not the ones the recording was made with (another build id), or
     /// whose symbols could not be read: their frames are left unnamed rather than named
     /// wrong. One line each, to show the user.
@@ -36,6 +38,16 @@ impl Symbols {
         self.user
             .get(&(pid, addr))
             .map_or_else(|| format!("[unknown] {addr:#x}").into(), Into::into)
+    }
+
+    /// A Python frame's name: `function (file:line)`; code objects the live run could not
+    /// name (freed, or not code) are said to be unknown.
+    #[must_use]
+    pub fn python(&self, pid: u32, frame: crate::event::PyFrame) -> String {
+        self.python.get(&(pid, frame.code)).map_or_else(
+            || format!("[unknown python code {:#x}]", frame.code),
+            |code| code.frame(frame.offset),
+        )
     }
 
     /// A kernel frame's name.
@@ -149,6 +161,7 @@ pub fn symbolize(
     stacks: &[StackKey],
     kernel: &BTreeMap<u64, String>,
     jit: &BTreeMap<u32, Vec<(u64, u64, String)>>,
+    python: &crate::python::PythonCodes,
     build_ids: &BuildIds,
 ) -> Symbols {
     let mut user = HashMap::new();
@@ -186,6 +199,7 @@ pub fn symbolize(
     Symbols {
         user,
         kernel: kernel.clone(),
+        python: python.clone(),
         stale,
     }
 }
@@ -393,12 +407,14 @@ mod tests {
             pid: 1,
             kstack: vec![],
             ustack: vec![0x7f00_0000_1005, 0x7f00_0000_1020, 0x7f00_0000_0400],
+            py: vec![],
         }];
         let s = symbolize(
             &Header::default(),
             &stacks,
             &BTreeMap::new(),
             &jit,
+            &BTreeMap::new(),
             &BTreeMap::new(),
         );
         assert_eq!(s.user(1, 0x7f00_0000_1005), "py::train_step:/app/train.py");
@@ -443,10 +459,12 @@ mod tests {
             pid: 1,
             kstack: vec![],
             ustack: vec![0x1_0000_0100, 0x1_0000_0200, 0x7fff_0000_0010],
+            py: vec![],
         }];
         let s = symbolize(
             &header,
             &stacks,
+            &BTreeMap::new(),
             &BTreeMap::new(),
             &BTreeMap::new(),
             &BTreeMap::new(),
@@ -524,12 +542,14 @@ mod tests {
             pid: 1,
             kstack: vec![5],
             ustack: vec![0x1_0000_0000 + main_off],
+            py: vec![],
         }];
         let kernel: BTreeMap<u64, String> = [(5, "schedule".to_owned())].into();
         let s = symbolize(
             &header,
             &stacks,
             &kernel,
+            &BTreeMap::new(),
             &BTreeMap::new(),
             &BTreeMap::new(),
         );
@@ -543,11 +563,25 @@ mod tests {
         let ids = stack_build_ids(&header, &stacks);
         let path = exe.display().to_string();
         assert!(ids.contains_key(&(1, path.clone())), "{ids:?}");
-        let s = symbolize(&header, &stacks, &kernel, &BTreeMap::new(), &ids);
+        let s = symbolize(
+            &header,
+            &stacks,
+            &kernel,
+            &BTreeMap::new(),
+            &BTreeMap::new(),
+            &ids,
+        );
         assert_eq!(s.user(1, 0x1_0000_0000 + main_off), "main");
         assert!(s.stale.is_empty());
         let other: BuildIds = [((1, path), "00ff".to_owned())].into();
-        let s = symbolize(&header, &stacks, &kernel, &BTreeMap::new(), &other);
+        let s = symbolize(
+            &header,
+            &stacks,
+            &kernel,
+            &BTreeMap::new(),
+            &BTreeMap::new(),
+            &other,
+        );
         assert!(s.user(1, 0x1_0000_0000 + main_off).starts_with('['));
         assert!(s.stale[0].contains("build id 00ff"), "{:?}", s.stale);
     }

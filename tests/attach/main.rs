@@ -14,6 +14,7 @@ mod environment;
 mod lifecycle;
 mod merge;
 mod metrics;
+mod python;
 mod steps;
 
 use std::io::{BufRead as _, BufReader, Lines};

@@ -65,7 +65,7 @@ fn nightly() -> anyhow::Result<()> {
     Ok(())
 }
 
-const APT_PACKAGES: [&str; 10] = [
+const APT_PACKAGES: [&str; 12] = [
     "xz-utils",
     // GNU time: a test compares the agent's own peak memory with the kernel's figure.
     "time",
@@ -78,6 +78,10 @@ const APT_PACKAGES: [&str; 10] = [
     "gcc",
     // A real Prometheus (and its promtool) that the `--metrics` test scrapes the agent with.
     "prometheus",
+    // A real CPython (Debian 12: 3.11) whose frames the Python tests walk, and its headers,
+    // whose offsets the layout table is checked against.
+    "python3",
+    "python3-dev",
 ];
 
 fn apt() -> anyhow::Result<()> {
@@ -91,7 +95,7 @@ fn apt() -> anyhow::Result<()> {
         .collect();
     if missing.is_empty() {
         say(
-            "Debian packages (LLVM 22, clang, bpftool, chromium, prometheus)",
+            "Debian packages (LLVM 22, clang, bpftool, chromium, prometheus, python3)",
             "present",
         );
         return Ok(());

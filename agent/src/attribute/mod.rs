@@ -31,7 +31,7 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use crate::event::{Call, Event, Library};
+use crate::event::{Call, Event, Library, PyFrame, Task};
 use crate::record::Header;
 use steps::{Collective, Method};
 
@@ -265,12 +265,14 @@ struct Tail {
 }
 
 /// A stack as captured: the process (for its maps), kernel and user frames, innermost
-/// first.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+/// first, and the Python frames the thread was executing (innermost first; empty for a
+/// thread that runs no Python or with Python frames off).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
 pub struct StackKey {
     pub pid: u32,
     pub kstack: Vec<u64>,
     pub ustack: Vec<u64>,
+    pub py: Vec<PyFrame>,
 }
 
 /// A stretch a thread spent off-CPU.
@@ -350,6 +352,8 @@ pub struct Timeline {
     last_ns: u64,
     stacks: Vec<StackKey>,
     stack_ids: std::collections::HashMap<StackKey, u32>,
+    /// Python frames waiting for the stack record they belong to: tid → (time, frames).
+    py_pending: std::collections::HashMap<u32, (u64, Vec<PyFrame>)>,
     calls: Vec<Call>,
     target_pids: Vec<u32>,
     env_ranks: BTreeMap<u32, (String, i32)>,
@@ -406,6 +410,7 @@ impl Timeline {
             last_ns: header.clock.monotonic_ns,
             stacks: Vec::new(),
             stack_ids: std::collections::HashMap::new(),
+            py_pending: std::collections::HashMap::new(),
             calls: Vec::new(),
             target_pids: header.targets.iter().map(|t| t.pid).collect(),
             env_ranks: header
@@ -459,11 +464,18 @@ impl Timeline {
         }
     }
 
-    fn intern(&mut self, pid: u32, kstack: &[u64], ustack: &[u64]) -> u32 {
+    /// The id of a stack of `task` taken at `ts`, with the Python frames recorded just
+    /// before it (same thread, same time), if any.
+    fn intern(&mut self, task: Task, ts: u64, kstack: &[u64], ustack: &[u64]) -> u32 {
+        let py = match self.py_pending.remove(&task.tid) {
+            Some((at, frames)) if at == ts => frames,
+            _ => Vec::new(),
+        };
         let key = StackKey {
-            pid,
+            pid: task.tgid,
             kstack: kstack.to_vec(),
             ustack: ustack.to_vec(),
+            py,
         };
         if let Some(id) = self.stack_ids.get(&key) {
             return *id;
@@ -592,7 +604,7 @@ impl Timeline {
                 kstack,
                 ustack,
             } => {
-                let id = self.intern(task.tgid, kstack, ustack);
+                let id = self.intern(*task, *ts_ns, kstack, ustack);
                 self.log(task.tid, task.tgid)
                     .offcpu_stacks
                     .push((*ts_ns, id));
@@ -616,12 +628,20 @@ impl Timeline {
                 log.faults.push(*ts_ns);
                 log.last_fault = Some((*ts_ns, *ip));
             }
+            Event::PyStack {
+                ts_ns,
+                task,
+                frames,
+                ..
+            } => {
+                self.py_pending.insert(task.tid, (*ts_ns, frames.clone()));
+            }
             Event::CallStack {
                 ts_ns,
                 task,
                 ustack,
             } => {
-                let id = self.intern(task.tgid, &[], ustack);
+                let id = self.intern(*task, *ts_ns, &[], ustack);
                 self.log(task.tid, task.tgid).call_stacks.push((*ts_ns, id));
             }
             Event::FaultTime {
@@ -647,7 +667,7 @@ impl Timeline {
                     .any(|ip| self.fault_ranges.iter().any(|(a, b)| (*a..*b).contains(ip)));
                 let period = self.sample_period_ns;
                 let window = 2 * period.max(1);
-                let stack = self.intern(task.tgid, kstack, ustack);
+                let stack = self.intern(*task, *ts_ns, kstack, ustack);
                 let log = self.log(task.tid, task.tgid);
                 // In user mode on the instruction that just faulted, or right after it:
                 // the return from the fault (a pending timer interrupt is delivered
@@ -725,7 +745,7 @@ pub fn total(steps: &[Step]) -> Categories {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::event::{Func, Task};
+    use crate::event::Func;
     use crate::record::{ClockRef, Header};
 
     fn header() -> Header {

@@ -482,6 +482,18 @@ impl Sink for LiveSink {
         }
     }
 
+    fn python_codes(&mut self, pid: u32, codes: Vec<(u64, crate::python::CodeInfo)>) {
+        let meta = Meta::PythonCodes { pid, codes };
+        match &mut self.store {
+            Store::Disk(writer) => {
+                if let Err(e) = writer.meta(&meta) {
+                    self.spill(e);
+                }
+            }
+            Store::Memory { agg, .. } => agg.meta(meta),
+        }
+    }
+
     fn tick(&mut self, lost_by_kind: &std::collections::BTreeMap<String, u64>, alive: usize) {
         let lost: u64 = lost_by_kind.values().sum();
         if let Some(m) = &self.metrics {
@@ -1008,13 +1020,14 @@ struct Windows {
 impl Windows {
     /// Starts the next window; the current one is finished on a thread. If the next
     /// cannot be started, the current one goes on.
-    fn rotate(&mut self, plan: &WindowPlan<'_>, attached: &source::Attached) {
+    fn rotate(&mut self, plan: &WindowPlan<'_>, attached: &mut source::Attached) {
         let next_dir = plan.folder();
         match plan.open(&next_dir, &attached.header) {
             Ok(next) => {
                 let reason = source::StopReason::Rotate.to_string();
                 let end = end_record(attached, reason, Some(&mut self.base));
                 let done = std::mem::replace(&mut self.sink, next);
+                attached.new_window();
                 let dir = std::mem::replace(&mut self.out, next_dir);
                 self.finishing.retain(|t| !t.is_finished());
                 self.finishing
@@ -1067,7 +1080,7 @@ async fn trace(
         if !matches!(outcome, Ok(source::StopReason::Rotate)) {
             break outcome;
         }
-        w.rotate(&plan, &attached);
+        w.rotate(&plan, &mut attached);
     };
     attached.disarm();
     // Scrapes are refused from here on, never left waiting while the outputs are written.

@@ -58,15 +58,17 @@ fn push_frame(line: &mut String, frame: &str) {
     }
 }
 
-/// A stack's frames as part of a folded line, root first: user frames outermost first,
-/// then kernel frames.
+/// A stack's frames as part of a folded line, root first: user frames outermost first
+/// (Python frames in place of the interpreter loop), then kernel frames.
 fn stack_line(stacks: &[StackKey], symbols: &Symbols, stack: u32) -> String {
     let mut line = String::new();
     let Some(s) = stacks.get(stack as usize) else {
         return line;
     };
-    for addr in s.ustack.iter().rev() {
-        push_frame(&mut line, &symbols.user(s.pid, *addr));
+    let native = s.ustack.iter().map(|a| symbols.user(s.pid, *a)).collect();
+    let user = crate::python::merge_frames(native, &s.py, |f| symbols.python(s.pid, f));
+    for frame in user.iter().rev() {
+        push_frame(&mut line, frame);
     }
     for addr in s.kstack.iter().rev() {
         push_frame(&mut line, &format!("{}_[k]", symbols.kernel(*addr)));
@@ -391,6 +393,7 @@ mod tests {
             pid: 10,
             kstack: Vec::new(),
             ustack: vec![0x1300, 0x1100],
+            py: vec![],
         });
         detail.threads[0].call_stacks = vec![(4_000_001, 3)];
         let lines = folded(&detail, &symbols, Kind::NcclWait);

@@ -42,16 +42,19 @@ pub(crate) mod fixture {
                 pid: 10,
                 kstack: vec![],
                 ustack: vec![0x1010, 0x1100, 0x1200],
+                py: vec![],
             },
             StackKey {
                 pid: 10,
                 kstack: vec![0xffff_0010, 0xffff_0020],
                 ustack: vec![0x1010, 0x1100, 0x1200],
+                py: vec![],
             },
             StackKey {
                 pid: 10,
                 kstack: vec![0xffff_0030],
                 ustack: vec![0x2000, 0x1300, 0x1200],
+                py: vec![],
             },
         ];
         let rank = ThreadDetail {

@@ -3,6 +3,7 @@
 
 pub mod baseline;
 pub mod discover;
+pub mod python;
 pub mod rings;
 pub mod tracefs;
 
@@ -406,6 +407,8 @@ pub struct Attached {
     probed: Vec<(u64, u64)>,
     /// `--follow`: also attach to processes that map NCCL later, until stopped.
     pub follow: Option<Follow>,
+    /// Python targets whose frames are walked (profile `python_frames`).
+    python: python::PyTargets,
 }
 
 /// What `--follow` needs to discover and attach a process that appears later.
@@ -602,8 +605,14 @@ fn sample_threads(
 }
 
 /// What the recording keeps about a target.
-fn target_info(host: &Host, t: &Target, probes: Vec<ProbeInfo>) -> TargetInfo {
+fn target_info(
+    host: &Host,
+    t: &Target,
+    probes: Vec<ProbeInfo>,
+    python: Option<crate::python::PythonInfo>,
+) -> TargetInfo {
     TargetInfo {
+        python,
         pid: t.pid,
         comm: t.comm.clone(),
         cmdline: host.cmdline(t.pid),
@@ -677,6 +686,15 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
     }
     for t in targets {
         register_threads(&mut ebpf, &host, t)?;
+    }
+    let mut py_targets = python::PyTargets::new();
+    let mut py_infos = BTreeMap::new();
+    if profile.probes.python_frames {
+        for t in targets {
+            if let Some(info) = python::start(&mut ebpf, &host, t.pid, &mut py_targets)? {
+                py_infos.insert(t.pid, info);
+            }
+        }
     }
 
     let mut links = Vec::new();
@@ -783,7 +801,10 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
         profile: profile.name.clone(),
         targets: infos
             .into_iter()
-            .map(|(t, _, probes)| target_info(&host, t, probes))
+            .map(|(t, _, probes)| {
+                let py = py_infos.remove(&t.pid);
+                target_info(&host, t, probes, py)
+            })
             .collect(),
         sample_period_ns,
         fault_handler_ranges,
@@ -805,6 +826,7 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
         profile: profile.clone(),
         probed,
         follow: None,
+        python: py_targets,
     })
 }
 
@@ -898,6 +920,9 @@ pub trait Sink {
     fn rotate_due(&self) -> bool {
         false
     }
+    /// Names of Python code objects seen for the first time in this sink's records (the
+    /// record that shows them comes next).
+    fn python_codes(&mut self, _pid: u32, _codes: Vec<(u64, crate::python::CodeInfo)>) {}
 }
 
 impl Attached {
@@ -921,9 +946,20 @@ impl Attached {
             .insert(t.pid, 1, 0)
             .map_err(map_error(names::TARGETS))?;
         self.pids.push(t.pid);
-        let info = target_info(&host, t, probes);
+        let py = if self.profile.probes.python_frames {
+            python::start(ebpf, &host, t.pid, &mut self.python)?
+        } else {
+            None
+        };
+        let info = target_info(&host, t, probes, py);
         self.header.targets.push(info.clone());
         Ok(info)
+    }
+
+    /// The records go to a new sink (a new recording window) from now on: Python code
+    /// objects are named to it again as they are seen.
+    pub fn new_window(&mut self) {
+        python::new_window(&mut self.python);
     }
 
     /// `--follow`: attaches to every process that maps NCCL and is not traced yet.
@@ -1003,7 +1039,11 @@ impl Attached {
         let mut more = true;
         let reason = loop {
             if more {
-                more = self.rings.drain(sink, BUDGET)?;
+                let mut naming = python::Naming {
+                    inner: &mut *sink,
+                    targets: &mut self.python,
+                };
+                more = self.rings.drain(&mut naming, BUDGET)?;
             }
             tokio::select! {
                 biased;
@@ -1036,6 +1076,9 @@ impl Attached {
                     }
                     if last_tick.elapsed() >= Duration::from_secs(1) {
                         last_tick = Instant::now();
+                        if let Some(ebpf) = self.ebpf.as_mut() {
+                            python::refresh(ebpf, &mut self.python);
+                        }
                         let lost = self.counters().0;
                         let alive = self.pids.iter().filter(|p| host.process_alive(**p)).count();
                         sink.tick(&lost, alive);
@@ -1054,7 +1097,11 @@ impl Attached {
             self.disarm();
         }
         // Everything drained so far goes to this sink (a window's last records included).
-        self.rings.drain(sink, usize::MAX)?;
+        let mut naming = python::Naming {
+            inner: sink,
+            targets: &mut self.python,
+        };
+        self.rings.drain(&mut naming, usize::MAX)?;
         Ok(reason)
     }
 

@@ -38,8 +38,12 @@ pub mod kind {
     /// A target thread's user stack at the entry of a traced call (`SampleEvent` layout,
     /// no kernel frames), made just after the call's start time was taken.
     pub const CALL_STACK: u16 = 13;
+    /// The Python frames a target thread was executing (`PyStackEvent`), written just
+    /// before the `SAMPLE`, `OFFCPU` or `CALL_STACK` record they belong to, with the same
+    /// header time.
+    pub const PY_STACK: u16 = 14;
     /// One past the largest kind: the size of per-kind tables.
-    pub const COUNT: usize = 14;
+    pub const COUNT: usize = 15;
 }
 
 /// Indices into the per-CPU `COUNTERS` array. Ids below `kind::COUNT` count events of that
@@ -395,6 +399,58 @@ pub struct SampleEvent {
 }
 const _: () = assert!(core::mem::size_of::<SampleEvent>() == 800);
 
+/// Python frames kept per stack (innermost first, entry markers included).
+pub const PY_DEPTH: usize = 40;
+
+/// `PyStackEvent::codes` value marking the end of one run of the interpreter loop (an
+/// entry frame: the frames after it were executed by an outer `_PyEval_EvalFrameDefault`).
+pub const PY_ENTRY: u64 = 0;
+
+/// The Python frames of one stack, innermost first: each frame's code object and how far
+/// into it the frame's instruction pointer is (bytes from the code object's address);
+/// `codes[i] == PY_ENTRY` marks an interpreter entry between frames.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PyStackEvent {
+    pub hdr: Header,
+    /// Frames in use.
+    pub len: u32,
+    /// Nonzero: the walk stopped at [`PY_DEPTH`] with frames left (the outermost are
+    /// missing).
+    pub truncated: u32,
+    pub codes: [u64; PY_DEPTH],
+    pub offsets: [u32; PY_DEPTH],
+}
+const _: () = assert!(core::mem::size_of::<PyStackEvent>() == 512);
+
+/// Where a CPython interpreter keeps what the frame walk reads (per target process,
+/// `PY_LAYOUTS`; byte offsets, [`FIELD_ABSENT`] for a field the version lacks).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PyLayout {
+    /// `PyThreadState` → `_PyCFrame *cframe` (3.11, 3.12).
+    pub tstate_cframe: u32,
+    /// `_PyCFrame` → `current_frame`.
+    pub cframe_current_frame: u32,
+    /// `_PyInterpreterFrame` → `previous`.
+    pub frame_previous: u32,
+    /// `_PyInterpreterFrame` → the code object (`f_code`).
+    pub frame_code: u32,
+    /// `_PyInterpreterFrame` → the instruction pointer (`prev_instr`).
+    pub frame_instr: u32,
+    /// `_PyInterpreterFrame` → `owner` (a byte).
+    pub frame_owner: u32,
+    /// `_PyInterpreterFrame` → `is_entry` (a byte; 3.11 only).
+    pub frame_is_entry: u32,
+    /// The `owner` of the interpreter's entry shim frames (3.12: `FRAME_OWNED_BY_CSTACK`).
+    pub owner_cstack: u32,
+}
+const _: () = assert!(core::mem::size_of::<PyLayout>() == 32);
+
+/// Bytes of an interpreter frame the walk reads at once; every [`PyLayout`] frame field
+/// lies inside them.
+pub const PY_FRAME_WINDOW: usize = 72;
+
 /// Switches set by user space before load (read-only global `CONFIG`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -439,6 +495,10 @@ pub mod names {
     pub const COUNTERS: &str = "COUNTERS";
     pub const TARGETS: &str = "TARGETS";
     pub const THREADS: &str = "THREADS";
+    /// Python thread states of target threads (tid → `PyThreadState *`).
+    pub const PY_THREADS: &str = "PY_THREADS";
+    /// Python layouts of target processes (tgid → [`PyLayout`](super::PyLayout)).
+    pub const PY_LAYOUTS: &str = "PY_LAYOUTS";
     /// Read-only globals set before load.
     pub const CONFIG: &str = "CONFIG";
     pub const OFFSETS: &str = "OFFSETS";
@@ -610,4 +670,5 @@ mod pod {
     unsafe impl aya::Pod for super::TpOffsets {}
     unsafe impl aya::Pod for super::Config {}
     unsafe impl aya::Pod for super::PendingCall {}
+    unsafe impl aya::Pod for super::PyLayout {}
 }

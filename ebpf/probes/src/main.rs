@@ -29,8 +29,9 @@ use aya_log_ebpf::warn;
 use nccltrace_common::{
     CALL_SLOTS, CallEvent, CallSlot, Config, FAULT_FLAG_USER, FIELD_ABSENT, FaultEvent,
     FaultTimeEvent, Header, KSTACK_DEPTH, MAX_ARGS, MigrateEvent, NOT_READ, NumaTaskEvent,
-    PageMigrationEvent, PendingCall, RING_SHARDS, SampleEvent, SwitchEvent, TaskEvent, TpOffsets,
-    USTACK_DEPTH, WakeupEvent, call_stacks, counter, func, kind, numa_task, switch_flags,
+    PY_DEPTH, PY_ENTRY, PY_FRAME_WINDOW, PageMigrationEvent, PendingCall, PyLayout, PyStackEvent,
+    RING_SHARDS, SampleEvent, SwitchEvent, TaskEvent, TpOffsets, USTACK_DEPTH, WakeupEvent,
+    call_stacks, counter, func, kind, numa_task, switch_flags,
 };
 
 /// Every record, in ring buffers shared by groups of CPUs (`CONFIG.shards` of them in use,
@@ -84,6 +85,15 @@ static TARGETS: HashMap<u32, u32> = HashMap::with_max_entries(1024, 0);
 /// `current` (the next task of a switch, a wakee) be filtered without reading task_struct.
 #[map]
 static THREADS: HashMap<u32, u32> = HashMap::with_max_entries(65536, 0);
+
+/// Python thread states of target threads (tid → `PyThreadState *`), kept by user space
+/// (`--python`): a thread found here gets its Python frames walked with its stacks.
+#[map]
+static PY_THREADS: HashMap<u32, u64> = HashMap::with_max_entries(16384, 0);
+
+/// How to walk each Python target's frames (tgid → layout of its CPython version).
+#[map]
+static PY_LAYOUTS: HashMap<u32, PyLayout> = HashMap::with_max_entries(1024, 0);
 
 /// Calls in flight, keyed by `tid << 32 | function id`.
 #[map]
@@ -739,6 +749,9 @@ pub fn perf_event_cpu_clock(ctx: PerfEventContext) -> u32 {
 /// and put second, after the function itself.
 #[inline(always)]
 fn emit_entry_stack(ctx: *mut core::ffi::c_void, rsp: u64, tgid: u32, tid: u32) {
+    // The Python frames first: the record they belong to comes next in the buffer.
+    let hdr = header(kind::CALL_STACK, tgid, tid);
+    emit_py_stack(&hdr);
     let ring = ring();
     let Some(mut entry) = ring.reserve::<SampleEvent>(0) else {
         bump(u32::from(kind::CALL_STACK));
@@ -748,7 +761,7 @@ fn emit_entry_stack(ctx: *mut core::ffi::c_void, rsp: u64, tgid: u32, tid: u32) 
     // SAFETY: `event` points at reserved ring-buffer memory of the right size; the fields
     // user space reads are written here; the user read is checked by the helper.
     unsafe {
-        (*event).hdr = header(kind::CALL_STACK, tgid, tid);
+        (*event).hdr = hdr;
         (*event).kstack_len = 0;
         let stack = &raw mut (*event).ustack;
         let u = bpf_get_stack(
@@ -774,6 +787,9 @@ fn emit_entry_stack(ctx: *mut core::ffi::c_void, rsp: u64, tgid: u32, tid: u32) 
 /// Submits the current task's kernel and user stacks as a `SampleEvent` of `kind`.
 #[inline(always)]
 fn emit_stacks(ctx: *mut core::ffi::c_void, kind: u16, tgid: u32, tid: u32) {
+    // The Python frames first: the record they belong to comes next in the buffer.
+    let hdr = header(kind, tgid, tid);
+    emit_py_stack(&hdr);
     let ring = ring();
     let Some(mut entry) = ring.reserve::<SampleEvent>(0) else {
         bump(u32::from(kind));
@@ -783,7 +799,7 @@ fn emit_stacks(ctx: *mut core::ffi::c_void, kind: u16, tgid: u32, tid: u32) {
     // SAFETY: `event` points at reserved ring-buffer memory of the right size; every field
     // read by user space is written here (stack slots past the lengths are not read).
     unsafe {
-        (*event).hdr = header(kind, tgid, tid);
+        (*event).hdr = hdr;
         let k = bpf_get_stack(
             ctx,
             (&raw mut (*event).kstack).cast(),
@@ -799,6 +815,97 @@ fn emit_stacks(ctx: *mut core::ffi::c_void, kind: u16, tgid: u32, tid: u32) {
         );
         (*event).ustack_len = if u > 0 { (u / 8) as u32 } else { 0 };
     }
+    entry.submit(wake_flags(ring));
+}
+
+/// Appends one frame to a Python stack record; false when it is full.
+#[inline(always)]
+fn push_py(event: &mut PyStackEvent, code: u64, offset: u32) -> bool {
+    let n = event.len as usize;
+    match (event.codes.get_mut(n), event.offsets.get_mut(n)) {
+        (Some(c), Some(o)) => {
+            *c = code;
+            *o = offset;
+            event.len += 1;
+            true
+        }
+        _ => false,
+    }
+}
+
+/// Writes the Python frames the current thread is executing as a `PY_STACK` record with
+/// `stack`'s time, before the stack record itself: nothing when the thread is not a known
+/// Python thread or runs no Python code. Walks the interpreter frame chain from the
+/// thread state (`tstate->cframe->current_frame`, then `previous`), one user read per
+/// frame, at most `PY_DEPTH` entries; code objects are named in user space.
+#[inline(always)]
+fn emit_py_stack(stack: &Header) {
+    // SAFETY: copied out at once.
+    let Some(tstate) = (unsafe { PY_THREADS.get(&stack.tid) }).copied() else {
+        return;
+    };
+    let Some(layout) = (unsafe { PY_LAYOUTS.get(&stack.tgid) }).copied() else {
+        return;
+    };
+    // SAFETY: bpf_probe_read_user checks the addresses.
+    let Ok(cframe) =
+        (unsafe { bpf_probe_read_user((tstate + u64::from(layout.tstate_cframe)) as *const u64) })
+    else {
+        return;
+    };
+    let Ok(mut frame) = (unsafe {
+        bpf_probe_read_user((cframe + u64::from(layout.cframe_current_frame)) as *const u64)
+    }) else {
+        return;
+    };
+    if frame == 0 {
+        return;
+    }
+    let ring = ring();
+    let Some(mut entry) = ring.reserve::<PyStackEvent>(0) else {
+        bump(u32::from(kind::PY_STACK));
+        return;
+    };
+    // SAFETY: reserved ring-buffer memory of the right size, written before it is read.
+    let event = unsafe { &mut *entry.as_mut_ptr() };
+    event.hdr = Header {
+        kind: kind::PY_STACK,
+        ..*stack
+    };
+    event.len = 0;
+    event.truncated = 0;
+    let mut window = [0u64; 16];
+    for _ in 0..PY_DEPTH {
+        if frame == 0 {
+            break;
+        }
+        // SAFETY: the helper checks the user address; the buffer holds the window.
+        let bytes = unsafe {
+            core::slice::from_raw_parts_mut(window.as_mut_ptr().cast::<u8>(), PY_FRAME_WINDOW)
+        };
+        if unsafe { aya_ebpf::helpers::bpf_probe_read_user_buf(frame as *const u8, bytes) }.is_err()
+        {
+            break;
+        }
+        let word = |at: u32| window[(at as usize >> 3) & 15];
+        let byte = |at: u32| (word(at) >> ((at & 7) * 8)) as u8;
+        let code = word(layout.frame_code);
+        let full = if u32::from(byte(layout.frame_owner)) == layout.owner_cstack {
+            // The shim frame an interpreter entry pushes (3.12): a boundary, no code.
+            !push_py(event, PY_ENTRY, 0)
+        } else {
+            let offset = word(layout.frame_instr).wrapping_sub(code) as u32;
+            let entry_frame =
+                layout.frame_is_entry != FIELD_ABSENT && byte(layout.frame_is_entry) != 0;
+            !push_py(event, code, offset) || (entry_frame && !push_py(event, PY_ENTRY, 0))
+        };
+        frame = word(layout.frame_previous);
+        if full {
+            break;
+        }
+    }
+    // Frames left: the walk hit its bound, or a frame could not be read.
+    event.truncated = u32::from(frame != 0);
     entry.submit(wake_flags(ring));
 }
 

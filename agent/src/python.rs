@@ -1,0 +1,782 @@
+//! Python frames of a running CPython, without a relaunch: finding the interpreter in a
+//! target (its executable or libpython, its version read from the process), the thread
+//! state of each of its threads (handed to the kernel programs, which walk the frame
+//! chain at every stack they take), and the names of the code objects those walks return
+//! (`function (file:line)`), read from the target's memory once per code object.
+//!
+//! Layouts are per CPython minor version: byte offsets printed by `offsetof` against the
+//! interpreter's own headers (tests/fixtures/pyoffsets.c; 3.11 from Debian 12's
+//! python3.11-dev 3.11.2, 3.12 from Ubuntu 24.04's python3.12-dev 3.12.3), checked on
+//! every target before use: a thread list that does not name the target's own threads
+//! turns Python frames off for it with the reason, never a wrong frame.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+
+use nccltrace_common::{FIELD_ABSENT, PyLayout};
+use serde::{Deserialize, Serialize};
+
+use crate::host::Host;
+use crate::source::discover::{MapEntry, parse_maps};
+
+/// Where a CPython minor version keeps what user space reads (x86-64).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Layout {
+    /// What the kernel's frame walk needs.
+    pub kernel: PyLayout,
+    /// `_PyRuntimeState` → `interpreters.head`.
+    runtime_interpreters_head: u64,
+    /// `PyInterpreterState` → `next`, `threads.head`.
+    interp_next: u64,
+    interp_threads_head: u64,
+    /// `PyThreadState` → `next`, `native_thread_id`.
+    tstate_next: u64,
+    tstate_native_thread_id: u64,
+    /// `PyCodeObject` fields.
+    code_filename: u64,
+    code_qualname: u64,
+    code_linetable: u64,
+    code_firstlineno: u64,
+    code_adaptive: u32,
+    /// `sizeof(PyASCIIObject)`, `sizeof(PyCompactUnicodeObject)`: where a compact
+    /// string's characters start.
+    unicode_ascii_size: u64,
+    unicode_compact_size: u64,
+}
+
+/// Offsets shared by the versions supported.
+const OB_TYPE: u64 = 8;
+const VAR_SIZE: u64 = 16;
+const UNICODE_STATE: u64 = 32;
+const BYTES_SVAL: u64 = 32;
+
+/// The layout of CPython 3.`minor`, when this build knows it.
+#[must_use]
+pub fn layout(minor: u32) -> Option<Layout> {
+    match minor {
+        11 => Some(Layout {
+            kernel: PyLayout {
+                tstate_cframe: 56,
+                cframe_current_frame: 8,
+                frame_previous: 48,
+                frame_code: 32,
+                frame_instr: 56,
+                frame_owner: 69,
+                frame_is_entry: 68,
+                owner_cstack: FIELD_ABSENT,
+            },
+            runtime_interpreters_head: 40,
+            interp_next: 0,
+            interp_threads_head: 16,
+            tstate_next: 8,
+            tstate_native_thread_id: 160,
+            code_filename: 112,
+            code_qualname: 128,
+            code_linetable: 136,
+            code_firstlineno: 72,
+            code_adaptive: 184,
+            unicode_ascii_size: 48,
+            unicode_compact_size: 72,
+        }),
+        12 => Some(Layout {
+            kernel: PyLayout {
+                tstate_cframe: 56,
+                cframe_current_frame: 0,
+                frame_previous: 8,
+                frame_code: 0,
+                frame_instr: 56,
+                frame_owner: 70,
+                frame_is_entry: FIELD_ABSENT,
+                // FRAME_OWNED_BY_CSTACK (Include/internal/pycore_frame.h).
+                owner_cstack: 3,
+            },
+            runtime_interpreters_head: 40,
+            interp_next: 0,
+            interp_threads_head: 72,
+            tstate_next: 8,
+            tstate_native_thread_id: 144,
+            code_filename: 112,
+            code_qualname: 128,
+            code_linetable: 136,
+            code_firstlineno: 68,
+            code_adaptive: 192,
+            unicode_ascii_size: 40,
+            unicode_compact_size: 56,
+        }),
+        _ => None,
+    }
+}
+
+/// The minor versions [`layout`] knows, for messages.
+pub const SUPPORTED: &str = "3.11 and 3.12";
+
+/// What the recording keeps about a target's interpreter.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct PythonInfo {
+    /// `3.11.7`, or what is known of it.
+    pub version: String,
+    /// The file the interpreter lies in, as the target sees it.
+    pub path: String,
+    /// Whether its frames are walked.
+    pub frames: bool,
+    /// Why not, when they are not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
+}
+
+/// An interpreter found in a live target.
+#[derive(Debug)]
+pub struct Interp {
+    pub pid: u32,
+    pub info: PythonInfo,
+    pub layout: Layout,
+    runtime: u64,
+    code_type: u64,
+    mem: File,
+    /// Code objects named so far (address → name), or found not to be code.
+    codes: HashMap<u64, Option<CodeInfo>>,
+}
+
+/// Why a target's Python frames are not walked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Found {
+    /// Not a Python process (no `_PyRuntime` in any mapped file).
+    NotPython,
+    /// A CPython whose frames cannot be walked: what is known, with the reason.
+    Unsupported(PythonInfo),
+}
+
+/// A data symbol's address in the target: the file's address plus the load bias of the
+/// mapping of the segment it lies in.
+fn runtime_address(
+    obj: &object::File<'_>,
+    maps: &[MapEntry],
+    path: &str,
+    address: u64,
+) -> Option<u64> {
+    use object::{Object as _, ObjectSegment as _};
+    let segment = obj.segments().find(|s| {
+        let (start, size) = (s.address(), s.size());
+        (start..start + size).contains(&address)
+    })?;
+    let (offset, _) = segment.file_range();
+    let page = |v: u64| v & !0xfff;
+    let m = maps
+        .iter()
+        .find(|m| m.path.as_deref() == Some(path) && m.offset == page(offset))?;
+    Some(m.start + address - page(segment.address()))
+}
+
+/// The addresses of `names` in the file at `path` as process maps `maps` load it.
+fn symbols(
+    host_path: &std::path::Path,
+    maps: &[MapEntry],
+    path: &str,
+    names: &[&str],
+) -> Option<HashMap<String, u64>> {
+    use object::{Object as _, ObjectSymbol as _};
+    let file = File::open(host_path).ok()?;
+    // SAFETY: read-only private mapping; a file replaced under us gives wrong addresses,
+    // which the layout check then refuses.
+    let map = unsafe { memmap2::Mmap::map(&file) }.ok()?;
+    let obj = object::File::parse(&*map).ok()?;
+    let mut found = HashMap::new();
+    for sym in obj.dynamic_symbols().chain(obj.symbols()) {
+        let Ok(name) = sym.name() else { continue };
+        if sym.is_undefined() || !names.contains(&name) || found.contains_key(name) {
+            continue;
+        }
+        if let Some(at) = runtime_address(&obj, maps, path, sym.address()) {
+            found.insert(name.to_owned(), at);
+        }
+    }
+    Some(found)
+}
+
+/// `3.11.7` from `Py_Version` (`PY_VERSION_HEX`: 0x030B07F0).
+#[must_use]
+pub fn version_of(hex: u32) -> (u32, u32, u32) {
+    (hex >> 24, (hex >> 16) & 0xff, (hex >> 8) & 0xff)
+}
+
+/// The minor version a file name says (`libpython3.10.so.1.0`, `python3.10`).
+fn minor_from_name(path: &str) -> Option<u32> {
+    let name = path.rsplit('/').next()?;
+    let rest = name.split("python3.").nth(1)?;
+    let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+    digits.parse().ok()
+}
+
+impl Interp {
+    /// Finds the CPython interpreter of process `pid`: the mapped file (executable or
+    /// libpython) that defines `_PyRuntime`.
+    pub fn find(host: &Host, pid: u32) -> Result<Interp, Found> {
+        let maps_text =
+            std::fs::read_to_string(host.path(&format!("proc/{pid}/maps"))).unwrap_or_default();
+        let maps = parse_maps(&maps_text);
+        let files = crate::source::discover::mapped_files(&maps);
+        let candidates = files.iter().filter(|p| {
+            let name = p.rsplit('/').next().unwrap_or("");
+            name.starts_with("python") || name.starts_with("libpython")
+        });
+        for path in candidates {
+            let host_path = host.path(&format!("proc/{pid}/root{path}"));
+            let Some(syms) = symbols(
+                &host_path,
+                &maps,
+                path,
+                &["_PyRuntime", "PyCode_Type", "Py_Version"],
+            ) else {
+                continue;
+            };
+            let Some(&runtime) = syms.get("_PyRuntime") else {
+                continue;
+            };
+            let mem = File::open(host.path(&format!("proc/{pid}/mem")));
+            let version = match (&mem, syms.get("Py_Version")) {
+                (Ok(mem), Some(&at)) => read_u32(mem, at).map(version_of),
+                _ => None,
+            };
+            let mut info = PythonInfo {
+                version: version.map_or_else(
+                    || minor_from_name(path).map_or("3.?".to_owned(), |m| format!("3.{m}")),
+                    |(a, b, c)| format!("{a}.{b}.{c}"),
+                ),
+                path: path.clone(),
+                frames: false,
+                note: None,
+            };
+            let minor = version.map(|v| v.1).or_else(|| minor_from_name(path));
+            let Some(layout) = minor.and_then(layout) else {
+                info.note = Some(format!(
+                    "CPython {}: its frame layout is not known to this nccltrace (it knows \
+                     {SUPPORTED}); stacks stay native",
+                    info.version
+                ));
+                return Err(Found::Unsupported(info));
+            };
+            let (Ok(mem), Some(&code_type)) = (mem, syms.get("PyCode_Type")) else {
+                info.note = Some(format!(
+                    "CPython {}: cannot read the process's memory or find PyCode_Type; stacks \
+                     stay native",
+                    info.version
+                ));
+                return Err(Found::Unsupported(info));
+            };
+            let mut interp = Interp {
+                pid,
+                info,
+                layout,
+                runtime,
+                code_type,
+                mem,
+                codes: HashMap::new(),
+            };
+            return match interp.check(host) {
+                Ok(()) => {
+                    interp.info.frames = true;
+                    Ok(interp)
+                }
+                Err(why) => {
+                    interp.info.note = Some(format!(
+                        "CPython {}: {why}; Python frames are off for pid {pid} (stacks stay \
+                         native)",
+                        interp.info.version
+                    ));
+                    Err(Found::Unsupported(interp.info))
+                }
+            };
+        }
+        Err(Found::NotPython)
+    }
+
+    /// The layout check: the thread list read with this layout names only threads of the
+    /// process, the main thread among them.
+    fn check(&self, host: &Host) -> Result<(), String> {
+        let threads = self.threads();
+        if threads.is_empty() {
+            return Err("no thread state found with the layout of this version".to_owned());
+        }
+        let live = host.threads(self.pid);
+        if let Some((tid, _)) = threads.iter().find(|(tid, _)| !live.contains(tid)) {
+            return Err(format!(
+                "the layout check failed (thread id {tid} read from a thread state is not a \
+                 thread of the process)"
+            ));
+        }
+        if !threads.iter().any(|(tid, _)| *tid == self.pid) {
+            return Err("the layout check failed (the main thread has no thread state)".into());
+        }
+        Ok(())
+    }
+
+    /// Every thread state of every interpreter of the process: (thread id, address).
+    #[must_use]
+    pub fn threads(&self) -> Vec<(u32, u64)> {
+        let l = &self.layout;
+        let mut out = Vec::new();
+        let mut interp = self.read_u64(self.runtime + l.runtime_interpreters_head);
+        for _ in 0..64 {
+            let Some(i) = interp.filter(|a| *a != 0) else {
+                break;
+            };
+            let mut tstate = self.read_u64(i + l.interp_threads_head);
+            for _ in 0..4096 {
+                let Some(t) = tstate.filter(|a| *a != 0) else {
+                    break;
+                };
+                if let Some(tid) = self.read_u64(t + l.tstate_native_thread_id)
+                    && let Ok(tid) = u32::try_from(tid)
+                {
+                    out.push((tid, t));
+                }
+                tstate = self.read_u64(t + l.tstate_next);
+            }
+            interp = self.read_u64(i + l.interp_next);
+        }
+        out
+    }
+
+    fn read_u64(&self, at: u64) -> Option<u64> {
+        let mut b = [0u8; 8];
+        self.mem.read_exact_at(&mut b, at).ok()?;
+        Some(u64::from_le_bytes(b))
+    }
+
+    fn read_bytes(&self, at: u64, len: usize) -> Option<Vec<u8>> {
+        let mut b = vec![0u8; len];
+        self.mem.read_exact_at(&mut b, at).ok()?;
+        Some(b)
+    }
+
+    /// A `str` object's text (compact strings, as code objects' names are).
+    fn read_str(&self, at: u64) -> Option<String> {
+        let l = &self.layout;
+        let length = usize::try_from(self.read_u64(at + VAR_SIZE)?).ok()?;
+        if length > 4096 {
+            return None;
+        }
+        let state = u32::try_from(self.read_u64(at + UNICODE_STATE)? & 0xffff_ffff).ok()?;
+        let (kind, compact, ascii) = ((state >> 2) & 7, (state >> 5) & 1, (state >> 6) & 1);
+        if compact == 0 {
+            return None;
+        }
+        if ascii == 1 {
+            let bytes = self.read_bytes(at + l.unicode_ascii_size, length)?;
+            return String::from_utf8(bytes).ok();
+        }
+        let width = match kind {
+            1 | 2 | 4 => kind as usize,
+            _ => return None,
+        };
+        let bytes = self.read_bytes(at + l.unicode_compact_size, length * width)?;
+        Some(
+            bytes
+                .chunks_exact(width)
+                .filter_map(|c| {
+                    let mut w = [0u8; 4];
+                    w[..width].copy_from_slice(c);
+                    char::from_u32(u32::from_le_bytes(w))
+                })
+                .collect(),
+        )
+    }
+
+    /// The code object at `code`, read from the process once; `None` when what lies there
+    /// is not a code object (any more).
+    pub fn code(&mut self, code: u64) -> Option<&CodeInfo> {
+        if !self.codes.contains_key(&code) {
+            let info = self.read_code(code);
+            self.codes.insert(code, info);
+        }
+        self.codes.get(&code).and_then(Option::as_ref)
+    }
+
+    /// Whether `code` was looked at already.
+    #[must_use]
+    pub fn known(&self, code: u64) -> bool {
+        self.codes.contains_key(&code)
+    }
+
+    fn read_code(&self, code: u64) -> Option<CodeInfo> {
+        let l = &self.layout;
+        if self.read_u64(code + OB_TYPE)? != self.code_type {
+            return None;
+        }
+        let filename = self.read_str(self.read_u64(code + l.code_filename)?)?;
+        let qualname = self.read_str(self.read_u64(code + l.code_qualname)?)?;
+        let firstlineno = self.read_u64(code + l.code_firstlineno)? & 0xffff_ffff;
+        let table = self.read_u64(code + l.code_linetable)?;
+        let size = usize::try_from(self.read_u64(table + VAR_SIZE)?).ok()?;
+        let linetable = if size <= 1 << 20 {
+            self.read_bytes(table + BYTES_SVAL, size)?
+        } else {
+            Vec::new()
+        };
+        Some(CodeInfo {
+            qualname,
+            filename,
+            firstlineno: i32::try_from(firstlineno as u32).unwrap_or(0),
+            linetable,
+            adaptive: l.code_adaptive,
+        })
+    }
+}
+
+fn read_u32(mem: &File, at: u64) -> Option<u32> {
+    let mut b = [0u8; 4];
+    mem.read_exact_at(&mut b, at).ok()?;
+    Some(u32::from_le_bytes(b))
+}
+
+/// Named code objects by (pid, address).
+pub type PythonCodes = std::collections::BTreeMap<(u32, u64), CodeInfo>;
+
+/// A code object as the recording keeps it: enough to name any instruction of it.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct CodeInfo {
+    pub qualname: String,
+    pub filename: String,
+    pub firstlineno: i32,
+    /// `co_linetable` (the location table of CPython 3.11+).
+    pub linetable: Vec<u8>,
+    /// Where the instructions start, in bytes from the code object's address.
+    pub adaptive: u32,
+}
+
+impl CodeInfo {
+    /// The source line of the instruction `offset` bytes past the code object's address
+    /// (as the kernel walk reports it), when the table says one.
+    #[must_use]
+    pub fn line(&self, offset: u32) -> Option<i32> {
+        let Some(unit) = offset.checked_sub(self.adaptive) else {
+            // Before the first instruction: a frame just made (CPython points its
+            // instruction pointer one unit before the start).
+            return Some(self.firstlineno);
+        };
+        line_at(&self.linetable, self.firstlineno, unit / 2)
+    }
+
+    /// `qualname (file:line)`, the frame's name in stacks.
+    #[must_use]
+    pub fn frame(&self, offset: u32) -> String {
+        let file = short_file(&self.filename);
+        match self.line(offset) {
+            Some(line) => format!("{} ({file}:{line})", self.qualname),
+            None => format!("{} ({file})", self.qualname),
+        }
+    }
+}
+
+/// A source path as stacks show it: from the package on for installed packages
+/// (`torch/_tensor.py`), else the file name (`train.py`).
+#[must_use]
+pub fn short_file(path: &str) -> &str {
+    for marker in ["site-packages/", "dist-packages/"] {
+        if let Some(i) = path.rfind(marker) {
+            return &path[i + marker.len()..];
+        }
+    }
+    path.rsplit('/').next().unwrap_or(path)
+}
+
+/// The interpreter loop's C function: where Python frames go in a native stack.
+const EVAL_FRAME: &str = "_PyEval_EvalFrameDefault";
+
+/// A native stack (innermost first) with the Python frames it was executing (innermost
+/// first, entry markers between the runs of the interpreter loop) put in place of the
+/// interpreter loop's frames: when there are as many runs as `_PyEval_EvalFrameDefault`
+/// frames, each takes its run's place (the C frames between them stay); otherwise (a
+/// native stack cut short, as without frame pointers) the C frames inside the innermost
+/// run of the loop, then every Python frame, then the C frames outside the outermost.
+pub fn merge_frames<'a>(
+    native: Vec<std::borrow::Cow<'a, str>>,
+    py: &[crate::event::PyFrame],
+    name: impl Fn(crate::event::PyFrame) -> String,
+) -> Vec<std::borrow::Cow<'a, str>> {
+    if py.is_empty() {
+        return native;
+    }
+    let runs: Vec<&[crate::event::PyFrame]> = py
+        .split(|f| f.is_entry())
+        .filter(|run| !run.is_empty())
+        .collect();
+    let evals: Vec<usize> = (0..native.len())
+        .filter(|&i| native[i].starts_with(EVAL_FRAME))
+        .collect();
+    let named = |run: &[crate::event::PyFrame]| {
+        run.iter()
+            .map(|f| std::borrow::Cow::Owned(name(*f)))
+            .collect::<Vec<_>>()
+    };
+    let mut out = Vec::with_capacity(native.len() + py.len());
+    if !evals.is_empty() && evals.len() == runs.len() {
+        let mut next = 0;
+        for (i, frame) in native.into_iter().enumerate() {
+            if evals.get(next) == Some(&i) {
+                out.extend(named(runs[next]));
+                next += 1;
+            } else {
+                out.push(frame);
+            }
+        }
+        return out;
+    }
+    let (inner, outer) = match (evals.first(), evals.last()) {
+        (Some(&first), Some(&last)) => (first, last + 1),
+        _ => (native.len(), native.len()),
+    };
+    let mut native = native;
+    let root = native.split_off(outer);
+    native.truncate(inner);
+    out.extend(native);
+    out.extend(named(
+        &py.iter()
+            .copied()
+            .filter(|f| !f.is_entry())
+            .collect::<Vec<_>>(),
+    ));
+    out.extend(root);
+    out
+}
+
+/// Reads a location table varint: 6-bit chunks, low first, bit 6 set on all but the last.
+fn varint(table: &[u8], at: &mut usize) -> Option<u32> {
+    let mut value = 0u32;
+    let mut shift = 0;
+    loop {
+        let b = *table.get(*at)?;
+        *at += 1;
+        value |= u32::from(b & 0x3f).checked_shl(shift)?;
+        if b & 0x40 == 0 {
+            return Some(value);
+        }
+        shift += 6;
+    }
+}
+
+/// A signed varint: the sign in the lowest bit.
+fn svarint(table: &[u8], at: &mut usize) -> Option<i32> {
+    let v = varint(table, at)?;
+    let magnitude = i32::try_from(v >> 1).ok()?;
+    Some(if v & 1 == 1 { -magnitude } else { magnitude })
+}
+
+/// The line of code unit `unit` in a CPython 3.11+ location table (the format of
+/// `Objects/locations.md`): entries of a first byte `1cccclll` (code `cccc`, covering
+/// `lll + 1` code units) and, by code, a line delta and columns. `None` when the entry
+/// has no location or the table ends before `unit`.
+#[must_use]
+pub fn line_at(table: &[u8], firstlineno: i32, unit: u32) -> Option<i32> {
+    let mut line = firstlineno;
+    let mut at = 0usize;
+    let mut start = 0u32;
+    while at < table.len() {
+        let first = table[at];
+        at += 1;
+        if first & 0x80 == 0 {
+            return None;
+        }
+        let code = (first >> 3) & 0x0f;
+        let units = u32::from(first & 7) + 1;
+        let located = match code {
+            15 => false,
+            14 => {
+                line += svarint(table, &mut at)?;
+                for _ in 0..3 {
+                    varint(table, &mut at)?;
+                }
+                true
+            }
+            13 => {
+                line += svarint(table, &mut at)?;
+                true
+            }
+            10..=12 => {
+                line += i32::from(code) - 10;
+                at += 2;
+                true
+            }
+            _ => {
+                at += 1;
+                true
+            }
+        };
+        if (start..start + units).contains(&unit) {
+            return located.then_some(line);
+        }
+        start += units;
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions_and_names() {
+        assert_eq!(version_of(0x030b_07f0), (3, 11, 7));
+        assert_eq!(version_of(0x030c_03f0), (3, 12, 3));
+        assert_eq!(minor_from_name("/usr/lib/libpython3.10.so.1.0"), Some(10));
+        assert_eq!(minor_from_name("/usr/bin/python3.13"), Some(13));
+        assert_eq!(minor_from_name("/usr/bin/python3"), None);
+        assert!(layout(11).is_some() && layout(12).is_some());
+        assert!(layout(10).is_none() && layout(13).is_none());
+        assert_eq!(
+            short_file("/opt/v/lib/python3.12/site-packages/torch/_tensor.py"),
+            "torch/_tensor.py"
+        );
+        assert_eq!(short_file("/home/u/train.py"), "train.py");
+        assert_eq!(short_file("<string>"), "<string>");
+    }
+
+    #[test]
+    fn python_frames_replace_the_interpreter_loop() {
+        use crate::event::PyFrame;
+        let f = |code| PyFrame { code, offset: 0 };
+        let entry = PyFrame::default();
+        let name = |p: PyFrame| format!("py{}", p.code);
+        let native = |names: &[&'static str]| -> Vec<std::borrow::Cow<'static, str>> {
+            names.iter().map(|n| (*n).into()).collect()
+        };
+        // Two runs of the loop, two loop frames: each run in its place.
+        let merged = merge_frames(
+            native(&[
+                "sync",
+                "ffi_call",
+                "_PyEval_EvalFrameDefault",
+                "PyObject_Call",
+                "_PyEval_EvalFrameDefault",
+                "main",
+            ]),
+            &[f(1), f(2), entry, f(3), entry],
+            name,
+        );
+        assert_eq!(
+            merged,
+            [
+                "sync",
+                "ffi_call",
+                "py1",
+                "py2",
+                "PyObject_Call",
+                "py3",
+                "main"
+            ]
+        );
+        // A native stack cut short (no loop frame in it): leaf C frames, then Python.
+        let merged = merge_frames(
+            native(&["sync", "ffi_call"]),
+            &[f(1), entry, f(3), entry],
+            name,
+        );
+        assert_eq!(merged, ["sync", "ffi_call", "py1", "py3"]);
+        // Loop frames and runs that do not match: C frames between loop frames go.
+        let merged = merge_frames(
+            native(&[
+                "sync",
+                "_PyEval_EvalFrameDefault",
+                "x",
+                "_PyEval_EvalFrameDefault",
+                "main",
+            ]),
+            &[f(1), f(2), entry],
+            name,
+        );
+        assert_eq!(merged, ["sync", "py1", "py2", "main"]);
+        // No Python frames: the native stack as it is.
+        let merged = merge_frames(native(&["a", "_PyEval_EvalFrameDefault"]), &[], name);
+        assert_eq!(merged, ["a", "_PyEval_EvalFrameDefault"]);
+    }
+
+    #[test]
+    fn location_table_forms() {
+        // One-line form (code 11: line + 1, 2 units), short form (code 0, 1 unit), no
+        // location (code 15, 1 unit), long form (code 14: line - 2), no-column form
+        // (code 13: line + 5).
+        let table = [
+            0x80 | (11 << 3) | 1,
+            4,
+            9,
+            0x80,
+            0x12,
+            0x80 | (15 << 3),
+            0x80 | (14 << 3),
+            0x05, // svarint -2
+            0x00,
+            0x01,
+            0x02,
+            0x80 | (13 << 3) | 2,
+            0x0a, // svarint +5
+        ];
+        let at = |u| line_at(&table, 10, u);
+        assert_eq!((at(0), at(1), at(2)), (Some(11), Some(11), Some(11)));
+        assert_eq!(
+            (at(3), at(4), at(5), at(6), at(7)),
+            (None, Some(9), Some(14), Some(14), Some(14))
+        );
+        assert_eq!(at(8), None);
+        // Varints longer than one chunk: 0x41 0x01 = 1 + (1 << 6).
+        let mut i = 0;
+        assert_eq!(varint(&[0x41, 0x01], &mut i), Some(65));
+        // A byte without the entry bit where an entry starts: the table is not understood.
+        assert_eq!(line_at(&[0x01], 1, 0), None);
+    }
+
+    /// The table reader against CPython's own `co_lines()` for every code object of a
+    /// standard module, by the python3 on this machine (3.11+).
+    #[test]
+    fn location_tables_read_as_cpython_reads_them() {
+        let script = r#"
+import json, sys, inspect, json.decoder as m
+out = []
+def walk(c):
+    out.append({"first": c.co_firstlineno, "table": c.co_linetable.hex(),
+                "lines": [list(x) for x in c.co_lines()]})
+    for k in c.co_consts:
+        if hasattr(k, "co_linetable"): walk(k)
+for name in ("json.decoder", "inspect", "argparse"):
+    mod = __import__(name, fromlist=["x"])
+    src = open(mod.__file__).read()
+    walk(compile(src, mod.__file__, "exec"))
+print(sys.version_info[1]); print(json.dumps(out))
+"#;
+        let out = std::process::Command::new("python3")
+            .args(["-c", script])
+            .output()
+            .expect("python3 runs (cargo xtask setup installs it)");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let text = String::from_utf8(out.stdout).unwrap();
+        let (minor, json) = text.split_once('\n').unwrap();
+        assert!(
+            minor.trim().parse::<u32>().unwrap() >= 11,
+            "needs CPython 3.11+"
+        );
+        let codes: Vec<serde_json::Value> = serde_json::from_str(json).unwrap();
+        let mut checked = 0;
+        for c in &codes {
+            let first = i32::try_from(c["first"].as_i64().unwrap()).unwrap();
+            let hex = c["table"].as_str().unwrap();
+            let table: Vec<u8> = (0..hex.len())
+                .step_by(2)
+                .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
+                .collect();
+            for r in c["lines"].as_array().unwrap() {
+                let (start, end) = (r[0].as_u64().unwrap(), r[1].as_u64().unwrap());
+                let line = r[2].as_i64().map(|l| i32::try_from(l).unwrap());
+                for unit in (start / 2)..(end / 2) {
+                    let unit = u32::try_from(unit).unwrap();
+                    assert_eq!(line_at(&table, first, unit), line, "unit {unit} of {c}");
+                    checked += 1;
+                }
+            }
+        }
+        assert!(checked > 10_000, "only {checked} code units checked");
+    }
+}
