@@ -108,8 +108,86 @@ pub fn layout(minor: u32) -> Option<Layout> {
     }
 }
 
-/// The minor versions [`layout`] knows, for messages.
-pub const SUPPORTED: &str = "3.11 and 3.12";
+/// The versions whose frames are walked, for messages.
+pub const SUPPORTED: &str = "3.11, 3.12 and 3.13";
+
+/// `_Py_DebugOffsets` (CPython 3.13, Include/internal/pycore_runtime.h): what the
+/// interpreter publishes at the start of `_PyRuntime` for out-of-process tools. Word
+/// indices of the fields used (byte offset / 8, checked with offsetof against 3.13.0's
+/// header); the struct is 73 words long.
+mod debug {
+    pub const WORDS: usize = 73;
+    pub const COOKIE: &[u8; 8] = b"xdebugpy";
+    pub const FREE_THREADED: usize = 2;
+    pub const INTERPRETERS_HEAD: usize = 5;
+    pub const INTERP_NEXT: usize = 8;
+    pub const INTERP_THREADS_HEAD: usize = 9;
+    pub const TSTATE_NEXT: usize = 21;
+    pub const TSTATE_CURRENT_FRAME: usize = 23;
+    pub const TSTATE_NATIVE_THREAD_ID: usize = 25;
+    pub const FRAME_PREVIOUS: usize = 29;
+    pub const FRAME_EXECUTABLE: usize = 30;
+    pub const FRAME_INSTR_PTR: usize = 31;
+    pub const FRAME_OWNER: usize = 33;
+    pub const CODE_FILENAME: usize = 35;
+    pub const CODE_QUALNAME: usize = 37;
+    pub const CODE_LINETABLE: usize = 38;
+    pub const CODE_FIRSTLINENO: usize = 39;
+    pub const CODE_ADAPTIVE: usize = 43;
+    pub const UNICODE_ASCII_SIZE: usize = 70;
+}
+
+/// The layout of a CPython 3.13 from its `_Py_DebugOffsets` (`words`, read from the
+/// process); `None` for another cookie, a free-threaded build (another object header), or
+/// frame fields outside the window the kernel reads.
+#[must_use]
+#[allow(clippy::wildcard_imports)] // the field indices, named as in the header
+pub fn layout_from_debug_offsets(words: &[u64]) -> Option<Layout> {
+    use debug::*;
+    // The version field is PY_VERSION_HEX: 3.13 only.
+    if words.len() < WORDS
+        || words[0].to_le_bytes() != *COOKIE
+        || (words[1] >> 16) & 0xffff != 0x030d
+        || words[FREE_THREADED] != 0
+    {
+        return None;
+    }
+    let small = |i: usize| u32::try_from(words[i]).ok();
+    let in_window = |i: usize, len: u64| words[i] + len <= nccltrace_common::PY_FRAME_WINDOW as u64;
+    if !(in_window(FRAME_PREVIOUS, 8)
+        && in_window(FRAME_EXECUTABLE, 8)
+        && in_window(FRAME_INSTR_PTR, 8)
+        && in_window(FRAME_OWNER, 1))
+    {
+        return None;
+    }
+    Some(Layout {
+        kernel: PyLayout {
+            tstate_cframe: small(TSTATE_CURRENT_FRAME)?,
+            cframe_current_frame: FIELD_ABSENT,
+            frame_previous: small(FRAME_PREVIOUS)?,
+            frame_code: small(FRAME_EXECUTABLE)?,
+            frame_instr: small(FRAME_INSTR_PTR)?,
+            frame_owner: small(FRAME_OWNER)?,
+            frame_is_entry: FIELD_ABSENT,
+            // FRAME_OWNED_BY_CSTACK (Include/internal/pycore_frame.h).
+            owner_cstack: 3,
+        },
+        runtime_interpreters_head: words[INTERPRETERS_HEAD],
+        interp_next: words[INTERP_NEXT],
+        interp_threads_head: words[INTERP_THREADS_HEAD],
+        tstate_next: words[TSTATE_NEXT],
+        tstate_native_thread_id: words[TSTATE_NATIVE_THREAD_ID],
+        code_filename: words[CODE_FILENAME],
+        code_qualname: words[CODE_QUALNAME],
+        code_linetable: words[CODE_LINETABLE],
+        code_firstlineno: words[CODE_FIRSTLINENO],
+        code_adaptive: small(CODE_ADAPTIVE)?,
+        unicode_ascii_size: words[UNICODE_ASCII_SIZE],
+        // PyCompactUnicodeObject adds utf8_length and utf8 to PyASCIIObject.
+        unicode_compact_size: words[UNICODE_ASCII_SIZE] + 16,
+    })
+}
 
 /// What the recording keeps about a target's interpreter.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
@@ -248,7 +326,21 @@ impl Interp {
                 note: None,
             };
             let minor = version.map(|v| v.1).or_else(|| minor_from_name(path));
-            let Some(layout) = minor.and_then(layout) else {
+            let from_process = match (&mem, minor) {
+                // 3.14 grew the struct: its fields sit elsewhere.
+                (Ok(mem), Some(13)) => {
+                    let mut bytes = vec![0u8; debug::WORDS * 8];
+                    mem.read_exact_at(&mut bytes, runtime).ok().and_then(|()| {
+                        let words: Vec<u64> = bytes
+                            .chunks_exact(8)
+                            .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
+                            .collect();
+                        layout_from_debug_offsets(&words)
+                    })
+                }
+                _ => None,
+            };
+            let Some(layout) = from_process.or_else(|| minor.and_then(layout)) else {
                 info.note = Some(format!(
                     "CPython {}: its frame layout is not known to this nccltrace (it knows \
                      {SUPPORTED}); stacks stay native",
@@ -778,5 +870,152 @@ print(sys.version_info[1]); print(json.dumps(out))
             }
         }
         assert!(checked > 10_000, "only {checked} code units checked");
+    }
+
+    /// The layout table and 3.13's debug-offset indices against `offsetof` in the headers
+    /// of every CPython on this machine (Debian's python3-dev, which `cargo xtask setup`
+    /// installs, and pyenv's), printed by tests/fixtures/pyoffsets.c.
+    #[test]
+    #[allow(clippy::too_many_lines, clippy::wildcard_imports)] // one table per version
+    fn layouts_match_the_interpreters_headers() {
+        let mut includes = vec![std::path::PathBuf::from("/usr/include/python3.11")];
+        let root = std::env::var_os("PYENV_ROOT")
+            .map_or_else(|| "/root/.pyenv".into(), std::path::PathBuf::from);
+        for entry in std::fs::read_dir(root.join("versions"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if let Some(minor) = name.strip_prefix("3.").and_then(|r| r.split('.').next()) {
+                includes.push(entry.path().join(format!("include/python3.{minor}")));
+            }
+        }
+        let source = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/pyoffsets.c");
+        let dir = tempfile::tempdir().unwrap();
+        let mut checked = Vec::new();
+        for include in includes
+            .iter()
+            .filter(|i| i.join("internal/pycore_frame.h").exists())
+        {
+            let exe = dir.path().join("pyoffsets");
+            let built = std::process::Command::new("cc")
+                .arg("-I")
+                .arg(include)
+                .arg(source)
+                .arg("-o")
+                .arg(&exe)
+                .output()
+                .unwrap();
+            if !built.status.success() {
+                // Versions whose internal headers differ (3.10 and older): not walked.
+                continue;
+            }
+            let out = std::process::Command::new(&exe).output().unwrap();
+            let text = String::from_utf8(out.stdout).unwrap();
+            let v: HashMap<&str, u64> = text
+                .lines()
+                .filter_map(|l| {
+                    let (k, v) = l.split_once(' ')?;
+                    Some((k, v.parse().ok()?))
+                })
+                .collect();
+            let minor = u32::try_from(v["minor"]).unwrap();
+            let l = match minor {
+                13 => {
+                    use debug::*;
+                    let pairs = [
+                        ("debug_interpreters_head", INTERPRETERS_HEAD),
+                        ("debug_interp_next", INTERP_NEXT),
+                        ("debug_interp_threads_head", INTERP_THREADS_HEAD),
+                        ("debug_tstate_next", TSTATE_NEXT),
+                        ("debug_tstate_current_frame", TSTATE_CURRENT_FRAME),
+                        ("debug_tstate_native_thread_id", TSTATE_NATIVE_THREAD_ID),
+                        ("debug_frame_previous", FRAME_PREVIOUS),
+                        ("debug_frame_executable", FRAME_EXECUTABLE),
+                        ("debug_frame_instr_ptr", FRAME_INSTR_PTR),
+                        ("debug_frame_owner", FRAME_OWNER),
+                        ("debug_code_filename", CODE_FILENAME),
+                        ("debug_code_qualname", CODE_QUALNAME),
+                        ("debug_code_linetable", CODE_LINETABLE),
+                        ("debug_code_firstlineno", CODE_FIRSTLINENO),
+                        ("debug_code_adaptive", CODE_ADAPTIVE),
+                        ("debug_unicode_ascii_size", UNICODE_ASCII_SIZE),
+                        ("debug_free_threaded", FREE_THREADED),
+                    ];
+                    for (name, word) in pairs {
+                        assert_eq!(v[name], word as u64 * 8, "3.13 {name}");
+                    }
+                    assert_eq!(v["debug_size"], WORDS as u64 * 8);
+                    // The layout 3.13 publishes, as the agent derives it: filled from
+                    // the header's own offsets.
+                    let mut words = vec![0u64; WORDS];
+                    words[0] = u64::from_le_bytes(*COOKIE);
+                    words[1] = 0x030d_00f0;
+                    let fields = [
+                        (INTERPRETERS_HEAD, "runtime_interpreters_head"),
+                        (INTERP_NEXT, "interp_next"),
+                        (INTERP_THREADS_HEAD, "interp_threads_head"),
+                        (TSTATE_NEXT, "tstate_next"),
+                        (TSTATE_CURRENT_FRAME, "tstate_cframe"),
+                        (TSTATE_NATIVE_THREAD_ID, "tstate_native_thread_id"),
+                        (FRAME_PREVIOUS, "frame_previous"),
+                        (FRAME_EXECUTABLE, "frame_code"),
+                        (FRAME_INSTR_PTR, "frame_instr"),
+                        (FRAME_OWNER, "frame_owner"),
+                        (CODE_FILENAME, "code_filename"),
+                        (CODE_QUALNAME, "code_qualname"),
+                        (CODE_LINETABLE, "code_linetable"),
+                        (CODE_FIRSTLINENO, "code_firstlineno"),
+                        (CODE_ADAPTIVE, "code_adaptive"),
+                        (UNICODE_ASCII_SIZE, "unicode_ascii_size"),
+                    ];
+                    for (word, name) in fields {
+                        words[word] = v[name];
+                    }
+                    layout_from_debug_offsets(&words).expect("3.13's layout")
+                }
+                m => layout(m).unwrap_or_else(|| panic!("no layout for 3.{m}")),
+            };
+            let k = &l.kernel;
+            let expect = [
+                ("runtime_interpreters_head", l.runtime_interpreters_head),
+                ("interp_next", l.interp_next),
+                ("interp_threads_head", l.interp_threads_head),
+                ("tstate_next", l.tstate_next),
+                ("tstate_native_thread_id", l.tstate_native_thread_id),
+                ("tstate_cframe", u64::from(k.tstate_cframe)),
+                ("frame_previous", u64::from(k.frame_previous)),
+                ("frame_code", u64::from(k.frame_code)),
+                ("frame_instr", u64::from(k.frame_instr)),
+                ("frame_owner", u64::from(k.frame_owner)),
+                ("code_filename", l.code_filename),
+                ("code_qualname", l.code_qualname),
+                ("code_linetable", l.code_linetable),
+                ("code_firstlineno", l.code_firstlineno),
+                ("code_adaptive", u64::from(l.code_adaptive)),
+                ("unicode_ascii_size", l.unicode_ascii_size),
+                ("unicode_compact_size", l.unicode_compact_size),
+                ("unicode_state", UNICODE_STATE),
+                ("bytes_sval", BYTES_SVAL),
+                ("object_type", OB_TYPE),
+                ("var_size", VAR_SIZE),
+            ];
+            for (name, ours) in expect {
+                assert_eq!(v[name], ours, "3.{minor} {name} ({})", include.display());
+            }
+            if minor < 13 {
+                assert_eq!(u64::from(k.cframe_current_frame), v["cframe_current_frame"]);
+            }
+            if minor == 11 {
+                assert_eq!(u64::from(k.frame_is_entry), v["frame_is_entry"]);
+            }
+            checked.push(minor);
+        }
+        assert!(
+            checked.contains(&11),
+            "Debian's python3-dev headers were not found"
+        );
+        println!("checked 3.{checked:?}");
     }
 }

@@ -428,9 +428,10 @@ const _: () = assert!(core::mem::size_of::<PyStackEvent>() == 512);
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PyLayout {
-    /// `PyThreadState` → `_PyCFrame *cframe` (3.11, 3.12).
+    /// `PyThreadState` → `_PyCFrame *cframe` (3.11, 3.12), or → `current_frame` (3.13).
     pub tstate_cframe: u32,
-    /// `_PyCFrame` → `current_frame`.
+    /// `_PyCFrame` → `current_frame`; [`FIELD_ABSENT`] where the thread state points at
+    /// the frame itself (3.13).
     pub cframe_current_frame: u32,
     /// `_PyInterpreterFrame` → `previous`.
     pub frame_previous: u32,

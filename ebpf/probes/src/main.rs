@@ -853,10 +853,16 @@ fn emit_py_stack(stack: &Header) {
     else {
         return;
     };
-    let Ok(mut frame) = (unsafe {
-        bpf_probe_read_user((cframe + u64::from(layout.cframe_current_frame)) as *const u64)
-    }) else {
-        return;
+    // 3.13 keeps the current frame in the thread state itself.
+    let mut frame = if layout.cframe_current_frame == FIELD_ABSENT {
+        cframe
+    } else {
+        match unsafe {
+            bpf_probe_read_user((cframe + u64::from(layout.cframe_current_frame)) as *const u64)
+        } {
+            Ok(frame) => frame,
+            Err(_) => return,
+        }
     };
     if frame == 0 {
         return;
