@@ -337,6 +337,10 @@ pub struct Call {
     /// The communicator a CommInitRank* call creates, named alike on every rank: a hash
     /// of the first 16 bytes of its ncclUniqueId.
     pub comm_id: Option<u64>,
+    /// The Python frame the call was made from (`function (file:line)`), when its entry
+    /// stack had Python frames.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub python: Option<String>,
 }
 
 impl Call {
@@ -361,6 +365,7 @@ impl Call {
             nranks: None,
             message: None,
             comm_id: None,
+            python: None,
         }
     }
 

@@ -270,7 +270,10 @@ impl Aggregator {
     /// Hands the epochs attributed so far to the streamer.
     fn drain_epochs(&mut self) {
         // Epochs are handed on only when one of these asked for them (`emit_epochs`).
-        for e in self.timeline.take_epochs() {
+        for mut e in self.timeline.take_epochs() {
+            let d = &mut e.detail;
+            let stacks = self.timeline.stacks();
+            crate::python::name_call_sites(&mut d.calls, &d.threads, stacks, &self.python_codes);
             if let Some(last) = &self.last_step {
                 last.epoch(&e);
             }
@@ -548,7 +551,9 @@ impl Aggregator {
                     .to_owned()
             })
         });
-        let (mut steps, detail) = self.timeline.finish(end_ns, rule);
+        let (mut steps, mut detail) = self.timeline.finish(end_ns, rule);
+        let d = &mut detail;
+        crate::python::name_call_sites(&mut d.calls, &d.threads, &d.stacks, &self.python_codes);
         let attributed = self.window.map(|(skipped, from)| {
             format!(
                 "steps, categories, flamegraphs and trace.json cover the last {} of {} \

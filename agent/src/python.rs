@@ -573,6 +573,41 @@ pub fn short_file(path: &str) -> &str {
     path.rsplit('/').next().unwrap_or(path)
 }
 
+/// Names, on each traced call of `calls`, the Python frame it was made from: the
+/// innermost Python frame of its entry stack (the record the entry program made just
+/// after the call's start; `threads` and `stacks` as attribution made them).
+pub fn name_call_sites(
+    calls: &mut [crate::event::Call],
+    threads: &[crate::attribute::ThreadDetail],
+    stacks: &[crate::attribute::StackKey],
+    codes: &PythonCodes,
+) {
+    if codes.is_empty() {
+        return;
+    }
+    let index: HashMap<u32, usize> = threads
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.tid, i))
+        .collect();
+    for c in calls {
+        let Some(t) = index.get(&c.task.tid).map(|&i| &threads[i]) else {
+            continue;
+        };
+        let i = t.call_stacks.partition_point(|(ts, _)| *ts < c.start_ns);
+        let Some(&(_, stack)) = t.call_stacks.get(i).filter(|(ts, _)| *ts <= c.end_ns) else {
+            continue;
+        };
+        let Some(s) = stacks.get(stack as usize) else {
+            continue;
+        };
+        c.python =
+            s.py.iter()
+                .find(|f| !f.is_entry())
+                .and_then(|f| Some(codes.get(&(s.pid, f.code))?.frame(f.offset)));
+    }
+}
+
 /// The interpreter loop's C function: where Python frames go in a native stack.
 const EVAL_FRAME: &str = "_PyEval_EvalFrameDefault";
 

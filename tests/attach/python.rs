@@ -167,6 +167,26 @@ fn check_python_frames(out: &Path, python: &Path) {
         python.display(),
         share * 100.0
     );
+    // trace.json: the sync calls' slices say which Python line made them.
+    let trace: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("trace.json")).unwrap()).unwrap();
+    let syncs: Vec<&Value> = trace["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["name"] == "cuStreamSynchronize" && e["ph"] == "X")
+        .collect();
+    let named = syncs
+        .iter()
+        .filter(|e| e["args"]["python"] == waited[2].as_str())
+        .count();
+    assert!(
+        syncs.len() > 50 && named * 10 >= syncs.len() * 9,
+        "{}: {named} of {} sync slices name {}",
+        python.display(),
+        syncs.len(),
+        waited[2]
+    );
     let oncpu = folded(out, "oncpu");
     // The busy loop's samples fall on its two lines: the function and file suffice.
     let compute = [at("<module>", "loop"), "compute (py_rank.py:".to_owned()];

@@ -454,6 +454,12 @@ impl Timeline {
         self.last_ns = self.last_ns.max(ts);
     }
 
+    /// Every stack interned so far, by id.
+    #[must_use]
+    pub fn stacks(&self) -> &[StackKey] {
+        &self.stacks
+    }
+
     /// A target that joined during the run (`--follow`).
     pub fn add_target(&mut self, t: &crate::record::TargetInfo) {
         self.sync_probed |= syncs_probed(t);

@@ -30,6 +30,18 @@ pub fn write_text(s: &Summary, out: &mut impl Write) -> io::Result<()> {
             t.cuda_library.as_deref().unwrap_or("not found"),
             t.probes
         )?;
+        if let Some(py) = &t.python {
+            match (&py.note, t.python_stacks) {
+                (Some(note), _) => writeln!(out, "    python: {note}")?,
+                (None, stacks) => writeln!(
+                    out,
+                    "    python: CPython {} ({}), frames named in {} stacks",
+                    py.version,
+                    py.path,
+                    stacks.unwrap_or(0)
+                )?,
+            }
+        }
     }
     writeln!(
         out,

@@ -131,6 +131,9 @@ struct CallArgs<'a> {
     stream: Option<Hex>,
     #[serde(skip_serializing_if = "Option::is_none")]
     rank: Option<i32>,
+    /// The Python frame the call was made from.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    python: Option<&'a str>,
 }
 
 /// A pointer-like value written as a hex string, without an allocation per event.
@@ -389,6 +392,7 @@ impl<W: Write> TraceStream<W> {
                 seq,
                 stream: c.stream.map(Hex),
                 rank: c.rank,
+                python: c.python.as_deref(),
             };
             if !self.w.traced(c.start_ns) {
                 continue;
