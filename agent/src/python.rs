@@ -212,6 +212,11 @@ pub struct Interp {
     runtime: u64,
     code_type: u64,
     mem: File,
+    /// `/proc/PID/task` of the target, seen from here.
+    tasks: std::path::PathBuf,
+    /// The target lives in another PID namespace (a container): the thread ids its
+    /// interpreter keeps are that namespace's, translated through `NSpid`.
+    own_pid_ns: bool,
     /// Code objects named so far (address → name), or found not to be code.
     codes: HashMap<u64, Option<CodeInfo>>,
 }
@@ -356,6 +361,7 @@ impl Interp {
                 ));
                 return Err(Found::Unsupported(info));
             };
+            let nspid = nspid(&host.path(&format!("proc/{pid}/status")));
             let mut interp = Interp {
                 pid,
                 info,
@@ -363,6 +369,8 @@ impl Interp {
                 runtime,
                 code_type,
                 mem,
+                tasks: host.path(&format!("proc/{pid}/task")),
+                own_pid_ns: nspid.len() > 1,
                 codes: HashMap::new(),
             };
             return match interp.check(host) {
@@ -403,11 +411,24 @@ impl Interp {
         Ok(())
     }
 
-    /// Every thread state of every interpreter of the process: (thread id, address).
+    /// Every thread state of every interpreter of the process: (thread id as this host
+    /// numbers it, address).
     #[must_use]
     pub fn threads(&self) -> Vec<(u32, u64)> {
         let l = &self.layout;
         let mut out = Vec::new();
+        // Namespace tid → host tid, for a target in a PID namespace of its own.
+        let translate: Option<HashMap<u32, u32>> = self.own_pid_ns.then(|| {
+            std::fs::read_dir(&self.tasks)
+                .into_iter()
+                .flatten()
+                .flatten()
+                .filter_map(|t| {
+                    let ids = nspid(&t.path().join("status"));
+                    Some((*ids.last()?, *ids.first()?))
+                })
+                .collect()
+        });
         let mut interp = self.read_u64(self.runtime + l.runtime_interpreters_head);
         for _ in 0..64 {
             let Some(i) = interp.filter(|a| *a != 0) else {
@@ -421,7 +442,14 @@ impl Interp {
                 if let Some(tid) = self.read_u64(t + l.tstate_native_thread_id)
                     && let Ok(tid) = u32::try_from(tid)
                 {
-                    out.push((tid, t));
+                    match &translate {
+                        None => out.push((tid, t)),
+                        Some(map) => {
+                            if let Some(&host_tid) = map.get(&tid) {
+                                out.push((host_tid, t));
+                            }
+                        }
+                    }
                 }
                 tstate = self.read_u64(t + l.tstate_next);
             }
@@ -514,6 +542,21 @@ impl Interp {
             adaptive: l.code_adaptive,
         })
     }
+}
+
+/// The `NSpid:` ids of a `/proc/…/status` file: this host's id first, the innermost
+/// namespace's last.
+fn nspid(status: &std::path::Path) -> Vec<u32> {
+    std::fs::read_to_string(status)
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("NSpid:"))
+        .map(|ids| {
+            ids.split_whitespace()
+                .filter_map(|i| i.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 fn read_u32(mem: &File, at: u64) -> Option<u32> {

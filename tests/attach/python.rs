@@ -13,20 +13,26 @@ fn marked_line(name: &str) -> usize {
         + 1
 }
 
-/// The stand-in Python rank run by `python`, waiting for `dir/go`.
-fn python_rank(python: &Path, dir: &Path, steps: u32) -> Target {
+/// The stand-in Python rank run by `python` (under the command `wrap`, when not empty),
+/// waiting for `dir/go`.
+fn python_rank(wrap: &[&str], python: &Path, dir: &Path, steps: u32) -> Target {
     let go = dir.join("go");
+    let script = workspace().join("tests/fixtures/py_rank.py");
+    let (fixtures, steps) = (fixtures(), steps.to_string());
+    let mut args: Vec<&str> = wrap.iter().skip(1).copied().collect();
+    if !wrap.is_empty() {
+        args.push(python.to_str().unwrap());
+    }
+    args.extend([
+        script.to_str().unwrap(),
+        fixtures.to_str().unwrap(),
+        &steps,
+        go.to_str().unwrap(),
+    ]);
+    let program = wrap.first().map_or(python, |w| Path::new(*w));
     Target::spawn(
-        python,
-        &[
-            workspace()
-                .join("tests/fixtures/py_rank.py")
-                .to_str()
-                .unwrap(),
-            fixtures().to_str().unwrap(),
-            &steps.to_string(),
-            go.to_str().unwrap(),
-        ],
+        program,
+        &args,
         // 3 ms of "GPU work" per collective: the sync waits for it.
         &[("FAKE_NCCL_US", "3000")],
         dir,
@@ -59,15 +65,30 @@ fn interpreters() -> Vec<(u32, PathBuf)> {
 /// Attaches for 3 s to the stand-in rank run by `python`: (exit code, summary, all it
 /// said on stderr, outputs folder), with the folder kept in `dir`.
 fn traced_python_rank(python: &Path, dir: &Path) -> (i32, Value, String, PathBuf) {
-    let rank = python_rank(python, dir, 100_000);
+    traced_wrapped_rank(&[], python, dir)
+}
+
+/// [`traced_python_rank`] with the rank started under `wrap` (the rank is its only child).
+fn traced_wrapped_rank(wrap: &[&str], python: &Path, dir: &Path) -> (i32, Value, String, PathBuf) {
+    let rank = python_rank(wrap, python, dir, 100_000);
     rank.release();
     std::thread::sleep(Duration::from_millis(300));
     let out = dir.join("out");
-    let agent = Agent::attach(rank.child.id(), &out, &["--duration", "3s"]);
+    let id = rank.child.id();
+    let pid = if wrap.is_empty() {
+        id
+    } else {
+        let children = std::fs::read_to_string(format!("/proc/{id}/task/{id}/children")).unwrap();
+        children.split_whitespace().next().unwrap().parse().unwrap()
+    };
+    let agent = Agent::attach(pid, &out, &["--duration", "3s"]);
     // What it said up to attaching, then after.
     let said = [agent.before.join("\n"), agent.attached.clone()].join("\n");
     let (code, summary, stderr) = agent.wait(Duration::from_secs(60));
     let stderr = format!("{said}\n{stderr}");
+    // The rank itself first: under `unshare --fork` it outlives its parent.
+    // SAFETY: a signal to a process this test started.
+    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
     let mut child = rank.child;
     let _ = child.kill();
     let _ = child.wait();
@@ -235,4 +256,21 @@ fn unknown_python_keeps_native_stacks_and_says_why() {
         wait.iter().all(|(s, _)| !s.contains("py_rank.py")),
         "a Python frame from an unknown layout: {wait:?}"
     );
+}
+
+/// Issue 21: a rank in a PID namespace of its own (a container: `unshare --pid`, where the
+/// interpreter is pid 1 and keeps that namespace's thread ids) gets its Python frames
+/// named like any other: thread ids are translated through `NSpid`.
+#[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
+fn python_frames_in_a_pid_namespace() {
+    let _serial = privileged();
+    let python = Path::new("/usr/bin/python3.11");
+    let dir = tempfile::tempdir().unwrap();
+    let wrap = ["unshare", "--pid", "--fork", "--mount-proc"];
+    let (code, summary, stderr, out) = traced_wrapped_rank(&wrap, python, dir.path());
+    assert_eq!(code, 0, "{stderr}");
+    let target = &summary["targets"][0];
+    assert_eq!(target["python"]["frames"], true, "{target}");
+    check_python_frames(&out, python);
 }
