@@ -198,6 +198,8 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
     )?;
     let (_, caller_report_s) = report_speed(&agent, &recording, &work.join("report-caller"))?;
     let (merge_s, merge_kb) = merge_speed(&agent, &long.join("recording.nctr"), &work)?;
+    let python_on = python_stack_cost(root, &agent, &fixtures, &work, true)?;
+    let python_off = python_stack_cost(root, &agent, &fixtures, &work, false)?;
 
     let (bare, pair, traced, bpftrace) =
         (median(bare), median(pair), median(traced), median(bpftrace));
@@ -247,7 +249,97 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
         2.0 * trainer_events / merge_s / 1e6,
         merge_kb as f64 / 1024.0
     );
+    for (what, i) in [("on-CPU sample", 0), ("CUDA sync entry stack", 1)] {
+        println!(
+            "| {what} of a CPython 3.11 thread, BPF program time per run (bpf_stats), python_frames on / off | {:.0} ns / {:.0} ns (+{:.0} ns, {:.1} Python frames a stack) | | |",
+            python_on.0[i],
+            python_off.0[i],
+            python_on.0[i] - python_off.0[i],
+            python_on.1
+        );
+    }
     Ok(())
+}
+
+/// The stand-in Python rank (Debian's python3.11, tests/fixtures/py_rank.py) traced for
+/// 3 s by the default profile with `python_frames` on or off: the mean run time (ns) of
+/// the on-CPU sampling program and of the call-entry program (which takes the CUDA sync's
+/// entry stack), from the kernel's own accounting (`kernel.bpf_stats_enabled`), read while
+/// attached; and the Python frames per Python stack of the on-CPU flamegraph.
+fn python_stack_cost(
+    root: &Path,
+    agent: &Path,
+    fixtures: &Path,
+    work: &Path,
+    frames: bool,
+) -> anyhow::Result<([f64; 2], f64)> {
+    let profile = work.join(format!("python-{frames}.toml"));
+    let default = std::fs::read_to_string(root.join("profiles/default.toml"))?;
+    std::fs::write(
+        &profile,
+        default.replace("python_frames = true", &format!("python_frames = {frames}")),
+    )?;
+    let go = work.join("py-go");
+    let _ = std::fs::remove_file(&go);
+    let mut rank = Command::new("/usr/bin/python3.11")
+        .arg(root.join("tests/fixtures/py_rank.py"))
+        .arg(fixtures)
+        .args(["100000"])
+        .arg(&go)
+        .env("FAKE_NCCL_US", "3000")
+        .stdout(Stdio::piped())
+        .spawn()?;
+    let mut lines = BufReader::new(rank.stdout.take().context("stdout")?).lines();
+    wait_for(&mut lines, "ready")?;
+    std::fs::write(&go, b"")?;
+    let out = work.join(format!("python-{frames}"));
+    std::fs::write("/proc/sys/kernel/bpf_stats_enabled", b"1")?;
+    let mut a = Command::new(agent)
+        .args(["attach", "--duration", "4s", "--profile"])
+        .arg(&profile)
+        .args(["--pid", &rank.id().to_string(), "--out"])
+        .arg(&out)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    let mut err = BufReader::new(a.stderr.take().context("stderr")?).lines();
+    wait_for(&mut err, "attached to pid")?;
+    std::thread::sleep(Duration::from_secs(3));
+    let shown = Command::new("bpftool").args(["prog", "show", "-j"]).output()?;
+    std::fs::write("/proc/sys/kernel/bpf_stats_enabled", b"0")?;
+    for _ in err.by_ref() {}
+    a.wait()?;
+    libc_kill(rank.id(), 9);
+    let _ = rank.wait();
+    let progs: serde_json::Value = serde_json::from_slice(&shown.stdout)?;
+    let per_run = |name: &str| -> f64 {
+        let (mut ns, mut runs) = (0.0, 0.0);
+        for p in progs.as_array().into_iter().flatten() {
+            if p["name"].as_str() == Some(name) {
+                ns += p["run_time_ns"].as_f64().unwrap_or(0.0);
+                runs += p["run_cnt"].as_f64().unwrap_or(0.0);
+            }
+        }
+        if runs > 0.0 { ns / runs } else { f64::NAN }
+    };
+    // Program names as the kernel keeps them (15 characters).
+    let costs = [per_run("perf_event_cpu_"), per_run("uprobe_lib_call")];
+    let frames_per_stack = python_frames_per_stack(&out.join("flamegraph-oncpu.folded"));
+    Ok((costs, frames_per_stack))
+}
+
+/// Python frames per stack in a folded flamegraph (frames named `f (file:line)`).
+fn python_frames_per_stack(folded: &Path) -> f64 {
+    let text = std::fs::read_to_string(folded).unwrap_or_default();
+    let (mut frames, mut stacks) = (0usize, 0usize);
+    for line in text.lines() {
+        let n = line.split(';').filter(|f| f.contains(".py:")).count();
+        if n > 0 {
+            frames += n;
+            stacks += 1;
+        }
+    }
+    if stacks == 0 { 0.0 } else { frames as f64 / stacks as f64 }
 }
 
 /// `nccltrace merge` of `recording` with a copy of itself: (seconds, peak RSS in KiB of the
