@@ -1065,6 +1065,8 @@ impl Streamer {
             if *kind == render::flamegraph::Kind::Attributed {
                 report.other_offcpu_top_stacks =
                     render::flamegraph::top_stacks(&lines, "other_offcpu", 5);
+                report.nccl_wait_top_stacks =
+                    render::flamegraph::top_stacks(&lines, "nccl_wait", 5);
             }
             file(&format!("{}.folded", kind.file()), &mut |out| {
                 render::flamegraph::write_folded(&lines, out)

@@ -188,6 +188,17 @@ fn check_python_frames(out: &Path, python: &Path) {
         python.display(),
         share * 100.0
     );
+    // steps.json: the rank thread's heaviest NCCL-wait stack ends in that line.
+    let steps: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("steps.json")).unwrap()).unwrap();
+    let top = steps["nccl_wait_top_stacks"][0]["stack"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(
+        top.contains(&waited[2]),
+        "{}: top NCCL wait stack {top:?}",
+        python.display()
+    );
     // trace.json: the sync calls' slices say which Python line made them.
     let trace: Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("trace.json")).unwrap()).unwrap();

@@ -198,8 +198,15 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
     )?;
     let (_, caller_report_s) = report_speed(&agent, &recording, &work.join("report-caller"))?;
     let (merge_s, merge_kb) = merge_speed(&agent, &long.join("recording.nctr"), &work)?;
-    let python_on = python_stack_cost(root, &agent, &fixtures, &work, true)?;
-    let python_off = python_stack_cost(root, &agent, &fixtures, &work, false)?;
+    // Python frames on and off, interleaved, three of each: medians.
+    let (mut on, mut off) = (Vec::new(), Vec::new());
+    for _ in 0..3 {
+        on.push(python_stack_cost(root, &agent, &fixtures, &work, true)?);
+        off.push(python_stack_cost(root, &agent, &fixtures, &work, false)?);
+    }
+    let med = |runs: &[([f64; 2], f64)], i: usize| median(runs.iter().map(|r| r.0[i]).collect());
+    let python_on = ([med(&on, 0), med(&on, 1)], median(on.iter().map(|r| r.1).collect()));
+    let python_off = [med(&off, 0), med(&off, 1)];
 
     let (bare, pair, traced, bpftrace) =
         (median(bare), median(pair), median(traced), median(bpftrace));
@@ -253,8 +260,8 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
         println!(
             "| {what} of a CPython 3.11 thread, BPF program time per run (bpf_stats), python_frames on / off | {:.0} ns / {:.0} ns (+{:.0} ns, {:.1} Python frames a stack) | | |",
             python_on.0[i],
-            python_off.0[i],
-            python_on.0[i] - python_off.0[i],
+            python_off[i],
+            python_on.0[i] - python_off[i],
             python_on.1
         );
     }
@@ -305,7 +312,9 @@ fn python_stack_cost(
     let mut err = BufReader::new(a.stderr.take().context("stderr")?).lines();
     wait_for(&mut err, "attached to pid")?;
     std::thread::sleep(Duration::from_secs(3));
-    let shown = Command::new("bpftool").args(["prog", "show", "-j"]).output()?;
+    let shown = Command::new("bpftool")
+        .args(["prog", "show", "-j"])
+        .output()?;
     std::fs::write("/proc/sys/kernel/bpf_stats_enabled", b"0")?;
     for _ in err.by_ref() {}
     a.wait()?;
@@ -315,14 +324,14 @@ fn python_stack_cost(
     let per_run = |name: &str| -> f64 {
         let (mut ns, mut runs) = (0.0, 0.0);
         for p in progs.as_array().into_iter().flatten() {
-            if p["name"].as_str() == Some(name) {
+            if p["name"].as_str().is_some_and(|n| n.starts_with(name)) {
                 ns += p["run_time_ns"].as_f64().unwrap_or(0.0);
                 runs += p["run_cnt"].as_f64().unwrap_or(0.0);
             }
         }
         if runs > 0.0 { ns / runs } else { f64::NAN }
     };
-    // Program names as the kernel keeps them (15 characters).
+    // Program names (the kernel keeps 15 characters; bpftool may show BTF's whole name).
     let costs = [per_run("perf_event_cpu_"), per_run("uprobe_lib_call")];
     let frames_per_stack = python_frames_per_stack(&out.join("flamegraph-oncpu.folded"));
     Ok((costs, frames_per_stack))
@@ -339,7 +348,11 @@ fn python_frames_per_stack(folded: &Path) -> f64 {
             stacks += 1;
         }
     }
-    if stacks == 0 { 0.0 } else { frames as f64 / stacks as f64 }
+    if stacks == 0 {
+        0.0
+    } else {
+        frames as f64 / stacks as f64
+    }
 }
 
 /// `nccltrace merge` of `recording` with a copy of itself: (seconds, peak RSS in KiB of the

@@ -813,6 +813,7 @@ impl Timeline {
             steps: steps_out,
             threads,
             other_offcpu_top_stacks: Vec::new(),
+            nccl_wait_top_stacks: Vec::new(),
             ranks: ranks_out,
             straggler,
         };

@@ -125,6 +125,10 @@ pub struct StepsReport {
     /// Where the rank thread was blocked for `other_offcpu`, heaviest first (filled once
     /// stacks are symbolized).
     pub other_offcpu_top_stacks: Vec<BlockingStack>,
+    /// Where the rank thread waited for NCCL and the GPU (`nccl_wait`), heaviest first:
+    /// with Python frames, the line that waited.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub nccl_wait_top_stacks: Vec<BlockingStack>,
     /// Every traced rank (one per target process).
     pub ranks: Vec<ranks::RankReport>,
     pub straggler: Option<ranks::Straggler>,

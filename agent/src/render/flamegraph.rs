@@ -355,8 +355,9 @@ pub fn count_samples(detail: &Detail, counts: &mut BTreeMap<u32, u64>) {
     }
 }
 
-/// Share of samples whose user stack has at most two frames: a sign the target was built
-/// without frame pointers, so its stacks stop early (`counts` from [`count_samples`]).
+/// Share of samples whose user stack has at most two frames and no Python frames: a sign
+/// the target was built without frame pointers, so its stacks stop early (`counts` from
+/// [`count_samples`]).
 #[must_use]
 pub fn short_stack_share(stacks: &[StackKey], counts: &BTreeMap<u32, u64>) -> Option<f64> {
     let (mut short, mut total) = (0u64, 0u64);
@@ -368,7 +369,8 @@ pub fn short_stack_share(stacks: &[StackKey], counts: &BTreeMap<u32, u64>) -> Op
             continue;
         }
         total += n;
-        if s.ustack.len() <= 2 {
+        // Python frames come from the interpreter's own chain, not from unwinding.
+        if s.ustack.len() <= 2 && s.py.is_empty() {
             short += n;
         }
     }

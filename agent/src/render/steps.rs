@@ -69,6 +69,7 @@ pub fn without_steps(report: &StepsReport) -> StepsReport {
         steps: Vec::new(),
         threads: report.threads.clone(),
         other_offcpu_top_stacks: report.other_offcpu_top_stacks.clone(),
+        nccl_wait_top_stacks: report.nccl_wait_top_stacks.clone(),
         ranks: report.ranks.clone(),
         straggler: report.straggler.clone(),
         reason: report.reason.clone(),
@@ -416,6 +417,36 @@ fn blocked_in(stack: &str) -> String {
     }
 }
 
+/// The lines naming where the rank thread waited for NCCL most (its Python line, when
+/// the stacks have Python frames) and where it blocked most.
+fn write_top_stacks(report: &StepsReport, out: &mut impl Write) -> io::Result<()> {
+    if let Some(top) = report.nccl_wait_top_stacks.first()
+        && let Some(line) = python_line(&top.stack)
+    {
+        writeln!(
+            out,
+            "  waited for NCCL/GPU most at: {line} ({} ms over the steps; all in steps.json)",
+            ms(top.total_ns)
+        )?;
+    }
+    if let Some(top) = report.other_offcpu_top_stacks.first() {
+        writeln!(
+            out,
+            "  blocked most in: {} ({} ms over the steps; all in steps.json)",
+            blocked_in(&top.stack),
+            ms(top.total_ns)
+        )?;
+    }
+    Ok(())
+}
+
+/// The innermost Python frame of a folded stack (`wait_for_gpu (train.py:41)`), if any.
+fn python_line(stack: &str) -> Option<&str> {
+    stack
+        .split(';')
+        .rfind(|f| f.ends_with(')') && f.contains(".py:"))
+}
+
 /// The one line naming the dominant cause.
 #[must_use]
 pub fn verdict(report: &StepsReport, table: &StepTable) -> String {
@@ -541,14 +572,7 @@ pub fn write_table(
              each within 0.2%)"
         )?;
     }
-    if let Some(top) = report.other_offcpu_top_stacks.first() {
-        writeln!(
-            out,
-            "  blocked most in: {} ({} ms over the steps; all in steps.json)",
-            blocked_in(&top.stack),
-            ms(top.total_ns)
-        )?;
-    }
+    write_top_stacks(report, out)?;
     writeln!(out, "{}", verdict(report, table))
 }
 
@@ -693,6 +717,7 @@ mod tests {
             steps: vec![one],
             threads: vec![],
             other_offcpu_top_stacks: vec![],
+            nccl_wait_top_stacks: Vec::new(),
             ranks: vec![],
             straggler: None,
         };

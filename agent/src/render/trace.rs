@@ -707,6 +707,7 @@ mod tests {
             steps: vec![step],
             threads: vec![],
             other_offcpu_top_stacks: vec![],
+            nccl_wait_top_stacks: Vec::new(),
             // Regression (issue 18): the process was named "rank 0" (its position) while
             // summary.json said rank 3.
             ranks: vec![crate::attribute::ranks::RankReport {
