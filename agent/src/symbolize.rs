@@ -563,25 +563,15 @@ mod tests {
         let ids = stack_build_ids(&header, &stacks);
         let path = exe.display().to_string();
         assert!(ids.contains_key(&(1, path.clone())), "{ids:?}");
-        let s = symbolize(
-            &header,
-            &stacks,
-            &kernel,
-            &BTreeMap::new(),
-            &BTreeMap::new(),
-            &ids,
-        );
+        let with = |ids: &BuildIds| {
+            let none = BTreeMap::new();
+            symbolize(&header, &stacks, &kernel, &none, &BTreeMap::new(), ids)
+        };
+        let s = with(&ids);
         assert_eq!(s.user(1, 0x1_0000_0000 + main_off), "main");
         assert!(s.stale.is_empty());
         let other: BuildIds = [((1, path), "00ff".to_owned())].into();
-        let s = symbolize(
-            &header,
-            &stacks,
-            &kernel,
-            &BTreeMap::new(),
-            &BTreeMap::new(),
-            &other,
-        );
+        let s = with(&other);
         assert!(s.user(1, 0x1_0000_0000 + main_off).starts_with('['));
         assert!(s.stale[0].contains("build id 00ff"), "{:?}", s.stale);
     }

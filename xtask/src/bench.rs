@@ -66,6 +66,17 @@ fn wait_for(
 /// Untraced/traced pairs of demo trainer runs for the step-time ratio.
 const TRAINER_PAIRS: usize = 8;
 
+/// Starts `cmd` (an nccltrace command that attaches) and waits for its "attached to pid"
+/// line: the child and the rest of its stderr.
+fn attached(
+    cmd: &mut Command,
+) -> anyhow::Result<(Child, std::io::Lines<BufReader<std::process::ChildStderr>>)> {
+    let mut child = cmd.stdout(Stdio::null()).stderr(Stdio::piped()).spawn()?;
+    let mut err = BufReader::new(child.stderr.take().context("stderr")?).lines();
+    wait_for(&mut err, "attached to pid")?;
+    Ok((child, err))
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -103,36 +114,25 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
         bare.push(finish(&go, child, lines)?);
         // The bare probe pair: nothing at entry, an 8-byte record at return.
         let (child, lines) = caller(&fixtures, &lib, &go)?;
-        let mut b = Command::new(&agent)
-            .args(["bench-pair", "--symbol", "ncclAllReduce", "--pid"])
-            .arg(child.id().to_string())
-            .arg("--library")
-            .arg(&lib)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()?;
-        let mut err = BufReader::new(b.stderr.take().context("stderr")?).lines();
-        wait_for(&mut err, "attached to pid")?;
+        let (mut b, _err) = attached(
+            Command::new(&agent)
+                .args(["bench-pair", "--symbol", "ncclAllReduce", "--pid"])
+                .arg(child.id().to_string())
+                .arg("--library")
+                .arg(&lib),
+        )?;
         pair.push(finish(&go, child, lines)?);
         b.wait()?;
         // nccltrace, minimal profile (NCCL and scheduler probes).
         let (child, lines) = caller(&fixtures, &lib, &go)?;
         let out = work.join(format!("run{round}"));
-        let mut a = Command::new(&agent)
-            .args([
-                "attach",
-                "--profile",
-                "minimal",
-                "--pid",
-                &child.id().to_string(),
-                "--out",
-            ])
-            .arg(&out)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()?;
-        let mut err = BufReader::new(a.stderr.take().context("stderr")?).lines();
-        wait_for(&mut err, "attached to pid")?;
+        let (mut a, mut err) = attached(
+            Command::new(&agent)
+                .args(["attach", "--profile", "minimal", "--pid"])
+                .arg(child.id().to_string())
+                .arg("--out")
+                .arg(&out),
+        )?;
         let cpu0 = cpu_seconds(a.id());
         let started = Instant::now();
         traced.push(finish(&go, child, lines)?);
@@ -205,7 +205,10 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
         off.push(python_stack_cost(root, &agent, &fixtures, &work, false)?);
     }
     let med = |runs: &[([f64; 2], f64)], i: usize| median(runs.iter().map(|r| r.0[i]).collect());
-    let python_on = ([med(&on, 0), med(&on, 1)], median(on.iter().map(|r| r.1).collect()));
+    let python_on = (
+        [med(&on, 0), med(&on, 1)],
+        median(on.iter().map(|r| r.1).collect()),
+    );
     let python_off = [med(&off, 0), med(&off, 1)];
 
     let (bare, pair, traced, bpftrace) =
@@ -301,16 +304,13 @@ fn python_stack_cost(
     std::fs::write(&go, b"")?;
     let out = work.join(format!("python-{frames}"));
     std::fs::write("/proc/sys/kernel/bpf_stats_enabled", b"1")?;
-    let mut a = Command::new(agent)
-        .args(["attach", "--duration", "4s", "--profile"])
-        .arg(&profile)
-        .args(["--pid", &rank.id().to_string(), "--out"])
-        .arg(&out)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()?;
-    let mut err = BufReader::new(a.stderr.take().context("stderr")?).lines();
-    wait_for(&mut err, "attached to pid")?;
+    let (mut a, mut err) = attached(
+        Command::new(agent)
+            .args(["attach", "--duration", "4s", "--profile"])
+            .arg(&profile)
+            .args(["--pid", &rank.id().to_string(), "--out"])
+            .arg(&out),
+    )?;
     std::thread::sleep(Duration::from_secs(3));
     let shown = Command::new("bpftool")
         .args(["prog", "show", "-j"])
