@@ -303,6 +303,8 @@ fn python_stack_cost(
     wait_for(&mut lines, "ready")?;
     std::fs::write(&go, b"")?;
     let out = work.join(format!("python-{frames}"));
+    // Each round writes afresh (the agent refuses a folder with outputs in it).
+    let _ = std::fs::remove_dir_all(&out);
     std::fs::write("/proc/sys/kernel/bpf_stats_enabled", b"1")?;
     let (mut a, mut err) = attached(
         Command::new(agent)
