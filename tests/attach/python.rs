@@ -70,7 +70,7 @@ fn traced_python_rank(python: &Path, dir: &Path) -> (i32, Value, String, PathBuf
 
 /// [`traced_python_rank`] with the rank started under `wrap` (the rank is its only child).
 fn traced_wrapped_rank(wrap: &[&str], python: &Path, dir: &Path) -> (i32, Value, String, PathBuf) {
-    let rank = python_rank(wrap, python, dir, 100_000);
+    let mut rank = python_rank(wrap, python, dir, 100_000);
     rank.release();
     std::thread::sleep(Duration::from_millis(300));
     let out = dir.join("out");
@@ -81,18 +81,28 @@ fn traced_wrapped_rank(wrap: &[&str], python: &Path, dir: &Path) -> (i32, Value,
         let children = std::fs::read_to_string(format!("/proc/{id}/task/{id}/children")).unwrap();
         children.split_whitespace().next().unwrap().parse().unwrap()
     };
+    // Killed however this ends: a rank left running would be found by other tests' `--all`.
+    let guard = KillOnDrop(pid);
     let agent = Agent::attach(pid, &out, &["--duration", "3s"]);
     // What it said up to attaching, then after.
     let said = [agent.before.join("\n"), agent.attached.clone()].join("\n");
     let (code, summary, stderr) = agent.wait(Duration::from_secs(60));
     let stderr = format!("{said}\n{stderr}");
-    // The rank itself first: under `unshare --fork` it outlives its parent.
-    // SAFETY: a signal to a process this test started.
-    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
-    let mut child = rank.child;
-    let _ = child.kill();
-    let _ = child.wait();
+    drop(guard);
+    let _ = rank.child.kill();
+    let _ = rank.child.wait();
     (code, summary, stderr, out)
+}
+
+/// Kills a process when dropped (a panic included). Under `unshare --fork` the rank
+/// outlives its parent, so the rank itself is killed.
+struct KillOnDrop(u32);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        // SAFETY: a signal to a process this test started.
+        unsafe { libc::kill(self.0 as i32, libc::SIGKILL) };
+    }
 }
 
 /// The folded lines of `out/flamegraph-NAME.folded` with their weights.

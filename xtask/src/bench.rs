@@ -77,6 +77,15 @@ fn attached(
     Ok((child, err))
 }
 
+/// Kills a process (SIGKILL) when dropped.
+struct KillOnDrop(u32);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        libc_kill(self.0, 9);
+    }
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -299,6 +308,8 @@ fn python_stack_cost(
         .env("FAKE_NCCL_US", "3000")
         .stdout(Stdio::piped())
         .spawn()?;
+    // Killed however this ends: a rank left running is a process mapping NCCL.
+    let _kill = KillOnDrop(rank.id());
     let mut lines = BufReader::new(rank.stdout.take().context("stdout")?).lines();
     wait_for(&mut lines, "ready")?;
     std::fs::write(&go, b"")?;
