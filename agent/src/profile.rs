@@ -37,7 +37,7 @@ pub struct Probes {
     /// stack: about 100 ns more a call). Off when not given.
     #[serde(default)]
     pub streams: bool,
-    /// Walk the Python frames of CPython targets (3.11, 3.12) with every stack taken, so
+    /// Walk the Python frames of CPython targets (3.10 to 3.13) with every stack taken, so
     /// stacks name `function (file:line)` instead of the interpreter loop. Off when not
     /// given.
     #[serde(default)]

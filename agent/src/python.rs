@@ -30,9 +30,12 @@ pub struct Layout {
     /// `PyInterpreterState` → `next`, `threads.head`.
     interp_next: u64,
     interp_threads_head: u64,
-    /// `PyThreadState` → `next`, `native_thread_id`.
+    /// `PyThreadState` → `next`, and the thread's id: `native_thread_id` (3.11+), or
+    /// (3.10) `thread_id`, its `pthread_t`, whose kernel id sits in glibc's
+    /// `struct pthread` (found per process, [`Interp::find`]).
     tstate_next: u64,
     tstate_native_thread_id: u64,
+    pthread_id: bool,
     /// `PyCodeObject` fields.
     code_filename: u64,
     code_qualname: u64,
@@ -43,6 +46,8 @@ pub struct Layout {
     /// string's characters start.
     unicode_ascii_size: u64,
     unicode_compact_size: u64,
+    /// 3.10's frames, instruction index and line table.
+    v310: bool,
 }
 
 /// Offsets shared by the versions supported.
@@ -55,6 +60,37 @@ const BYTES_SVAL: u64 = 32;
 #[must_use]
 pub fn layout(minor: u32) -> Option<Layout> {
     match minor {
+        // Frames are PyFrameObjects (Include/cpython/frameobject.h): `tstate->frame`,
+        // `f_back`, `f_code`, `f_lasti` (an instruction index); no qualified names.
+        10 => Some(Layout {
+            kernel: PyLayout {
+                tstate_cframe: 24,
+                cframe_current_frame: FIELD_ABSENT,
+                frame_previous: 24,
+                frame_code: 32,
+                frame_instr: 96,
+                frame_owner: FIELD_ABSENT,
+                frame_is_entry: FIELD_ABSENT,
+                owner_cstack: FIELD_ABSENT,
+                flags: nccltrace_common::py_layout::INSTR_INDEX
+                    | nccltrace_common::py_layout::EVERY_FRAME_ENTRY,
+                _pad: 0,
+            },
+            runtime_interpreters_head: 32,
+            interp_next: 0,
+            interp_threads_head: 8,
+            tstate_next: 8,
+            tstate_native_thread_id: 176,
+            code_filename: 104,
+            code_qualname: 112,
+            code_linetable: 120,
+            code_firstlineno: 40,
+            code_adaptive: 0,
+            unicode_ascii_size: 48,
+            unicode_compact_size: 72,
+            pthread_id: true,
+            v310: true,
+        }),
         11 => Some(Layout {
             kernel: PyLayout {
                 tstate_cframe: 56,
@@ -65,6 +101,8 @@ pub fn layout(minor: u32) -> Option<Layout> {
                 frame_owner: 69,
                 frame_is_entry: 68,
                 owner_cstack: FIELD_ABSENT,
+                flags: 0,
+                _pad: 0,
             },
             runtime_interpreters_head: 40,
             interp_next: 0,
@@ -78,6 +116,8 @@ pub fn layout(minor: u32) -> Option<Layout> {
             code_adaptive: 184,
             unicode_ascii_size: 48,
             unicode_compact_size: 72,
+            pthread_id: false,
+            v310: false,
         }),
         12 => Some(Layout {
             kernel: PyLayout {
@@ -90,6 +130,8 @@ pub fn layout(minor: u32) -> Option<Layout> {
                 frame_is_entry: FIELD_ABSENT,
                 // FRAME_OWNED_BY_CSTACK (Include/internal/pycore_frame.h).
                 owner_cstack: 3,
+                flags: 0,
+                _pad: 0,
             },
             runtime_interpreters_head: 40,
             interp_next: 0,
@@ -103,13 +145,15 @@ pub fn layout(minor: u32) -> Option<Layout> {
             code_adaptive: 192,
             unicode_ascii_size: 40,
             unicode_compact_size: 56,
+            pthread_id: false,
+            v310: false,
         }),
         _ => None,
     }
 }
 
 /// The versions whose frames are walked, for messages.
-pub const SUPPORTED: &str = "3.11, 3.12 and 3.13";
+pub const SUPPORTED: &str = "3.10 to 3.13";
 
 /// `_Py_DebugOffsets` (CPython 3.13, Include/internal/pycore_runtime.h): what the
 /// interpreter publishes at the start of `_PyRuntime` for out-of-process tools. Word
@@ -172,6 +216,8 @@ pub fn layout_from_debug_offsets(words: &[u64]) -> Option<Layout> {
             frame_is_entry: FIELD_ABSENT,
             // FRAME_OWNED_BY_CSTACK (Include/internal/pycore_frame.h).
             owner_cstack: 3,
+            flags: 0,
+            _pad: 0,
         },
         runtime_interpreters_head: words[INTERPRETERS_HEAD],
         interp_next: words[INTERP_NEXT],
@@ -186,6 +232,8 @@ pub fn layout_from_debug_offsets(words: &[u64]) -> Option<Layout> {
         unicode_ascii_size: words[UNICODE_ASCII_SIZE],
         // PyCompactUnicodeObject adds utf8_length and utf8 to PyASCIIObject.
         unicode_compact_size: words[UNICODE_ASCII_SIZE] + 16,
+        pthread_id: false,
+        v310: false,
     })
 }
 
@@ -217,6 +265,8 @@ pub struct Interp {
     /// The target lives in another PID namespace (a container): the thread ids its
     /// interpreter keeps are that namespace's, translated through `NSpid`.
     own_pid_ns: bool,
+    /// 3.10: where glibc's `struct pthread` keeps the thread's kernel id.
+    pthread_tid: Option<u64>,
     /// Code objects named so far (address → name), or found not to be code.
     codes: HashMap<u64, Option<CodeInfo>>,
 }
@@ -371,8 +421,12 @@ impl Interp {
                 mem,
                 tasks: host.path(&format!("proc/{pid}/task")),
                 own_pid_ns: nspid.len() > 1,
+                pthread_tid: None,
                 codes: HashMap::new(),
             };
+            if layout.pthread_id {
+                interp.pthread_tid = interp.find_pthread_tid();
+            }
             return match interp.check(host) {
                 Ok(()) => {
                     interp.info.frames = true;
@@ -411,24 +465,24 @@ impl Interp {
         Ok(())
     }
 
-    /// Every thread state of every interpreter of the process: (thread id as this host
-    /// numbers it, address).
-    #[must_use]
-    pub fn threads(&self) -> Vec<(u32, u64)> {
+    /// The process's thread ids as its own PID namespace numbers them: (that id, this
+    /// host's id).
+    fn task_ids(&self) -> HashMap<u32, u32> {
+        std::fs::read_dir(&self.tasks)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|t| {
+                let ids = nspid(&t.path().join("status"));
+                Some((*ids.last()?, *ids.first()?))
+            })
+            .collect()
+    }
+
+    /// Every thread state's raw thread id field (3.10: `thread_id`, a `pthread_t`).
+    fn raw_thread_ids(&self) -> Vec<(u64, u64)> {
         let l = &self.layout;
         let mut out = Vec::new();
-        // Namespace tid → host tid, for a target in a PID namespace of its own.
-        let translate: Option<HashMap<u32, u32>> = self.own_pid_ns.then(|| {
-            std::fs::read_dir(&self.tasks)
-                .into_iter()
-                .flatten()
-                .flatten()
-                .filter_map(|t| {
-                    let ids = nspid(&t.path().join("status"));
-                    Some((*ids.last()?, *ids.first()?))
-                })
-                .collect()
-        });
         let mut interp = self.read_u64(self.runtime + l.runtime_interpreters_head);
         for _ in 0..64 {
             let Some(i) = interp.filter(|a| *a != 0) else {
@@ -439,21 +493,68 @@ impl Interp {
                 let Some(t) = tstate.filter(|a| *a != 0) else {
                     break;
                 };
-                if let Some(tid) = self.read_u64(t + l.tstate_native_thread_id)
-                    && let Ok(tid) = u32::try_from(tid)
-                {
-                    match &translate {
-                        None => out.push((tid, t)),
-                        Some(map) => {
-                            if let Some(&host_tid) = map.get(&tid) {
-                                out.push((host_tid, t));
-                            }
-                        }
-                    }
+                if let Some(id) = self.read_u64(t + l.tstate_native_thread_id) {
+                    out.push((id, t));
                 }
                 tstate = self.read_u64(t + l.tstate_next);
             }
             interp = self.read_u64(i + l.interp_next);
+        }
+        out
+    }
+
+    /// 3.10: where glibc's `struct pthread` (what a `pthread_t` points at) keeps the
+    /// thread's kernel id (0x2d0 on x86-64 glibc 2.36): the first 4-byte offset, within
+    /// the struct's first 2 KiB, at which every thread state's `pthread_t` holds a
+    /// distinct thread id of the process.
+    fn find_pthread_tid(&self) -> Option<u64> {
+        let live: std::collections::HashSet<u32> = self.task_ids().into_keys().collect();
+        let blocks: Vec<Vec<u8>> = self
+            .raw_thread_ids()
+            .iter()
+            .filter_map(|(pthread, _)| self.read_bytes(*pthread, 0x800))
+            .collect();
+        if blocks.is_empty() {
+            return None;
+        }
+        (0..0x800usize).step_by(4).find_map(|at| {
+            let ids: std::collections::HashSet<u32> = blocks
+                .iter()
+                .map(|b| u32::from_le_bytes(b[at..at + 4].try_into().unwrap_or_default()))
+                .filter(|id| live.contains(id))
+                .collect();
+            (ids.len() == blocks.len()).then_some(at as u64)
+        })
+    }
+
+    /// Every thread state of every interpreter of the process: (thread id as this host
+    /// numbers it, address).
+    #[must_use]
+    pub fn threads(&self) -> Vec<(u32, u64)> {
+        // Namespace tid → host tid, for a target in a PID namespace of its own.
+        let translate = self.own_pid_ns.then(|| self.task_ids());
+        let mut out = Vec::new();
+        for (id, tstate) in self.raw_thread_ids() {
+            let tid = if self.layout.pthread_id {
+                // 3.10: the kernel id from glibc's struct pthread.
+                let Some(at) = self.pthread_tid else { continue };
+                let mut b = [0u8; 4];
+                if self.mem.read_exact_at(&mut b, id + at).is_err() {
+                    continue;
+                }
+                u32::from_le_bytes(b)
+            } else {
+                let Ok(tid) = u32::try_from(id) else { continue };
+                tid
+            };
+            match &translate {
+                None => out.push((tid, tstate)),
+                Some(map) => {
+                    if let Some(&host_tid) = map.get(&tid) {
+                        out.push((host_tid, tstate));
+                    }
+                }
+            }
         }
         out
     }
@@ -540,6 +641,7 @@ impl Interp {
             firstlineno: i32::try_from(firstlineno as u32).unwrap_or(0),
             linetable,
             adaptive: l.code_adaptive,
+            v310: l.v310,
         })
     }
 }
@@ -578,6 +680,10 @@ pub struct CodeInfo {
     pub linetable: Vec<u8>,
     /// Where the instructions start, in bytes from the code object's address.
     pub adaptive: u32,
+    /// CPython 3.10: the walk reports instruction indexes (`f_lasti`) and the line table
+    /// is 3.10's.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub v310: bool,
 }
 
 impl CodeInfo {
@@ -585,6 +691,13 @@ impl CodeInfo {
     /// (as the kernel walk reports it), when the table says one.
     #[must_use]
     pub fn line(&self, offset: u32) -> Option<i32> {
+        if self.v310 {
+            // f_lasti -1: the frame has not started.
+            return match offset {
+                u32::MAX => Some(self.firstlineno),
+                index => line_at_310(&self.linetable, self.firstlineno, index.checked_mul(2)?),
+            };
+        }
         let Some(unit) = offset.checked_sub(self.adaptive) else {
             // Before the first instruction: a frame just made (CPython points its
             // instruction pointer one unit before the start).
@@ -711,6 +824,30 @@ pub fn merge_frames<'a>(
     out
 }
 
+/// The line of the instruction at byte `offset` in a CPython 3.10 line table
+/// (`Objects/lnotab_notes.txt` of 3.10): (bytecode delta, signed line delta) byte pairs,
+/// each pair one address range; a line delta of -128 marks a range without a line.
+#[must_use]
+pub fn line_at_310(table: &[u8], firstlineno: i32, offset: u32) -> Option<i32> {
+    let mut line = firstlineno;
+    let mut end = 0u32;
+    for pair in table.chunks_exact(2) {
+        let start = end;
+        end += u32::from(pair[0]);
+        let delta = pair[1] as i8;
+        let here = if delta == -128 {
+            None
+        } else {
+            line += i32::from(delta);
+            Some(line)
+        };
+        if (start..end).contains(&offset) {
+            return here;
+        }
+    }
+    None
+}
+
 /// Reads a location table varint: 6-bit chunks, low first, bit 6 set on all but the last.
 fn varint(table: &[u8], at: &mut usize) -> Option<u32> {
     let mut value = 0u32;
@@ -792,8 +929,8 @@ mod tests {
         assert_eq!(minor_from_name("/usr/lib/libpython3.10.so.1.0"), Some(10));
         assert_eq!(minor_from_name("/usr/bin/python3.13"), Some(13));
         assert_eq!(minor_from_name("/usr/bin/python3"), None);
-        assert!(layout(11).is_some() && layout(12).is_some());
-        assert!(layout(10).is_none() && layout(13).is_none());
+        assert!(layout(10).is_some() && layout(11).is_some() && layout(12).is_some());
+        assert!(layout(9).is_none() && layout(13).is_none());
         assert_eq!(
             short_file("/opt/v/lib/python3.12/site-packages/torch/_tensor.py"),
             "torch/_tensor.py"
@@ -899,6 +1036,24 @@ mod tests {
     /// standard module, by the python3 on this machine (3.11+).
     #[test]
     fn location_tables_read_as_cpython_reads_them() {
+        location_tables_of("python3");
+        // 3.10's own table format, where pyenv keeps a 3.10 (these machines do).
+        let root = std::env::var_os("PYENV_ROOT")
+            .map_or_else(|| "/root/.pyenv".into(), std::path::PathBuf::from);
+        for entry in std::fs::read_dir(root.join("versions"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let python = entry.path().join("bin/python3");
+            if entry.file_name().to_string_lossy().starts_with("3.10.") && python.exists() {
+                location_tables_of(python.to_str().unwrap());
+            }
+        }
+    }
+
+    /// [`location_tables_read_as_cpython_reads_them`] for the interpreter `python`.
+    fn location_tables_of(python: &str) {
         let script = r#"
 import json, sys, inspect, json.decoder as m
 out = []
@@ -913,7 +1068,7 @@ for name in ("json.decoder", "inspect", "argparse"):
     walk(compile(src, mod.__file__, "exec"))
 print(sys.version_info[1]); print(json.dumps(out))
 "#;
-        let out = std::process::Command::new("python3")
+        let out = std::process::Command::new(python)
             .args(["-c", script])
             .output()
             .expect("python3 runs (cargo xtask setup installs it)");
@@ -924,10 +1079,8 @@ print(sys.version_info[1]); print(json.dumps(out))
         );
         let text = String::from_utf8(out.stdout).unwrap();
         let (minor, json) = text.split_once('\n').unwrap();
-        assert!(
-            minor.trim().parse::<u32>().unwrap() >= 11,
-            "needs CPython 3.11+"
-        );
+        let minor: u32 = minor.trim().parse().unwrap();
+        assert!(minor >= 10, "needs CPython 3.10+");
         let codes: Vec<serde_json::Value> = serde_json::from_str(json).unwrap();
         let mut checked = 0;
         for c in &codes {
@@ -942,7 +1095,12 @@ print(sys.version_info[1]); print(json.dumps(out))
                 let line = r[2].as_i64().map(|l| i32::try_from(l).unwrap());
                 for unit in (start / 2)..(end / 2) {
                     let unit = u32::try_from(unit).unwrap();
-                    assert_eq!(line_at(&table, first, unit), line, "unit {unit} of {c}");
+                    let ours = if minor == 10 {
+                        line_at_310(&table, first, unit * 2)
+                    } else {
+                        line_at(&table, first, unit)
+                    };
+                    assert_eq!(ours, line, "{python}: unit {unit} of {c}");
                     checked += 1;
                 }
             }
@@ -974,7 +1132,7 @@ print(sys.version_info[1]); print(json.dumps(out))
         let mut checked = Vec::new();
         for include in includes
             .iter()
-            .filter(|i| i.join("internal/pycore_frame.h").exists())
+            .filter(|i| i.join("internal/pycore_runtime.h").exists())
         {
             let exe = dir.path().join("pyoffsets");
             let built = std::process::Command::new("cc")
@@ -1080,9 +1238,17 @@ print(sys.version_info[1]); print(json.dumps(out))
                 ("var_size", VAR_SIZE),
             ];
             for (name, ours) in expect {
-                assert_eq!(v[name], ours, "3.{minor} {name} ({})", include.display());
+                match v.get(name) {
+                    Some(&theirs) => {
+                        assert_eq!(theirs, ours, "3.{minor} {name} ({})", include.display());
+                    }
+                    // 3.10's frames have no owner, its code objects no adaptive copy.
+                    None => {
+                        assert!(minor == 10 && ["frame_owner", "code_adaptive"].contains(&name));
+                    }
+                }
             }
-            if minor < 13 {
+            if (11..13).contains(&minor) {
                 assert_eq!(u64::from(k.cframe_current_frame), v["cframe_current_frame"]);
             }
             if minor == 11 {

@@ -428,7 +428,8 @@ const _: () = assert!(core::mem::size_of::<PyStackEvent>() == 512);
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PyLayout {
-    /// `PyThreadState` → `_PyCFrame *cframe` (3.11, 3.12), or → `current_frame` (3.13).
+    /// `PyThreadState` → `_PyCFrame *cframe` (3.11, 3.12), or → the current frame itself
+    /// (3.13 `current_frame`, 3.10 `frame`).
     pub tstate_cframe: u32,
     /// `_PyCFrame` → `current_frame`; [`FIELD_ABSENT`] where the thread state points at
     /// the frame itself (3.13).
@@ -445,12 +446,25 @@ pub struct PyLayout {
     pub frame_is_entry: u32,
     /// The `owner` of the interpreter's entry shim frames (3.12: `FRAME_OWNED_BY_CSTACK`).
     pub owner_cstack: u32,
+    /// [`py_layout`] bits.
+    pub flags: u32,
+    pub _pad: u32,
 }
-const _: () = assert!(core::mem::size_of::<PyLayout>() == 32);
+const _: () = assert!(core::mem::size_of::<PyLayout>() == 40);
+
+/// Bits of [`PyLayout::flags`].
+pub mod py_layout {
+    /// `frame_instr` is a 32-bit instruction index (3.10's `f_lasti`), reported as it is,
+    /// not a pointer to report relative to the code object.
+    pub const INSTR_INDEX: u32 = 1;
+    /// Every frame is a run of the interpreter loop of its own (3.10: one
+    /// `_PyEval_EvalFrameDefault` a Python call): an entry marker follows each.
+    pub const EVERY_FRAME_ENTRY: u32 = 2;
+}
 
 /// Bytes of an interpreter frame the walk reads at once; every [`PyLayout`] frame field
-/// lies inside them.
-pub const PY_FRAME_WINDOW: usize = 72;
+/// lies inside them (3.10's `f_lasti` ends at 100).
+pub const PY_FRAME_WINDOW: usize = 104;
 
 /// Switches set by user space before load (read-only global `CONFIG`).
 #[repr(C)]
