@@ -232,6 +232,15 @@ fn check_python_frames(out: &Path, python: &Path) {
     let oncpu = folded(out, "oncpu");
     // The busy loop's samples fall on its two lines: the function and file suffice.
     let compute = [at("<module>", "loop"), "compute (py_rank.py:".to_owned()];
+    // The thread that started a second after attach: named from the next refresh on.
+    assert!(
+        oncpu
+            .iter()
+            .any(|(s, _)| s.contains(&at("worker_loop", "worker"))),
+        "{}: no on-CPU sample of the later thread named {}:\n{oncpu:?}",
+        python.display(),
+        at("worker_loop", "worker")
+    );
     let share = share_with(&oncpu, &compute);
     assert!(
         share > 0.3,
