@@ -72,9 +72,6 @@ pub fn layout(minor: u32) -> Option<Layout> {
                 frame_owner: FIELD_ABSENT,
                 frame_is_entry: FIELD_ABSENT,
                 owner_cstack: FIELD_ABSENT,
-                flags: nccltrace_common::py_layout::INSTR_INDEX
-                    | nccltrace_common::py_layout::EVERY_FRAME_ENTRY,
-                _pad: 0,
             },
             runtime_interpreters_head: 32,
             interp_next: 0,
@@ -101,8 +98,6 @@ pub fn layout(minor: u32) -> Option<Layout> {
                 frame_owner: 69,
                 frame_is_entry: 68,
                 owner_cstack: FIELD_ABSENT,
-                flags: 0,
-                _pad: 0,
             },
             runtime_interpreters_head: 40,
             interp_next: 0,
@@ -130,8 +125,6 @@ pub fn layout(minor: u32) -> Option<Layout> {
                 frame_is_entry: FIELD_ABSENT,
                 // FRAME_OWNED_BY_CSTACK (Include/internal/pycore_frame.h).
                 owner_cstack: 3,
-                flags: 0,
-                _pad: 0,
             },
             runtime_interpreters_head: 40,
             interp_next: 0,
@@ -216,8 +209,6 @@ pub fn layout_from_debug_offsets(words: &[u64]) -> Option<Layout> {
             frame_is_entry: FIELD_ABSENT,
             // FRAME_OWNED_BY_CSTACK (Include/internal/pycore_frame.h).
             owner_cstack: 3,
-            flags: 0,
-            _pad: 0,
         },
         runtime_interpreters_head: words[INTERPRETERS_HEAD],
         interp_next: words[INTERP_NEXT],
@@ -687,13 +678,16 @@ pub struct CodeInfo {
 }
 
 impl CodeInfo {
-    /// The source line of the instruction `offset` bytes past the code object's address
-    /// (as the kernel walk reports it), when the table says one.
+    /// The source line of `frame` (this code object's frame as the kernel walk reports
+    /// it: instruction pointer minus the code object's address), when the table says one.
     #[must_use]
-    pub fn line(&self, offset: u32) -> Option<i32> {
+    pub fn line(&self, frame: crate::event::PyFrame) -> Option<i32> {
+        let offset = frame.offset;
         if self.v310 {
-            // f_lasti -1: the frame has not started.
-            return match offset {
+            // The walk read 3.10's f_lasti (an instruction index) where later versions keep
+            // a pointer, and subtracted the code object's address all the same.
+            return match offset.wrapping_add(frame.code as u32) {
+                // -1: the frame has not started.
                 u32::MAX => Some(self.firstlineno),
                 index => line_at_310(&self.linetable, self.firstlineno, index.checked_mul(2)?),
             };
@@ -708,9 +702,9 @@ impl CodeInfo {
 
     /// `qualname (file:line)`, the frame's name in stacks.
     #[must_use]
-    pub fn frame(&self, offset: u32) -> String {
+    pub fn frame(&self, frame: crate::event::PyFrame) -> String {
         let file = short_file(&self.filename);
-        match self.line(offset) {
+        match self.line(frame) {
             Some(line) => format!("{} ({file}:{line})", self.qualname),
             None => format!("{} ({file})", self.qualname),
         }
@@ -760,7 +754,7 @@ pub fn name_call_sites(
         c.python =
             s.py.iter()
                 .find(|f| !f.is_entry())
-                .and_then(|f| Some(codes.get(&(s.pid, f.code))?.frame(f.offset)));
+                .and_then(|f| Some(codes.get(&(s.pid, f.code))?.frame(*f)));
     }
 }
 
@@ -768,7 +762,8 @@ pub fn name_call_sites(
 const EVAL_FRAME: &str = "_PyEval_EvalFrameDefault";
 
 /// A native stack (innermost first) with the Python frames it was executing (innermost
-/// first, entry markers between the runs of the interpreter loop) put in place of the
+/// first, entry markers between the runs of the interpreter loop, or each frame a run of
+/// its own: `every_frame_a_run`, CPython 3.10) put in place of the
 /// interpreter loop's frames: when there are as many runs as `_PyEval_EvalFrameDefault`
 /// frames, each takes its run's place (the C frames between them stay); otherwise (a
 /// native stack cut short, as without frame pointers) the C frames inside the innermost
@@ -776,15 +771,23 @@ const EVAL_FRAME: &str = "_PyEval_EvalFrameDefault";
 pub fn merge_frames<'a>(
     native: Vec<std::borrow::Cow<'a, str>>,
     py: &[crate::event::PyFrame],
+    every_frame_a_run: bool,
     name: impl Fn(crate::event::PyFrame) -> String,
 ) -> Vec<std::borrow::Cow<'a, str>> {
     if py.is_empty() {
         return native;
     }
-    let runs: Vec<&[crate::event::PyFrame]> = py
-        .split(|f| f.is_entry())
-        .filter(|run| !run.is_empty())
-        .collect();
+    let runs: Vec<&[crate::event::PyFrame]> = if every_frame_a_run {
+        // 3.10: each Python call is a call of the interpreter loop of its own.
+        py.iter()
+            .filter(|f| !f.is_entry())
+            .map(std::slice::from_ref)
+            .collect()
+    } else {
+        py.split(|f| f.is_entry())
+            .filter(|run| !run.is_empty())
+            .collect()
+    };
     let evals: Vec<usize> = (0..native.len())
         .filter(|&i| native[i].starts_with(EVAL_FRAME))
         .collect();
@@ -959,6 +962,7 @@ mod tests {
                 "main",
             ]),
             &[f(1), f(2), entry, f(3), entry],
+            false,
             name,
         );
         assert_eq!(
@@ -977,6 +981,7 @@ mod tests {
         let merged = merge_frames(
             native(&["sync", "ffi_call"]),
             &[f(1), entry, f(3), entry],
+            false,
             name,
         );
         assert_eq!(merged, ["sync", "ffi_call", "py1", "py3"]);
@@ -990,11 +995,25 @@ mod tests {
                 "main",
             ]),
             &[f(1), f(2), entry],
+            false,
             name,
         );
         assert_eq!(merged, ["sync", "py1", "py2", "main"]);
+        // 3.10: every Python call is a loop frame of its own.
+        let merged = merge_frames(
+            native(&[
+                "sync",
+                "_PyEval_EvalFrameDefault",
+                "x",
+                "_PyEval_EvalFrameDefault",
+            ]),
+            &[f(1), f(2)],
+            true,
+            name,
+        );
+        assert_eq!(merged, ["sync", "py1", "x", "py2"]);
         // No Python frames: the native stack as it is.
-        let merged = merge_frames(native(&["a", "_PyEval_EvalFrameDefault"]), &[], name);
+        let merged = merge_frames(native(&["a", "_PyEval_EvalFrameDefault"]), &[], false, name);
         assert_eq!(merged, ["a", "_PyEval_EvalFrameDefault"]);
     }
 

@@ -46,8 +46,17 @@ impl Symbols {
     pub fn python(&self, pid: u32, frame: crate::event::PyFrame) -> String {
         self.python.get(&(pid, frame.code)).map_or_else(
             || format!("[unknown python code {:#x}]", frame.code),
-            |code| code.frame(frame.offset),
+            |code| code.frame(frame),
         )
+    }
+
+    /// Whether the Python frames of `pid` come from CPython 3.10, where each is a call of
+    /// the interpreter loop of its own.
+    #[must_use]
+    pub fn python_310(&self, pid: u32, py: &[crate::event::PyFrame]) -> bool {
+        py.iter()
+            .find_map(|f| self.python.get(&(pid, f.code)))
+            .is_some_and(|c| c.v310)
     }
 
     /// A kernel frame's name.

@@ -66,7 +66,8 @@ fn stack_line(stacks: &[StackKey], symbols: &Symbols, stack: u32) -> String {
         return line;
     };
     let native = s.ustack.iter().map(|a| symbols.user(s.pid, *a)).collect();
-    let user = crate::python::merge_frames(native, &s.py, |f| symbols.python(s.pid, f));
+    let v310 = symbols.python_310(s.pid, &s.py);
+    let user = crate::python::merge_frames(native, &s.py, v310, |f| symbols.python(s.pid, f));
     for frame in user.iter().rev() {
         push_frame(&mut line, frame);
     }

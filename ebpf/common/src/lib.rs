@@ -438,7 +438,9 @@ pub struct PyLayout {
     pub frame_previous: u32,
     /// `_PyInterpreterFrame` → the code object (`f_code`).
     pub frame_code: u32,
-    /// `_PyInterpreterFrame` → the instruction pointer (`prev_instr`).
+    /// `_PyInterpreterFrame` → the instruction pointer (`prev_instr`); 3.10: `f_lasti`, an
+    /// index, reported minus the code object's address all the same (user space adds it
+    /// back).
     pub frame_instr: u32,
     /// `_PyInterpreterFrame` → `owner` (a byte).
     pub frame_owner: u32,
@@ -446,21 +448,8 @@ pub struct PyLayout {
     pub frame_is_entry: u32,
     /// The `owner` of the interpreter's entry shim frames (3.12: `FRAME_OWNED_BY_CSTACK`).
     pub owner_cstack: u32,
-    /// [`py_layout`] bits.
-    pub flags: u32,
-    pub _pad: u32,
 }
-const _: () = assert!(core::mem::size_of::<PyLayout>() == 40);
-
-/// Bits of [`PyLayout::flags`].
-pub mod py_layout {
-    /// `frame_instr` is a 32-bit instruction index (3.10's `f_lasti`), reported as it is,
-    /// not a pointer to report relative to the code object.
-    pub const INSTR_INDEX: u32 = 1;
-    /// Every frame is a run of the interpreter loop of its own (3.10: one
-    /// `_PyEval_EvalFrameDefault` a Python call): an entry marker follows each.
-    pub const EVERY_FRAME_ENTRY: u32 = 2;
-}
+const _: () = assert!(core::mem::size_of::<PyLayout>() == 32);
 
 /// Bytes of an interpreter frame the walk reads at once; every [`PyLayout`] frame field
 /// lies inside them (3.10's `f_lasti` ends at 100).

@@ -31,7 +31,7 @@ use nccltrace_common::{
     FaultTimeEvent, Header, KSTACK_DEPTH, MAX_ARGS, MigrateEvent, NOT_READ, NumaTaskEvent,
     PY_DEPTH, PY_ENTRY, PY_FRAME_WINDOW, PageMigrationEvent, PendingCall, PyLayout, PyStackEvent,
     RING_SHARDS, SampleEvent, SwitchEvent, TaskEvent, TpOffsets, USTACK_DEPTH, WakeupEvent,
-    call_stacks, counter, func, kind, numa_task, py_layout, switch_flags,
+    call_stacks, counter, func, kind, numa_task, switch_flags,
 };
 
 /// Every record, in ring buffers shared by groups of CPUs (`CONFIG.shards` of them in use,
@@ -900,14 +900,11 @@ fn emit_py_stack(stack: &Header) {
             // The shim frame an interpreter entry pushes (3.12): a boundary, no code.
             !push_py(event, PY_ENTRY, 0)
         } else {
-            let instr = word(layout.frame_instr);
-            let offset = if layout.flags & py_layout::INSTR_INDEX != 0 {
-                (instr >> ((layout.frame_instr & 7) * 8)) as u32
-            } else {
-                instr.wrapping_sub(code) as u32
-            };
-            let entry_frame = layout.flags & py_layout::EVERY_FRAME_ENTRY != 0
-                || (layout.frame_is_entry != FIELD_ABSENT && byte(layout.frame_is_entry) != 0);
+            // 3.10 keeps an index there, not a pointer: user space undoes the subtraction
+            // (no branch here: each one multiplies the verifier's work over the loop).
+            let offset = word(layout.frame_instr).wrapping_sub(code) as u32;
+            let entry_frame =
+                layout.frame_is_entry != FIELD_ABSENT && byte(layout.frame_is_entry) != 0;
             !push_py(event, code, offset) || (entry_frame && !push_py(event, PY_ENTRY, 0))
         };
         frame = word(layout.frame_previous);
