@@ -381,31 +381,7 @@ impl Aggregator {
             }
         }
     }
-}
 
-/// What summary.json says of each target (`python_stacks`: Python stacks by pid).
-fn target_summaries(
-    targets: &[crate::record::TargetInfo],
-    python_stacks: &BTreeMap<u32, u64>,
-) -> Vec<TargetSummary> {
-    targets
-        .iter()
-        .map(|t| TargetSummary {
-            pid: t.pid,
-            comm: t.comm.clone(),
-            nccl_library: t.nccl_library.clone(),
-            cuda_library: t.cuda_library.clone(),
-            probes: t.probes.len(),
-            python: t.python.clone(),
-            python_stacks: t
-                .python
-                .as_ref()
-                .map(|_| python_stacks.get(&t.pid).copied().unwrap_or(0)),
-        })
-        .collect()
-}
-
-impl Aggregator {
     /// Adds agent metadata.
     pub fn meta(&mut self, meta: Meta) {
         match meta {
@@ -614,6 +590,28 @@ impl Aggregator {
             streamer,
         }
     }
+}
+
+/// What summary.json says of each target (`python_stacks`: Python stacks by pid).
+fn target_summaries(
+    targets: &[crate::record::TargetInfo],
+    python_stacks: &BTreeMap<u32, u64>,
+) -> Vec<TargetSummary> {
+    targets
+        .iter()
+        .map(|t| TargetSummary {
+            pid: t.pid,
+            comm: t.comm.clone(),
+            nccl_library: t.nccl_library.clone(),
+            cuda_library: t.cuda_library.clone(),
+            probes: t.probes.len(),
+            python: t.python.clone(),
+            python_stacks: t
+                .python
+                .as_ref()
+                .map(|_| python_stacks.get(&t.pid).copied().unwrap_or(0)),
+        })
+        .collect()
 }
 
 /// NCCL totals from the per-function ones.

@@ -1057,18 +1057,28 @@ mod tests {
     fn location_tables_read_as_cpython_reads_them() {
         location_tables_of("python3");
         // 3.10's own table format, where pyenv keeps a 3.10 (these machines do).
-        let root = std::env::var_os("PYENV_ROOT")
-            .map_or_else(|| "/root/.pyenv".into(), std::path::PathBuf::from);
-        for entry in std::fs::read_dir(root.join("versions"))
-            .into_iter()
-            .flatten()
-            .flatten()
-        {
-            let python = entry.path().join("bin/python3");
-            if entry.file_name().to_string_lossy().starts_with("3.10.") && python.exists() {
+        for (minor, dir) in pyenv_versions() {
+            let python = dir.join("bin/python3");
+            if minor == 10 && python.exists() {
                 location_tables_of(python.to_str().unwrap());
             }
         }
+    }
+
+    /// The CPython 3 versions pyenv keeps here: (minor, its folder).
+    fn pyenv_versions() -> Vec<(u32, std::path::PathBuf)> {
+        let root = std::env::var_os("PYENV_ROOT")
+            .map_or_else(|| "/root/.pyenv".into(), std::path::PathBuf::from);
+        std::fs::read_dir(root.join("versions"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|entry| {
+                let name = entry.file_name().to_string_lossy().into_owned();
+                let minor = name.strip_prefix("3.")?.split('.').next()?.parse().ok()?;
+                Some((minor, entry.path()))
+            })
+            .collect()
     }
 
     /// [`location_tables_read_as_cpython_reads_them`] for the interpreter `python`.
@@ -1134,17 +1144,8 @@ print(sys.version_info[1]); print(json.dumps(out))
     #[allow(clippy::too_many_lines, clippy::wildcard_imports)] // one table per version
     fn layouts_match_the_interpreters_headers() {
         let mut includes = vec![std::path::PathBuf::from("/usr/include/python3.11")];
-        let root = std::env::var_os("PYENV_ROOT")
-            .map_or_else(|| "/root/.pyenv".into(), std::path::PathBuf::from);
-        for entry in std::fs::read_dir(root.join("versions"))
-            .into_iter()
-            .flatten()
-            .flatten()
-        {
-            let name = entry.file_name().to_string_lossy().into_owned();
-            if let Some(minor) = name.strip_prefix("3.").and_then(|r| r.split('.').next()) {
-                includes.push(entry.path().join(format!("include/python3.{minor}")));
-            }
+        for (minor, dir) in pyenv_versions() {
+            includes.push(dir.join(format!("include/python3.{minor}")));
         }
         let source = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/pyoffsets.c");
         let dir = tempfile::tempdir().unwrap();
