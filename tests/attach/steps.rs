@@ -12,14 +12,20 @@ use super::*;
 fn steps_begun_before_attach_are_left_out() {
     let _serial = privileged();
     let dir = tempfile::tempdir().unwrap();
-    let mut trainer = waiting_trainer(dir.path(), 100_000, 1000);
+    let trainer = waiting_trainer(dir.path(), 100_000, 1000);
     trainer.release();
+    // Its line a step is read as it comes: a full pipe would stall it while traced.
+    let Target {
+        mut child, stdout, ..
+    } = trainer;
+    let drain = std::thread::spawn(move || stdout.map_while(Result::ok).count());
     std::thread::sleep(Duration::from_millis(300));
     let out = dir.path().join("out");
-    let agent = Agent::attach(trainer.child.id(), &out, &["--duration", "2s"]);
+    let agent = Agent::attach(child.id(), &out, &["--duration", "2s"]);
     let (code, _, stderr) = agent.wait(Duration::from_secs(60));
-    let _ = trainer.child.kill();
-    let _ = trainer.child.wait();
+    let _ = child.kill();
+    let _ = child.wait();
+    let _ = drain.join();
     assert_eq!(code, 0, "{stderr}");
     let read = |name: &str| -> Value {
         serde_json::from_str(&std::fs::read_to_string(out.join(name)).unwrap()).unwrap()
