@@ -304,3 +304,65 @@ fn python_frames_in_a_pid_namespace() {
     assert_eq!(target["python"]["frames"], true, "{target}");
     check_python_frames(&out, python);
 }
+
+/// Issue 21: DataLoader-like workers are processes of their own (forked from the rank, so
+/// they map its libraries): `attach --all` traces them beside the rank, each with its own
+/// interpreter found and its Python frames named.
+#[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
+fn python_frames_of_worker_processes_with_all() {
+    let _serial = privileged();
+    let dir = tempfile::tempdir().unwrap();
+    let go = dir.path().join("go");
+    let script = workspace().join("tests/fixtures/py_loader.py");
+    let mut cmd = Command::new("/usr/bin/python3.11");
+    cmd.arg(&script)
+        .arg(fixtures())
+        .arg(&go)
+        .env("FAKE_NCCL_US", "3000")
+        .stdout(Stdio::piped());
+    let mut rank = cmd.spawn().unwrap();
+    let rank_guard = KillOnDrop(rank.id());
+    let mut lines = BufReader::new(rank.stdout.take().unwrap()).lines();
+    let ready = lines.next().unwrap().unwrap();
+    let worker: u32 = ready
+        .strip_prefix("ready ")
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let worker_guard = KillOnDrop(worker);
+    std::fs::write(&go, b"").unwrap();
+    let out = dir.path().join("out");
+    let agent = Agent::attach_many(&[], &out, &["--all", "--duration", "3s"]);
+    let (code, summary, stderr) = agent.wait(Duration::from_secs(60));
+    drop((rank_guard, worker_guard));
+    let _ = rank.wait();
+    assert_eq!(code, 0, "{stderr}");
+    let targets = summary["targets"].as_array().unwrap();
+    for pid in [rank.id(), worker] {
+        let t = targets
+            .iter()
+            .find(|t| t["pid"] == pid)
+            .unwrap_or_else(|| panic!("pid {pid} not traced: {targets:?}"));
+        assert_eq!(t["python"]["frames"], true, "{t}");
+    }
+    let line = {
+        let text = std::fs::read_to_string(&script).unwrap();
+        text.lines()
+            .position(|l| l.trim_end().ends_with("# MARK:load_batch"))
+            .unwrap()
+            + 1
+    };
+    let want = format!("load_batch (py_loader.py:{line})");
+    let oncpu = folded(&out, "oncpu");
+    let in_worker: u64 = oncpu
+        .iter()
+        .filter(|(s, _)| s.starts_with(&format!("python3.11 {worker} ")) && s.contains(&want))
+        .map(|(_, w)| w)
+        .sum();
+    assert!(
+        in_worker > 0,
+        "no on-CPU sample of the worker at {want}:\n{oncpu:?}"
+    );
+}
