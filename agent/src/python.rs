@@ -529,11 +529,10 @@ impl Interp {
             let tid = if self.layout.pthread_id {
                 // 3.10: the kernel id from glibc's struct pthread.
                 let Some(at) = self.pthread_tid else { continue };
-                let mut b = [0u8; 4];
-                if self.mem.read_exact_at(&mut b, id + at).is_err() {
+                let Some(tid) = read_u32(&self.mem, id + at) else {
                     continue;
-                }
-                u32::from_le_bytes(b)
+                };
+                tid
             } else {
                 let Ok(tid) = u32::try_from(id) else { continue };
                 tid
@@ -603,12 +602,6 @@ impl Interp {
             self.codes.insert(code, info);
         }
         self.codes.get(&code).and_then(Option::as_ref)
-    }
-
-    /// Whether `code` was looked at already.
-    #[must_use]
-    pub fn known(&self, code: u64) -> bool {
-        self.codes.contains_key(&code)
     }
 
     fn read_code(&self, code: u64) -> Option<CodeInfo> {

@@ -5,11 +5,16 @@ use super::*;
 
 /// The line of `tests/fixtures/py_rank.py` marked `MARK:name`.
 fn marked_line(name: &str) -> usize {
-    let text = std::fs::read_to_string(workspace().join("tests/fixtures/py_rank.py")).unwrap();
+    marked_line_of("py_rank.py", name)
+}
+
+/// The line of `tests/fixtures/FILE` marked `MARK:name`.
+fn marked_line_of(file: &str, name: &str) -> usize {
+    let text = std::fs::read_to_string(workspace().join("tests/fixtures").join(file)).unwrap();
     let mark = format!("# MARK:{name}");
     text.lines()
         .position(|l| l.trim_end().ends_with(&mark))
-        .unwrap_or_else(|| panic!("no {mark} in py_rank.py"))
+        .unwrap_or_else(|| panic!("no {mark} in {file}"))
         + 1
 }
 
@@ -347,13 +352,7 @@ fn python_frames_of_worker_processes_with_all() {
             .unwrap_or_else(|| panic!("pid {pid} not traced: {targets:?}"));
         assert_eq!(t["python"]["frames"], true, "{t}");
     }
-    let line = {
-        let text = std::fs::read_to_string(&script).unwrap();
-        text.lines()
-            .position(|l| l.trim_end().ends_with("# MARK:load_batch"))
-            .unwrap()
-            + 1
-    };
+    let line = marked_line_of("py_loader.py", "load_batch");
     let want = format!("load_batch (py_loader.py:{line})");
     let oncpu = folded(&out, "oncpu");
     let in_worker: u64 = oncpu
