@@ -195,6 +195,7 @@ fn one_step_of_every_kind(
         cross_node_migrations: 0,
         numa_page_migrations: 0,
         numa_task_moves: 0,
+        remote_access: None,
         slowest_rank: None,
         ranks: Vec::new(),
     };

@@ -3,8 +3,8 @@
 
 use nccltrace_common::{
     CallEvent, FaultEvent, FaultTimeEvent, Header, KSTACK_DEPTH, MigrateEvent, NOT_READ,
-    NumaTaskEvent, PY_DEPTH, PageMigrationEvent, PyStackEvent, SampleEvent, SwitchEvent, TaskEvent,
-    USTACK_DEPTH, WakeupEvent, kind, numa_task, switch_flags,
+    NumaHintEvent, NumaTaskEvent, PY_DEPTH, PageMigrationEvent, PyStackEvent, SampleEvent,
+    SwitchEvent, TaskEvent, USTACK_DEPTH, WakeupEvent, kind, numa_hint, numa_task, switch_flags,
 };
 
 use crate::event::{Call, Event, Func, NumaTaskKind, PyFrame, Task, datatype_size};
@@ -169,6 +169,18 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
                 src_nid: e.src_nid,
                 dst_cpu: e.dst_cpu,
                 dst_nid: e.dst_nid,
+            }
+        }
+        kind::NUMA_HINT => {
+            let e = read::<NumaHintEvent>(bytes, "NUMA hinting fault record")?;
+            Event::NumaHint {
+                ts_ns: h.ts_ns,
+                task: t,
+                cpu: h.cpu,
+                mem_node: e.mem_node,
+                pages: u32::try_from(e.pages).unwrap_or(0),
+                local: e.flags & numa_hint::LOCAL != 0,
+                migrated: e.flags & numa_hint::MIGRATED != 0,
             }
         }
         kind::SAMPLE | kind::OFFCPU | kind::CALL_STACK => {

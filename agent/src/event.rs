@@ -443,6 +443,19 @@ pub enum Event {
         dst_cpu: i32,
         dst_nid: i32,
     },
+    /// A NUMA-balancing hinting fault: the kernel's sample of one memory access of the
+    /// thread, on the CPU `cpu`, to a page on `mem_node`.
+    NumaHint {
+        ts_ns: u64,
+        task: Task,
+        cpu: u16,
+        mem_node: i32,
+        pages: u32,
+        /// The kernel found the page on the faulting CPU's node.
+        local: bool,
+        /// The kernel moved the page to the faulting CPU's node.
+        migrated: bool,
+    },
     /// An on-CPU sample; stacks innermost frame first (kernel empty when the thread was in
     /// user mode).
     Sample {
@@ -498,6 +511,7 @@ impl Event {
             | Event::FaultTime { task, .. }
             | Event::PageMigration { task, .. }
             | Event::NumaTask { task, .. }
+            | Event::NumaHint { task, .. }
             | Event::Sample { task, .. }
             | Event::OffCpu { task, .. }
             | Event::CallStack { task, .. }
@@ -519,6 +533,7 @@ impl Event {
             | Event::FaultTime { ts_ns, .. }
             | Event::PageMigration { ts_ns, .. }
             | Event::NumaTask { ts_ns, .. }
+            | Event::NumaHint { ts_ns, .. }
             | Event::Sample { ts_ns, .. }
             | Event::OffCpu { ts_ns, .. }
             | Event::CallStack { ts_ns, .. }
@@ -545,6 +560,7 @@ impl Event {
             k::FAULT_TIME => "fault_time",
             k::CALL_STACK => "call_stack",
             k::PY_STACK => "python_stack",
+            k::NUMA_HINT => "numa_hint_fault",
             _ => "unknown",
         }
     }

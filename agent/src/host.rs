@@ -250,6 +250,25 @@ impl Host {
         }
         nodes
     }
+
+    /// The SLIT distance between NUMA nodes (`node_distances[a][b]`, 10 = local), from
+    /// `/sys/devices/system/node/nodeN/distance`; empty when the kernel lists no nodes.
+    #[must_use]
+    pub fn node_distances(&self) -> Vec<Vec<u32>> {
+        let mut rows = Vec::new();
+        for node in 0.. {
+            let Some(text) = self.read(&format!("sys/devices/system/node/node{node}/distance"))
+            else {
+                break;
+            };
+            rows.push(
+                text.split_whitespace()
+                    .filter_map(|d| d.parse().ok())
+                    .collect(),
+            );
+        }
+        rows
+    }
 }
 
 /// The text (function) symbols of a kallsyms text, sorted by address; hidden (zeroed)

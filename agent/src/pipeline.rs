@@ -71,6 +71,11 @@ pub struct MemoryStats {
     pub pages_migrated: u64,
     pub page_migrations_failed: u64,
     pub numa_task_events: u64,
+    /// NUMA-balancing hinting faults of target threads, in pages: all, and those to a
+    /// page on another node than the faulting CPU's; null where they were not traced
+    /// (`methods.remote_memory` says why).
+    pub numa_hint_fault_pages: Option<u64>,
+    pub numa_hint_fault_pages_remote: Option<u64>,
     /// Faults timed by fentry/fexit on the fault handler, where the kernel permits it.
     pub timed_faults: u64,
     /// Their time inside the handler.
@@ -184,6 +189,7 @@ pub struct Aggregator {
 impl Aggregator {
     #[must_use]
     pub fn new(header: Header) -> Aggregator {
+        let hints = header.numa_hints_refused.is_none().then_some(0);
         Aggregator {
             timeline: Timeline::new(&header),
             header,
@@ -193,7 +199,11 @@ impl Aggregator {
             nccl: BTreeMap::new(),
             cuda: BTreeMap::new(),
             sched: SchedStats::default(),
-            memory: MemoryStats::default(),
+            memory: MemoryStats {
+                numa_hint_fault_pages: hints,
+                numa_hint_fault_pages_remote: hints,
+                ..MemoryStats::default()
+            },
             threads: BTreeSet::new(),
             samples: 0,
             offcpu_stacks: 0,
@@ -373,6 +383,15 @@ impl Aggregator {
                     self.memory.page_migrations_failed.saturating_add(*failed);
             }
             Event::NumaTask { .. } => self.memory.numa_task_events += 1,
+            Event::NumaHint { pages, local, .. } => {
+                let pages = u64::from(*pages);
+                let add = |n: &mut Option<u64>, by: u64| *n = Some(n.unwrap_or(0) + by);
+                add(&mut self.memory.numa_hint_fault_pages, pages);
+                add(
+                    &mut self.memory.numa_hint_fault_pages_remote,
+                    if *local { 0 } else { pages },
+                );
+            }
             Event::Sample { .. } => self.samples += 1,
             Event::OffCpu { .. } => self.offcpu_stacks += 1,
             Event::CallStack { .. } => self.call_stacks += 1,

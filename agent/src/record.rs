@@ -149,6 +149,25 @@ pub struct Header {
     /// has page faults off).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fault_timing_refused: Option<String>,
+    /// SLIT distances between NUMA nodes (`[a][b]`, 10 = local); empty: unknown.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub node_distances: Vec<Vec<u32>>,
+    /// `kernel.numa_balancing` at attach (None: unreadable).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub numa_balancing: Option<u32>,
+    /// Why NUMA hinting faults were not traced (the profile has numa off, or the kernel
+    /// refused the kprobe on `task_numa_fault`); `None` (written as null): they were.
+    #[serde(default = "hints_not_recorded")]
+    pub numa_hints_refused: Option<String>,
+}
+
+/// A recording without the field was made before nccltrace traced hinting faults.
+#[expect(
+    clippy::unnecessary_wraps,
+    reason = "serde's default takes the field's type"
+)]
+fn hints_not_recorded() -> Option<String> {
+    Some("the recording was made by an nccltrace that did not trace them".to_owned())
 }
 
 /// Agent metadata records.

@@ -11,6 +11,7 @@ mod bad_input;
 mod counts;
 mod deploy;
 mod environment;
+mod guest;
 mod lifecycle;
 mod merge;
 mod metrics;
@@ -51,8 +52,13 @@ fn fixtures() -> PathBuf {
     out
 }
 
+/// The agent under test: this build's, or `NCCLTRACE_AGENT` (`cargo xtask vm-test` runs
+/// the release agent in its emulated guests, where a debug build drains too slowly).
 fn agent() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_nccltrace"))
+    Command::new(std::env::var_os("NCCLTRACE_AGENT").map_or_else(
+        || PathBuf::from(env!("CARGO_BIN_EXE_nccltrace")),
+        PathBuf::from,
+    ))
 }
 
 /// The lock every privileged test holds, after checking it runs as root.
@@ -464,11 +470,39 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// steps found within ±1, the medians of `nccl_wait` and `page_fault` and the mean of
 /// `compute` (with the scheduler's categories) within 5%.
 fn breakdown_matches_truth(env: &[(&str, &str)], extra: &[&str]) {
+    breakdown_within(env, extra, &ON_THE_HOST);
+}
+
+/// A breakdown comparison: the trainer's step, the sampling rate, and how close each
+/// category must come to the trainer's own figure (a fraction of it).
+struct Accuracy {
+    steps: u32,
+    compute_us: &'static str,
+    fault_pages: &'static str,
+    sample_hz: &'static str,
+    /// nccl_wait and compute.
+    bound: f64,
+    page_fault: f64,
+}
+
+/// On this machine. Sampled fault time: within 8%. Where a fault costs ~9 µs (this VM on
+/// 2026-12-03, three times the 2.6 µs of the day before) the estimate ran 5-7% over the
+/// truth, the commit before the session's changes included (docs/attribution.md).
+const ON_THE_HOST: Accuracy = Accuracy {
+    steps: 60,
+    compute_us: "2000",
+    fault_pages: "300",
+    sample_hz: "20000",
+    bound: 0.05,
+    page_fault: 0.08,
+};
+
+fn breakdown_within(env: &[(&str, &str)], extra: &[&str], accuracy: &Accuracy) {
     // A timing comparison on a shared 2-vCPU VM: a run disturbed by the host (steal time)
     // is run again, up to three times in all; one run must meet every bound.
     let mut failures = Vec::new();
     for _ in 0..3 {
-        match breakdown_run(env, extra) {
+        match breakdown_run(env, extra, accuracy) {
             Ok(()) => return,
             Err(e) => {
                 eprintln!("breakdown run outside the bounds: {e}");
@@ -490,12 +524,21 @@ fn category_sum(step: &Value) -> u64 {
 }
 
 /// One traced run of the comparison; `Err` names the first category outside 5%.
-fn breakdown_run(env: &[(&str, &str)], extra: &[&str]) -> Result<(), String> {
-    let steps = 60;
-    let mut trainer_args = vec!["--compute-us", "2000", "--fault-pages", "300"];
+fn breakdown_run(env: &[(&str, &str)], extra: &[&str], accuracy: &Accuracy) -> Result<(), String> {
+    let steps = accuracy.steps;
+    let mut trainer_args = vec![
+        "--compute-us",
+        accuracy.compute_us,
+        "--fault-pages",
+        accuracy.fault_pages,
+    ];
     trainer_args.extend_from_slice(extra);
-    let (_, _, out, _dir, truth) =
-        traced_trainer_with(steps, env, &trainer_args, &["--sample-hz", "20000"]);
+    let (_, _, out, _dir, truth) = traced_trainer_with(
+        steps,
+        env,
+        &trainer_args,
+        &["--sample-hz", accuracy.sample_hz],
+    );
     let report: Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("steps.json")).unwrap()).unwrap();
     assert_eq!(report["method"], "auto");
@@ -552,13 +595,10 @@ fn breakdown_run(env: &[(&str, &str)], extra: &[&str]) -> Result<(), String> {
     eprintln!("{line}");
     for (name, ours, truth) in checks {
         let err = (ours - truth).abs() / truth;
-        // Sampled fault time: within 8%. Where a fault costs ~9 µs (this VM on 2026-12-03,
-        // three times the 2.6 µs of the day before) the estimate ran 5-7% over the truth,
-        // the commit before the session's changes included (docs/attribution.md).
         let bound = if name.starts_with("page_fault") {
-            0.08
+            accuracy.page_fault
         } else {
-            0.05
+            accuracy.bound
         };
         if err > bound {
             return Err(format!(
@@ -648,6 +688,11 @@ fn flamegraphs_and_trace_are_valid(out: &Path, summary: &Value) {
 /// NCCLTRACE_SPEEDSCOPE, set by `cargo xtask test`) in headless Chromium, served from a
 /// local HTTP server, must import it and list the rank thread and the steps track.
 fn speedscope_reads(trace: &Path) {
+    if std::env::var_os("NCCLTRACE_GUEST").is_some() {
+        // In an emulated guest headless Chromium takes minutes: the import is checked on
+        // the host run of the same test.
+        return;
+    }
     let app = PathBuf::from(std::env::var_os("NCCLTRACE_SPEEDSCOPE").expect(
         "NCCLTRACE_SPEEDSCOPE is unset: run the tests with `cargo xtask test`, which fetches speedscope",
     ));

@@ -1,4 +1,4 @@
-//! Developer tasks: `cargo xtask setup | test | demo | bench | man | fuzz | soak`. Every
+//! Developer tasks: `cargo xtask setup | test | vm-test | demo | bench | man | fuzz | soak`. Every
 //! task runs `setup` first, so each works on a fresh machine.
 
 mod bench;
@@ -8,6 +8,7 @@ mod man;
 mod setup;
 mod soak;
 mod test;
+mod vm;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -55,6 +56,15 @@ enum Task {
         #[arg(long)]
         daemon: bool,
     },
+    /// The guest tests (two NUMA nodes, older kernels) in QEMU guests: Debian's kernels
+    /// booted by virtme-ng, the release agent and the test binary built here.
+    VmTest {
+        /// Which kernel: 6.1, 6.12 or all.
+        #[arg(long, default_value = "all")]
+        kernel: String,
+        /// Test name filters instead of the guest set (`guest::` and the counting test).
+        filters: Vec<String>,
+    },
     /// Validation on a GPU machine with PyTorch and NCCL (see docs/validation.md).
     GpuCheck {
         /// Print the steps to run instead of running them (this machine has no GPU).
@@ -76,6 +86,7 @@ fn main() -> anyhow::Result<()> {
         Task::Demo => demo::run(&root),
         Task::Bench => bench::run(&root),
         Task::Man => man::run(&root),
+        Task::VmTest { kernel, filters } => vm::task(&root, &kernel, &filters),
         Task::Fuzz { seconds } => fuzz::run(&root, seconds),
         Task::Soak {
             minutes,

@@ -13,7 +13,7 @@ fn say(what: &str, status: &str) {
     eprintln!("setup: {what:<44} {status}");
 }
 
-fn output(cmd: &mut Command) -> String {
+pub fn output(cmd: &mut Command) -> String {
     cmd.output()
         .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
         .unwrap_or_default()
@@ -85,7 +85,15 @@ const APT_PACKAGES: [&str; 12] = [
 ];
 
 fn apt() -> anyhow::Result<()> {
-    let missing: Vec<&str> = APT_PACKAGES
+    apt_packages(
+        "Debian packages (LLVM 22, clang, bpftool, chromium, prometheus, python3)",
+        &APT_PACKAGES,
+    )
+}
+
+/// Installs those of `packages` that are missing (Debian's, with apt-get).
+pub fn apt_packages(what: &str, packages: &[&str]) -> anyhow::Result<()> {
+    let missing: Vec<&str> = packages
         .iter()
         .copied()
         .filter(|p| {
@@ -94,16 +102,16 @@ fn apt() -> anyhow::Result<()> {
         })
         .collect();
     if missing.is_empty() {
-        say(
-            "Debian packages (LLVM 22, clang, bpftool, chromium, prometheus, python3)",
-            "present",
-        );
+        say(what, "present");
         return Ok(());
     }
-    say(
-        "Debian packages",
-        &format!("installing {}", missing.join(" ")),
-    );
+    if !is_root() {
+        bail!(
+            "{what}: {} missing, and installing needs root",
+            missing.join(" ")
+        );
+    }
+    say(what, &format!("installing {}", missing.join(" ")));
     super::run(Command::new("apt-get").arg("update").arg("-q"))?;
     super::run(
         Command::new("apt-get")
@@ -318,5 +326,12 @@ pub fn run(_root: &Path) -> anyhow::Result<()> {
     tracefs()?;
     speedscope()?;
     cargo_fuzz()?;
+    // The guests of `cargo xtask vm-test` (and of the guest step of `cargo xtask test`).
+    if is_root() {
+        super::vm::setup()?;
+        for (series, _) in super::vm::KERNELS {
+            super::vm::kernel(series)?;
+        }
+    }
     Ok(())
 }

@@ -38,6 +38,8 @@ pub fn run(root: &Path, args: &[String]) -> anyhow::Result<()> {
         test_args.push("--".into());
     }
     test_args.push("--include-ignored".into());
+    // The guest tests need two NUMA nodes: they run in QEMU guests below.
+    test_args.extend(["--skip".into(), "guest::".into()]);
     super::run(
         Command::new("cargo")
             .current_dir(root)
@@ -47,9 +49,12 @@ pub fn run(root: &Path, args: &[String]) -> anyhow::Result<()> {
             .env("NCCLTRACE_REAL_NCCL", &real_nccl)
             .env("NCCLTRACE_SPEEDSCOPE", &speedscope),
     )?;
-    // The fuzz targets, briefly, and the man pages and completions, on a full run (a
-    // filtered run is someone iterating).
+    // On a full run (a filtered run is someone iterating): the guest tests in one QEMU
+    // guest (two NUMA nodes, Debian's 6.12; `cargo xtask vm-test` runs 6.1 too, and the
+    // counting test in each), the fuzz targets briefly, the man pages and completions.
     if args.is_empty() {
+        let verdicts = super::vm::run(root, &["6.12"], &["guest::".to_owned()])?;
+        super::vm::report(&verdicts)?;
         super::man::run(root)?;
         super::fuzz::run(root, 20)?;
     }

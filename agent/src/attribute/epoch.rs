@@ -196,6 +196,7 @@ impl Timeline {
         self.page_migrations.sort_unstable_by_key(|m| m.1);
         self.numa_moves.sort_unstable_by_key(|m| m.1);
         for log in self.threads.values_mut() {
+            log.numa_hints.sort_unstable_by_key(|h| h.ts_ns);
             log.changes.sort_unstable();
             log.syncs.sort_unstable();
             log.collectives.sort_by_key(|c| c.start_ns);
@@ -716,6 +717,10 @@ impl Timeline {
             log.wakeups.retain(|w| keep(w.0));
             log.markers.retain(|t| keep(*t));
             log.nvtx.retain(|n| keep(n.0));
+            // The latest hinting faults stay: a quiet step's estimate looks back at them.
+            let before = log.numa_hints.partition_point(|h| h.ts_ns < until);
+            log.numa_hints
+                .drain(..before.saturating_sub(super::remote::CONTEXT_HINTS));
         }
     }
 
@@ -893,17 +898,50 @@ impl Timeline {
                     .into()
             },
             page_fault: self.fault_method(),
-            remote_memory: format!(
-                "not measured: needs PMU events (node-loads/node-load-misses), which this host \
-                 does not expose{}",
-                if nodes.len() <= 1 {
-                    "; the host has one NUMA node, so nothing is remote"
-                } else {
-                    ""
-                }
-            ),
-            remote_memory_estimated: false,
+            remote_memory: self.remote_method(nodes.len()),
+            remote_memory_estimated: nodes.len() > 1 && self.numa_hints_seen > 0,
         }
+    }
+
+    /// How `remote_memory` was estimated, or why not.
+    fn remote_method(&self, nodes: usize) -> String {
+        const NO_PMU: &str = "measuring it needs PMU memory sampling (remote-DRAM load \
+                              latency), which nccltrace does not read yet";
+        if nodes <= 1 {
+            return format!(
+                "not measured: the host has one NUMA node, so nothing is remote ({NO_PMU})"
+            );
+        }
+        if let Some(why) = &self.numa_hints_refused {
+            return format!("not measured: NUMA hinting faults were not traced ({why}); {NO_PMU}");
+        }
+        if self.numa_hints_seen == 0 {
+            let why = if self.numa_balancing == Some(0) {
+                "automatic NUMA balancing is off (kernel.numa_balancing = 0), so the kernel \
+                 samples no memory accesses"
+                    .to_owned()
+            } else {
+                format!(
+                    "no NUMA hinting fault of a target thread was seen (kernel.numa_balancing \
+                     = {}; the kernel scans a task's memory once a scan period, 1 s or more, \
+                     after it has run for a while)",
+                    self.numa_balancing
+                        .map_or_else(|| "unknown".to_owned(), |v| v.to_string())
+                )
+            };
+            return format!("not measured: {why}; {NO_PMU}");
+        }
+        format!(
+            "estimated from NUMA hinting faults (the kernel's own sample of memory accesses, \
+             one per page per balancing scan): the step's on-CPU compute × the remote share \
+             of the rank thread's hinting-fault pages (the step's own when it has {} or more, \
+             else the latest {} before its end) weighted by 1 − local/remote SLIT distance. \
+             An upper end: it assumes the on-CPU time is bound by memory latency and the SLIT \
+             ratio is the latency ratio. Null before the thread's first hinting fault; \
+             {NO_PMU}",
+            super::remote::MIN_STEP_PAGES,
+            super::remote::WINDOW_PAGES
+        )
     }
 
     /// How `page_fault` was measured, for `methods.page_fault`.
@@ -983,6 +1021,7 @@ impl Timeline {
             slowest_rank: None,
             ranks: Vec::new(),
             numa_task_moves: numa_moves.iter().filter(|(t, _)| *t == tid).count() as u64,
+            remote_access: super::remote::estimate(&log.numa_hints, a, b),
         }
     }
 }

@@ -21,6 +21,7 @@
 pub mod categories;
 mod cut;
 mod epoch;
+pub mod remote;
 pub use epoch::Epoch;
 pub mod ranks;
 pub mod steps;
@@ -60,6 +61,10 @@ pub struct Step {
     pub cross_node_migrations: u64,
     pub numa_page_migrations: u64,
     pub numa_task_moves: u64,
+    /// The remote share of the rank thread's sampled memory accesses (NUMA hinting
+    /// faults) that `remote_memory` is estimated from; `None` before its first such fault
+    /// or when they were not traced.
+    pub remote_access: Option<remote::RemoteAccess>,
     /// With several ranks: the rank whose late arrivals made the others wait most in this
     /// step.
     pub slowest_rank: Option<i32>,
@@ -209,6 +214,10 @@ struct ThreadLog {
     first_switch_is_in: Option<bool>,
     /// The thread's latest page fault: (time, faulting user instruction).
     last_fault: Option<(u64, u64)>,
+    /// The end of the thread's last fault timed by fentry/fexit.
+    last_fault_end: u64,
+    /// NUMA hinting faults, by time.
+    numa_hints: Vec<remote::Hint>,
     /// Every sample: (time, stack id, in a page fault).
     stack_samples: Vec<(u64, u32, bool)>,
     /// Stacks at switch-out: (time, stack id).
@@ -366,6 +375,14 @@ pub struct Timeline {
     faults_timed: bool,
     /// Why fentry/fexit did not time them.
     fault_timing_refused: Option<String>,
+    /// SLIT distances between nodes.
+    node_distances: Vec<Vec<u32>>,
+    /// `kernel.numa_balancing` at attach.
+    numa_balancing: Option<u32>,
+    /// Why hinting faults were not traced.
+    numa_hints_refused: Option<String>,
+    /// Hinting faults of target threads seen.
+    numa_hints_seen: u64,
     /// A CUDA sync function was probed in some target: `nccl_wait` is measured.
     sync_probed: bool,
     /// Ranks given to `ncclCommInitRank*`, by pid.
@@ -424,6 +441,10 @@ impl Timeline {
                 .collect(),
             faults_timed: header.fault_timing.is_some(),
             fault_timing_refused: header.fault_timing_refused.clone(),
+            node_distances: header.node_distances.clone(),
+            numa_balancing: header.numa_balancing,
+            numa_hints_refused: header.numa_hints_refused.clone(),
+            numa_hints_seen: 0,
             sync_probed: header.targets.iter().any(syncs_probed),
             init_ranks: BTreeMap::new(),
             rule: StepRule::Auto,
@@ -661,8 +682,17 @@ impl Timeline {
                 ..
             } => {
                 self.faults_timed = true;
-                let start = (*start_ns).max(self.cut_ns);
+                let cut_ns = self.cut_ns;
                 let log = self.log(task.tid, task.tgid);
+                // From the exception's entry (the page_fault_user tracepoint, just before
+                // it) rather than the handler's: the entry path is the fault's cost too,
+                // ~30% of it in an emulated guest.
+                let entered = log
+                    .last_fault
+                    .map(|(at, _)| at)
+                    .filter(|at| *at <= *start_ns && *at >= log.last_fault_end);
+                log.last_fault_end = *ts_ns;
+                let start = entered.unwrap_or(*start_ns).max(cut_ns);
                 log.changes.push((start, Change::FaultStart));
                 log.changes.push((*ts_ns, Change::FaultEnd));
             }
@@ -705,6 +735,27 @@ impl Timeline {
                 self.page_migrations.push((task.tid, *ts_ns, *succeeded));
             }
             Event::NumaTask { ts_ns, task, .. } => self.numa_moves.push((task.tid, *ts_ns)),
+            Event::NumaHint {
+                ts_ns,
+                task,
+                cpu,
+                mem_node,
+                pages,
+                local,
+                ..
+            } => {
+                let hint = remote::Hint::new(
+                    *ts_ns,
+                    *pages,
+                    *local,
+                    *cpu,
+                    *mem_node,
+                    &self.cpu_nodes,
+                    &self.node_distances,
+                );
+                self.numa_hints_seen += 1;
+                self.log(task.tid, task.tgid).numa_hints.push(hint);
+            }
             Event::Fork { .. } | Event::Exit { .. } => {}
         }
     }

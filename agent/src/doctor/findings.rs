@@ -53,6 +53,44 @@ fn cpu_nodes(t: &Topology) -> BTreeMap<u32, i32> {
         .collect()
 }
 
+/// The one node every thread of the target may run on (`Cpus_allowed_list`), if there is
+/// one.
+fn threads_node(nodes: &BTreeMap<u32, i32>, target: &Target) -> Option<i32> {
+    let mut allowed = target
+        .threads
+        .iter()
+        .flat_map(|th| th.cpus_allowed.iter())
+        .map(|c| nodes.get(c).copied());
+    let first = allowed.next()??;
+    allowed.all(|n| n == Some(first)).then_some(first)
+}
+
+/// Most of the rank's resident pages off `home` (`where_` says what `home` is).
+fn memory_remote(target: &Target, home: i32, where_: &str) -> Option<Finding> {
+    let total: u64 = target.pages_per_node.values().sum();
+    let local = target.pages_per_node.get(&home).copied().unwrap_or(0);
+    (total > 0 && local * 2 < total).then(|| Finding {
+        id: "memory_remote",
+        severity: if local * 5 < total {
+            Severity::Error
+        } else {
+            Severity::Warn
+        },
+        summary: format!(
+            "{:.0}% of the rank's resident pages are off {where_} node {home}",
+            100.0 * (total - local) as f64 / total as f64
+        ),
+        evidence: vec![format!(
+            "proc/{}/numa_maps: pages per node {:?}",
+            target.pid, target.pages_per_node
+        )],
+        fix: Some(format!(
+            "launch with numactl --membind={home} (or migratepages {} all {home} to move it now)",
+            target.pid
+        )),
+    })
+}
+
 /// The nodes of the target's GPUs (known ones only).
 fn gpu_nodes(t: &Topology, target: &Target) -> BTreeSet<i32> {
     t.gpus
@@ -200,6 +238,11 @@ fn target_findings(t: &Topology, target: &Target, out: &mut Vec<Finding>) {
     let nodes = cpu_nodes(t);
     let gpu_nodes = gpu_nodes(t, target);
     let Some(&home) = gpu_nodes.iter().next() else {
+        // No GPU to place the rank by: its memory against the node its threads are bound
+        // to, where they all are.
+        if let Some(home) = threads_node(&nodes, target).filter(|_| t.nodes.len() > 1) {
+            out.extend(memory_remote(target, home, "the node its threads run on,"));
+        }
         return;
     };
     if !t.nodes.iter().any(|n| n.id == home) || t.nodes.len() < 2 {
@@ -266,23 +309,7 @@ fn target_findings(t: &Topology, target: &Target, out: &mut Vec<Finding>) {
             fix: Some(fix_cpus.clone()),
         });
     }
-    let total: u64 = target.pages_per_node.values().sum();
-    let local = target.pages_per_node.get(&home).copied().unwrap_or(0);
-    if total > 0 && local * 2 < total {
-        out.push(Finding {
-            id: "memory_remote",
-            severity: if local * 5 < total { Severity::Error } else { Severity::Warn },
-            summary: format!(
-                "{:.0}% of the rank's resident pages are off its GPU's node {home}",
-                100.0 * (total - local) as f64 / total as f64
-            ),
-            evidence: vec![format!("proc/{}/numa_maps: pages per node {:?}", target.pid, target.pages_per_node)],
-            fix: Some(format!(
-                "launch with numactl --membind={home} (or migratepages {} all {home} to move it now)",
-                target.pid
-            )),
-        });
-    }
+    out.extend(memory_remote(target, home, "its GPU's node"));
     let nic_nodes: BTreeSet<i32> = t
         .nics
         .iter()

@@ -80,7 +80,7 @@ pub fn without_steps(report: &StepsReport) -> StepsReport {
 
 /// The CSV columns before and after the categories (named by [`crate::attribute::NAMES`]).
 const CSV_BEFORE: [&str; 4] = ["index", "start_ns", "end_ns", "wall_ns"];
-const CSV_AFTER: [&str; 7] = [
+const CSV_AFTER: [&str; 8] = [
     "nccl_collectives",
     "nccl_bytes",
     "faults",
@@ -88,6 +88,8 @@ const CSV_AFTER: [&str; 7] = [
     "cross_node_migrations",
     "numa_page_migrations",
     "numa_task_moves",
+    // The remote share of the sampled memory accesses (empty when unknown).
+    "remote_share",
 ];
 
 /// The CSV header line's columns, in order.
@@ -119,7 +121,7 @@ pub fn write_csv_rows(steps: &[Step], out: &mut impl Write) -> io::Result<()> {
         }
         writeln!(
             out,
-            "{},{},{},{},{categories}{},{},{},{},{},{},{}",
+            "{},{},{},{},{categories}{},{},{},{},{},{},{},{}",
             s.index,
             s.start_ns,
             s.end_ns,
@@ -130,7 +132,9 @@ pub fn write_csv_rows(steps: &[Step], out: &mut impl Write) -> io::Result<()> {
             s.migrations,
             s.cross_node_migrations,
             s.numa_page_migrations,
-            s.numa_task_moves
+            s.numa_task_moves,
+            s.remote_access
+                .map_or_else(String::new, |r| format!("{:.4}", r.share()))
         )?;
     }
     Ok(())
@@ -173,7 +177,7 @@ fn describe(category: &str, c: &Categories) -> &'static str {
     match category {
         "nccl_wait" => "waits on NCCL",
         "page_fault" => "handles page faults",
-        "remote_memory" => "stalls on remote-NUMA memory",
+        "remote_memory" => "stalls on remote-NUMA memory (an estimate from NUMA hinting faults)",
         "cpu_migration" => "waits for a CPU after migrations",
         "runqueue" => "waits in the run queue",
         _ if c.unmeasured.nccl_wait || c.unmeasured.nccl_wait_lower_bound => {
@@ -608,6 +612,7 @@ mod tests {
             cross_node_migrations: 0,
             numa_page_migrations: 0,
             numa_task_moves: 0,
+            remote_access: None,
             slowest_rank: None,
             ranks: vec![],
         }
@@ -725,12 +730,14 @@ mod tests {
         write_csv(&report, &mut out).unwrap();
         let text = String::from_utf8(out).unwrap();
         let lines: Vec<Vec<&str>> = text.lines().map(|l| l.split(',').collect()).collect();
-        assert_eq!(lines[0].len(), 18);
+        assert_eq!(lines[0].len(), 19);
         assert_eq!(lines[1].len(), lines[0].len());
         let cell = |name: &str| lines[1][lines[0].iter().position(|c| *c == name).unwrap()];
         assert_eq!(cell("compute"), "3000000");
         assert_eq!(cell("nccl_wait"), "2000000");
         assert_eq!(cell("page_fault"), "");
         assert_eq!(cell("remote_memory"), "");
+        // No hinting fault seen: no share (empty, not 0).
+        assert_eq!(cell("remote_share"), "");
     }
 }

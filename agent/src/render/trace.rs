@@ -685,6 +685,7 @@ mod tests {
             cross_node_migrations: 1,
             numa_page_migrations: 0,
             numa_task_moves: 0,
+            remote_access: None,
             slowest_rank: None,
             ranks: vec![],
         };

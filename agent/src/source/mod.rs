@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use aya::maps::{HashMap as BpfHashMap, MapData, PerCpuArray};
 use aya::programs::fentry::FEntryLink;
 use aya::programs::fexit::FExitLink;
+use aya::programs::kprobe::KProbeLink;
 use aya::programs::perf_event::{
     PerfEventConfig, PerfEventLink, PerfEventScope, SamplePolicy, SoftwareEvent,
 };
@@ -22,7 +23,9 @@ use aya::programs::raw_trace_point::RawTracePointLink;
 use aya::programs::trace_point::TracePointLink;
 use aya::programs::uprobe::UProbeLink;
 use aya::programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope};
-use aya::programs::{FEntry, FExit, PerfEvent, ProgramError, RawTracePoint, TracePoint, UProbe};
+use aya::programs::{
+    FEntry, FExit, KProbe, PerfEvent, ProgramError, RawTracePoint, TracePoint, UProbe,
+};
 use aya::{Btf, Ebpf, EbpfLoader};
 use nccltrace_common::{counter, kind, names};
 
@@ -339,6 +342,8 @@ enum Link {
     FEntry(FEntryLink),
     #[allow(dead_code)]
     FExit(FExitLink),
+    #[allow(dead_code)]
+    KProbe(KProbeLink),
 }
 
 /// The kernel function whose entry and return time a user page fault.
@@ -375,6 +380,26 @@ fn time_faults(ebpf: &mut Ebpf) -> Result<(String, [Link; 2]), String> {
         format!("fentry/fexit on {FAULT_FUNCTION}"),
         [Link::FEntry(entry_link), Link::FExit(exit_link)],
     ))
+}
+
+/// The kernel function NUMA balancing calls for each hinting fault, in the faulting
+/// thread's context (kernel/sched/fair.c; no tracepoint reports these faults).
+const NUMA_HINT_FUNCTION: &str = "task_numa_fault";
+
+/// Traces NUMA hinting faults with a kprobe on [`NUMA_HINT_FUNCTION`]; why not, when the
+/// kernel has no such function or refuses the probe.
+fn trace_numa_hints(ebpf: &mut Ebpf) -> Result<Link, String> {
+    let prog: &mut KProbe =
+        typed_program(ebpf, names::KPROBE_TASK_NUMA_FAULT).map_err(|e| e.to_string())?;
+    let refused = |e: ProgramError| {
+        format!(
+            "the kernel refused a kprobe on {NUMA_HINT_FUNCTION} ({})",
+            root_cause(&e)
+        )
+    };
+    prog.load().map_err(refused)?;
+    let id = prog.attach(NUMA_HINT_FUNCTION, 0).map_err(refused)?;
+    prog.take_link(id).map(Link::KProbe).map_err(refused)
 }
 
 /// Kernel functions on the user page-fault path: a sample whose kernel stack passes
@@ -762,6 +787,18 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
         (None, Some("page faults are off in this profile".to_owned()))
     };
 
+    let numa_hints_refused = if profile.probes.numa {
+        match trace_numa_hints(&mut ebpf) {
+            Ok(link) => {
+                links.push(link);
+                None
+            }
+            Err(why) => Some(why),
+        }
+    } else {
+        Some("the profile has numa off".to_owned())
+    };
+
     let mut sample_period_ns = 0;
     if profile.sampling.hz > 0 {
         sample_period_ns = 1_000_000_000 / u64::from(profile.sampling.hz);
@@ -811,6 +848,11 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
         step_nvtx: None,
         fault_timing,
         fault_timing_refused,
+        node_distances: host.node_distances(),
+        numa_balancing: host
+            .read("proc/sys/kernel/numa_balancing")
+            .and_then(|v| v.trim().parse().ok()),
+        numa_hints_refused,
     };
     Ok(Attached {
         ebpf: Some(ebpf),

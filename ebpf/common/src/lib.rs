@@ -42,8 +42,12 @@ pub mod kind {
     /// before the `SAMPLE`, `OFFCPU` or `CALL_STACK` record they belong to, with the same
     /// header time.
     pub const PY_STACK: u16 = 14;
+    /// A NUMA-balancing hinting fault of a target thread (`task_numa_fault`, kprobe): the
+    /// kernel's own sample of one of its memory accesses, local or remote
+    /// (`NumaHintEvent`).
+    pub const NUMA_HINT: u16 = 15;
     /// One past the largest kind: the size of per-kind tables.
-    pub const COUNT: usize = 15;
+    pub const COUNT: usize = 16;
 }
 
 /// Indices into the per-CPU `COUNTERS` array. Ids below `kind::COUNT` count events of that
@@ -381,6 +385,32 @@ pub struct NumaTaskEvent {
 }
 const _: () = assert!(core::mem::size_of::<NumaTaskEvent>() == 64);
 
+/// A NUMA hinting fault: `task_numa_fault(last_cpupid, mem_node, pages, flags)` in the
+/// faulting thread's context (the header's CPU is the one it ran on).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NumaHintEvent {
+    pub hdr: Header,
+    /// The node the page is on after the fault (its target, when it was migrated).
+    pub mem_node: i32,
+    /// Pages the fault stands for (1, or a huge page's).
+    pub pages: i32,
+    /// The kernel's `TNF_*` flags: [`numa_hint::LOCAL`], [`numa_hint::MIGRATED`], ...
+    pub flags: i32,
+    pub _pad: u32,
+}
+const _: () = assert!(core::mem::size_of::<NumaHintEvent>() == 40);
+
+/// `TNF_*` flags of `task_numa_fault` (include/linux/sched/numa_balancing.h).
+pub mod numa_hint {
+    /// The page was migrated to the faulting CPU's node.
+    pub const MIGRATED: i32 = 0x01;
+    /// The page was on the faulting CPU's node (a local access).
+    pub const LOCAL: i32 = 0x08;
+    /// Migrating it failed.
+    pub const MIGRATE_FAIL: i32 = 0x10;
+}
+
 /// Kernel frames kept per sample.
 pub const KSTACK_DEPTH: usize = 32;
 /// User frames kept per sample.
@@ -490,6 +520,8 @@ pub mod names {
     /// Fault timing where the kernel permits fentry/fexit.
     pub const FENTRY_HANDLE_MM_FAULT: &str = "fentry_handle_mm_fault";
     pub const FEXIT_HANDLE_MM_FAULT: &str = "fexit_handle_mm_fault";
+    /// NUMA hinting faults (kprobe on `task_numa_fault`).
+    pub const KPROBE_TASK_NUMA_FAULT: &str = "kprobe_task_numa_fault";
 
     /// The ring buffers, one per group of CPUs.
     pub const EVENTS: [&str; super::RING_SHARDS as usize] = [

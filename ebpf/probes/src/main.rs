@@ -18,7 +18,9 @@ use aya_ebpf::{
         bpf_ktime_get_ns, bpf_probe_read_kernel, bpf_probe_read_user,
         bpf_probe_read_user_str_bytes,
     },
-    macros::{fentry, fexit, map, perf_event, raw_tracepoint, tracepoint, uprobe, uretprobe},
+    macros::{
+        fentry, fexit, kprobe, map, perf_event, raw_tracepoint, tracepoint, uprobe, uretprobe,
+    },
     maps::{Array, HashMap, PerCpuArray, RingBuf},
     programs::{
         FEntryContext, FExitContext, PerfEventContext, ProbeContext, RawTracePointContext,
@@ -28,10 +30,10 @@ use aya_ebpf::{
 use aya_log_ebpf::warn;
 use nccltrace_common::{
     CALL_SLOTS, CallEvent, CallSlot, Config, FAULT_FLAG_USER, FIELD_ABSENT, FaultEvent,
-    FaultTimeEvent, Header, KSTACK_DEPTH, MAX_ARGS, MigrateEvent, NOT_READ, NumaTaskEvent,
-    PY_DEPTH, PY_ENTRY, PY_FRAME_WINDOW, PageMigrationEvent, PendingCall, PyLayout, PyStackEvent,
-    RING_SHARDS, SampleEvent, SwitchEvent, TaskEvent, TpOffsets, USTACK_DEPTH, WakeupEvent,
-    call_stacks, counter, func, kind, numa_task, switch_flags,
+    FaultTimeEvent, Header, KSTACK_DEPTH, MAX_ARGS, MigrateEvent, NOT_READ, NumaHintEvent,
+    NumaTaskEvent, PY_DEPTH, PY_ENTRY, PY_FRAME_WINDOW, PageMigrationEvent, PendingCall, PyLayout,
+    PyStackEvent, RING_SHARDS, SampleEvent, SwitchEvent, TaskEvent, TpOffsets, USTACK_DEPTH,
+    WakeupEvent, call_stacks, counter, func, kind, numa_task, switch_flags,
 };
 
 /// Every record, in ring buffers shared by groups of CPUs (`CONFIG.shards` of them in use,
@@ -636,6 +638,27 @@ pub fn fexit_handle_mm_fault(ctx: FExitContext) -> u32 {
     0
 }
 
+/// A NUMA hinting fault of a target thread: `task_numa_fault(last_cpupid, mem_node,
+/// pages, flags)`, called in the faulting thread's context (no tracepoint reports it).
+#[kprobe]
+pub fn kprobe_task_numa_fault(ctx: ProbeContext) -> u32 {
+    let (tgid, tid) = current();
+    if !is_target(tgid) {
+        return 0;
+    }
+    emit(
+        kind::NUMA_HINT,
+        NumaHintEvent {
+            hdr: header(kind::NUMA_HINT, tgid, tid),
+            mem_node: ctx.arg::<i32>(1).unwrap_or(-1),
+            pages: ctx.arg::<i32>(2).unwrap_or(0),
+            flags: ctx.arg::<i32>(3).unwrap_or(0),
+            _pad: 0,
+        },
+    );
+    0
+}
+
 #[tracepoint]
 pub fn tracepoint_mm_migrate_pages(ctx: TracePointContext) -> u32 {
     let (tgid, tid) = current();
@@ -821,16 +844,23 @@ fn emit_stacks(ctx: *mut core::ffi::c_void, kind: u16, tgid: u32, tid: u32) {
 /// Appends one frame to a Python stack record; false when it is full.
 #[inline(always)]
 fn push_py(event: &mut PyStackEvent, code: u64, offset: u32) -> bool {
-    let n = event.len as usize;
-    match (event.codes.get_mut(n), event.offsets.get_mut(n)) {
-        (Some(c), Some(o)) => {
-            *c = code;
-            *o = offset;
-            event.len += 1;
-            true
-        }
-        _ => false,
-    }
+    // Each array indexed by a load of `len` of its own, checked on its own: where one
+    // check served both, the 6.1 verifier lost the bound of the second index ("invalid
+    // access to memory, mem_size=512 off=512").
+    // SAFETY: a plain field of a valid record.
+    let n = unsafe { core::ptr::read_volatile(&event.len) } as usize;
+    let Some(c) = event.codes.get_mut(n) else {
+        return false;
+    };
+    *c = code;
+    // SAFETY: as above.
+    let n = unsafe { core::ptr::read_volatile(&event.len) } as usize;
+    let Some(o) = event.offsets.get_mut(n) else {
+        return false;
+    };
+    *o = offset;
+    event.len += 1;
+    true
 }
 
 /// Writes the Python frames the current thread is executing as a `PY_STACK` record with

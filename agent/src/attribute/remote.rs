@@ -1,0 +1,238 @@
+//! `remote_memory`, estimated from what the kernel itself samples: NUMA balancing's
+//! hinting faults. Every scan period (≥ 1 s by default) the kernel unmaps a range of each
+//! task's pages; the next access to each page faults, and `task_numa_fault` is told
+//! whether the page was on the faulting CPU's node. Those faults are a sample of the
+//! thread's memory accesses, one per page per scan (a page touched once weighs as much as
+//! one touched a million times).
+//!
+//! A step's remote share is the remote fraction of the rank thread's hinting-fault pages
+//! in the step, or, where the step saw fewer than [`MIN_STEP_PAGES`], of the latest
+//! [`WINDOW_PAGES`] before its end (the faults come in bursts, one per scan). Its
+//! estimated stall is the step's on-CPU compute × Σ pages × (1 − local/remote SLIT
+//! distance) / Σ pages: what the on-CPU time would shrink by were every sampled access
+//! local, if the thread were bound by memory latency and the SLIT ratio were the latency
+//! ratio — an upper end: a thread bound by arithmetic stalls less (docs/attribution.md).
+
+use serde::Serialize;
+
+/// A step with at least this many hinting-fault pages is estimated from its own.
+pub const MIN_STEP_PAGES: u64 = 16;
+/// Otherwise from the latest this many before its end.
+pub const WINDOW_PAGES: u64 = 64;
+/// Hinting faults kept from before an epoch's cut, per thread, for the next steps'
+/// windows.
+pub const CONTEXT_HINTS: usize = 64;
+
+/// One hinting fault of a thread.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Hint {
+    pub ts_ns: u64,
+    pub pages: u32,
+    pub local: bool,
+    /// 1 − d(cpu node, cpu node) / d(cpu node, page node), in thousandths (0 when
+    /// local); `None` where the SLIT distances or the CPU's node are unknown.
+    pub gap_milli: Option<u16>,
+}
+
+impl Hint {
+    /// A fault on `cpu` to a page on `mem_node`, with the host's CPU → node map and SLIT.
+    #[must_use]
+    pub fn new(
+        ts_ns: u64,
+        pages: u32,
+        local: bool,
+        cpu: u16,
+        mem_node: i32,
+        cpu_nodes: &[i32],
+        distances: &[Vec<u32>],
+    ) -> Hint {
+        let gap_milli = if local {
+            Some(0)
+        } else {
+            let node = super::node_of(cpu_nodes, i32::from(cpu));
+            let d = |a: i32, b: i32| -> Option<u32> {
+                distances
+                    .get(usize::try_from(a).ok()?)?
+                    .get(usize::try_from(b).ok()?)
+                    .copied()
+            };
+            match (d(node, node), d(node, mem_node)) {
+                (Some(near), Some(far)) if far >= near && far > 0 => {
+                    u16::try_from(1000 - u64::from(near) * 1000 / u64::from(far)).ok()
+                }
+                _ => None,
+            }
+        };
+        Hint {
+            ts_ns,
+            pages,
+            local,
+            gap_milli,
+        }
+    }
+}
+
+/// The remote share a step's estimate rests on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RemoteAccess {
+    /// Hinting-fault pages counted, and those remote.
+    pub pages: u64,
+    pub remote_pages: u64,
+    /// The pages are the step's own (else the latest before its end).
+    pub in_step: bool,
+    /// Σ pages × gap / Σ pages, in millionths; `None`: a distance was unknown.
+    pub gap_ppm: Option<u64>,
+}
+
+impl RemoteAccess {
+    /// The remote fraction of the sampled accesses.
+    #[must_use]
+    pub fn share(&self) -> f64 {
+        self.remote_pages as f64 / self.pages.max(1) as f64
+    }
+
+    /// The estimated stall within `compute_ns` of on-CPU time.
+    #[must_use]
+    pub fn stall_ns(&self, compute_ns: u64) -> Option<u64> {
+        let ppm = self.gap_ppm?;
+        u64::try_from(u128::from(compute_ns) * u128::from(ppm) / 1_000_000).ok()
+    }
+}
+
+impl Serialize for RemoteAccess {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap as _;
+        let mut map = serializer.serialize_map(Some(4))?;
+        map.serialize_entry("share", &((self.share() * 1e4).round() / 1e4))?;
+        map.serialize_entry("hint_fault_pages", &self.pages)?;
+        map.serialize_entry("remote_pages", &self.remote_pages)?;
+        map.serialize_entry(
+            "from",
+            if self.in_step {
+                "this step's hinting faults"
+            } else {
+                "the latest hinting faults before the step's end"
+            },
+        )?;
+        map.end()
+    }
+}
+
+/// The remote share of a step `[a, b)` from a thread's hinting faults (sorted by time);
+/// `None` while fewer than [`MIN_STEP_PAGES`] pages have faulted.
+#[must_use]
+pub fn estimate(hints: &[Hint], a: u64, b: u64) -> Option<RemoteAccess> {
+    let lo = hints.partition_point(|h| h.ts_ns < a);
+    let hi = hints.partition_point(|h| h.ts_ns < b).max(lo);
+    let own: u64 = hints[lo..hi].iter().map(|h| u64::from(h.pages)).sum();
+    let (used, in_step) = if own >= MIN_STEP_PAGES {
+        (&hints[lo..hi], true)
+    } else {
+        // The latest faults before the step's end that make up the window.
+        let mut pages = 0;
+        let mut from = hi;
+        while from > 0 && pages < WINDOW_PAGES {
+            from -= 1;
+            pages += u64::from(hints[from].pages);
+        }
+        (&hints[from..hi], false)
+    };
+    let pages: u64 = used.iter().map(|h| u64::from(h.pages)).sum();
+    // A handful of faults is no sample: one stray remote page would read as 100%.
+    if pages < MIN_STEP_PAGES {
+        return None;
+    }
+    let remote_pages = used
+        .iter()
+        .filter(|h| !h.local)
+        .map(|h| u64::from(h.pages))
+        .sum();
+    let gap_ppm = used
+        .iter()
+        .map(|h| {
+            h.gap_milli
+                .map(|g| u64::from(h.pages) * u64::from(g) * 1000)
+        })
+        .sum::<Option<u64>>()
+        .map(|sum| sum / pages);
+    Some(RemoteAccess {
+        pages,
+        remote_pages,
+        in_step,
+        gap_ppm,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SLIT: [[u32; 2]; 2] = [[10, 20], [20, 10]];
+
+    fn slit() -> Vec<Vec<u32>> {
+        SLIT.iter().map(|r| r.to_vec()).collect()
+    }
+
+    /// A fault at `ts` from CPU 0 (node 0) to a page on `node`.
+    fn hint(ts_ns: u64, node: i32) -> Hint {
+        Hint::new(ts_ns, 1, node == 0, 0, node, &[0, 1], &slit())
+    }
+
+    #[test]
+    fn distance_gap_from_the_slit() {
+        assert_eq!(hint(0, 1).gap_milli, Some(500));
+        assert_eq!(hint(0, 0).gap_milli, Some(0));
+        // 10 vs 21 (a common two-socket SLIT): 1 − 10/21.
+        let far = Hint::new(0, 1, false, 0, 1, &[0, 1], &[vec![10, 21], vec![21, 10]]);
+        assert_eq!(far.gap_milli, Some(524));
+        // No distances, or a CPU of unknown node: no gap, and so no stall estimate.
+        assert_eq!(Hint::new(0, 1, false, 0, 1, &[0, 1], &[]).gap_milli, None);
+        assert_eq!(
+            Hint::new(0, 1, false, 7, 1, &[0, 1], &slit()).gap_milli,
+            None
+        );
+    }
+
+    #[test]
+    fn a_step_with_enough_faults_uses_its_own() {
+        // 20 remote faults in [100, 200), 40 local ones before.
+        let mut hints: Vec<Hint> = (0..40).map(|i| hint(i, 0)).collect();
+        hints.extend((0..20).map(|i| hint(100 + i, 1)));
+        let r = estimate(&hints, 100, 200).unwrap();
+        assert!(r.in_step);
+        assert_eq!((r.pages, r.remote_pages), (20, 20));
+        assert!((r.share() - 1.0).abs() < 1e-9);
+        // All remote at distance 20 vs 10: half the on-CPU time.
+        assert_eq!(r.stall_ns(10_000), Some(5_000));
+    }
+
+    #[test]
+    fn a_quiet_step_uses_the_latest_window() {
+        // 48 local then 16 remote faults long before, none in the step.
+        let mut hints: Vec<Hint> = (0..48).map(|i| hint(i, 0)).collect();
+        hints.extend((0..16).map(|i| hint(50 + i, 1)));
+        hints.extend((0..8).map(|i| hint(1000 + i, 1))); // after the step: not used
+        let r = estimate(&hints, 500, 600).unwrap();
+        assert!(!r.in_step);
+        assert_eq!((r.pages, r.remote_pages), (WINDOW_PAGES, 16));
+        assert!((r.share() - 0.25).abs() < 1e-9);
+        assert_eq!(r.stall_ns(1_000_000), Some(125_000));
+        // Before the first fault: nothing to estimate from; nor from a handful.
+        assert_eq!(estimate(&hints[48..], 0, 40), None);
+        assert_eq!(estimate(&hints[..8], 100, 200), None);
+        // A local-only window: share 0, stall 0 (measured as none, not unknown).
+        let r = estimate(&hints[..48], 100, 200).unwrap();
+        assert_eq!((r.remote_pages, r.stall_ns(1_000)), (0, Some(0)));
+    }
+
+    #[test]
+    fn unknown_distance_keeps_the_share_but_not_the_stall() {
+        let hints = [Hint::new(5, 32, false, 0, 1, &[0, 1], &[])];
+        let r = estimate(&hints, 0, 10).unwrap();
+        assert_eq!((r.share(), r.stall_ns(1_000)), (1.0, None));
+        let json = serde_json::to_value(r).unwrap();
+        assert_eq!(json["share"], 1.0);
+        assert_eq!(json["hint_fault_pages"], 32);
+        assert_eq!(json["from"], "this step's hinting faults");
+    }
+}

@@ -1,0 +1,513 @@
+//! `cargo xtask vm-test`: the privileged tests that need what this machine lacks (two NUMA
+//! nodes, older kernels), run inside QEMU guests.
+//!
+//! Each guest is Debian's kernel package booted by virtme-ng under QEMU's software
+//! emulation (TCG: KVM does not boot stock kernels here), with two NUMA nodes of one CPU
+//! each and the host's root shared read-only, so the guest runs the test binary, the
+//! release agent and the fixtures built here. Guests are ~17× slower than the host:
+//! functional checks, not timing.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+
+/// The kernels a guest can boot: (name on the command line, the Debian package that
+/// depends on the newest build of that series).
+pub const KERNELS: [(&str, &str); 2] = [
+    ("6.1", "linux-image-amd64"),
+    ("6.12", "linux-image-6.12-amd64"),
+];
+
+/// The virtme-ng release that boots the guests (PyPI).
+const VIRTME_NG_VERSION: &str = "1.42";
+
+/// A test that runs longer than this in a guest is killed and reported as hung (the
+/// longest takes about a minute under TCG).
+const TEST_BOUND: Duration = Duration::from_secs(300);
+
+/// Booting and shutting down a guest, at most.
+const BOOT_BOUND: Duration = Duration::from_secs(120);
+
+/// The tests run in a guest: every test of the `guest` module, the counting test, and
+/// the steps begun during an attach that takes seconds there.
+pub const GUEST_TESTS: [&str; 3] = [
+    "guest::",
+    "counts::counts_every_call_of_the_trainer",
+    "steps::steps_begun_before_attach_are_left_out",
+];
+
+fn say(what: &str, status: &str) {
+    eprintln!("vm-test: {what:<44} {status}");
+}
+
+/// Installs what booting a guest needs: QEMU, kmod (virtme-ng runs depmod), udev and
+/// busybox (its initramfs), virtme-ng in a virtual environment of its own.
+pub fn setup() -> anyhow::Result<PathBuf> {
+    super::setup::apt_packages(
+        "QEMU guest tools",
+        &["qemu-system-x86", "kmod", "udev", "busybox-static"],
+    )?;
+    let venv = super::setup::cache_dir().join(format!("virtme-ng-{VIRTME_NG_VERSION}"));
+    let vng = venv.join("bin/vng");
+    if vng.is_file() {
+        say(&format!("virtme-ng {VIRTME_NG_VERSION} (PyPI)"), "present");
+        return Ok(venv.join("bin"));
+    }
+    say(
+        &format!("virtme-ng {VIRTME_NG_VERSION} (PyPI)"),
+        "installing in a virtual environment",
+    );
+    let _ = std::fs::remove_dir_all(&venv);
+    super::run(Command::new("python3").args(["-m", "venv"]).arg(&venv))?;
+    super::run(
+        Command::new(venv.join("bin/pip"))
+            .args(["install", "-q", "--disable-pip-version-check"])
+            .arg(format!("virtme-ng=={VIRTME_NG_VERSION}")),
+    )?;
+    Ok(venv.join("bin"))
+}
+
+/// The kernel image of `series` (downloaded and unpacked once into the cache), with its
+/// modules beside it where virtme-ng looks for them.
+pub fn kernel(series: &str) -> anyhow::Result<PathBuf> {
+    let Some((_, meta)) = KERNELS.iter().find(|(s, _)| *s == series) else {
+        bail!(
+            "unknown kernel {series:?}: choose one of {} or all",
+            KERNELS.map(|k| k.0).join(", ")
+        );
+    };
+    let dir = super::setup::cache_dir().join("kernels");
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    // The package the meta-package depends on today, e.g. linux-image-6.1.0-57-amd64.
+    let resolve = || {
+        super::setup::output(Command::new("apt-cache").args(["depends", meta]))
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("Depends: "))
+            .find(|p| p.starts_with("linux-image-"))
+            .map(str::to_owned)
+    };
+    let package = resolve().or_else(|| {
+        // No package lists yet on a fresh machine.
+        let _ = super::run(Command::new("apt-get").args(["update", "-q"]));
+        resolve()
+    });
+    let cached = |package: &str| -> Option<PathBuf> {
+        let version = package.strip_prefix("linux-image-")?;
+        let image = dir.join(version).join(format!("boot/vmlinuz-{version}"));
+        image.is_file().then_some(image)
+    };
+    let Some(package) = package else {
+        // No package lists (offline): any kernel of the series already here.
+        let found = std::fs::read_dir(&dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| e.file_name().into_string().ok())
+            .filter(|v| v.starts_with(&format!("{series}.")))
+            .find_map(|v| cached(&format!("linux-image-{v}")));
+        return found.with_context(|| {
+            format!("apt-cache depends {meta} named no kernel package, and none is cached")
+        });
+    };
+    if let Some(image) = cached(&package) {
+        say(&format!("kernel {package}"), "cached");
+        return Ok(image);
+    }
+    say(
+        &format!("kernel {package}"),
+        "downloading (apt-get download)",
+    );
+    let version = package.trim_start_matches("linux-image-");
+    let unpack = dir.join(version);
+    let _ = std::fs::remove_dir_all(&unpack);
+    std::fs::create_dir_all(&unpack)?;
+    super::run(
+        Command::new("apt-get")
+            .args(["download", "-q", &package])
+            .current_dir(&unpack),
+    )?;
+    let deb = std::fs::read_dir(&unpack)?
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.extension().is_some_and(|e| e == "deb"))
+        .context("apt-get download left no .deb")?;
+    super::run(Command::new("dpkg").arg("-x").arg(&deb).arg(&unpack))?;
+    std::fs::remove_file(&deb)?;
+    cached(&package).with_context(|| format!("{package} has no boot/vmlinuz-{version}"))
+}
+
+/// What one guest run came to.
+pub struct Verdict {
+    pub kernel: String,
+    pub passed: bool,
+    pub summary: String,
+    pub log: PathBuf,
+}
+
+/// The path of the `attach` integration-test binary, built.
+fn attach_tests(root: &Path) -> anyhow::Result<PathBuf> {
+    let out = Command::new("cargo")
+        .current_dir(root)
+        .args([
+            "test",
+            "-q",
+            "-p",
+            "nccltrace",
+            "--test",
+            "attach",
+            "--no-run",
+            "--message-format=json",
+        ])
+        .stderr(Stdio::inherit())
+        .output()
+        .context("cargo test --no-run")?;
+    if !out.status.success() {
+        bail!("building the attach tests failed");
+    }
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|m| m["target"]["name"] == "attach")
+        .find_map(|m| m["executable"].as_str().map(PathBuf::from))
+        .context("cargo named no attach test executable")
+}
+
+/// The full names of the tests of the `attach` binary that `filters` choose.
+fn test_names(tests: &Path, filters: &[String]) -> anyhow::Result<Vec<String>> {
+    let out = Command::new(tests)
+        .args(["--list", "--include-ignored"])
+        .args(filters)
+        .output()
+        .context("listing the attach tests")?;
+    let names: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.strip_suffix(": test"))
+        .map(str::to_owned)
+        .collect();
+    if names.is_empty() {
+        bail!("no attach test matches {filters:?}");
+    }
+    Ok(names)
+}
+
+/// The script a guest runs: each test alone, in a session of its own, killed with all it
+/// started when it runs past [`TEST_BOUND`] — after what the guest was running at that
+/// moment (processes and kernel stacks) is written to the log. One line per test in
+/// `results`: the exit status or `hung`.
+fn guest_script(env: &str, tests: &Path, names: &[String], log: &Path, results: &Path) -> String {
+    let bound = TEST_BOUND.as_secs();
+    let (log, results, tests) = (log.display(), results.display(), tests.display());
+    let mut script = format!("#!/bin/sh\n{env}\n: > {log}\n: > {results}\n");
+    for name in names {
+        let _ = write!(
+            script,
+            "echo \"vm-test: ---- {name}\" >> {log}\n\
+             setsid {tests} --exact {name} --include-ignored --test-threads 1 >> {log} 2>&1 &\n\
+             pid=$!; waited=0\n\
+             while kill -0 $pid 2>/dev/null && [ $waited -lt {bound} ]; do sleep 1; waited=$((waited+1)); done\n\
+             if kill -0 $pid 2>/dev/null; then\n\
+             echo \"vm-test: {name} still running after {bound} s; the guest's processes:\" >> {log}\n\
+             ps -eo pid,pgid,stat,etime,time,wchan:24,args >> {log}\n\
+             for p in $(ps -o pid= --sid $pid); do echo \"-- kernel stack of $p\"; cat /proc/$p/stack; done >> {log} 2>&1\n\
+             kill -9 -- -$pid; wait $pid; echo \"hung {name}\" >> {results}\n\
+             else wait $pid; echo \"$? {name}\" >> {results}; fi\n"
+        );
+    }
+    script
+}
+
+/// Boots one guest per kernel and runs the guest tests (`filters`, or [`GUEST_TESTS`]).
+pub fn run(root: &Path, kernels: &[&str], filters: &[String]) -> anyhow::Result<Vec<Verdict>> {
+    let bin = setup()?;
+    let images: Vec<(String, PathBuf)> = kernels
+        .iter()
+        .map(|k| Ok(((*k).to_owned(), kernel(k)?)))
+        .collect::<anyhow::Result<_>>()?;
+    // The release agent: a debug build drains too slowly for an emulated CPU and loses
+    // events the counting test would miss.
+    let (agent, work) = super::release_agent(root, "vm-test")?;
+    let fixtures = super::build_fixtures(root)?;
+    let speedscope = super::setup::speedscope()?;
+    let real_nccl = super::setup::real_nccl()?;
+    let tests = attach_tests(root)?;
+    let filters: Vec<String> = if filters.is_empty() {
+        GUEST_TESTS.iter().map(|s| (*s).to_owned()).collect()
+    } else {
+        filters.to_vec()
+    };
+    let names = test_names(&tests, &filters)?;
+    let env = format!(
+        "cd {root} && export NCCLTRACE_GUEST=1 NCCLTRACE_FIXTURES={fixtures} \
+         NCCLTRACE_AGENT={agent} NCCLTRACE_SPEEDSCOPE={speedscope} NCCLTRACE_REAL_NCCL={real_nccl}",
+        root = root.display(),
+        fixtures = fixtures.display(),
+        speedscope = speedscope.display(),
+        real_nccl = real_nccl.display(),
+        agent = agent.display(),
+    );
+    let guest = Guest {
+        vng: bin.join("vng"),
+        path: format!(
+            "{}:{}:/usr/sbin:/sbin",
+            bin.display(),
+            std::env::var("PATH").unwrap_or_default()
+        ),
+        env,
+        tests,
+        work,
+    };
+    let mut verdicts = Vec::new();
+    for (series, image) in images {
+        let first = guest.boot(&series, &image, &names, &series)?;
+        let mut summary = first.summary.clone();
+        let mut passed = first.outcome.passed();
+        // A guest that stopped between tests (the emulated machine died: its console
+        // says how) without any test failing: the tests it did not run get a second guest.
+        let died = !first.killed
+            && first.outcome.failed.is_empty()
+            && first.outcome.hung.is_empty()
+            && !first.outcome.not_run.is_empty();
+        if died {
+            let label = format!("{series}-again");
+            let again = guest.boot(&series, &image, &first.outcome.not_run, &label)?;
+            passed = first.outcome.passed > 0 && again.outcome.passed();
+            summary = format!(
+                "{summary}; the guest stopped early (console: {}), a second one ran the rest: {}",
+                first.console.display(),
+                again.summary
+            );
+        }
+        say(&format!("guest {series}"), &summary);
+        verdicts.push(Verdict {
+            kernel: series,
+            passed,
+            summary,
+            log: first.log,
+        });
+    }
+    Ok(verdicts)
+}
+
+/// How to boot a guest that runs the tests.
+struct Guest {
+    vng: PathBuf,
+    path: String,
+    env: String,
+    tests: PathBuf,
+    work: PathBuf,
+}
+
+/// One guest's run.
+struct Boot {
+    outcome: Outcome,
+    /// Killed at the guest's bound.
+    killed: bool,
+    summary: String,
+    log: PathBuf,
+    console: PathBuf,
+}
+
+impl Guest {
+    /// Boots `image` and runs `names`; its files are `guest-<label>.*` in the work folder.
+    fn boot(
+        &self,
+        series: &str,
+        image: &Path,
+        names: &[String],
+        label: &str,
+    ) -> anyhow::Result<Boot> {
+        let file = |ext: &str| self.work.join(format!("guest-{label}.{ext}"));
+        let (log, results, script) = (file("log"), file("results"), file("sh"));
+        std::fs::write(
+            &script,
+            guest_script(&self.env, &self.tests, names, &log, &results),
+        )?;
+        // The guest's console (kernel messages, virtme-ng's own) beside the tests' output.
+        let (console, console_err) = (file("console"), file("console-stderr"));
+        // The whole guest: boot, every test at its bound, shutdown.
+        let bound = BOOT_BOUND + TEST_BOUND * u32::try_from(names.len()).unwrap_or(u32::MAX);
+        say(
+            &format!("guest {label}"),
+            &format!(
+                "booting {series} (2 NUMA nodes, TCG), {} tests",
+                names.len()
+            ),
+        );
+        let started = Instant::now();
+        let status = Command::new("timeout")
+            .args(["--kill-after=10", &bound.as_secs().to_string()])
+            .arg(&self.vng)
+            .arg("--run")
+            .arg(image)
+            .args([
+                "--disable-kvm",
+                "--force-9p",
+                "--verbose",
+                "--cpus",
+                "2",
+                "--memory",
+                "2G",
+            ])
+            .args(["--numa", "1G,cpus=0", "--numa", "1G,cpus=1"])
+            .arg("--rwdir")
+            .arg(&self.work)
+            .arg("--exec")
+            .arg(format!("sh {}", script.display()))
+            .env("PATH", &self.path)
+            .stdin(Stdio::null())
+            .stdout(std::fs::File::create(&console)?)
+            .stderr(std::fs::File::create(&console_err)?)
+            .status()
+            .context("starting vng")?;
+        let took = started.elapsed().as_secs();
+        let outcome = verdict(
+            names,
+            &std::fs::read_to_string(&results).unwrap_or_default(),
+        );
+        let killed = matches!(status.code(), Some(124 | 137));
+        let summary = if killed {
+            format!(
+                "{outcome}; the guest was killed after {} s",
+                bound.as_secs()
+            )
+        } else {
+            format!("{outcome} ({took} s)")
+        };
+        Ok(Boot {
+            outcome,
+            killed,
+            summary,
+            log,
+            console,
+        })
+    }
+}
+
+/// The tests of one guest, from its results file.
+#[derive(Debug, Default, PartialEq)]
+struct Outcome {
+    passed: usize,
+    failed: Vec<String>,
+    hung: Vec<String>,
+    not_run: Vec<String>,
+}
+
+impl Outcome {
+    fn passed(&self) -> bool {
+        self.passed > 0 && self.failed.is_empty() && self.hung.is_empty() && self.not_run.is_empty()
+    }
+}
+
+impl std::fmt::Display for Outcome {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} passed", self.passed)?;
+        for (what, names) in [
+            ("failed", &self.failed),
+            ("hung", &self.hung),
+            ("not run", &self.not_run),
+        ] {
+            if !names.is_empty() {
+                write!(f, ", {} {what} ({})", names.len(), names.join(", "))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn verdict(names: &[String], results: &str) -> Outcome {
+    let mut outcome = Outcome::default();
+    for name in names {
+        let status = results
+            .lines()
+            .filter_map(|l| l.split_once(' '))
+            .find(|(_, n)| n == name)
+            .map(|(s, _)| s);
+        match status {
+            Some("0") => outcome.passed += 1,
+            Some("hung") => outcome.hung.push(name.clone()),
+            Some(_) => outcome.failed.push(name.clone()),
+            None => outcome.not_run.push(name.clone()),
+        }
+    }
+    outcome
+}
+
+/// `cargo xtask vm-test`: every chosen kernel, the logs of failures printed, a verdict.
+pub fn task(root: &Path, kernel: &str, filters: &[String]) -> anyhow::Result<()> {
+    let kernels: Vec<&str> = if kernel == "all" {
+        KERNELS.iter().map(|k| k.0).collect()
+    } else {
+        vec![kernel]
+    };
+    let verdicts = run(root, &kernels, filters)?;
+    report(&verdicts)
+}
+
+/// Prints the log of each failed guest and a line per guest; fails if any failed.
+pub fn report(verdicts: &[Verdict]) -> anyhow::Result<()> {
+    for v in verdicts.iter().filter(|v| !v.passed) {
+        eprintln!("----- guest {} ({}) -----", v.kernel, v.log.display());
+        eprintln!("{}", std::fs::read_to_string(&v.log).unwrap_or_default());
+        for console in ["console", "console-stderr"] {
+            let text = std::fs::read_to_string(v.log.with_extension(console)).unwrap_or_default();
+            let tail: Vec<&str> = text.lines().rev().take(40).collect();
+            eprintln!("----- guest {} {console}, last lines -----", v.kernel);
+            for line in tail.iter().rev() {
+                eprintln!("{line}");
+            }
+        }
+    }
+    for v in verdicts {
+        eprintln!(
+            "vm-test: kernel {:<5} {} — {}",
+            v.kernel,
+            if v.passed { "PASS" } else { "FAIL" },
+            v.summary
+        );
+    }
+    if verdicts.iter().any(|v| !v.passed) {
+        bail!("guest tests failed");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_guest_passes_only_when_every_test_ran_and_passed() {
+        let names: Vec<String> = ["a::x", "a::y", "b::z"].map(str::to_owned).to_vec();
+        let all = verdict(&names, "0 a::x\n0 a::y\n0 b::z\n");
+        assert!(all.passed());
+        assert_eq!(all.to_string(), "3 passed");
+        let mixed = verdict(&names, "0 a::x\nhung a::y\n");
+        assert!(!mixed.passed());
+        assert_eq!(
+            mixed.to_string(),
+            "1 passed, 1 hung (a::y), 1 not run (b::z)"
+        );
+        let failed = verdict(&names, "101 a::x\n0 a::y\n0 b::z\n");
+        assert_eq!(failed.failed, ["a::x"]);
+        assert!(!verdict(&names, "").passed());
+    }
+
+    #[test]
+    fn the_script_bounds_each_test_and_records_its_status() {
+        let names = vec!["guest::t".to_owned()];
+        let s = guest_script(
+            "cd /r",
+            Path::new("/t"),
+            &names,
+            Path::new("/l"),
+            Path::new("/res"),
+        );
+        assert!(s.contains("setsid /t --exact guest::t --include-ignored"));
+        assert!(s.contains(&format!("-lt {} ]", TEST_BOUND.as_secs())));
+        assert!(s.contains("echo \"hung guest::t\" >> /res"));
+        assert!(s.contains("echo \"$? guest::t\" >> /res"));
+    }
+}
