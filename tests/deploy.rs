@@ -196,6 +196,7 @@ fn one_step_of_every_kind(
         numa_page_migrations: 0,
         numa_task_moves: 0,
         remote_access: None,
+        remote_loads: None,
         slowest_rank: None,
         ranks: Vec::new(),
     };

@@ -2,9 +2,10 @@
 //! the event model. Pure; the only place that knows the record layouts and the NCCL ABI.
 
 use nccltrace_common::{
-    CallEvent, FaultEvent, FaultTimeEvent, Header, KSTACK_DEPTH, MigrateEvent, NOT_READ,
-    NumaHintEvent, NumaTaskEvent, PY_DEPTH, PageMigrationEvent, PyStackEvent, SampleEvent,
-    SwitchEvent, TaskEvent, USTACK_DEPTH, WakeupEvent, kind, numa_hint, numa_task, switch_flags,
+    CallEvent, FaultEvent, FaultTimeEvent, Header, KSTACK_DEPTH, MemSampleEvent, MigrateEvent,
+    NOT_READ, NumaHintEvent, NumaTaskEvent, PY_DEPTH, PageMigrationEvent, PyStackEvent,
+    SampleEvent, SwitchEvent, TaskEvent, USTACK_DEPTH, WakeupEvent, kind, numa_hint, numa_task,
+    switch_flags,
 };
 
 use crate::event::{Call, Event, Func, NumaTaskKind, PyFrame, Task, datatype_size};
@@ -183,6 +184,15 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
                 migrated: e.flags & numa_hint::MIGRATED != 0,
             }
         }
+        kind::MEM_SAMPLE => {
+            let e = read::<MemSampleEvent>(bytes, "PMU load sample record")?;
+            Event::MemSample {
+                ts_ns: h.ts_ns,
+                task: t,
+                weight: e.weight,
+                data_src: e.data_src,
+            }
+        }
         kind::SAMPLE | kind::OFFCPU | kind::CALL_STACK => {
             // The frames in use, straight from the record (not copying its 800 bytes).
             long_enough::<SampleEvent>(bytes, "stack record")?;
@@ -344,6 +354,38 @@ mod tests {
         assert_eq!(c.redop, Some(0));
         assert_eq!((c.comm, c.stream), (Some(0x77), Some(0x88)));
         assert_eq!(c.duration_ns(), 500);
+    }
+
+    /// The agent's own PMU load-sample records decode like the programs' (recordings
+    /// replay them), and a short one is refused.
+    #[test]
+    fn mem_sample_round_trip() {
+        let rec = MemSampleEvent {
+            hdr: Header {
+                ts_ns: 9_000,
+                tgid: 10,
+                tid: 12,
+                kind: kind::MEM_SAMPLE,
+                cpu: u16::MAX,
+                _pad: 0,
+            },
+            weight: 420,
+            _pad: 0,
+            data_src: 0x2_0000_0042,
+        };
+        let bytes = as_bytes(&rec);
+        let Event::MemSample {
+            ts_ns,
+            task,
+            weight,
+            data_src,
+        } = decode(&bytes).unwrap()
+        else {
+            panic!("not a load sample")
+        };
+        assert_eq!((ts_ns, task.tid, task.tgid), (9_000, 12, 10));
+        assert_eq!((weight, data_src), (420, 0x2_0000_0042));
+        assert!(decode(&bytes[..32]).is_err());
     }
 
     /// ncclReduce has eight arguments: root 6th, comm 7th, stream 8th.

@@ -456,6 +456,14 @@ pub enum Event {
         /// The kernel moved the page to the faulting CPU's node.
         migrated: bool,
     },
+    /// A load of the thread sampled by the PMU: its latency in core cycles and where it
+    /// was served from (`perf_mem_data_src`, see `crate::pmu::served`).
+    MemSample {
+        ts_ns: u64,
+        task: Task,
+        weight: u32,
+        data_src: u64,
+    },
     /// An on-CPU sample; stacks innermost frame first (kernel empty when the thread was in
     /// user mode).
     Sample {
@@ -512,6 +520,7 @@ impl Event {
             | Event::PageMigration { task, .. }
             | Event::NumaTask { task, .. }
             | Event::NumaHint { task, .. }
+            | Event::MemSample { task, .. }
             | Event::Sample { task, .. }
             | Event::OffCpu { task, .. }
             | Event::CallStack { task, .. }
@@ -534,6 +543,7 @@ impl Event {
             | Event::PageMigration { ts_ns, .. }
             | Event::NumaTask { ts_ns, .. }
             | Event::NumaHint { ts_ns, .. }
+            | Event::MemSample { ts_ns, .. }
             | Event::Sample { ts_ns, .. }
             | Event::OffCpu { ts_ns, .. }
             | Event::CallStack { ts_ns, .. }
@@ -561,6 +571,7 @@ impl Event {
             k::CALL_STACK => "call_stack",
             k::PY_STACK => "python_stack",
             k::NUMA_HINT => "numa_hint_fault",
+            k::MEM_SAMPLE => "mem_sample",
             _ => "unknown",
         }
     }

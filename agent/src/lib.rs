@@ -13,6 +13,7 @@ pub mod host;
 pub mod merge;
 pub mod metrics;
 pub mod pipeline;
+pub mod pmu;
 pub mod profile;
 pub mod python;
 pub mod record;

@@ -76,6 +76,8 @@ pub struct MemoryStats {
     /// (`methods.remote_memory` says why).
     pub numa_hint_fault_pages: Option<u64>,
     pub numa_hint_fault_pages_remote: Option<u64>,
+    /// Loads of target threads sampled by the PMU; null where no sampler was opened.
+    pub pmu_load_samples: Option<u64>,
     /// Faults timed by fentry/fexit on the fault handler, where the kernel permits it.
     pub timed_faults: u64,
     /// Their time inside the handler.
@@ -190,6 +192,7 @@ impl Aggregator {
     #[must_use]
     pub fn new(header: Header) -> Aggregator {
         let hints = header.numa_hints_refused.is_none().then_some(0);
+        let pmu_samples = header.mem_sampler.as_ref().map(|_| 0);
         Aggregator {
             timeline: Timeline::new(&header),
             header,
@@ -202,6 +205,7 @@ impl Aggregator {
             memory: MemoryStats {
                 numa_hint_fault_pages: hints,
                 numa_hint_fault_pages_remote: hints,
+                pmu_load_samples: pmu_samples,
                 ..MemoryStats::default()
             },
             threads: BTreeSet::new(),
@@ -383,6 +387,9 @@ impl Aggregator {
                     self.memory.page_migrations_failed.saturating_add(*failed);
             }
             Event::NumaTask { .. } => self.memory.numa_task_events += 1,
+            Event::MemSample { .. } => {
+                *self.memory.pmu_load_samples.get_or_insert(0) += 1;
+            }
             Event::NumaHint { pages, local, .. } => {
                 let pages = u64::from(*pages);
                 let add = |n: &mut Option<u64>, by: u64| *n = Some(n.unwrap_or(0) + by);

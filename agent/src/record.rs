@@ -159,6 +159,15 @@ pub struct Header {
     /// refused the kprobe on `task_numa_fault`); `None` (written as null): they were.
     #[serde(default = "hints_not_recorded")]
     pub numa_hints_refused: Option<String>,
+    /// The PMU memory sampler opened on the targets' threads (`crate::pmu`), described.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mem_sampler: Option<String>,
+    /// Why no memory sampler was opened (`None`, written as null: one was).
+    #[serde(default = "mem_not_recorded")]
+    pub mem_sampling_refused: Option<String>,
+    /// The CPU's base frequency in kHz, which turns sampled latencies into time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_khz: Option<u64>,
 }
 
 /// A recording without the field was made before nccltrace traced hinting faults.
@@ -168,6 +177,15 @@ pub struct Header {
 )]
 fn hints_not_recorded() -> Option<String> {
     Some("the recording was made by an nccltrace that did not trace them".to_owned())
+}
+
+/// A recording without the field was made before nccltrace read a PMU memory sampler.
+#[expect(
+    clippy::unnecessary_wraps,
+    reason = "serde's default takes the field's type"
+)]
+fn mem_not_recorded() -> Option<String> {
+    Some("the recording was made by an nccltrace that did not sample memory loads".to_owned())
 }
 
 /// Agent metadata records.

@@ -549,6 +549,19 @@ fn breakdown_run(env: &[(&str, &str)], extra: &[&str], accuracy: &Accuracy) -> R
             || method.contains("refused fentry/fexit on handle_mm_fault ("),
         "{method}"
     );
+    // remote_memory: measured where the host has a PMU memory sampler, else the reason
+    // (these machines and the QEMU guests have none), and the summary's PMU count with it.
+    let remote = report["methods"]["remote_memory"].as_str().unwrap();
+    let summary: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    let pmu_samples = &summary["memory"]["pmu_load_samples"];
+    match nccltrace::pmu::detect(Path::new(nccltrace::pmu::DEVICES)) {
+        Ok(_) => assert!(remote.starts_with("measured by") && pmu_samples.is_u64(), "{remote}"),
+        Err(why) => {
+            assert!(remote.contains(&why), "{remote}");
+            assert!(pmu_samples.is_null(), "{pmu_samples}");
+        }
+    }
     // The training loop's thread (the process's main thread), whichever thread issues the
     // collectives.
     assert_eq!(report["rank_tid"], report["rank_pid"]);

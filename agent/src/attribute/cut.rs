@@ -27,11 +27,18 @@ pub(super) fn categories(log: &ThreadLog, a: u64, b: u64) -> Categories {
     let fault_ns = fault_ns.min(cat.compute);
     cat.page_fault += fault_ns;
     cat.compute -= fault_ns;
-    // Remote-memory stalls, estimated from hinting faults, are carved out of what is left
-    // of compute (never added on top: the categories keep summing to wall time).
-    if let Some(stall) =
-        super::remote::estimate(&log.numa_hints, a, b).and_then(|r| r.stall_ns(cat.compute))
-    {
+    // Remote-memory stalls, measured from PMU load samples or estimated from hinting
+    // faults, are carved out of what is left of compute (never added on top: the
+    // categories keep summing to wall time).
+    let stall = match log.mem_khz {
+        Some(khz) => {
+            crate::pmu::measure(&log.mem_samples, a, b, crate::pmu::SAMPLE_PERIOD).stall_ns(khz)
+        }
+        None => {
+            super::remote::estimate(&log.numa_hints, a, b).and_then(|r| r.stall_ns(cat.compute))
+        }
+    };
+    if let Some(stall) = stall {
         let stall = stall.min(cat.compute);
         cat.compute -= stall;
         cat.remote_memory = Some(stall);

@@ -197,6 +197,7 @@ impl Timeline {
         self.numa_moves.sort_unstable_by_key(|m| m.1);
         for log in self.threads.values_mut() {
             log.numa_hints.sort_unstable_by_key(|h| h.ts_ns);
+            log.mem_samples.sort_unstable_by_key(|s| s.time_ns);
             log.changes.sort_unstable();
             log.syncs.sort_unstable();
             log.collectives.sort_by_key(|c| c.start_ns);
@@ -717,6 +718,7 @@ impl Timeline {
             log.wakeups.retain(|w| keep(w.0));
             log.markers.retain(|t| keep(*t));
             log.nvtx.retain(|n| keep(n.0));
+            log.mem_samples.retain(|s| keep(s.time_ns));
             // The latest hinting faults stay: a quiet step's estimate looks back at them.
             let before = log.numa_hints.partition_point(|h| h.ts_ns < until);
             log.numa_hints
@@ -899,21 +901,41 @@ impl Timeline {
             },
             page_fault: self.fault_method(),
             remote_memory: self.remote_method(nodes.len()),
-            remote_memory_estimated: nodes.len() > 1 && self.numa_hints_seen > 0,
+            remote_memory_estimated: self.mem_khz.is_none()
+                && nodes.len() > 1
+                && self.numa_hints_seen > 0,
         }
     }
 
     /// How `remote_memory` was estimated, or why not.
     fn remote_method(&self, nodes: usize) -> String {
-        const NO_PMU: &str = "measuring it needs PMU memory sampling (remote-DRAM load \
-                              latency), which nccltrace does not read yet";
+        if let (Some(sampler), Some(khz)) = (&self.mem_sampler, self.mem_khz) {
+            return format!(
+                "measured by {sampler}: the rank thread's user loads sampled one in {} with \
+                 their latency and data source; per step, Σ latency × {} of the samples a \
+                 remote node's DRAM served, at {} MHz. An upper end: loads that overlap are \
+                 each counted whole",
+                crate::pmu::SAMPLE_PERIOD,
+                crate::pmu::SAMPLE_PERIOD,
+                khz / 1000
+            );
+        }
+        let no_pmu = match (&self.mem_sampler, &self.mem_sampling_refused) {
+            (Some(sampler), _) => format!(
+                "{sampler} was sampled, but the CPU's frequency is unknown (no cpufreq, no \
+                 cpu MHz in /proc/cpuinfo), so its latencies cannot be turned into time"
+            ),
+            (None, Some(why)) => why.clone(),
+            (None, None) => "no PMU memory sampler was opened".to_owned(),
+        };
+        let no_pmu = no_pmu.as_str();
         if nodes <= 1 {
             return format!(
-                "not measured: the host has one NUMA node, so nothing is remote ({NO_PMU})"
+                "not measured: the host has one NUMA node, so nothing is remote ({no_pmu})"
             );
         }
         if let Some(why) = &self.numa_hints_refused {
-            return format!("not measured: NUMA hinting faults were not traced ({why}); {NO_PMU}");
+            return format!("not measured: NUMA hinting faults were not traced ({why}); {no_pmu}");
         }
         if self.numa_hints_seen == 0 {
             let why = if self.numa_balancing == Some(0) {
@@ -929,7 +951,7 @@ impl Timeline {
                         .map_or_else(|| "unknown".to_owned(), |v| v.to_string())
                 )
             };
-            return format!("not measured: {why}; {NO_PMU}");
+            return format!("not measured: {why}; {no_pmu}");
         }
         format!(
             "estimated from NUMA hinting faults (the kernel's own sample of memory accesses, \
@@ -938,7 +960,7 @@ impl Timeline {
              else the latest {} before its end) weighted by 1 − local/remote SLIT distance. \
              An upper end: it assumes the on-CPU time is bound by memory latency and the SLIT \
              ratio is the latency ratio. Null before the thread's first hinting fault; \
-             {NO_PMU}",
+             {no_pmu}",
             super::remote::MIN_STEP_PAGES,
             super::remote::WINDOW_PAGES
         )
@@ -1022,6 +1044,9 @@ impl Timeline {
             ranks: Vec::new(),
             numa_task_moves: numa_moves.iter().filter(|(t, _)| *t == tid).count() as u64,
             remote_access: super::remote::estimate(&log.numa_hints, a, b),
+            remote_loads: log
+                .mem_khz
+                .map(|_| crate::pmu::measure(&log.mem_samples, a, b, crate::pmu::SAMPLE_PERIOD)),
         }
     }
 }

@@ -65,6 +65,10 @@ pub struct Step {
     /// faults) that `remote_memory` is estimated from; `None` before its first such fault
     /// or when they were not traced.
     pub remote_access: Option<remote::RemoteAccess>,
+    /// Where the PMU sampled loads (`methods.remote_memory_estimated` false): the rank
+    /// thread's sampled DRAM loads in the step and those a remote node served.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub remote_loads: Option<crate::pmu::MeasuredStep>,
     /// With several ranks: the rank whose late arrivals made the others wait most in this
     /// step.
     pub slowest_rank: Option<i32>,
@@ -218,6 +222,11 @@ struct ThreadLog {
     last_fault_end: u64,
     /// NUMA hinting faults, by time.
     numa_hints: Vec<remote::Hint>,
+    /// Loads sampled by the PMU, by time.
+    mem_samples: Vec<crate::pmu::MemSample>,
+    /// The CPU's frequency in kHz where the run sampled loads: `remote_memory` is
+    /// measured from them, not estimated.
+    mem_khz: Option<u64>,
     /// Every sample: (time, stack id, in a page fault).
     stack_samples: Vec<(u64, u32, bool)>,
     /// Stacks at switch-out: (time, stack id).
@@ -383,6 +392,11 @@ pub struct Timeline {
     numa_hints_refused: Option<String>,
     /// Hinting faults of target threads seen.
     numa_hints_seen: u64,
+    /// The PMU memory sampler of the run, described, or why there was none; the CPU's
+    /// frequency where both a sampler and it are known (measured `remote_memory`).
+    mem_sampler: Option<String>,
+    mem_sampling_refused: Option<String>,
+    mem_khz: Option<u64>,
     /// A CUDA sync function was probed in some target: `nccl_wait` is measured.
     sync_probed: bool,
     /// Ranks given to `ncclCommInitRank*`, by pid.
@@ -445,6 +459,9 @@ impl Timeline {
             numa_balancing: header.numa_balancing,
             numa_hints_refused: header.numa_hints_refused.clone(),
             numa_hints_seen: 0,
+            mem_sampler: header.mem_sampler.clone(),
+            mem_sampling_refused: header.mem_sampling_refused.clone(),
+            mem_khz: header.mem_sampler.as_ref().and(header.cpu_khz),
             sync_probed: header.targets.iter().any(syncs_probed),
             init_ranks: BTreeMap::new(),
             rule: StepRule::Auto,
@@ -519,6 +536,7 @@ impl Timeline {
 
     fn log(&mut self, tid: u32, pid: u32) -> &mut ThreadLog {
         let log = self.threads.entry(tid).or_default();
+        log.mem_khz = self.mem_khz;
         if pid != 0 {
             log.pid = pid;
         }
@@ -756,6 +774,21 @@ impl Timeline {
                 self.numa_hints_seen += 1;
                 self.log(task.tid, task.tgid).numa_hints.push(hint);
             }
+            Event::MemSample {
+                ts_ns,
+                task,
+                weight,
+                data_src,
+            } => {
+                let sample = crate::pmu::MemSample {
+                    pid: task.tgid,
+                    tid: task.tid,
+                    time_ns: *ts_ns,
+                    weight: *weight,
+                    data_src: *data_src,
+                };
+                self.log(task.tid, task.tgid).mem_samples.push(sample);
+            }
             Event::Fork { .. } | Event::Exit { .. } => {}
         }
     }
@@ -874,6 +907,75 @@ mod tests {
             .map(|s| (s.numa_page_migrations, s.numa_task_moves))
             .collect();
         assert_eq!(counts, [(4, 2), (4, 1)]);
+    }
+
+    /// Where the PMU sampled loads, `remote_memory` is measured from the rank thread's
+    /// remote-DRAM samples (latency × period at the CPU's frequency), carved out of
+    /// compute, and labelled measured; samples pushed out of time order land in their step.
+    #[test]
+    fn remote_memory_measured_from_pmu_samples() {
+        use nccltrace_common::kind;
+        let mut h = header();
+        h.mem_sampler = Some("Intel PEBS load latency (cpu/mem-loads, ldlat=30)".into());
+        h.mem_sampling_refused = None;
+        h.cpu_khz = Some(2_000_000);
+        let mut tl = Timeline::new(&h);
+        tl.push(&call(Func::AllReduce, 100, 200));
+        // perf_mem_data_src: a load served by DRAM, remote or local (level number + bit).
+        let dram = |remote: u64| 2 | (13 << 33) | (remote << 37);
+        let sample = |ts_ns, remote, weight| Event::MemSample {
+            ts_ns,
+            task: task(10),
+            weight,
+            data_src: dram(remote),
+        };
+        for e in [
+            sample(13_000_000, 0, 300),
+            sample(3_000_000, 1, 500),
+            sample(2_000_000, 1, 500),
+            sample(4_000_000, 1, 500),
+            sample(12_000_000, 0, 300),
+        ] {
+            tl.push(&e);
+        }
+        let (report, _) = tl.finish(20_000_000, StepRule::Window(10_000_000));
+        assert_eq!(report.steps.len(), 2);
+        let (far, near) = (&report.steps[0], &report.steps[1]);
+        // 3 samples × 500 cycles × 4,000 loads each at 2 GHz: 3 ms.
+        assert_eq!(far.categories.remote_memory, Some(3_000_000));
+        assert_eq!(far.categories.compute + 3_000_000, far.wall_ns);
+        let loads = far.remote_loads.unwrap();
+        assert_eq!((loads.dram_samples, loads.remote_samples), (3, 3));
+        // Local DRAM only: measured as none, not unknown.
+        assert_eq!(near.categories.remote_memory, Some(0));
+        assert_eq!(near.remote_loads.unwrap().share(), Some(0.0));
+        assert!(!report.methods.remote_memory_estimated);
+        assert!(
+            report
+                .methods
+                .remote_memory
+                .starts_with("measured by Intel PEBS"),
+            "{}",
+            report.methods.remote_memory
+        );
+        assert_eq!(Event::kind_name(kind::MEM_SAMPLE), "mem_sample");
+        // No sampler: not measured, and the reason the host gave.
+        let mut h = header();
+        h.mem_sampling_refused = Some("no PMU memory sampling: only software".into());
+        let mut tl = Timeline::new(&h);
+        tl.push(&call(Func::AllReduce, 100, 200));
+        tl.push(&sample(3_000_000, 1, 500));
+        let (report, _) = tl.finish(20_000_000, StepRule::Window(10_000_000));
+        assert_eq!(report.steps[0].categories.remote_memory, None);
+        assert!(report.steps[0].remote_loads.is_none());
+        assert!(
+            report
+                .methods
+                .remote_memory
+                .contains("no PMU memory sampling: only software"),
+            "{}",
+            report.methods.remote_memory
+        );
     }
 
     /// Regression (issue 18): summing categories dropped `remote_memory`.

@@ -133,8 +133,11 @@ pub fn write_csv_rows(steps: &[Step], out: &mut impl Write) -> io::Result<()> {
             s.cross_node_migrations,
             s.numa_page_migrations,
             s.numa_task_moves,
-            s.remote_access
-                .map_or_else(String::new, |r| format!("{:.4}", r.share()))
+            // The PMU's measured share where it sampled, else the hinting faults'.
+            s.remote_loads
+                .and_then(|m| m.share())
+                .or_else(|| s.remote_access.map(|r| r.share()))
+                .map_or_else(String::new, |share| format!("{share:.4}"))
         )?;
     }
     Ok(())
@@ -613,6 +616,7 @@ mod tests {
             numa_page_migrations: 0,
             numa_task_moves: 0,
             remote_access: None,
+            remote_loads: None,
             slowest_rank: None,
             ranks: vec![],
         }

@@ -686,6 +686,7 @@ mod tests {
             numa_page_migrations: 0,
             numa_task_moves: 0,
             remote_access: None,
+            remote_loads: None,
             slowest_rank: None,
             ranks: vec![],
         };

@@ -3,6 +3,7 @@
 
 pub mod baseline;
 pub mod discover;
+pub mod pmu;
 pub mod python;
 pub mod rings;
 pub mod tracefs;
@@ -434,6 +435,8 @@ pub struct Attached {
     pub follow: Option<Follow>,
     /// Python targets whose frames are walked (profile `python_frames`).
     python: python::PyTargets,
+    /// The PMU's memory sampler on the targets' threads, where the host has one.
+    mem: Option<pmu::Sampling>,
 }
 
 /// What `--follow` needs to discover and attach a process that appears later.
@@ -799,6 +802,19 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
         Some("the profile has numa off".to_owned())
     };
 
+    // The PMU's memory sampler on every thread of the targets, where the host has one.
+    let (mem, mem_sampling_refused) = if profile.probes.numa {
+        let tids: Vec<u32> = targets.iter().flat_map(|t| host.threads(t.pid)).collect();
+        match crate::pmu::detect(std::path::Path::new(crate::pmu::DEVICES))
+            .and_then(|s| pmu::Sampling::open(s, &tids))
+        {
+            Ok(s) => (Some(s), None),
+            Err(why) => (None, Some(why)),
+        }
+    } else {
+        (None, Some("the profile has numa off".to_owned()))
+    };
+
     let mut sample_period_ns = 0;
     if profile.sampling.hz > 0 {
         sample_period_ns = 1_000_000_000 / u64::from(profile.sampling.hz);
@@ -853,8 +869,12 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
             .read("proc/sys/kernel/numa_balancing")
             .and_then(|v| v.trim().parse().ok()),
         numa_hints_refused,
+        mem_sampler: mem.as_ref().map(|m| m.sampler.describe()),
+        mem_sampling_refused,
+        cpu_khz: mem.as_ref().and_then(|_| crate::pmu::cpu_khz()),
     };
     Ok(Attached {
+        mem,
         ebpf: Some(ebpf),
         links,
         logger,
@@ -1055,6 +1075,13 @@ impl Attached {
             };
             other.insert(name.to_owned(), total);
         }
+        // The PMU sampler's own losses (its ring full), and damaged rings.
+        if let Some(mem) = &self.mem {
+            lost.insert(Event::kind_name(kind::MEM_SAMPLE).to_owned(), mem.lost);
+            if mem.damaged > 0 {
+                other.insert("mem_sample_rings_damaged".to_owned(), mem.damaged);
+            }
+        }
         (lost, other)
     }
 
@@ -1108,6 +1135,7 @@ impl Attached {
                     if let Some(logger) = self.logger.as_mut() {
                         logger.flush();
                     }
+                    self.drain_mem(sink)?;
                     if self.follow.is_some() {
                         if last_follow.elapsed() >= Duration::from_secs(1) {
                             last_follow = Instant::now();
@@ -1120,6 +1148,10 @@ impl Attached {
                         last_tick = Instant::now();
                         if let Some(ebpf) = self.ebpf.as_mut() {
                             python::refresh(ebpf, &mut self.python);
+                        }
+                        // Threads the targets started since: their loads sampled too.
+                        if let Some(mem) = self.mem.as_mut() {
+                            mem.follow(self.pids.iter().flat_map(|p| host.threads(*p)));
                         }
                         let lost = self.counters().0;
                         let alive = self.pids.iter().filter(|p| host.process_alive(**p)).count();
@@ -1144,7 +1176,35 @@ impl Attached {
             targets: &mut self.python,
         };
         self.rings.drain(&mut naming, usize::MAX)?;
+        self.drain_mem(sink)?;
         Ok(reason)
+    }
+
+    /// Hands on the loads the PMU sampled since the last call, as `MEM_SAMPLE` records.
+    fn drain_mem(&mut self, sink: &mut impl Sink) -> Result<(), crate::Error> {
+        let Some(mem) = self.mem.as_mut() else {
+            return Ok(());
+        };
+        let mut samples = Vec::new();
+        mem.drain(&mut samples);
+        samples.sort_unstable_by_key(|s| s.time_ns);
+        for s in samples {
+            let record = nccltrace_common::MemSampleEvent {
+                hdr: nccltrace_common::Header {
+                    ts_ns: s.time_ns,
+                    tgid: s.pid,
+                    tid: s.tid,
+                    kind: kind::MEM_SAMPLE,
+                    cpu: u16::MAX,
+                    _pad: 0,
+                },
+                weight: s.weight,
+                _pad: 0,
+                data_src: s.data_src,
+            };
+            sink.record(&crate::decode::as_bytes(&record))?;
+        }
+        Ok(())
     }
 
     /// Stops tracing at once: the programs stay attached but, with no target left in

@@ -46,6 +46,10 @@ pub mod kind {
     /// kernel's own sample of one of its memory accesses, local or remote
     /// (`NumaHintEvent`).
     pub const NUMA_HINT: u16 = 15;
+    /// A load sampled by the PMU's memory sampler (`MemSampleEvent`): made by the agent
+    /// from the sampler's perf ring, not by the programs, so beyond [`COUNT`] (no kernel
+    /// loss counter: the agent counts the sampler's own losses).
+    pub const MEM_SAMPLE: u16 = 16;
     /// One past the largest kind: the size of per-kind tables.
     pub const COUNT: usize = 16;
 }
@@ -400,6 +404,20 @@ pub struct NumaHintEvent {
     pub _pad: u32,
 }
 const _: () = assert!(core::mem::size_of::<NumaHintEvent>() == 40);
+
+/// A load sampled by the PMU (PEBS load latency, AMD IBS), in the programs' record layout
+/// so that recordings carry it like the rest (the header's CPU: `u16::MAX`, unknown).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MemSampleEvent {
+    pub hdr: Header,
+    /// The load's latency in core cycles.
+    pub weight: u32,
+    pub _pad: u32,
+    /// `perf_mem_data_src`: where the load was served from.
+    pub data_src: u64,
+}
+const _: () = assert!(core::mem::size_of::<MemSampleEvent>() == 40);
 
 /// `TNF_*` flags of `task_numa_fault` (include/linux/sched/numa_balancing.h).
 pub mod numa_hint {
