@@ -3,9 +3,9 @@
 
 use nccltrace_common::{
     CallEvent, FaultEvent, FaultTimeEvent, Header, KSTACK_DEPTH, MemSampleEvent, MigrateEvent,
-    NOT_READ, NumaHintEvent, NumaTaskEvent, PY_DEPTH, PageMigrationEvent, PyStackEvent,
-    SampleEvent, SwitchEvent, TaskEvent, USTACK_DEPTH, WakeupEvent, kind, numa_hint, numa_task,
-    switch_flags,
+    NOT_READ, NumaHintEvent, NumaPagesEvent, NumaTaskEvent, PY_DEPTH, PageMigrationEvent,
+    PyStackEvent, SampleEvent, SwitchEvent, TaskEvent, USTACK_DEPTH, WakeupEvent, kind, numa_hint,
+    numa_task, switch_flags,
 };
 
 use crate::event::{Call, Event, Func, NumaTaskKind, PyFrame, Task, datatype_size};
@@ -191,6 +191,15 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
                 task: t,
                 weight: e.weight,
                 data_src: e.data_src,
+            }
+        }
+        kind::NUMA_PAGES => {
+            let e = read::<NumaPagesEvent>(bytes, "resident pages record")?;
+            let nodes = (e.nodes as usize).min(e.kib.len());
+            Event::NumaPages {
+                ts_ns: h.ts_ns,
+                task: t,
+                kib: e.kib[..nodes].to_vec(),
             }
         }
         kind::SAMPLE | kind::OFFCPU | kind::CALL_STACK => {

@@ -464,6 +464,12 @@ pub enum Event {
         weight: u32,
         data_src: u64,
     },
+    /// Where the target's resident memory is: KiB per NUMA node.
+    NumaPages {
+        ts_ns: u64,
+        task: Task,
+        kib: Vec<u64>,
+    },
     /// An on-CPU sample; stacks innermost frame first (kernel empty when the thread was in
     /// user mode).
     Sample {
@@ -521,6 +527,7 @@ impl Event {
             | Event::NumaTask { task, .. }
             | Event::NumaHint { task, .. }
             | Event::MemSample { task, .. }
+            | Event::NumaPages { task, .. }
             | Event::Sample { task, .. }
             | Event::OffCpu { task, .. }
             | Event::CallStack { task, .. }
@@ -544,6 +551,7 @@ impl Event {
             | Event::NumaTask { ts_ns, .. }
             | Event::NumaHint { ts_ns, .. }
             | Event::MemSample { ts_ns, .. }
+            | Event::NumaPages { ts_ns, .. }
             | Event::Sample { ts_ns, .. }
             | Event::OffCpu { ts_ns, .. }
             | Event::CallStack { ts_ns, .. }
@@ -572,6 +580,7 @@ impl Event {
             k::PY_STACK => "python_stack",
             k::NUMA_HINT => "numa_hint_fault",
             k::MEM_SAMPLE => "mem_sample",
+            k::NUMA_PAGES => "numa_pages",
             _ => "unknown",
         }
     }

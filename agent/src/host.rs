@@ -269,6 +269,51 @@ impl Host {
         }
         rows
     }
+
+    /// The resident KiB of process `pid` on each NUMA node, from its numa_maps; `None`
+    /// when unreadable (the process ended).
+    #[must_use]
+    pub fn numa_maps_kib(&self, pid: u32) -> Option<Vec<u64>> {
+        Some(parse_numa_maps(
+            &self.read(&format!("proc/{pid}/numa_maps"))?,
+        ))
+    }
+}
+
+/// How often a target's `/proc/PID/numa_maps` is read while NUMA balancing is off (the
+/// kernel walks every page table of the process for it: a second or two of a core for
+/// hundreds of GiB).
+pub const NUMA_MAPS_EVERY: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Resident KiB per node of a numa_maps text: `N<node>=<pages>` of each mapping times
+/// its `kernelpagesize_kB` (4 unless it says otherwise: huge pages).
+#[must_use]
+pub fn parse_numa_maps(text: &str) -> Vec<u64> {
+    let mut kib: Vec<u64> = Vec::new();
+    for line in text.lines() {
+        let page_kib = line
+            .split_whitespace()
+            .find_map(|f| f.strip_prefix("kernelpagesize_kB="))
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(4);
+        for field in line.split_whitespace() {
+            let Some((node, pages)) = field
+                .strip_prefix('N')
+                .and_then(|f| f.split_once('='))
+                .and_then(|(n, p)| Some((n.parse::<usize>().ok()?, p.parse::<u64>().ok()?)))
+            else {
+                continue;
+            };
+            if node >= 4096 {
+                continue;
+            }
+            if kib.len() <= node {
+                kib.resize(node + 1, 0);
+            }
+            kib[node] += pages * page_kib;
+        }
+    }
+    kib
 }
 
 /// The text (function) symbols of a kallsyms text, sorted by address; hidden (zeroed)
@@ -425,5 +470,24 @@ mod tests {
         // CAP_SYS_ADMIN and CAP_SYS_PTRACE only, as before CAP_BPF existed.
         let admin = format!("CapEff:\t{:016x}\n", (1u64 << 21) | (1u64 << 19));
         assert!(missing_capabilities(&admin).is_empty());
+    }
+
+    /// numa_maps as the kernel writes it: pages per node, huge pages in their own size,
+    /// lines without resident pages.
+    #[test]
+    fn resident_kib_per_node_from_numa_maps() {
+        let text = "\
+00400000 default file=/usr/bin/trainer mapped=3 N0=3 kernelpagesize_kB=4
+7f0000000000 bind:1 anon=4096 dirty=4096 N1=4096 kernelpagesize_kB=4
+7f1000000000 default anon=10 dirty=10 N0=6 N1=4 kernelpagesize_kB=4
+7f2000000000 default huge anon=2 dirty=2 N1=2 kernelpagesize_kB=2048
+7ffd00000000 default stack anon=3 dirty=3 N0=3 kernelpagesize_kB=4
+7f3000000000 default
+";
+        assert_eq!(parse_numa_maps(text), [48, 16_384 + 16 + 4096]);
+        assert!(parse_numa_maps("").is_empty());
+        // This process's own, read live: something resident somewhere.
+        let own = Host::live().numa_maps_kib(std::process::id()).unwrap();
+        assert!(own.iter().sum::<u64>() > 0, "{own:?}");
     }
 }

@@ -76,6 +76,9 @@ pub struct MemoryStats {
     /// (`methods.remote_memory` says why).
     pub numa_hint_fault_pages: Option<u64>,
     pub numa_hint_fault_pages_remote: Option<u64>,
+    /// Readings of the targets' /proc/PID/numa_maps (taken while NUMA balancing is off);
+    /// null where none were taken.
+    pub numa_maps_readings: Option<u64>,
     /// Loads of target threads sampled by the PMU; null where no sampler was opened.
     pub pmu_load_samples: Option<u64>,
     /// Faults timed by fentry/fexit on the fault handler, where the kernel permits it.
@@ -193,6 +196,7 @@ impl Aggregator {
     pub fn new(header: Header) -> Aggregator {
         let hints = header.numa_hints_refused.is_none().then_some(0);
         let pmu_samples = header.mem_sampler.as_ref().map(|_| 0);
+        let readings = header.numa_maps_every_s.map(|_| 0);
         Aggregator {
             timeline: Timeline::new(&header),
             header,
@@ -206,6 +210,7 @@ impl Aggregator {
                 numa_hint_fault_pages: hints,
                 numa_hint_fault_pages_remote: hints,
                 pmu_load_samples: pmu_samples,
+                numa_maps_readings: readings,
                 ..MemoryStats::default()
             },
             threads: BTreeSet::new(),
@@ -387,6 +392,9 @@ impl Aggregator {
                     self.memory.page_migrations_failed.saturating_add(*failed);
             }
             Event::NumaTask { .. } => self.memory.numa_task_events += 1,
+            Event::NumaPages { .. } => {
+                *self.memory.numa_maps_readings.get_or_insert(0) += 1;
+            }
             Event::MemSample { .. } => {
                 *self.memory.pmu_load_samples.get_or_insert(0) += 1;
             }

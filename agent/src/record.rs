@@ -165,6 +165,10 @@ pub struct Header {
     /// Why no memory sampler was opened (`None`, written as null: one was).
     #[serde(default = "mem_not_recorded")]
     pub mem_sampling_refused: Option<String>,
+    /// Every how many seconds the targets' numa_maps were read (NUMA balancing off or
+    /// untraced on a host of several nodes); `None`: they were not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub numa_maps_every_s: Option<u64>,
     /// The CPU's base frequency in kHz, which turns sampled latencies into time.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpu_khz: Option<u64>,

@@ -556,7 +556,10 @@ fn breakdown_run(env: &[(&str, &str)], extra: &[&str], accuracy: &Accuracy) -> R
         serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
     let pmu_samples = &summary["memory"]["pmu_load_samples"];
     match nccltrace::pmu::detect(Path::new(nccltrace::pmu::DEVICES)) {
-        Ok(_) => assert!(remote.starts_with("measured by") && pmu_samples.is_u64(), "{remote}"),
+        Ok(_) => assert!(
+            remote.starts_with("measured by") && pmu_samples.is_u64(),
+            "{remote}"
+        ),
         Err(why) => {
             assert!(remote.contains(&why), "{remote}");
             assert!(pmu_samples.is_null(), "{pmu_samples}");
@@ -697,11 +700,16 @@ fn flamegraphs_and_trace_are_valid(out: &Path, summary: &Value) {
     speedscope_reads(&out.join("trace.json"));
 }
 
+/// Running inside a QEMU guest of `cargo xtask vm-test` (emulated, ~17× slower).
+fn in_a_guest() -> bool {
+    std::env::var_os("NCCLTRACE_GUEST").is_some()
+}
+
 /// An importer written by others reads trace.json: speedscope's web app (from npm, path in
 /// NCCLTRACE_SPEEDSCOPE, set by `cargo xtask test`) in headless Chromium, served from a
 /// local HTTP server, must import it and list the rank thread and the steps track.
 fn speedscope_reads(trace: &Path) {
-    if std::env::var_os("NCCLTRACE_GUEST").is_some() {
+    if in_a_guest() {
         // In an emulated guest headless Chromium takes minutes: the import is checked on
         // the host run of the same test.
         return;

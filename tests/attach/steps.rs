@@ -32,7 +32,10 @@ fn steps_begun_before_attach_are_left_out() {
     };
     let steps = read("steps.json");
     let found = steps["steps"].as_array().unwrap();
-    assert!(found.len() > 100, "{} steps", found.len());
+    // 2 s of 100-µs steps: thousands on the host; in an emulated guest (its attach takes
+    // seconds and its CPU is ~17× slower) one run found 75, others over 100.
+    let enough = if in_a_guest() { 20 } else { 100 };
+    assert!(found.len() > enough, "{} steps", found.len());
     for s in found {
         let sum = category_sum(s);
         let wall = s["wall_ns"].as_u64().unwrap();

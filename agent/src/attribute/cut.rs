@@ -34,9 +34,9 @@ pub(super) fn categories(log: &ThreadLog, a: u64, b: u64) -> Categories {
         Some(khz) => {
             crate::pmu::measure(&log.mem_samples, a, b, crate::pmu::SAMPLE_PERIOD).stall_ns(khz)
         }
-        None => {
-            super::remote::estimate(&log.numa_hints, a, b).and_then(|r| r.stall_ns(cat.compute))
-        }
+        None => log
+            .remote_access(a, b)
+            .and_then(|r| r.stall_ns(cat.compute)),
     };
     if let Some(stall) = stall {
         let stall = stall.min(cat.compute);

@@ -198,6 +198,8 @@ impl Timeline {
         for log in self.threads.values_mut() {
             log.numa_hints.sort_unstable_by_key(|h| h.ts_ns);
             log.mem_samples.sort_unstable_by_key(|s| s.time_ns);
+            log.resident.sort_unstable_by_key(|r| r.ts_ns);
+            log.nodes.sort_unstable_by_key(|n| n.0);
             log.changes.sort_unstable();
             log.syncs.sort_unstable();
             log.collectives.sort_by_key(|c| c.start_ns);
@@ -719,6 +721,11 @@ impl Timeline {
             log.markers.retain(|t| keep(*t));
             log.nvtx.retain(|n| keep(n.0));
             log.mem_samples.retain(|s| keep(s.time_ns));
+            // The latest resident reading and node before the cut stay: later steps use them.
+            let before = log.resident.partition_point(|r| r.ts_ns < until);
+            log.resident.drain(..before.saturating_sub(1));
+            let before = log.nodes.partition_point(|n| n.0 < until);
+            log.nodes.drain(..before.saturating_sub(1));
             // The latest hinting faults stay: a quiet step's estimate looks back at them.
             let before = log.numa_hints.partition_point(|h| h.ts_ns < until);
             log.numa_hints
@@ -903,7 +910,7 @@ impl Timeline {
             remote_memory: self.remote_method(nodes.len()),
             remote_memory_estimated: self.mem_khz.is_none()
                 && nodes.len() > 1
-                && self.numa_hints_seen > 0,
+                && self.numa_hints_seen + self.resident_seen > 0,
         }
     }
 
@@ -932,6 +939,18 @@ impl Timeline {
         if nodes <= 1 {
             return format!(
                 "not measured: the host has one NUMA node, so nothing is remote ({no_pmu})"
+            );
+        }
+        if self.numa_hints_seen == 0 && self.resident_seen > 0 {
+            return format!(
+                "estimated from the target's resident pages per node (/proc/PID/numa_maps, \
+                 read every {} s while NUMA balancing is off, so no access is sampled): the \
+                 step's on-CPU compute × the share of those pages on other nodes than the \
+                 rank thread's, each weighted by 1 − local/remote SLIT distance, from the \
+                 latest reading before the step's end. A weaker proxy than hinting faults: \
+                 it weighs every resident page the same, touched or not; an upper end as \
+                 well (it assumes the on-CPU time is bound by memory latency). {no_pmu}",
+                crate::host::NUMA_MAPS_EVERY.as_secs()
             );
         }
         if let Some(why) = &self.numa_hints_refused {
@@ -1043,7 +1062,7 @@ impl Timeline {
             slowest_rank: None,
             ranks: Vec::new(),
             numa_task_moves: numa_moves.iter().filter(|(t, _)| *t == tid).count() as u64,
-            remote_access: super::remote::estimate(&log.numa_hints, a, b),
+            remote_access: log.remote_access(a, b),
             remote_loads: log
                 .mem_khz
                 .map(|_| crate::pmu::measure(&log.mem_samples, a, b, crate::pmu::SAMPLE_PERIOD)),

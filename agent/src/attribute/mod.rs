@@ -224,6 +224,10 @@ struct ThreadLog {
     numa_hints: Vec<remote::Hint>,
     /// Loads sampled by the PMU, by time.
     mem_samples: Vec<crate::pmu::MemSample>,
+    /// The thread's NUMA node from each switch-in that changed it: (time, node).
+    nodes: Vec<(u64, i32)>,
+    /// Where the target's resident memory was, seen from the thread's node, by time.
+    resident: Vec<remote::Resident>,
     /// The CPU's frequency in kHz where the run sampled loads: `remote_memory` is
     /// measured from them, not estimated.
     mem_khz: Option<u64>,
@@ -259,6 +263,15 @@ struct ThreadLog {
     /// Blocked at an earlier cut with no wakeup yet: (switch-out time, ns charged to
     /// `other_offcpu` since), moved to `compute` if another thread of the process ends it.
     pending_block: Option<(u64, u64)>,
+}
+
+impl ThreadLog {
+    /// The remote share `[a, b)` of this thread is estimated from: its hinting faults,
+    /// else the latest reading of its process's resident pages.
+    fn remote_access(&self, a: u64, b: u64) -> Option<remote::RemoteAccess> {
+        remote::estimate(&self.numa_hints, a, b)
+            .or_else(|| remote::from_resident(&self.resident, b))
+    }
 }
 
 /// An off-CPU stretch begun in an earlier epoch.
@@ -392,6 +405,8 @@ pub struct Timeline {
     numa_hints_refused: Option<String>,
     /// Hinting faults of target threads seen.
     numa_hints_seen: u64,
+    /// Readings of the targets' resident pages per node seen.
+    resident_seen: u64,
     /// The PMU memory sampler of the run, described, or why there was none; the CPU's
     /// frequency where both a sampler and it are known (measured `remote_memory`).
     mem_sampler: Option<String>,
@@ -459,6 +474,7 @@ impl Timeline {
             numa_balancing: header.numa_balancing,
             numa_hints_refused: header.numa_hints_refused.clone(),
             numa_hints_seen: 0,
+            resident_seen: 0,
             mem_sampler: header.mem_sampler.clone(),
             mem_sampling_refused: header.mem_sampling_refused.clone(),
             mem_khz: header.mem_sampler.as_ref().and(header.cpu_khz),
@@ -630,9 +646,13 @@ impl Timeline {
                     ));
                 }
                 if *next_is_target {
+                    let node = self.node(i32::from(task.cpu));
                     let log = self.log(*next_tid, *next_tgid);
                     log.first_switch_is_in.get_or_insert(true);
                     log.changes.push((*ts_ns, Change::SwitchIn));
+                    if log.nodes.last().is_none_or(|(_, n)| *n != node) {
+                        log.nodes.push((*ts_ns, node));
+                    }
                 }
             }
             Event::Wakeup {
@@ -773,6 +793,18 @@ impl Timeline {
                 );
                 self.numa_hints_seen += 1;
                 self.log(task.tid, task.tgid).numa_hints.push(hint);
+            }
+            Event::NumaPages { ts_ns, task, kib } => {
+                self.resident_seen += 1;
+                let distances = &self.node_distances;
+                for log in self.threads.values_mut().filter(|l| l.pid == task.tgid) {
+                    let Some(&(_, node)) = log.nodes.last() else {
+                        continue;
+                    };
+                    if let Some(r) = remote::Resident::new(*ts_ns, kib, node, distances) {
+                        log.resident.push(r);
+                    }
+                }
             }
             Event::MemSample {
                 ts_ns,
@@ -973,6 +1005,48 @@ mod tests {
                 .methods
                 .remote_memory
                 .contains("no PMU memory sampling: only software"),
+            "{}",
+            report.methods.remote_memory
+        );
+    }
+
+    /// With NUMA balancing off, the share comes from where the process's memory is
+    /// (numa_maps readings) seen from the node the rank thread runs on, the latest reading
+    /// before each step's end; labelled an estimate with that method.
+    #[test]
+    fn remote_memory_estimated_from_resident_pages() {
+        let mut h = header();
+        h.node_distances = vec![vec![10, 20], vec![20, 10]];
+        h.numa_balancing = Some(0);
+        let mut tl = Timeline::new(&h);
+        // The rank thread runs on CPU 0 (node 0) from the start.
+        tl.push(&switch(50, false, 0));
+        tl.push(&call(Func::AllReduce, 100, 200));
+        let pages = |ts_ns, kib: Vec<u64>| Event::NumaPages {
+            ts_ns,
+            task: task(10),
+            kib,
+        };
+        // Three quarters on node 1, then all moved to node 0.
+        tl.push(&pages(1_000_000, vec![1 << 20, 3 << 20]));
+        tl.push(&pages(12_000_000, vec![4 << 20, 0]));
+        let (report, _) = tl.finish(20_000_000, StepRule::Window(10_000_000));
+        assert_eq!(report.steps.len(), 2);
+        let (far, near) = (&report.steps[0], &report.steps[1]);
+        let share = far.remote_access.unwrap().share();
+        assert!((share - 0.75).abs() < 1e-9, "{share}");
+        // Three quarters remote at SLIT 10/20: 37.5% of the on-CPU time.
+        let c = &far.categories;
+        let remote = c.remote_memory.unwrap();
+        assert_eq!(remote, (c.compute + remote) * 375 / 1000);
+        assert_eq!(near.remote_access.unwrap().remote_pages, 0);
+        assert_eq!(near.categories.remote_memory, Some(0));
+        assert!(report.methods.remote_memory_estimated);
+        assert!(
+            report
+                .methods
+                .remote_memory
+                .starts_with("estimated from the target's resident pages"),
             "{}",
             report.methods.remote_memory
         );

@@ -72,14 +72,26 @@ impl Hint {
     }
 }
 
+/// What a step's remote share was taken from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Basis {
+    /// The step's own hinting faults.
+    StepHints,
+    /// The latest hinting faults before the step's end.
+    LatestHints,
+    /// The target's resident pages per node (`/proc/PID/numa_maps`), NUMA balancing being
+    /// off: no access is sampled, so every resident page weighs the same.
+    ResidentPages,
+}
+
 /// The remote share a step's estimate rests on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RemoteAccess {
     /// Hinting-fault pages counted, and those remote.
     pub pages: u64,
     pub remote_pages: u64,
-    /// The pages are the step's own (else the latest before its end).
-    pub in_step: bool,
+    /// What the share was taken from.
+    pub basis: Basis,
     /// Σ pages × gap / Σ pages, in millionths; `None`: a distance was unknown.
     pub gap_ppm: Option<u64>,
 }
@@ -104,16 +116,20 @@ impl Serialize for RemoteAccess {
         use serde::ser::SerializeMap as _;
         let mut map = serializer.serialize_map(Some(4))?;
         map.serialize_entry("share", &((self.share() * 1e4).round() / 1e4))?;
-        map.serialize_entry("hint_fault_pages", &self.pages)?;
+        let (pages, from) = match self.basis {
+            Basis::StepHints => ("hint_fault_pages", "this step's hinting faults"),
+            Basis::LatestHints => (
+                "hint_fault_pages",
+                "the latest hinting faults before the step's end",
+            ),
+            Basis::ResidentPages => (
+                "resident_pages",
+                "the target's resident pages per node (numa_maps)",
+            ),
+        };
+        map.serialize_entry(pages, &self.pages)?;
         map.serialize_entry("remote_pages", &self.remote_pages)?;
-        map.serialize_entry(
-            "from",
-            if self.in_step {
-                "this step's hinting faults"
-            } else {
-                "the latest hinting faults before the step's end"
-            },
-        )?;
+        map.serialize_entry("from", from)?;
         map.end()
     }
 }
@@ -125,8 +141,8 @@ pub fn estimate(hints: &[Hint], a: u64, b: u64) -> Option<RemoteAccess> {
     let lo = hints.partition_point(|h| h.ts_ns < a);
     let hi = hints.partition_point(|h| h.ts_ns < b).max(lo);
     let own: u64 = hints[lo..hi].iter().map(|h| u64::from(h.pages)).sum();
-    let (used, in_step) = if own >= MIN_STEP_PAGES {
-        (&hints[lo..hi], true)
+    let (used, basis) = if own >= MIN_STEP_PAGES {
+        (&hints[lo..hi], Basis::StepHints)
     } else {
         // The latest faults before the step's end that make up the window.
         let mut pages = 0;
@@ -135,7 +151,7 @@ pub fn estimate(hints: &[Hint], a: u64, b: u64) -> Option<RemoteAccess> {
             from -= 1;
             pages += u64::from(hints[from].pages);
         }
-        (&hints[from..hi], false)
+        (&hints[from..hi], Basis::LatestHints)
     };
     let pages: u64 = used.iter().map(|h| u64::from(h.pages)).sum();
     // A handful of faults is no sample: one stray remote page would read as 100%.
@@ -158,8 +174,71 @@ pub fn estimate(hints: &[Hint], a: u64, b: u64) -> Option<RemoteAccess> {
     Some(RemoteAccess {
         pages,
         remote_pages,
-        in_step,
+        basis,
         gap_ppm,
+    })
+}
+
+/// Where a target's resident memory was, seen from one of its threads: read from
+/// `/proc/PID/numa_maps` while NUMA balancing is off (no hinting faults to sample from).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Resident {
+    pub ts_ns: u64,
+    /// Resident memory, and that on another node than the thread's, in 4-KiB pages.
+    pub pages: u64,
+    pub remote_pages: u64,
+    /// Σ pages × (1 − d(node, node) / d(node, page node)) / Σ pages, in millionths;
+    /// `None`: a distance was unknown.
+    pub gap_ppm: Option<u64>,
+}
+
+impl Resident {
+    /// `kib[n]`: the target's resident KiB on node n; `node`: the thread's node.
+    #[must_use]
+    pub fn new(ts_ns: u64, kib: &[u64], node: i32, distances: &[Vec<u32>]) -> Option<Resident> {
+        let node = usize::try_from(node).ok()?;
+        let pages: u64 = kib.iter().sum::<u64>() / 4;
+        if pages == 0 {
+            return None;
+        }
+        let remote_pages = kib
+            .iter()
+            .enumerate()
+            .filter(|(n, _)| *n != node)
+            .map(|(_, k)| k / 4)
+            .sum();
+        let row = distances.get(node);
+        let gap_ppm = kib
+            .iter()
+            .enumerate()
+            .map(|(n, k)| {
+                if n == node || *k == 0 {
+                    return Some(0);
+                }
+                let (near, far) = (u64::from(*row?.get(node)?), u64::from(*row?.get(n)?));
+                (far >= near && far > 0).then(|| k / 4 * (1_000_000 - near * 1_000_000 / far))
+            })
+            .sum::<Option<u64>>()
+            .map(|sum| sum / pages);
+        Some(Resident {
+            ts_ns,
+            pages,
+            remote_pages,
+            gap_ppm,
+        })
+    }
+}
+
+/// A step ending at `b`, from the latest resident-pages reading before it (sorted by
+/// time).
+#[must_use]
+pub fn from_resident(resident: &[Resident], b: u64) -> Option<RemoteAccess> {
+    let r = resident[..resident.partition_point(|r| r.ts_ns < b)].last()?;
+    Some(RemoteAccess {
+        pages: r.pages,
+        remote_pages: r.remote_pages,
+        basis: Basis::ResidentPages,
+        gap_ppm: r.gap_ppm,
     })
 }
 
@@ -199,7 +278,7 @@ mod tests {
         let mut hints: Vec<Hint> = (0..40).map(|i| hint(i, 0)).collect();
         hints.extend((0..20).map(|i| hint(100 + i, 1)));
         let r = estimate(&hints, 100, 200).unwrap();
-        assert!(r.in_step);
+        assert_eq!(r.basis, Basis::StepHints);
         assert_eq!((r.pages, r.remote_pages), (20, 20));
         assert!((r.share() - 1.0).abs() < 1e-9);
         // All remote at distance 20 vs 10: half the on-CPU time.
@@ -213,7 +292,7 @@ mod tests {
         hints.extend((0..16).map(|i| hint(50 + i, 1)));
         hints.extend((0..8).map(|i| hint(1000 + i, 1))); // after the step: not used
         let r = estimate(&hints, 500, 600).unwrap();
-        assert!(!r.in_step);
+        assert_eq!(r.basis, Basis::LatestHints);
         assert_eq!((r.pages, r.remote_pages), (WINDOW_PAGES, 16));
         assert!((r.share() - 0.25).abs() < 1e-9);
         assert_eq!(r.stall_ns(1_000_000), Some(125_000));
@@ -234,5 +313,36 @@ mod tests {
         assert_eq!(json["share"], 1.0);
         assert_eq!(json["hint_fault_pages"], 32);
         assert_eq!(json["from"], "this step's hinting faults");
+    }
+
+    #[test]
+    fn resident_pages_seen_from_the_threads_node() {
+        // 3 GiB on node 1, 1 GiB on node 0, the thread on node 0, SLIT 10/20.
+        let kib = [1 << 20, 3 << 20];
+        let r = Resident::new(100, &kib, 0, &slit()).unwrap();
+        assert_eq!((r.pages, r.remote_pages), (1 << 20, 3 << 18));
+        // Three quarters remote at half the time each: 375,000 ppm.
+        assert_eq!(r.gap_ppm, Some(375_000));
+        // From node 1 the same memory is a quarter remote.
+        let from_1 = Resident::new(100, &kib, 1, &slit()).unwrap();
+        assert_eq!(from_1.remote_pages, 1 << 18);
+        // No distances: the share, no stall; no node or nothing resident: nothing.
+        assert_eq!(Resident::new(100, &kib, 0, &[]).unwrap().gap_ppm, None);
+        assert_eq!(Resident::new(100, &kib, -1, &slit()), None);
+        assert_eq!(Resident::new(100, &[0, 0], 0, &slit()), None);
+        // A step takes the latest reading before its end.
+        let later = Resident::new(300, &[4 << 20, 0], 0, &slit()).unwrap();
+        let readings = [r, later];
+        assert_eq!(from_resident(&readings, 50), None);
+        let step = from_resident(&readings, 200).unwrap();
+        assert!((step.share() - 0.75).abs() < 1e-9);
+        assert_eq!(step.stall_ns(1_000_000), Some(375_000));
+        assert_eq!(from_resident(&readings, 400).unwrap().remote_pages, 0);
+        let json = serde_json::to_value(step).unwrap();
+        assert_eq!(json["resident_pages"], 1 << 20);
+        assert_eq!(
+            json["from"],
+            "the target's resident pages per node (numa_maps)"
+        );
     }
 }

@@ -437,6 +437,10 @@ pub struct Attached {
     python: python::PyTargets,
     /// The PMU's memory sampler on the targets' threads, where the host has one.
     mem: Option<pmu::Sampling>,
+    /// Read the targets' numa_maps (NUMA balancing off or untraced on a multi-node host),
+    /// and when it was last read.
+    resident: bool,
+    resident_read: Option<Instant>,
 }
 
 /// What `--follow` needs to discover and attach a process that appears later.
@@ -840,6 +844,14 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
     )
     .map_err(map_error(names::COUNTERS))?;
 
+    // Without hinting faults, where the targets' memory is tells the remote share.
+    let node_distances = host.node_distances();
+    let numa_balancing: Option<u32> = host
+        .read("proc/sys/kernel/numa_balancing")
+        .and_then(|v| v.trim().parse().ok());
+    let resident = profile.probes.numa
+        && node_distances.len() > 1
+        && (numa_balancing == Some(0) || numa_hints_refused.is_some());
     let (kernel_release, hostname) = host::uname();
     let header = Header {
         format_version: FORMAT_VERSION,
@@ -864,10 +876,9 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
         step_nvtx: None,
         fault_timing,
         fault_timing_refused,
-        node_distances: host.node_distances(),
-        numa_balancing: host
-            .read("proc/sys/kernel/numa_balancing")
-            .and_then(|v| v.trim().parse().ok()),
+        node_distances,
+        numa_balancing,
+        numa_maps_every_s: resident.then_some(host::NUMA_MAPS_EVERY.as_secs()),
         numa_hints_refused,
         mem_sampler: mem.as_ref().map(|m| m.sampler.describe()),
         mem_sampling_refused,
@@ -875,6 +886,8 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
     };
     Ok(Attached {
         mem,
+        resident,
+        resident_read: None,
         ebpf: Some(ebpf),
         links,
         logger,
@@ -1149,6 +1162,7 @@ impl Attached {
                         if let Some(ebpf) = self.ebpf.as_mut() {
                             python::refresh(ebpf, &mut self.python);
                         }
+                        self.read_resident(sink, &host)?;
                         // Threads the targets started since: their loads sampled too.
                         if let Some(mem) = self.mem.as_mut() {
                             mem.follow(self.pids.iter().flat_map(|p| host.threads(*p)));
@@ -1178,6 +1192,42 @@ impl Attached {
         self.rings.drain(&mut naming, usize::MAX)?;
         self.drain_mem(sink)?;
         Ok(reason)
+    }
+
+    /// Every [`host::NUMA_MAPS_EVERY`], where enabled: each target's resident memory per
+    /// node as a `NUMA_PAGES` record.
+    fn read_resident(&mut self, sink: &mut impl Sink, host: &Host) -> Result<(), crate::Error> {
+        if !self.resident
+            || self
+                .resident_read
+                .is_some_and(|t| t.elapsed() < host::NUMA_MAPS_EVERY)
+        {
+            return Ok(());
+        }
+        self.resident_read = Some(Instant::now());
+        for &pid in &self.pids {
+            let Some(kib) = host.numa_maps_kib(pid) else {
+                continue;
+            };
+            let mut record = nccltrace_common::NumaPagesEvent {
+                hdr: nccltrace_common::Header {
+                    ts_ns: host::clock_ns(libc::CLOCK_MONOTONIC),
+                    tgid: pid,
+                    tid: pid,
+                    kind: kind::NUMA_PAGES,
+                    cpu: u16::MAX,
+                    _pad: 0,
+                },
+                ..Default::default()
+            };
+            let room = record.kib.len();
+            for (node, k) in kib.iter().enumerate() {
+                record.kib[node.min(room - 1)] += k;
+            }
+            record.nodes = u32::try_from(kib.len().min(room)).unwrap_or(0);
+            sink.record(&crate::decode::as_bytes(&record))?;
+        }
+        Ok(())
     }
 
     /// Hands on the loads the PMU sampled since the last call, as `MEM_SAMPLE` records.

@@ -50,6 +50,9 @@ pub mod kind {
     /// from the sampler's perf ring, not by the programs, so beyond [`COUNT`] (no kernel
     /// loss counter: the agent counts the sampler's own losses).
     pub const MEM_SAMPLE: u16 = 16;
+    /// Where a target's resident memory is, per NUMA node (`NumaPagesEvent`): made by the
+    /// agent from `/proc/PID/numa_maps` while NUMA balancing is off, beyond [`COUNT`] too.
+    pub const NUMA_PAGES: u16 = 17;
     /// One past the largest kind: the size of per-kind tables.
     pub const COUNT: usize = 16;
 }
@@ -418,6 +421,23 @@ pub struct MemSampleEvent {
     pub data_src: u64,
 }
 const _: () = assert!(core::mem::size_of::<MemSampleEvent>() == 40);
+
+/// Nodes a [`NumaPagesEvent`] has room for (a host with more adds the rest to the last).
+pub const NUMA_PAGES_NODES: usize = 16;
+
+/// A target's resident memory per NUMA node, read from `/proc/PID/numa_maps` (the header's
+/// tgid and tid are the target's pid, its CPU `u16::MAX`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NumaPagesEvent {
+    pub hdr: Header,
+    /// Nodes filled in `kib`.
+    pub nodes: u32,
+    pub _pad: u32,
+    /// Resident KiB on each node.
+    pub kib: [u64; NUMA_PAGES_NODES],
+}
+const _: () = assert!(core::mem::size_of::<NumaPagesEvent>() == 160);
 
 /// `TNF_*` flags of `task_numa_fault` (include/linux/sched/numa_balancing.h).
 pub mod numa_hint {
