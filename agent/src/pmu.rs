@@ -21,8 +21,10 @@ pub const DEVICES: &str = "/sys/bus/event_source/devices";
 /// takes ~80–100 ns, far above it, so every DRAM load qualifies.
 pub const LDLAT_CYCLES: u64 = 30;
 
-/// One sampled load in `PERF_SAMPLE_PERIOD` qualifying loads.
-pub const SAMPLE_PERIOD: u64 = 4000;
+/// One sampled load in this many qualifying loads: a memory-bound thread makes ~10⁸ a
+/// second, so at most ~5,000 samples a second a thread (a PEBS sample costs about a
+/// microsecond: under 0.5% at that rate).
+pub const SAMPLE_PERIOD: u64 = 20_000;
 
 /// What the samples carry: thread, time, latency, data source.
 pub const SAMPLE_TYPE: u64 = sys::PERF_SAMPLE_TID as u64

@@ -62,6 +62,10 @@ enum Task {
         /// Which kernel: 6.1, 6.12 or all.
         #[arg(long, default_value = "all")]
         kernel: String,
+        /// The debug agent instead of the release one (no release build; too slow for
+        /// the counting test under emulation).
+        #[arg(long)]
+        debug: bool,
         /// Test name filters instead of the guest set (`guest::` and the counting test).
         filters: Vec<String>,
     },
@@ -86,7 +90,11 @@ fn main() -> anyhow::Result<()> {
         Task::Demo => demo::run(&root),
         Task::Bench => bench::run(&root),
         Task::Man => man::run(&root),
-        Task::VmTest { kernel, filters } => vm::task(&root, &kernel, &filters),
+        Task::VmTest {
+            kernel,
+            debug,
+            filters,
+        } => vm::task(&root, &kernel, &filters, debug),
         Task::Fuzz { seconds } => fuzz::run(&root, seconds),
         Task::Soak {
             minutes,

@@ -976,11 +976,13 @@ impl Timeline {
             "estimated from NUMA hinting faults (the kernel's own sample of memory accesses, \
              one per page per balancing scan): the step's on-CPU compute × the remote share \
              of the rank thread's hinting-fault pages (the step's own when it has {} or more, \
-             else the latest {} before its end) weighted by 1 − local/remote SLIT distance. \
+             else the latest scan's burst before its end, faults under {} ms apart, at most \
+             {} pages) weighted by 1 − local/remote SLIT distance. \
              An upper end: it assumes the on-CPU time is bound by memory latency and the SLIT \
              ratio is the latency ratio. Null before the thread's first hinting fault; \
              {no_pmu}",
             super::remote::MIN_STEP_PAGES,
+            super::remote::BURST_GAP_NS / 1_000_000,
             super::remote::WINDOW_PAGES
         )
     }

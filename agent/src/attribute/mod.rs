@@ -963,9 +963,9 @@ mod tests {
         };
         for e in [
             sample(13_000_000, 0, 300),
-            sample(3_000_000, 1, 500),
-            sample(2_000_000, 1, 500),
-            sample(4_000_000, 1, 500),
+            sample(3_000_000, 1, 100),
+            sample(2_000_000, 1, 100),
+            sample(4_000_000, 1, 100),
             sample(12_000_000, 0, 300),
         ] {
             tl.push(&e);
@@ -973,7 +973,7 @@ mod tests {
         let (report, _) = tl.finish(20_000_000, StepRule::Window(10_000_000));
         assert_eq!(report.steps.len(), 2);
         let (far, near) = (&report.steps[0], &report.steps[1]);
-        // 3 samples × 500 cycles × 4,000 loads each at 2 GHz: 3 ms.
+        // 3 samples × 100 cycles × 20,000 loads each at 2 GHz: 3 ms.
         assert_eq!(far.categories.remote_memory, Some(3_000_000));
         assert_eq!(far.categories.compute + 3_000_000, far.wall_ns);
         let loads = far.remote_loads.unwrap();

@@ -6,8 +6,9 @@
 //! one touched a million times).
 //!
 //! A step's remote share is the remote fraction of the rank thread's hinting-fault pages
-//! in the step, or, where the step saw fewer than [`MIN_STEP_PAGES`], of the latest
-//! [`WINDOW_PAGES`] before its end (the faults come in bursts, one per scan). Its
+//! in the step, or, where the step saw fewer than [`MIN_STEP_PAGES`], of the latest burst
+//! before its end (the faults come in bursts, one per scan; a window of the latest 64
+//! pages alone read a far-bound trainer as 84–86% remote in a guest run). Its
 //! estimated stall is the step's on-CPU compute × Σ pages × (1 − local/remote SLIT
 //! distance) / Σ pages: what the on-CPU time would shrink by were every sampled access
 //! local, if the thread were bound by memory latency and the SLIT ratio were the latency
@@ -17,11 +18,13 @@ use serde::Serialize;
 
 /// A step with at least this many hinting-fault pages is estimated from its own.
 pub const MIN_STEP_PAGES: u64 = 16;
-/// Otherwise from the latest this many before its end.
-pub const WINDOW_PAGES: u64 = 64;
+/// Otherwise from the latest burst before its end: faults less than this apart, ...
+pub const BURST_GAP_NS: u64 = 50_000_000;
+/// ... and at most this many pages of it.
+pub const WINDOW_PAGES: u64 = 4096;
 /// Hinting faults kept from before an epoch's cut, per thread, for the next steps'
 /// windows.
-pub const CONTEXT_HINTS: usize = 64;
+pub const CONTEXT_HINTS: usize = 4096;
 
 /// One hinting fault of a thread.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -144,10 +147,17 @@ pub fn estimate(hints: &[Hint], a: u64, b: u64) -> Option<RemoteAccess> {
     let (used, basis) = if own >= MIN_STEP_PAGES {
         (&hints[lo..hi], Basis::StepHints)
     } else {
-        // The latest faults before the step's end that make up the window.
+        // The latest burst before the step's end (more than one if it is a handful).
         let mut pages = 0;
         let mut from = hi;
         while from > 0 && pages < WINDOW_PAGES {
+            let gap = hints
+                .get(from)
+                .filter(|_| from < hi)
+                .map_or(0, |later| later.ts_ns - hints[from - 1].ts_ns);
+            if pages >= MIN_STEP_PAGES && gap > BURST_GAP_NS {
+                break;
+            }
             from -= 1;
             pages += u64::from(hints[from].pages);
         }
@@ -286,14 +296,14 @@ mod tests {
     }
 
     #[test]
-    fn a_quiet_step_uses_the_latest_window() {
-        // 48 local then 16 remote faults long before, none in the step.
+    fn a_quiet_step_uses_the_latest_burst() {
+        // 48 local then 16 remote faults long before, none in the step: one burst.
         let mut hints: Vec<Hint> = (0..48).map(|i| hint(i, 0)).collect();
         hints.extend((0..16).map(|i| hint(50 + i, 1)));
         hints.extend((0..8).map(|i| hint(1000 + i, 1))); // after the step: not used
         let r = estimate(&hints, 500, 600).unwrap();
         assert_eq!(r.basis, Basis::LatestHints);
-        assert_eq!((r.pages, r.remote_pages), (WINDOW_PAGES, 16));
+        assert_eq!((r.pages, r.remote_pages), (64, 16));
         assert!((r.share() - 0.25).abs() < 1e-9);
         assert_eq!(r.stall_ns(1_000_000), Some(125_000));
         // Before the first fault: nothing to estimate from; nor from a handful.
@@ -344,5 +354,32 @@ mod tests {
             json["from"],
             "the target's resident pages per node (numa_maps)"
         );
+    }
+
+    /// Regression: a window of the latest 64 pages read a far-bound trainer as 84–86%
+    /// remote in a guest run (the tail of a scan's burst, where local pages can gather);
+    /// the whole burst is its scan's sample. An older burst is not mixed in once the
+    /// latest has enough pages.
+    #[test]
+    fn the_window_is_the_whole_latest_burst() {
+        let ms = 1_000_000;
+        // An old burst, all local, a second before.
+        let mut hints: Vec<Hint> = (0..100).map(|i| hint(i * 1000, 0)).collect();
+        // The latest: 1000 remote pages, then 20 local ones at its end.
+        let start = 1000 * ms;
+        hints.extend((0..1000).map(|i| hint(start + i * 10_000, 1)));
+        hints.extend((0..20).map(|i| hint(start + 10 * ms + i * 10_000, 0)));
+        let r = estimate(&hints, 2000 * ms, 2100 * ms).unwrap();
+        assert_eq!((r.pages, r.remote_pages), (1020, 1000));
+        assert!(r.share() > 0.97, "{}", r.share());
+        // A burst of a handful reaches back to the one before.
+        let few = [hint(0, 1), hint(1, 1), hint(2, 1), hint(3, 1)];
+        let mut sparse: Vec<Hint> = (0..16).map(|i| hint(i, 0)).collect();
+        sparse.extend(few.iter().map(|h| Hint {
+            ts_ns: h.ts_ns + 500 * ms,
+            ..*h
+        }));
+        let r = estimate(&sparse, 600 * ms, 700 * ms).unwrap();
+        assert_eq!((r.pages, r.remote_pages), (20, 4));
     }
 }

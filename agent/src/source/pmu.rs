@@ -6,9 +6,9 @@ use perf_event_open_sys::bindings as sys;
 
 use crate::pmu::{MemSample, MemSampler, SAMPLE_TYPE, parse_records};
 
-/// Data pages of each thread's ring (32 KiB): at one sample in [`SAMPLE_PERIOD`] slow
-/// loads, drained ten times a second.
-const DATA_PAGES: usize = 8;
+/// Data pages of each thread's ring (64 KiB, 1,600 samples of 40 bytes): at most ~5,000
+/// samples a second a thread, drained ten times a second.
+const DATA_PAGES: usize = 16;
 
 /// Sampling of the target's loads: one perf event and ring per thread. The kernel maps
 /// no ring of an inherited per-thread event, so threads started later are added by
