@@ -551,8 +551,11 @@ impl Timeline {
     }
 
     fn log(&mut self, tid: u32, pid: u32) -> &mut ThreadLog {
-        let log = self.threads.entry(tid).or_default();
-        log.mem_khz = self.mem_khz;
+        let mem_khz = self.mem_khz;
+        let log = self.threads.entry(tid).or_insert_with(|| ThreadLog {
+            mem_khz,
+            ..ThreadLog::default()
+        });
         if pid != 0 {
             log.pid = pid;
         }

@@ -1127,6 +1127,9 @@ impl Attached {
                 };
                 more = self.rings.drain(&mut naming, BUDGET)?;
             }
+            // The PMU's samples with the programs' records: ones older than attribution's
+            // reorder margin when they arrive are counted as late events.
+            self.drain_mem(sink)?;
             tokio::select! {
                 biased;
                 name = stop.requested() => break StopReason::Signal(name),
@@ -1148,7 +1151,6 @@ impl Attached {
                     if let Some(logger) = self.logger.as_mut() {
                         logger.flush();
                     }
-                    self.drain_mem(sink)?;
                     if self.follow.is_some() {
                         if last_follow.elapsed() >= Duration::from_secs(1) {
                             last_follow = Instant::now();
