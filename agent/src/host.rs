@@ -285,33 +285,34 @@ impl Host {
 /// hundreds of GiB).
 pub const NUMA_MAPS_EVERY: std::time::Duration = std::time::Duration::from_secs(2);
 
-/// Resident KiB per node of a numa_maps text: `N<node>=<pages>` of each mapping times
-/// its `kernelpagesize_kB` (4 unless it says otherwise: huge pages).
-#[must_use]
-pub fn parse_numa_maps(text: &str) -> Vec<u64> {
-    let mut kib: Vec<u64> = Vec::new();
-    for line in text.lines() {
+/// The `N<node>=<pages>` fields of a numa_maps text, each with its mapping's page size
+/// in KiB (`kernelpagesize_kB`, 4 unless it says otherwise: huge pages).
+pub fn numa_maps_fields(text: &str) -> impl Iterator<Item = (usize, u64, u64)> + '_ {
+    text.lines().flat_map(|line| {
         let page_kib = line
             .split_whitespace()
             .find_map(|f| f.strip_prefix("kernelpagesize_kB="))
             .and_then(|v| v.parse::<u64>().ok())
             .unwrap_or(4);
-        for field in line.split_whitespace() {
-            let Some((node, pages)) = field
-                .strip_prefix('N')
-                .and_then(|f| f.split_once('='))
-                .and_then(|(n, p)| Some((n.parse::<usize>().ok()?, p.parse::<u64>().ok()?)))
-            else {
-                continue;
-            };
-            if node >= 4096 {
-                continue;
-            }
-            if kib.len() <= node {
-                kib.resize(node + 1, 0);
-            }
-            kib[node] += pages * page_kib;
+        line.split_whitespace().filter_map(move |field| {
+            let (node, pages) = field.strip_prefix('N')?.split_once('=')?;
+            Some((node.parse().ok()?, pages.parse().ok()?, page_kib))
+        })
+    })
+}
+
+/// Resident KiB per node of a numa_maps text (damaged counts saturate).
+#[must_use]
+pub fn parse_numa_maps(text: &str) -> Vec<u64> {
+    let mut kib: Vec<u64> = Vec::new();
+    for (node, pages, page_kib) in numa_maps_fields(text) {
+        if node >= 4096 {
+            continue;
         }
+        if kib.len() <= node {
+            kib.resize(node + 1, 0);
+        }
+        kib[node] = kib[node].saturating_add(pages.saturating_mul(page_kib));
     }
     kib
 }
@@ -486,6 +487,9 @@ mod tests {
 ";
         assert_eq!(parse_numa_maps(text), [48, 16_384 + 16 + 4096]);
         assert!(parse_numa_maps("").is_empty());
+        // Damaged counts saturate rather than overflow.
+        let huge = format!("N0={m} N0={m} kernelpagesize_kB=2048", m = u64::MAX);
+        assert_eq!(parse_numa_maps(&huge), [u64::MAX]);
         // This process's own, read live: something resident somewhere.
         let own = Host::live().numa_maps_kib(std::process::id()).unwrap();
         assert!(own.iter().sum::<u64>() > 0, "{own:?}");

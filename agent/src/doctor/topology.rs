@@ -217,18 +217,17 @@ fn ppid(stat: &str) -> Option<u32> {
     rest.split_whitespace().nth(1)?.parse().ok()
 }
 
-/// Resident pages per node from `numa_maps` (`N0=12 N1=3` fields).
+/// Resident pages per node from `numa_maps` (`N0=12 N1=3` fields; damaged counts
+/// saturate).
 #[must_use]
 pub fn pages_per_node(numa_maps: &str) -> BTreeMap<i32, u64> {
     let mut pages = BTreeMap::new();
-    for field in numa_maps.split_whitespace() {
-        let Some((node, count)) = field.strip_prefix('N').and_then(|f| f.split_once('=')) else {
+    for (node, count, _) in crate::host::numa_maps_fields(numa_maps) {
+        let Ok(node) = i32::try_from(node) else {
             continue;
         };
-        if let (Ok(node), Ok(count)) = (node.parse::<i32>(), count.parse::<u64>()) {
-            let n = pages.entry(node).or_insert(0u64);
-            *n = n.saturating_add(count);
-        }
+        let n = pages.entry(node).or_insert(0u64);
+        *n = n.saturating_add(count);
     }
     pages
 }
