@@ -199,7 +199,8 @@ fn remote_memory_far_and_near() {
 
 /// `migrate_pages()` moving the trainer's pages to the other node shows up as page
 /// migrations in the step where it happened, and not before. With balancing off (the
-/// doctor's advice), `remote_memory` is null and says why.
+/// doctor's advice) there are no hinting faults: `remote_memory` comes from resident pages
+/// where a numa_maps reading fell in the short run, else it is null and says why.
 #[test]
 #[ignore = "runs in a two-node QEMU guest: cargo xtask vm-test"]
 fn migrate_pages_in_their_step() {

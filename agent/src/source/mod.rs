@@ -383,6 +383,19 @@ fn time_faults(ebpf: &mut Ebpf) -> Result<(String, [Link; 2]), String> {
     ))
 }
 
+/// The header of a record the agent makes itself (PMU samples, resident pages) in the
+/// programs' layout: no CPU ran a program for it.
+fn agent_record(ts_ns: u64, pid: u32, thread: u32, kind: u16) -> nccltrace_common::Header {
+    nccltrace_common::Header {
+        ts_ns,
+        tgid: pid,
+        tid: thread,
+        kind,
+        cpu: u16::MAX,
+        _pad: 0,
+    }
+}
+
 /// The kernel function NUMA balancing calls for each hinting fault, in the faulting
 /// thread's context (kernel/sched/fair.c; no tracepoint reports these faults).
 const NUMA_HINT_FUNCTION: &str = "task_numa_fault";
@@ -1212,14 +1225,12 @@ impl Attached {
                 continue;
             };
             let mut record = nccltrace_common::NumaPagesEvent {
-                hdr: nccltrace_common::Header {
-                    ts_ns: host::clock_ns(libc::CLOCK_MONOTONIC),
-                    tgid: pid,
-                    tid: pid,
-                    kind: kind::NUMA_PAGES,
-                    cpu: u16::MAX,
-                    _pad: 0,
-                },
+                hdr: agent_record(
+                    host::clock_ns(libc::CLOCK_MONOTONIC),
+                    pid,
+                    pid,
+                    kind::NUMA_PAGES,
+                ),
                 ..Default::default()
             };
             let room = record.kib.len();
@@ -1242,14 +1253,7 @@ impl Attached {
         samples.sort_unstable_by_key(|s| s.time_ns);
         for s in samples {
             let record = nccltrace_common::MemSampleEvent {
-                hdr: nccltrace_common::Header {
-                    ts_ns: s.time_ns,
-                    tgid: s.pid,
-                    tid: s.tid,
-                    kind: kind::MEM_SAMPLE,
-                    cpu: u16::MAX,
-                    _pad: 0,
-                },
+                hdr: agent_record(s.time_ns, s.pid, s.tid, kind::MEM_SAMPLE),
                 weight: s.weight,
                 _pad: 0,
                 data_src: s.data_src,
