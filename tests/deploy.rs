@@ -4,6 +4,7 @@
 //! (Prometheus's own `promtool`) over series the agent serves; the alert rules fire as
 //! their unit tests say.
 
+use nccltrace::pipeline::Sink as _;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -275,7 +275,7 @@ fn metrics_follow_the_attribution() {
     agg.stream_into(&out).unwrap();
     let mut header = reader.header.clone();
     header.hostname = "node7".into();
-    agg.feed_metrics(Feed::new(metrics.clone(), host, &header));
+    agg.add_sink(Box::new(Feed::new(metrics.clone(), host, &header)));
     agg.feed(&mut reader);
     let mut outputs = agg.finish(StepRule::Auto);
     nccltrace::pipeline::write_outputs(&out, &mut outputs, &mut std::io::sink()).unwrap();

@@ -1,6 +1,10 @@
 //! Facts about the host and its processes, read from `proc/` and `sys/` under a root (the
 //! live host is `/`; a capture made by `snapshot` is any folder).
 
+pub use nccltrace_core::procfs::{
+    NUMA_MAPS_EVERY, kallsyms_ranges, missing_capabilities, numa_maps_fields, parse_cpu_list,
+    parse_kallsyms,
+};
 use std::path::{Path, PathBuf};
 
 /// A place to read `proc/` and `sys/` from.
@@ -15,23 +19,6 @@ impl Default for Host {
             root: PathBuf::from("/"),
         }
     }
-}
-
-/// Parses a kernel CPU list such as `0-3,8,10-11`.
-#[must_use]
-pub fn parse_cpu_list(text: &str) -> Vec<u32> {
-    let mut cpus = Vec::new();
-    for part in text.trim().split(',').filter(|p| !p.is_empty()) {
-        match part.split_once('-') {
-            Some((a, b)) => {
-                if let (Ok(a), Ok(b)) = (a.parse::<u32>(), b.parse::<u32>()) {
-                    cpus.extend(a..=b.min(a.saturating_add(65_535)));
-                }
-            }
-            None => cpus.extend(part.parse::<u32>().ok()),
-        }
-    }
-    cpus
 }
 
 impl Host {
@@ -280,27 +267,6 @@ impl Host {
     }
 }
 
-/// How often a target's `/proc/PID/numa_maps` is read while NUMA balancing is off (the
-/// kernel walks every page table of the process for it: a second or two of a core for
-/// hundreds of GiB).
-pub const NUMA_MAPS_EVERY: std::time::Duration = std::time::Duration::from_secs(2);
-
-/// The `N<node>=<pages>` fields of a numa_maps text, each with its mapping's page size
-/// in KiB (`kernelpagesize_kB`, 4 unless it says otherwise: huge pages).
-pub fn numa_maps_fields(text: &str) -> impl Iterator<Item = (usize, u64, u64)> + '_ {
-    text.lines().flat_map(|line| {
-        let page_kib = line
-            .split_whitespace()
-            .find_map(|f| f.strip_prefix("kernelpagesize_kB="))
-            .and_then(|v| v.parse::<u64>().ok())
-            .unwrap_or(4);
-        line.split_whitespace().filter_map(move |field| {
-            let (node, pages) = field.strip_prefix('N')?.split_once('=')?;
-            Some((node.parse().ok()?, pages.parse().ok()?, page_kib))
-        })
-    })
-}
-
 /// Resident KiB per node of a numa_maps text (damaged counts saturate).
 #[must_use]
 pub fn parse_numa_maps(text: &str) -> Vec<u64> {
@@ -315,64 +281,6 @@ pub fn parse_numa_maps(text: &str) -> Vec<u64> {
         kib[node] = kib[node].saturating_add(pages.saturating_mul(page_kib));
     }
     kib
-}
-
-/// The text (function) symbols of a kallsyms text, sorted by address; hidden (zeroed)
-/// addresses left out.
-#[must_use]
-pub fn parse_kallsyms(text: &str) -> Vec<(u64, &str)> {
-    let mut syms: Vec<(u64, &str)> = text
-        .lines()
-        .filter_map(|line| {
-            let mut f = line.split_whitespace();
-            let addr = u64::from_str_radix(f.next()?, 16).ok()?;
-            let kind = f.next()?;
-            let name = f.next()?;
-            (addr != 0 && matches!(kind, "t" | "T" | "w" | "W")).then_some((addr, name))
-        })
-        .collect();
-    syms.sort_unstable();
-    syms
-}
-
-/// Address ranges `[start, end)` of the named kernel functions, from a kallsyms text (the
-/// end is the next symbol's address).
-#[must_use]
-pub fn kallsyms_ranges(text: &str, names: &[&str]) -> Vec<(u64, u64)> {
-    parse_kallsyms(text)
-        .windows(2)
-        .filter(|w| names.contains(&w[0].1))
-        .map(|w| (w[0].0, w[1].0))
-        .collect()
-}
-
-/// The capabilities `attach` needs that a process with this `/proc/PID/status` lacks:
-/// loading programs (CAP_BPF), perf events and uprobes (CAP_PERFMON), reading other
-/// processes' maps and files (CAP_SYS_PTRACE). CAP_SYS_ADMIN stands in for the first two,
-/// as on kernels before 5.8.
-#[must_use]
-pub fn missing_capabilities(status: &str) -> Vec<&'static str> {
-    const SYS_PTRACE: u32 = 19;
-    const SYS_ADMIN: u32 = 21;
-    const PERFMON: u32 = 38;
-    const BPF: u32 = 39;
-    let effective = status
-        .lines()
-        .find_map(|l| l.strip_prefix("CapEff:"))
-        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
-        .unwrap_or(0);
-    let has = |cap: u32| effective & (1u64 << cap) != 0;
-    let mut missing = Vec::new();
-    if !has(BPF) && !has(SYS_ADMIN) {
-        missing.push("CAP_BPF");
-    }
-    if !has(PERFMON) && !has(SYS_ADMIN) {
-        missing.push("CAP_PERFMON");
-    }
-    if !has(SYS_PTRACE) {
-        missing.push("CAP_SYS_PTRACE");
-    }
-    missing
 }
 
 /// The running kernel's release and the host name.

@@ -1,38 +1,25 @@
 //! nccltrace: an eBPF tracing and profiling agent for distributed training.
 //!
 //! Pipeline: `source` (kernel, root) → `decode` → `record` → `pipeline` (aggregate) →
-//! `render`. Everything after `source` is pure and runs the same on a live run and on
-//! `nccltrace report`.
+//! `render`. Everything after `source` is pure and lives in `nccltrace-core` (re-exported
+//! here under the same names); this crate keeps the command line, the kernel side
+//! (`source`), the doctor and the host readings.
 
-pub mod attribute;
 pub mod cli;
-pub mod decode;
 pub mod doctor;
-pub mod event;
 pub mod host;
 pub mod merge;
 pub mod metrics;
-pub mod pipeline;
-pub mod pmu;
 pub mod profile;
 pub mod python;
-pub mod record;
-pub mod render;
 pub mod source;
 pub mod stop;
-pub mod symbolize;
+
+pub use nccltrace_core::{
+    attribute, decode, event, note, pipeline, pmu, procfs, record, render, symbolize,
+};
 
 use std::path::PathBuf;
-
-/// As `eprintln!`, but a closed stderr (`nccltrace … 2>&1 | head`) is ignored instead of
-/// panicking: what is still to be written to files must not be lost for a message.
-#[macro_export]
-macro_rules! note {
-    ($($arg:tt)*) => {{
-        use std::io::Write as _;
-        let _ = writeln!(std::io::stderr(), $($arg)*);
-    }};
-}
 
 /// Every error the binary can report, by layer.
 #[derive(Debug, thiserror::Error)]
@@ -102,6 +89,15 @@ pub enum Error {
     },
     #[error("cannot start the async runtime: {0}")]
     Runtime(#[source] std::io::Error),
+}
+
+impl From<pipeline::ReplayError> for Error {
+    fn from(e: pipeline::ReplayError) -> Error {
+        match e {
+            pipeline::ReplayError::Record(e) => Error::Record(e),
+            pipeline::ReplayError::Output { path, source } => Error::Output { path, source },
+        }
+    }
 }
 
 /// An error and its sources, outermost first.

@@ -341,11 +341,11 @@ fn replayed_metrics(out: &std::path::Path) -> String {
     let mut reader = nccltrace::record::Reader::open(&rec).unwrap();
     let mut agg = nccltrace::pipeline::Aggregator::new(reader.header.clone());
     agg.stream(StepRule::Auto, nccltrace::pipeline::EPOCH_EVENTS);
-    agg.feed_metrics(nccltrace::metrics::Feed::new(
+    agg.add_sink(Box::new(nccltrace::metrics::Feed::new(
         metrics.clone(),
         host,
         &reader.header,
-    ));
+    )));
     agg.feed(&mut reader);
     drop(agg.finish(StepRule::Auto));
     metrics.encode()

@@ -25,8 +25,6 @@ pub fn run(root: &Path, seconds: u32) -> anyhow::Result<()> {
             Command::new("cargo")
                 .current_dir(root)
                 .args(["+nightly", "fuzz", "run", "--sanitizer", "none", target])
-                // The targets load no eBPF programs: skip building them.
-                .env("AYA_BUILD_SKIP", "1")
                 .arg(&corpus)
                 .args([
                     "--",

@@ -228,13 +228,13 @@ fn streaming_aggregator(
 ) -> Aggregator {
     let mut agg = Aggregator::new(header.clone());
     agg.stream(rule.clone(), epoch_events);
-    agg.show_steps(last_step.clone());
+    agg.add_sink(Box::new(crate::metrics::StatusSink(last_step.clone())));
     if let Some(m) = metrics {
-        agg.feed_metrics(crate::metrics::Feed::new(
+        agg.add_sink(Box::new(crate::metrics::Feed::new(
             m.clone(),
             host::Host::live(),
             header,
-        ));
+        )));
     }
     if let Err((path, e)) = agg.stream_into(out) {
         crate::note!(

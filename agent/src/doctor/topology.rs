@@ -3,6 +3,7 @@
 //! Every file that could not be read is listed in `missing`, so a partial capture gives
 //! findings for what is there and a note for the rest.
 
+pub use nccltrace_core::procfs::{last_cpu, pages_per_node};
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -203,33 +204,10 @@ fn parse_int(text: &str) -> Option<i64> {
         .map_or_else(|| t.parse().ok(), |h| i64::from_str_radix(h, 16).ok())
 }
 
-/// The last CPU a task ran on: field 39 of `stat`, counted after the `(comm)`.
-#[must_use]
-pub fn last_cpu(stat: &str) -> Option<u32> {
-    let (_, rest) = stat.rsplit_once(')')?;
-    // rest starts at field 3 (state); field 39 is index 36 of it.
-    rest.split_whitespace().nth(36)?.parse().ok()
-}
-
 /// The parent pid: field 4 of `stat`.
 fn ppid(stat: &str) -> Option<u32> {
     let (_, rest) = stat.rsplit_once(')')?;
     rest.split_whitespace().nth(1)?.parse().ok()
-}
-
-/// Resident pages per node from `numa_maps` (`N0=12 N1=3` fields; damaged counts
-/// saturate).
-#[must_use]
-pub fn pages_per_node(numa_maps: &str) -> BTreeMap<i32, u64> {
-    let mut pages = BTreeMap::new();
-    for (node, count, _) in crate::host::numa_maps_fields(numa_maps) {
-        let Ok(node) = i32::try_from(node) else {
-            continue;
-        };
-        let n = pages.entry(node).or_insert(0u64);
-        *n = n.saturating_add(count);
-    }
-    pages
 }
 
 fn status_field(status: &str, key: &str) -> Option<String> {

@@ -28,6 +28,7 @@ use prometheus_client::registry::{Registry, Unit};
 use crate::attribute::Epoch;
 use crate::event::{Event, Func, Library};
 use crate::host::Host;
+use crate::pipeline::Sink;
 
 /// The address `--metrics` serves on when none is given: loopback only.
 pub const DEFAULT_ADDR: &str = "127.0.0.1:9464";
@@ -311,6 +312,16 @@ impl LastStep {
     }
 }
 
+/// The status line's sink: each epoch updates the shared [`LastStep`].
+#[derive(Debug)]
+pub struct StatusSink(pub Arc<LastStep>);
+
+impl Sink for StatusSink {
+    fn epoch(&mut self, epoch: &Epoch) {
+        self.0.epoch(epoch);
+    }
+}
+
 /// Feeds one aggregator's events and epochs into [`Metrics`]: NCCL and sync totals are
 /// kept per process and published with each epoch, under labels fixed the first time a
 /// process is published.
@@ -361,38 +372,6 @@ impl Feed {
         feed
     }
 
-    /// A process traced from now on (`--follow`).
-    pub fn target(&mut self, t: &crate::record::TargetInfo) {
-        self.pids.push(t.pid);
-        if let Some(r) = &t.env_rank {
-            self.env_ranks.insert(t.pid, r.clone());
-        }
-    }
-
-    /// Counts a call.
-    pub fn event(&mut self, event: &Event) {
-        let Event::Call(c) = event else { return };
-        let pid = c.task.tgid;
-        match c.func.library() {
-            Library::Nccl => {
-                if let Some(rank) = c.rank
-                    && matches!(c.func, Func::CommInitRank | Func::CommInitRankConfig)
-                {
-                    self.init_ranks.entry(pid).or_insert(rank);
-                }
-                let entry = self.calls.entry((pid, c.func)).or_default();
-                entry.0 += 1;
-                if c.func.is_collective() {
-                    entry.1 += c.bytes.unwrap_or(0);
-                }
-            }
-            Library::Cuda => {
-                *self.sync_ns.entry(pid).or_default() += c.end_ns.saturating_sub(c.start_ns);
-            }
-            Library::Marker | Library::Nvtx => {}
-        }
-    }
-
     /// The labels of `pid`'s series, fixed when first asked for.
     fn labels(&mut self, pid: u32) -> RankLabels {
         if let Some(l) = self.labels.get(&pid) {
@@ -428,9 +407,43 @@ impl Feed {
         }
         labels
     }
+}
+
+impl Sink for Feed {
+    /// A process traced from now on (`--follow`).
+    fn target(&mut self, t: &crate::record::TargetInfo) {
+        self.pids.push(t.pid);
+        if let Some(r) = &t.env_rank {
+            self.env_ranks.insert(t.pid, r.clone());
+        }
+    }
+
+    /// Counts a call.
+    fn event(&mut self, event: &Event) {
+        let Event::Call(c) = event else { return };
+        let pid = c.task.tgid;
+        match c.func.library() {
+            Library::Nccl => {
+                if let Some(rank) = c.rank
+                    && matches!(c.func, Func::CommInitRank | Func::CommInitRankConfig)
+                {
+                    self.init_ranks.entry(pid).or_insert(rank);
+                }
+                let entry = self.calls.entry((pid, c.func)).or_default();
+                entry.0 += 1;
+                if c.func.is_collective() {
+                    entry.1 += c.bytes.unwrap_or(0);
+                }
+            }
+            Library::Cuda => {
+                *self.sync_ns.entry(pid).or_default() += c.end_ns.saturating_sub(c.start_ns);
+            }
+            Library::Marker | Library::Nvtx => {}
+        }
+    }
 
     /// Publishes an epoch's final steps and the calls counted so far.
-    pub fn epoch(&mut self, epoch: &Epoch) {
+    fn epoch(&mut self, epoch: &Epoch) {
         for step in &epoch.steps {
             let wall = step.wall_ns as f64 / 1e9;
             let per_rank: Vec<(u32, crate::attribute::Categories)> = if step.ranks.is_empty() {
@@ -477,7 +490,7 @@ impl Feed {
     }
 
     /// Publishes the calls counted since the last epoch.
-    pub fn flush(&mut self) {
+    fn flush(&mut self) {
         let calls = std::mem::take(&mut self.calls);
         for ((pid, func), (n, bytes)) in calls {
             let key = (self.labels(pid), [("op", func.name().to_owned())]);

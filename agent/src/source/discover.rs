@@ -2,6 +2,7 @@
 //! each mapped object, read through a memory map of the file (the PyPI libnccl.so.2 is
 //! ~473 MB; only its symbol tables are touched).
 
+pub use nccltrace_core::procfs::{MapEntry, mapped_files, maps_added, parse_maps};
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -9,79 +10,6 @@ use std::path::{Path, PathBuf};
 use object::{Object, ObjectSection, ObjectSymbol, SectionIndex};
 
 use crate::event::{Func, Library};
-
-/// One line of `/proc/PID/maps`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct MapEntry {
-    pub start: u64,
-    pub end: u64,
-    pub perms: String,
-    pub offset: u64,
-    pub inode: u64,
-    pub path: Option<String>,
-}
-
-/// Parses `/proc/PID/maps`; malformed lines are skipped.
-#[must_use]
-pub fn parse_maps(text: &str) -> Vec<MapEntry> {
-    text.lines().filter_map(parse_maps_line).collect()
-}
-
-fn parse_maps_line(line: &str) -> Option<MapEntry> {
-    let mut fields = line.splitn(6, ' ');
-    let range = fields.next()?;
-    let perms = fields.next()?;
-    let offset = fields.next()?;
-    let _dev = fields.next()?;
-    let inode = fields.next()?;
-    let path = fields
-        .next()
-        .map(str::trim)
-        .filter(|p| !p.is_empty())
-        .map(str::to_owned);
-    let (start, end) = range.split_once('-')?;
-    Some(MapEntry {
-        start: u64::from_str_radix(start, 16).ok()?,
-        end: u64::from_str_radix(end, 16).ok()?,
-        perms: perms.to_owned(),
-        offset: u64::from_str_radix(offset, 16).ok()?,
-        inode: inode.parse().ok()?,
-        path,
-    })
-}
-
-/// The lines of `now` (a process's maps read later) that map a file where `then` maps
-/// nothing: libraries loaded since `then` was read, to symbolize their frames. Lines that
-/// overlap a mapping of `then` are left out: the stacks taken before kept `then`'s meaning.
-#[must_use]
-pub fn maps_added(then: &str, now: &str) -> String {
-    let old = parse_maps(then);
-    let mut added = String::new();
-    for line in now.lines() {
-        let Some(m) = parse_maps_line(line).filter(|m| m.path.is_some()) else {
-            continue;
-        };
-        if old.iter().all(|o| o.end <= m.start || m.end <= o.start) {
-            added.push_str(line);
-            added.push('\n');
-        }
-    }
-    added
-}
-
-/// Files mapped by a process, each once, in map order: regular paths only (no
-/// `[vdso]`, no deleted files, no devices).
-#[must_use]
-pub fn mapped_files(maps: &[MapEntry]) -> Vec<String> {
-    let mut seen = std::collections::BTreeSet::new();
-    maps.iter()
-        .filter(|m| m.inode != 0)
-        .filter_map(|m| m.path.as_deref())
-        .filter(|p| p.starts_with('/') && !p.ends_with(" (deleted)") && !p.starts_with("/dev/"))
-        .filter(|p| seen.insert(p.to_string()))
-        .map(str::to_owned)
-        .collect()
-}
 
 /// Failure reading an object file's symbols.
 #[derive(Debug, thiserror::Error)]

@@ -1,6 +1,7 @@
 //! tracefs: mounted when missing, and the tracepoint field offsets of this kernel read from
 //! each event's `format` file.
 
+pub use nccltrace_core::procfs::field_offset;
 use std::path::{Path, PathBuf};
 
 use nccltrace_common::TpOffsets;
@@ -54,24 +55,6 @@ pub fn ensure_mounted() -> Result<PathBuf, TracefsError> {
         });
     }
     Ok(PathBuf::from("/sys/kernel/tracing"))
-}
-
-/// The byte offset of `field` in a tracepoint `format` file's text.
-#[must_use]
-pub fn field_offset(format: &str, field: &str) -> Option<u32> {
-    format.lines().find_map(|line| {
-        let line = line.trim();
-        let decl = line.strip_prefix("field:")?.split(';').next()?;
-        let name = decl.rsplit([' ', '*']).next()?;
-        let name = name.split('[').next()?;
-        if name != field {
-            return None;
-        }
-        let offset = line
-            .split(';')
-            .find_map(|p| p.trim().strip_prefix("offset:"))?;
-        offset.trim().parse().ok()
-    })
 }
 
 /// Reads a tracepoint's format file; `None` when this kernel lacks the tracepoint.

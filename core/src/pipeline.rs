@@ -153,6 +153,17 @@ pub struct Summary {
     pub damaged: Option<String>,
 }
 
+/// What follows a run beside its outputs (the metrics endpoint, a status line): handed each
+/// target as it is added, each event before it is attributed, and each epoch once its
+/// steps are final.
+pub trait Sink: Send {
+    fn target(&mut self, _target: &record::TargetInfo) {}
+    fn event(&mut self, _event: &Event) {}
+    fn epoch(&mut self, _epoch: &crate::attribute::Epoch) {}
+    /// The run ended: publish what is held.
+    fn flush(&mut self) {}
+}
+
 /// Folds events into the summary.
 pub struct Aggregator {
     header: Header,
@@ -183,10 +194,8 @@ pub struct Aggregator {
     build_ids: crate::symbolize::BuildIds,
     /// Writes each epoch's outputs as it is attributed (see [`Aggregator::stream_into`]).
     streamer: Option<Streamer>,
-    /// `--metrics`: fed each event and each epoch.
-    metrics: Option<crate::metrics::Feed>,
-    /// The status line's last step.
-    last_step: Option<std::sync::Arc<crate::metrics::LastStep>>,
+    /// Who else follows the run as it is attributed (metrics, the status line).
+    sinks: Vec<Box<dyn Sink>>,
     /// When the last epoch was tried because the reader caught up with the run.
     last_idle_epoch: Option<std::time::Instant>,
 }
@@ -229,21 +238,15 @@ impl Aggregator {
             agent_peak_rss_kb: None,
             build_ids: BTreeMap::new(),
             streamer: None,
-            metrics: None,
-            last_step: None,
+            sinks: Vec::new(),
             last_idle_epoch: None,
         }
     }
 
-    /// Keeps `last` up to date with the steps as they are attributed.
-    pub fn show_steps(&mut self, last: std::sync::Arc<crate::metrics::LastStep>) {
-        self.last_step = Some(last);
-        self.timeline.emit_epochs();
-    }
-
-    /// Publishes the steps as they are attributed, and the calls, to `feed`'s metrics.
-    pub fn feed_metrics(&mut self, feed: crate::metrics::Feed) {
-        self.metrics = Some(feed);
+    /// Hands `sink` every target, event and attributed epoch from now on. Call before
+    /// adding events.
+    pub fn add_sink(&mut self, sink: Box<dyn Sink>) {
+        self.sinks.push(sink);
         self.timeline.emit_epochs();
     }
 
@@ -266,8 +269,8 @@ impl Aggregator {
         };
         self.timeline.end(end_at, rule.clone());
         self.drain_epochs();
-        if let Some(feed) = &mut self.metrics {
-            feed.flush();
+        for sink in &mut self.sinks {
+            sink.flush();
         }
         self.streamer.take()
     }
@@ -293,11 +296,8 @@ impl Aggregator {
             let d = &mut e.detail;
             let stacks = self.timeline.stacks();
             crate::python::name_call_sites(&mut d.calls, &d.threads, stacks, &self.python_codes);
-            if let Some(last) = &self.last_step {
-                last.epoch(&e);
-            }
-            if let Some(feed) = &mut self.metrics {
-                feed.epoch(&e);
+            for sink in &mut self.sinks {
+                sink.epoch(&e);
             }
             if let Some(streamer) = &mut self.streamer {
                 streamer.epoch(e);
@@ -327,8 +327,8 @@ impl Aggregator {
 
     /// Adds one event.
     pub fn push(&mut self, event: &Event) {
-        if let Some(feed) = &mut self.metrics {
-            feed.event(event);
+        for sink in &mut self.sinks {
+            sink.event(event);
         }
         self.timeline.push(event);
         self.count(event);
@@ -428,8 +428,8 @@ impl Aggregator {
                 .extend(codes.into_iter().map(|(code, info)| ((pid, code), info))),
             Meta::Target { target } => {
                 self.timeline.add_target(&target);
-                if let Some(feed) = &mut self.metrics {
-                    feed.target(&target);
+                for sink in &mut self.sinks {
+                    sink.target(&target);
                 }
                 self.header.targets.push(*target);
             }
@@ -752,9 +752,23 @@ fn decode_batches<R: io::BufRead + io::Seek>(
     }
 }
 
+/// Why a recording could not be replayed.
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayError {
+    #[error(transparent)]
+    Record(#[from] record::RecordError),
+    /// An output file in the folder the replay streams into.
+    #[error("cannot write output {}: {source}", path.display())]
+    Output {
+        path: std::path::PathBuf,
+        #[source]
+        source: io::Error,
+    },
+}
+
 /// Replays a recording through the pipeline. A damaged tail is reported on stderr and
 /// the complete records before it are kept.
-pub fn replay(path: &Path, rule: StepRule, epoch_events: u64) -> Result<Outputs, crate::Error> {
+pub fn replay(path: &Path, rule: StepRule, epoch_events: u64) -> Result<Outputs, ReplayError> {
     replay_from(Reader::open(path)?, rule, epoch_events, None)
 }
 
@@ -765,7 +779,7 @@ pub fn replay_into(
     rule: StepRule,
     epoch_events: u64,
     dir: &Path,
-) -> Result<Outputs, crate::Error> {
+) -> Result<Outputs, ReplayError> {
     let reader = Reader::open(path)?;
     replay_from(reader, rule, epoch_events, Some(dir))
 }
@@ -781,7 +795,7 @@ pub fn replay_from<R: io::BufRead + io::Seek + Send>(
     mut rule: StepRule,
     epoch_events: u64,
     dir: Option<&Path>,
-) -> Result<Outputs, crate::Error> {
+) -> Result<Outputs, ReplayError> {
     // A recording made with --step-nvtx is cut the same way unless told otherwise.
     if rule == StepRule::Auto
         && let Some(pattern) = reader.header.step_nvtx.as_deref()
@@ -794,7 +808,7 @@ pub fn replay_from<R: io::BufRead + io::Seek + Send>(
     agg.stream(rule.clone(), epoch_events);
     if let Some(dir) = dir {
         agg.stream_into(dir)
-            .map_err(|(path, source)| crate::Error::Output { path, source })?;
+            .map_err(|(path, source)| ReplayError::Output { path, source })?;
     }
     agg.feed(&mut reader);
     log::debug!("read and decoded in {:?}", started.elapsed());

@@ -950,7 +950,7 @@ impl Timeline {
                  latest reading before the step's end. A weaker proxy than hinting faults: \
                  it weighs every resident page the same, touched or not; an upper end as \
                  well (it assumes the on-CPU time is bound by memory latency). {no_pmu}",
-                crate::host::NUMA_MAPS_EVERY.as_secs()
+                crate::procfs::NUMA_MAPS_EVERY.as_secs()
             );
         }
         if let Some(why) = &self.numa_hints_refused {

@@ -12,8 +12,8 @@ use blazesym::symbolize::source::{Elf, Source};
 use blazesym::symbolize::{Input, Symbolized, Symbolizer};
 
 use crate::attribute::StackKey;
+use crate::procfs::{MapEntry, parse_maps};
 use crate::record::Header;
-use crate::source::discover::{MapEntry, parse_maps};
 
 /// Frame names for every address in the stacks.
 #[derive(Clone, Debug, Default)]
@@ -71,7 +71,7 @@ impl Symbols {
 /// Kernel function names for `ips`, from a kallsyms text.
 #[must_use]
 pub fn kernel_names(kallsyms: &str, ips: &BTreeSet<u64>) -> Vec<(u64, String)> {
-    let syms = crate::host::parse_kallsyms(kallsyms);
+    let syms = crate::procfs::parse_kallsyms(kallsyms);
     ips.iter()
         .filter_map(|ip| {
             let i = syms.partition_point(|(a, _)| *a <= *ip).checked_sub(1)?;
@@ -496,11 +496,17 @@ mod tests {
 
     /// This test binary and the file offset of its `main`.
     fn main_of_this_test() -> (PathBuf, u64) {
+        use object::{Object as _, ObjectSegment as _, ObjectSymbol as _};
         let exe = std::env::current_exe().unwrap();
-        let resolved =
-            crate::source::discover::resolve(&exe, &["main"], crate::source::discover::Tables::All)
-                .unwrap();
-        let offset = resolved["main"].file_offset;
+        let bytes = std::fs::read(&exe).unwrap();
+        let obj = object::File::parse(&*bytes).unwrap();
+        let main = obj.symbols().find(|s| s.name() == Ok("main")).unwrap();
+        let at = main.address();
+        let segment = obj
+            .segments()
+            .find(|s| (s.address()..s.address() + s.size()).contains(&at))
+            .unwrap();
+        let offset = at - segment.address() + segment.file_range().0;
         (exe, offset)
     }
 

@@ -1,0 +1,214 @@
+//! The text of the /proc, /sys and tracefs files the agent reads, parsed: pure functions of
+//! the text (fuzzed by `fuzz/proc_parsers`), shared by the live agent and `report`.
+
+use std::collections::BTreeMap;
+
+/// One line of `/proc/PID/maps`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MapEntry {
+    pub start: u64,
+    pub end: u64,
+    pub perms: String,
+    pub offset: u64,
+    pub inode: u64,
+    pub path: Option<String>,
+}
+
+/// Parses `/proc/PID/maps`; malformed lines are skipped.
+#[must_use]
+pub fn parse_maps(text: &str) -> Vec<MapEntry> {
+    text.lines().filter_map(parse_maps_line).collect()
+}
+
+fn parse_maps_line(line: &str) -> Option<MapEntry> {
+    let mut fields = line.splitn(6, ' ');
+    let range = fields.next()?;
+    let perms = fields.next()?;
+    let offset = fields.next()?;
+    let _dev = fields.next()?;
+    let inode = fields.next()?;
+    let path = fields
+        .next()
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+        .map(str::to_owned);
+    let (start, end) = range.split_once('-')?;
+    Some(MapEntry {
+        start: u64::from_str_radix(start, 16).ok()?,
+        end: u64::from_str_radix(end, 16).ok()?,
+        perms: perms.to_owned(),
+        offset: u64::from_str_radix(offset, 16).ok()?,
+        inode: inode.parse().ok()?,
+        path,
+    })
+}
+
+/// The lines of `now` (a process's maps read later) that map a file where `then` maps
+/// nothing: libraries loaded since `then` was read, to symbolize their frames. Lines that
+/// overlap a mapping of `then` are left out: the stacks taken before kept `then`'s meaning.
+#[must_use]
+pub fn maps_added(then: &str, now: &str) -> String {
+    let old = parse_maps(then);
+    let mut added = String::new();
+    for line in now.lines() {
+        let Some(m) = parse_maps_line(line).filter(|m| m.path.is_some()) else {
+            continue;
+        };
+        if old.iter().all(|o| o.end <= m.start || m.end <= o.start) {
+            added.push_str(line);
+            added.push('\n');
+        }
+    }
+    added
+}
+
+/// Files mapped by a process, each once, in map order: regular paths only (no
+/// `[vdso]`, no deleted files, no devices).
+#[must_use]
+pub fn mapped_files(maps: &[MapEntry]) -> Vec<String> {
+    let mut seen = std::collections::BTreeSet::new();
+    maps.iter()
+        .filter(|m| m.inode != 0)
+        .filter_map(|m| m.path.as_deref())
+        .filter(|p| p.starts_with('/') && !p.ends_with(" (deleted)") && !p.starts_with("/dev/"))
+        .filter(|p| seen.insert(p.to_string()))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Parses a kernel CPU list such as `0-3,8,10-11`.
+#[must_use]
+pub fn parse_cpu_list(text: &str) -> Vec<u32> {
+    let mut cpus = Vec::new();
+    for part in text.trim().split(',').filter(|p| !p.is_empty()) {
+        match part.split_once('-') {
+            Some((a, b)) => {
+                if let (Ok(a), Ok(b)) = (a.parse::<u32>(), b.parse::<u32>()) {
+                    cpus.extend(a..=b.min(a.saturating_add(65_535)));
+                }
+            }
+            None => cpus.extend(part.parse::<u32>().ok()),
+        }
+    }
+    cpus
+}
+
+/// How often a target's `/proc/PID/numa_maps` is read while NUMA balancing is off (the
+/// kernel walks every page table of the process for it: a second or two of a core for
+/// hundreds of GiB).
+pub const NUMA_MAPS_EVERY: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// The `N<node>=<pages>` fields of a numa_maps text, each with its mapping's page size
+/// in KiB (`kernelpagesize_kB`, 4 unless it says otherwise: huge pages).
+pub fn numa_maps_fields(text: &str) -> impl Iterator<Item = (usize, u64, u64)> + '_ {
+    text.lines().flat_map(|line| {
+        let page_kib = line
+            .split_whitespace()
+            .find_map(|f| f.strip_prefix("kernelpagesize_kB="))
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(4);
+        line.split_whitespace().filter_map(move |field| {
+            let (node, pages) = field.strip_prefix('N')?.split_once('=')?;
+            Some((node.parse().ok()?, pages.parse().ok()?, page_kib))
+        })
+    })
+}
+
+/// The text (function) symbols of a kallsyms text, sorted by address; hidden (zeroed)
+/// addresses left out.
+#[must_use]
+pub fn parse_kallsyms(text: &str) -> Vec<(u64, &str)> {
+    let mut syms: Vec<(u64, &str)> = text
+        .lines()
+        .filter_map(|line| {
+            let mut f = line.split_whitespace();
+            let addr = u64::from_str_radix(f.next()?, 16).ok()?;
+            let kind = f.next()?;
+            let name = f.next()?;
+            (addr != 0 && matches!(kind, "t" | "T" | "w" | "W")).then_some((addr, name))
+        })
+        .collect();
+    syms.sort_unstable();
+    syms
+}
+
+/// Address ranges `[start, end)` of the named kernel functions, from a kallsyms text (the
+/// end is the next symbol's address).
+#[must_use]
+pub fn kallsyms_ranges(text: &str, names: &[&str]) -> Vec<(u64, u64)> {
+    parse_kallsyms(text)
+        .windows(2)
+        .filter(|w| names.contains(&w[0].1))
+        .map(|w| (w[0].0, w[1].0))
+        .collect()
+}
+
+/// The capabilities `attach` needs that a process with this `/proc/PID/status` lacks:
+/// loading programs (CAP_BPF), perf events and uprobes (CAP_PERFMON), reading other
+/// processes' maps and files (CAP_SYS_PTRACE). CAP_SYS_ADMIN stands in for the first two,
+/// as on kernels before 5.8.
+#[must_use]
+pub fn missing_capabilities(status: &str) -> Vec<&'static str> {
+    const SYS_PTRACE: u32 = 19;
+    const SYS_ADMIN: u32 = 21;
+    const PERFMON: u32 = 38;
+    const BPF: u32 = 39;
+    let effective = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+        .unwrap_or(0);
+    let has = |cap: u32| effective & (1u64 << cap) != 0;
+    let mut missing = Vec::new();
+    if !has(BPF) && !has(SYS_ADMIN) {
+        missing.push("CAP_BPF");
+    }
+    if !has(PERFMON) && !has(SYS_ADMIN) {
+        missing.push("CAP_PERFMON");
+    }
+    if !has(SYS_PTRACE) {
+        missing.push("CAP_SYS_PTRACE");
+    }
+    missing
+}
+
+/// The byte offset of `field` in a tracepoint `format` file's text.
+#[must_use]
+pub fn field_offset(format: &str, field: &str) -> Option<u32> {
+    format.lines().find_map(|line| {
+        let line = line.trim();
+        let decl = line.strip_prefix("field:")?.split(';').next()?;
+        let name = decl.rsplit([' ', '*']).next()?;
+        let name = name.split('[').next()?;
+        if name != field {
+            return None;
+        }
+        let offset = line
+            .split(';')
+            .find_map(|p| p.trim().strip_prefix("offset:"))?;
+        offset.trim().parse().ok()
+    })
+}
+
+/// The last CPU a task ran on: field 39 of `stat`, counted after the `(comm)`.
+#[must_use]
+pub fn last_cpu(stat: &str) -> Option<u32> {
+    let (_, rest) = stat.rsplit_once(')')?;
+    // rest starts at field 3 (state); field 39 is index 36 of it.
+    rest.split_whitespace().nth(36)?.parse().ok()
+}
+
+/// Resident pages per node from `numa_maps` (`N0=12 N1=3` fields; damaged counts
+/// saturate).
+#[must_use]
+pub fn pages_per_node(numa_maps: &str) -> BTreeMap<i32, u64> {
+    let mut pages = BTreeMap::new();
+    for (node, count, _) in numa_maps_fields(numa_maps) {
+        let Ok(node) = i32::try_from(node) else {
+            continue;
+        };
+        let n = pages.entry(node).or_insert(0u64);
+        *n = n.saturating_add(count);
+    }
+    pages
+}
