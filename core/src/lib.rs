@@ -16,6 +16,7 @@ pub mod procfs;
 pub mod python;
 pub mod record;
 pub mod render;
+pub mod summary;
 pub mod symbolize;
 
 /// As `eprintln!`, but a closed stderr (`nccltrace … 2>&1 | head`) is ignored instead of

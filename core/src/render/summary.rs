@@ -2,7 +2,7 @@
 
 use std::io::{self, Write};
 
-use crate::pipeline::Summary;
+use crate::summary::Summary;
 
 /// Writes `summary.json`.
 pub fn write_json(summary: &Summary, out: &mut impl Write) -> io::Result<()> {

@@ -1,0 +1,472 @@
+//! The stages after `source`, the same live and replayed: raw records → decode →
+//! aggregate → render. `attach` feeds it from the ring buffer, `report` from a recording
+//! (`replay`); `write` puts the outputs into their folder as the run is attributed.
+
+mod replay;
+mod write;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io;
+use std::path::Path;
+
+use crate::attribute::{StepRule, StepsReport, Timeline};
+use crate::decode::{self, DecodeError};
+use crate::event::{Event, Func, Library};
+use crate::record::{self, Header, Meta};
+pub use crate::summary::{
+    AgentStats, CudaSyncStats, MemoryStats, NcclStats, OpStats, SchedStats, Summary, SyncStats,
+    TargetSummary,
+};
+use crate::summary::{nccl_totals, target_summaries};
+pub use replay::{EPOCH_EVENTS, ReplayError, replay, replay_from, replay_into};
+pub use write::{Streamer, write_outputs, write_summary};
+
+/// What follows a run beside its outputs (the metrics endpoint, a status line): handed each
+/// target as it is added, each event before it is attributed, and each epoch once its
+/// steps are final.
+pub trait Sink: Send {
+    fn target(&mut self, _target: &record::TargetInfo) {}
+    fn event(&mut self, _event: &Event) {}
+    fn epoch(&mut self, _epoch: &crate::attribute::Epoch) {}
+    /// The run ended: publish what is held.
+    fn flush(&mut self) {}
+}
+
+/// Folds events into the summary.
+pub struct Aggregator {
+    header: Header,
+    events: u64,
+    undecodable: u64,
+    last_ts: u64,
+    nccl: BTreeMap<Func, OpStats>,
+    cuda: BTreeMap<Func, SyncStats>,
+    sched: SchedStats,
+    memory: MemoryStats,
+    threads: BTreeSet<u32>,
+    samples: u64,
+    offcpu_stacks: u64,
+    call_stacks: u64,
+    python_stacks_by_pid: BTreeMap<u32, u64>,
+    timeline: Timeline,
+    kernel_symbols: BTreeMap<u64, String>,
+    jit_symbols: BTreeMap<u32, Vec<(u64, u64, String)>>,
+    python_codes: crate::python::PythonCodes,
+    /// Attribution covers only the records after this many, from this time.
+    window: Option<(u64, u64)>,
+    end: Option<Meta>,
+    incomplete: Option<String>,
+    damaged: Option<record::Damage>,
+    doctor: Option<serde_json::Value>,
+    /// The agent's peak memory over the whole live run (its last record).
+    agent_peak_rss_kb: Option<u64>,
+    build_ids: crate::symbolize::BuildIds,
+    /// Writes each epoch's outputs as it is attributed (see [`Aggregator::stream_into`]).
+    streamer: Option<Streamer>,
+    /// Who else follows the run as it is attributed (metrics, the status line).
+    sinks: Vec<Box<dyn Sink>>,
+    /// When the last epoch was tried because the reader caught up with the run.
+    last_idle_epoch: Option<std::time::Instant>,
+}
+
+impl Aggregator {
+    #[must_use]
+    pub fn new(header: Header) -> Aggregator {
+        let hints = header.numa_hints_refused.is_none().then_some(0);
+        let pmu_samples = header.mem_sampler.as_ref().map(|_| 0);
+        let readings = header.numa_maps_every_s.map(|_| 0);
+        Aggregator {
+            timeline: Timeline::new(&header),
+            header,
+            events: 0,
+            undecodable: 0,
+            last_ts: 0,
+            nccl: BTreeMap::new(),
+            cuda: BTreeMap::new(),
+            sched: SchedStats::default(),
+            memory: MemoryStats {
+                numa_hint_fault_pages: hints,
+                numa_hint_fault_pages_remote: hints,
+                pmu_load_samples: pmu_samples,
+                numa_maps_readings: readings,
+                ..MemoryStats::default()
+            },
+            threads: BTreeSet::new(),
+            samples: 0,
+            offcpu_stacks: 0,
+            call_stacks: 0,
+            python_stacks_by_pid: BTreeMap::new(),
+            kernel_symbols: BTreeMap::new(),
+            jit_symbols: BTreeMap::new(),
+            python_codes: BTreeMap::new(),
+            window: None,
+            end: None,
+            incomplete: None,
+            damaged: None,
+            doctor: None,
+            agent_peak_rss_kb: None,
+            build_ids: BTreeMap::new(),
+            streamer: None,
+            sinks: Vec::new(),
+            last_idle_epoch: None,
+        }
+    }
+
+    /// Hands `sink` every target, event and attributed epoch from now on. Call before
+    /// adding events.
+    pub fn add_sink(&mut self, sink: Box<dyn Sink>) {
+        self.sinks.push(sink);
+        self.timeline.emit_epochs();
+    }
+
+    /// Writes the outputs into `dir` as the run is attributed ([`Streamer`]): memory is
+    /// then bounded by an epoch, not the run. Call before adding events.
+    pub fn stream_into(&mut self, dir: &Path) -> Result<(), (std::path::PathBuf, io::Error)> {
+        self.streamer = Some(Streamer::create(dir)?);
+        self.timeline.emit_epochs();
+        Ok(())
+    }
+
+    /// Attributes the last epoch (the run's end is the closing record's, else the last
+    /// record's) and hands it on; returns the streamer.
+    fn end_epochs(&mut self, rule: &StepRule) -> Option<Streamer> {
+        let end_at = match &self.end {
+            Some(Meta::End {
+                end_monotonic_ns, ..
+            }) => *end_monotonic_ns,
+            _ => self.last_ts,
+        };
+        self.timeline.end(end_at, rule.clone());
+        self.drain_epochs();
+        for sink in &mut self.sinks {
+            sink.flush();
+        }
+        self.streamer.take()
+    }
+
+    /// The run is read up to what was written: at most once a second, the steps closed
+    /// since the last epoch are attributed without waiting for a full epoch of events, so
+    /// a quiet run (a job that paused or ended, under `--follow`) has its steps out.
+    fn caught_up(&mut self) {
+        let due = self
+            .last_idle_epoch
+            .is_none_or(|t| t.elapsed() >= std::time::Duration::from_secs(1));
+        if due {
+            self.last_idle_epoch = Some(std::time::Instant::now());
+            self.timeline.try_epoch_now();
+            self.drain_epochs();
+        }
+    }
+
+    /// Hands the epochs attributed so far to the streamer.
+    fn drain_epochs(&mut self) {
+        // Epochs are handed on only when one of these asked for them (`emit_epochs`).
+        for mut e in self.timeline.take_epochs() {
+            let d = &mut e.detail;
+            let stacks = self.timeline.stacks();
+            crate::python::name_call_sites(&mut d.calls, &d.threads, stacks, &self.python_codes);
+            for sink in &mut self.sinks {
+                sink.epoch(&e);
+            }
+            if let Some(streamer) = &mut self.streamer {
+                streamer.epoch(e);
+            }
+        }
+    }
+
+    /// Decodes and adds one raw kernel record; undecodable ones are counted, not fatal.
+    pub fn push_raw(&mut self, bytes: &[u8]) -> Result<Event, DecodeError> {
+        match decode::decode(bytes) {
+            Ok(event) => {
+                self.push(&event);
+                Ok(event)
+            }
+            Err(e) => {
+                self.undecodable += 1;
+                Err(e)
+            }
+        }
+    }
+
+    /// Finds steps by `rule` and attributes the run in epochs of at least `epoch_events`
+    /// events as they are added, instead of all at [`Aggregator::finish`].
+    pub fn stream(&mut self, rule: StepRule, epoch_events: u64) {
+        self.timeline.stream(rule, epoch_events);
+    }
+
+    /// Adds one event.
+    pub fn push(&mut self, event: &Event) {
+        for sink in &mut self.sinks {
+            sink.event(event);
+        }
+        self.timeline.push(event);
+        self.count(event);
+        self.drain_epochs();
+    }
+
+    /// Counts one event in the totals without attributing it (it is before the window
+    /// the attribution covers).
+    fn count(&mut self, event: &Event) {
+        self.events += 1;
+        self.last_ts = self.last_ts.max(event.ts_ns());
+        match event {
+            Event::Call(call) => match call.func.library() {
+                Library::Nccl => {
+                    let s = self.nccl.entry(call.func).or_default();
+                    s.calls += 1;
+                    // Saturating: a damaged recording may carry any value.
+                    s.bytes = s.bytes.saturating_add(call.bytes.unwrap_or(0));
+                    s.enqueue_ns = s.enqueue_ns.saturating_add(call.duration_ns());
+                    s.errors += u64::from(call.ret != 0);
+                    self.threads.insert(call.task.tid);
+                }
+                Library::Cuda => {
+                    let s = self.cuda.entry(call.func).or_default();
+                    s.calls += 1;
+                    s.wait_ns = s.wait_ns.saturating_add(call.duration_ns());
+                }
+                Library::Marker | Library::Nvtx => {}
+            },
+            Event::Switch {
+                task,
+                prev_is_target,
+                prev_state,
+                ..
+            } => {
+                self.threads.insert(task.tid);
+                if *prev_is_target {
+                    self.sched.switches_out += 1;
+                    self.sched.involuntary_switches += u64::from(*prev_state == 0);
+                }
+            }
+            Event::Wakeup { .. } => self.sched.wakeups += 1,
+            Event::Migrate { .. } => self.sched.migrations += 1,
+            Event::Fork { .. } => self.sched.forks += 1,
+            Event::Exit { .. } => self.sched.thread_exits += 1,
+            Event::Fault { .. } => self.memory.page_faults += 1,
+            Event::FaultTime {
+                ts_ns, start_ns, ..
+            } => {
+                self.memory.timed_faults += 1;
+                self.memory.fault_handler_ns = self
+                    .memory
+                    .fault_handler_ns
+                    .saturating_add(ts_ns.saturating_sub(*start_ns));
+            }
+            Event::PageMigration {
+                succeeded, failed, ..
+            } => {
+                self.memory.pages_migrated = self.memory.pages_migrated.saturating_add(*succeeded);
+                self.memory.page_migrations_failed =
+                    self.memory.page_migrations_failed.saturating_add(*failed);
+            }
+            Event::NumaTask { .. } => self.memory.numa_task_events += 1,
+            Event::NumaPages { .. } => {
+                *self.memory.numa_maps_readings.get_or_insert(0) += 1;
+            }
+            Event::MemSample { .. } => {
+                *self.memory.pmu_load_samples.get_or_insert(0) += 1;
+            }
+            Event::NumaHint { pages, local, .. } => {
+                let pages = u64::from(*pages);
+                let add = |n: &mut Option<u64>, by: u64| *n = Some(n.unwrap_or(0) + by);
+                add(&mut self.memory.numa_hint_fault_pages, pages);
+                add(
+                    &mut self.memory.numa_hint_fault_pages_remote,
+                    if *local { 0 } else { pages },
+                );
+            }
+            Event::Sample { .. } => self.samples += 1,
+            Event::OffCpu { .. } => self.offcpu_stacks += 1,
+            Event::CallStack { .. } => self.call_stacks += 1,
+            Event::PyStack { task, .. } => {
+                *self.python_stacks_by_pid.entry(task.tgid).or_default() += 1;
+            }
+        }
+    }
+
+    /// Adds agent metadata.
+    pub fn meta(&mut self, meta: Meta) {
+        match meta {
+            Meta::KernelSymbols { symbols } => self.kernel_symbols.extend(symbols),
+            Meta::JitSymbols { pid, symbols } => {
+                self.jit_symbols.entry(pid).or_default().extend(symbols);
+            }
+            Meta::PythonCodes { pid, codes } => self
+                .python_codes
+                .extend(codes.into_iter().map(|(code, info)| ((pid, code), info))),
+            Meta::Target { target } => {
+                self.timeline.add_target(&target);
+                for sink in &mut self.sinks {
+                    sink.target(&target);
+                }
+                self.header.targets.push(*target);
+            }
+            end @ Meta::End { .. } => self.end = Some(end),
+            Meta::Doctor { report } => self.doctor = Some(report),
+            Meta::AgentPeak { peak_rss_kb } => self.agent_peak_rss_kb = Some(peak_rss_kb),
+            Meta::Maps { pid, added } => {
+                if let Some(t) = self.header.targets.iter_mut().find(|t| t.pid == pid) {
+                    t.maps_text.push_str(&added);
+                }
+            }
+            Meta::BuildIds { pid, files } => self
+                .build_ids
+                .extend(files.into_iter().map(|(path, id)| ((pid, path), id))),
+        }
+    }
+
+    /// Marks the input as cut short (a damaged recording), with the reason.
+    pub fn incomplete(&mut self, why: String) {
+        self.incomplete = Some(why);
+    }
+
+    /// The summary and the per-step report of everything pushed.
+    #[must_use]
+    pub fn finish(mut self, rule: StepRule) -> Outputs {
+        let start = self.header.clock.monotonic_ns;
+        let streamer = self.end_epochs(&rule);
+        let mut agent = AgentStats::default();
+        let (end_ns, stop_reason, lost_by_kind, counters) = match self.end {
+            Some(Meta::End {
+                end_monotonic_ns,
+                reason,
+                lost_by_kind,
+                counters,
+                attach_ns,
+                agent_peak_rss_kb,
+            }) => {
+                agent = AgentStats {
+                    attach_ms: attach_ns as f64 / 1e6,
+                    peak_rss_kb: self.agent_peak_rss_kb.unwrap_or(agent_peak_rss_kb),
+                };
+                (end_monotonic_ns, Some(reason), lost_by_kind, counters)
+            }
+            // Only the closing record is kept in `end`.
+            _ => (self.last_ts, None, BTreeMap::new(), BTreeMap::new()),
+        };
+        let incomplete = self.incomplete.or_else(|| {
+            stop_reason.is_none().then(|| {
+                "the recording has no closing record (the agent did not finish writing it): \
+                 lost-event counts are unknown"
+                    .to_owned()
+            })
+        });
+        let (mut steps, mut detail) = self.timeline.finish(end_ns, rule);
+        let d = &mut detail;
+        crate::python::name_call_sites(&mut d.calls, &d.threads, &d.stacks, &self.python_codes);
+        let attributed = self.window.map(|(skipped, from)| {
+            format!(
+                "steps, categories, flamegraphs and trace.json cover the last {} of {} \
+                 events (from {:.1} s into the run; --max-attributed-events); the totals \
+                 cover all of them; `nccltrace report` on the recording attributes the whole run",
+                self.events - skipped,
+                self.events,
+                from.saturating_sub(start) as f64 / 1e9
+            )
+        });
+        if let Some(why) = &attributed {
+            steps.reason = format!("{}; {why}", steps.reason);
+        }
+        let targets = target_summaries(&self.header.targets, &self.python_stacks_by_pid);
+        let nccl = nccl_totals(self.nccl);
+        let mut cuda_sync = CudaSyncStats::default();
+        for (func, s) in self.cuda {
+            cuda_sync.calls += s.calls;
+            cuda_sync.wait_ns = cuda_sync.wait_ns.saturating_add(s.wait_ns);
+            cuda_sync.by_func.insert(func.name().to_owned(), s);
+        }
+        let mut sched = self.sched;
+        sched.threads_seen = self.threads.len() as u64;
+        let summary = Summary {
+            duration_ns: end_ns.saturating_sub(start),
+            start_unix_ns: self.header.clock.realtime_ns,
+            stop_reason,
+            targets,
+            nccl,
+            cuda_sync,
+            sched,
+            memory: self.memory,
+            events: self.events,
+            cpu_samples: self.samples,
+            offcpu_stacks: self.offcpu_stacks,
+            call_stacks: self.call_stacks,
+            undecodable_records: self.undecodable,
+            lost_events: lost_by_kind.values().sum(),
+            lost_by_kind,
+            counters,
+            ranks: steps.ranks.clone(),
+            straggler: steps.straggler.clone(),
+            agent,
+            incomplete,
+            attributed,
+            damaged: self.damaged.map(|d| d.to_string()),
+        };
+        Outputs {
+            summary,
+            steps,
+            detail,
+            kernel_symbols: self.kernel_symbols,
+            jit_symbols: self.jit_symbols,
+            python_codes: self.python_codes,
+            doctor: self.doctor,
+            build_ids: self.build_ids,
+            header: self.header,
+            streamer,
+        }
+    }
+}
+
+/// Everything the pipeline produces.
+#[derive(Debug)]
+pub struct Outputs {
+    pub summary: Summary,
+    pub steps: StepsReport,
+    pub detail: crate::attribute::Detail,
+    /// Kernel frame names recorded at the end of the live run.
+    pub kernel_symbols: BTreeMap<u64, String>,
+    /// JIT code names per target (perf map files), recorded at the end of the live run.
+    pub jit_symbols: BTreeMap<u32, Vec<(u64, u64, String)>>,
+    /// Python code objects named during the live run.
+    pub python_codes: crate::python::PythonCodes,
+    /// The placement health report made at attach (`doctor.json`), when the recording
+    /// keeps it.
+    pub doctor: Option<serde_json::Value>,
+    /// Build ids of the files user frames lie in, as the live run read them.
+    pub build_ids: crate::symbolize::BuildIds,
+    pub header: Header,
+    /// What was written as the run was attributed; `steps.steps` and `detail` are then
+    /// empty.
+    pub streamer: Option<Streamer>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::event::{Call, Task};
+
+    /// Totals from a damaged recording saturate instead of overflowing: the fuzzer found
+    /// two calls whose byte counts add past u64::MAX (a panic with overflow checks on).
+    #[test]
+    fn totals_saturate() {
+        let mut agg = Aggregator::new(Header::default());
+        for func in [Func::AllReduce, Func::AllReduce, Func::CuStreamSynchronize] {
+            agg.push(&Event::Call(Call {
+                bytes: Some(u64::MAX - 1),
+                comm: Some(1),
+                ..Call::new(
+                    Task {
+                        tgid: 1,
+                        tid: 1,
+                        cpu: 0,
+                    },
+                    func,
+                    0,
+                    u64::MAX,
+                )
+            }));
+        }
+        let out = agg.finish(StepRule::Auto);
+        assert_eq!(out.summary.nccl.bytes, u64::MAX);
+        assert_eq!(out.summary.nccl.by_op["AllReduce"].enqueue_ns, u64::MAX);
+    }
+}
