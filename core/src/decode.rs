@@ -321,8 +321,8 @@ fn decode_call(e: &CallEvent) -> Result<Call, DecodeError> {
 /// The bytes of a record, as the ring buffer delivers them. Used by tests and benchmarks
 /// to build records without the kernel.
 #[must_use]
-pub fn as_bytes<T: Copy>(record: &T) -> Vec<u8> {
-    // SAFETY: T is one of the #[repr(C)] integer-only records with explicit padding.
+pub fn as_bytes<T: nccltrace_common::Record>(record: &T) -> Vec<u8> {
+    // SAFETY: a `Record` is #[repr(C)] with every byte a field (no implicit padding).
     unsafe { std::slice::from_raw_parts(std::ptr::from_ref(record).cast::<u8>(), size_of::<T>()) }
         .to_vec()
 }

@@ -73,14 +73,25 @@ pub fn run(root: &Path, minutes: u32, fuzz_seconds: u32, daemon: bool) -> anyhow
     });
     let started = Instant::now();
     let mut metrics = None;
+    let mut before = Vec::new();
     loop {
         match rx.recv_timeout(Duration::from_secs(60)) {
             Ok(line) if line.contains("attached to pid") => break,
             Ok(line) => {
                 metrics = metrics
                     .or_else(|| Some(line.split("http://").nth(1)?.split('/').next()?.to_owned()));
+                before.push(line);
             }
-            Err(_) => bail!("nccltrace did not attach within a minute"),
+            Err(e) => {
+                let _ = trainer.kill();
+                let status = if matches!(e, std::sync::mpsc::RecvTimeoutError::Disconnected) {
+                    format!("nccltrace ended ({}) before it attached", a.wait()?)
+                } else {
+                    let _ = a.kill();
+                    "nccltrace did not attach within a minute".to_owned()
+                };
+                bail!("{status}; it said:\n{}", before.join("\n"));
+            }
         }
     }
     let mut scrapes = (0u32, 0u32);

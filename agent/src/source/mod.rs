@@ -1341,9 +1341,12 @@ mod tests {
             names::PERF_EVENT_CPU_CLOCK,
             names::FENTRY_HANDLE_MM_FAULT,
             names::FEXIT_HANDLE_MM_FAULT,
+            names::KPROBE_TASK_NUMA_FAULT,
             names::COUNTERS,
             names::TARGETS,
             names::THREADS,
+            names::PY_THREADS,
+            names::PY_LAYOUTS,
             names::CONFIG,
             names::OFFSETS,
         ];

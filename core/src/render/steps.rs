@@ -210,7 +210,7 @@ pub struct StepTable {
 }
 
 /// Steps whose values are kept exactly; past them, histograms.
-pub const EXACT_STEPS: usize = 100_000;
+pub const EXACT_STEPS: usize = 10_000;
 /// Slowest steps kept.
 const SLOWEST: usize = 3;
 /// A category value the step could not measure, in [`StepTable`].
@@ -639,7 +639,7 @@ mod tests {
         let wall = |i: usize| 1_000_000 + (i as u64 * 7_919) % 4_000_000;
         let steps: Vec<Step> = (0..n)
             .map(|i| {
-                let w = if i == 77_777 { 90_000_000 } else { wall(i) };
+                let w = if i == 7_777 { 90_000_000 } else { wall(i) };
                 step(i, w, w / 3)
             })
             .collect();
@@ -656,7 +656,7 @@ mod tests {
         }
         assert_eq!(
             (table.slowest[0].0, table.slowest[0].1),
-            (steps[77_777].wall_ns, 77_777)
+            (steps[7_777].wall_ns, 7_777)
         );
         assert_eq!(table.len(), n);
     }

@@ -213,6 +213,34 @@ pub const RING_SHARDS: u32 = 8;
 /// [`func::stack_args`]); no stream or communicator handle has it.
 pub const NOT_READ: u64 = u64::MAX;
 
+/// A record whose bytes both sides copy as they are: `#[repr(C)]`, every byte a field
+/// (padding is explicit `_pad` fields; each type's size is asserted right below it), no
+/// pointers. `decode::as_bytes` takes only these, so no type with implicit padding can
+/// leak uninitialised bytes into a recording.
+///
+/// # Safety
+///
+/// Implement only for such types.
+pub unsafe trait Record: Copy {}
+
+// SAFETY: each is #[repr(C)] with explicit padding; the size assertions below each type
+// equal the sum of its fields.
+unsafe impl Record for Header {}
+unsafe impl Record for CallEvent {}
+unsafe impl Record for SwitchEvent {}
+unsafe impl Record for WakeupEvent {}
+unsafe impl Record for MigrateEvent {}
+unsafe impl Record for TaskEvent {}
+unsafe impl Record for FaultEvent {}
+unsafe impl Record for FaultTimeEvent {}
+unsafe impl Record for PageMigrationEvent {}
+unsafe impl Record for NumaTaskEvent {}
+unsafe impl Record for NumaHintEvent {}
+unsafe impl Record for MemSampleEvent {}
+unsafe impl Record for NumaPagesEvent {}
+unsafe impl Record for SampleEvent {}
+unsafe impl Record for PyStackEvent {}
+
 /// The start of every record.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

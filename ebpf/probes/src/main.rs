@@ -10,6 +10,16 @@
 #![feature(core_intrinsics)]
 #![allow(internal_features)]
 
+// Call arguments are read as the x86-64 System V ABI passes them (rdi, rsi, rdx, rcx, r8, r9,
+// then the stack above the return address), and the fault handler's `pt_regs` with x86-64's
+// layout: another architecture needs its own register map, not a silent misreading.
+#[cfg(not(bpf_target_arch = "x86_64"))]
+compile_error!(
+    "nccltrace's kernel programs read call arguments as x86-64 passes them: build nccltrace on \
+     an x86-64 host (other architectures are not supported yet; `nccltrace report` and the \
+     nccltrace-core crate build anywhere)"
+);
+
 use aya_ebpf::{
     EbpfContext,
     bindings::{BPF_F_USER_STACK, BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP},
