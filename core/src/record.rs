@@ -172,6 +172,10 @@ pub struct Header {
     /// The CPU's base frequency in kHz, which turns sampled latencies into time.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpu_khz: Option<u64>,
+    /// Why the programs' run time was not accounted (`None`, written as null: it was,
+    /// in `program_stats` records).
+    #[serde(default = "stats_not_recorded")]
+    pub bpf_stats_refused: Option<String>,
 }
 
 /// A recording without the field was made before nccltrace traced hinting faults.
@@ -190,6 +194,18 @@ fn hints_not_recorded() -> Option<String> {
 )]
 fn mem_not_recorded() -> Option<String> {
     Some("the recording was made by an nccltrace that did not sample memory loads".to_owned())
+}
+
+/// A recording without the field was made before nccltrace accounted its programs.
+#[expect(
+    clippy::unnecessary_wraps,
+    reason = "serde's default takes the field's type"
+)]
+fn stats_not_recorded() -> Option<String> {
+    Some(
+        "the recording was made by an nccltrace that did not account its programs' run time"
+            .to_owned(),
+    )
 }
 
 /// Agent metadata records.
@@ -243,6 +259,13 @@ pub enum Meta {
         pid: u32,
         codes: Vec<(u64, crate::python::CodeInfo)>,
     },
+    /// The kernel's accounting of the programs' run time (BPF_ENABLE_STATS), cumulative
+    /// since they were loaded: (program, runs, run time in ns), at `at_ns`
+    /// (CLOCK_MONOTONIC). Written when tracing starts, every second, and when it stops.
+    ProgramStats {
+        at_ns: u64,
+        programs: Vec<(String, u64, u64)>,
+    },
 }
 
 impl Meta {
@@ -259,6 +282,7 @@ impl Meta {
             Meta::BuildIds { .. } => "build_ids",
             Meta::Maps { .. } => "maps",
             Meta::PythonCodes { .. } => "python_codes",
+            Meta::ProgramStats { .. } => "program_stats",
         }
     }
 }

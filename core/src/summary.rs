@@ -108,6 +108,103 @@ pub struct AgentStats {
     /// Peak resident memory (VmHWM) of the whole agent process over the whole run, its
     /// end (reading back, attributing, writing every other output) included.
     pub peak_rss_kb: u64,
+    /// The eBPF programs' own run time over the traced run; null when not measured,
+    /// with the reason in `bpf_unmeasured`.
+    pub bpf: Option<BpfCost>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bpf_unmeasured: Option<String>,
+}
+
+/// One reading of the programs' run time: (CLOCK_MONOTONIC ns, (program, runs, run time
+/// in ns) each, cumulative since loaded).
+pub type Reading = (u64, Vec<(String, u64, u64)>);
+
+/// How the programs' cost is measured.
+pub const BPF_COST_METHOD: &str = "the kernel's run-time accounting of each program \
+    (BPF_ENABLE_STATS: run_time_ns and run_cnt), from when tracing started to when it stopped, \
+    all CPUs. Program time only: the uprobe and uretprobe traps around it and the sampling \
+    interrupt are not in it";
+
+/// The eBPF programs' run time over the traced run, as the kernel accounts it.
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct BpfCost {
+    pub method: &'static str,
+    /// Every program's run time, all CPUs.
+    pub cpu_ns: u64,
+    /// `cpu_ns` over the time it was accounted in: the share of one CPU.
+    pub cpu_share: f64,
+    /// `cpu_ns` per step found, and over the steps' wall time (null without steps).
+    pub per_step_ns: Option<u64>,
+    pub step_share: Option<f64>,
+    /// Heaviest first; programs that never ran are left out.
+    pub programs: Vec<ProgramCost>,
+}
+
+/// One program's runs and run time over the traced run.
+#[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
+pub struct ProgramCost {
+    pub name: String,
+    pub runs: u64,
+    pub run_time_ns: u64,
+    pub ns_per_run: u64,
+    /// `run_time_ns` per step found (null without steps).
+    pub per_step_ns: Option<u64>,
+}
+
+impl BpfCost {
+    /// The cost between two `program_stats` readings (cumulative per program), each
+    /// (at_ns, programs); none when they are not apart in time.
+    #[must_use]
+    pub fn between(first: &Reading, last: &Reading) -> Option<BpfCost> {
+        let span = last.0.checked_sub(first.0).filter(|s| *s > 0)?;
+        let before: BTreeMap<&str, (u64, u64)> = first
+            .1
+            .iter()
+            .map(|(n, r, t)| (n.as_str(), (*r, *t)))
+            .collect();
+        let mut programs: Vec<ProgramCost> = last
+            .1
+            .iter()
+            .filter_map(|(name, runs, time)| {
+                let (r0, t0) = before.get(name.as_str()).copied().unwrap_or((0, 0));
+                let runs = runs.saturating_sub(r0);
+                let run_time_ns = time.saturating_sub(t0);
+                (runs > 0).then(|| ProgramCost {
+                    name: name.clone(),
+                    runs,
+                    run_time_ns,
+                    ns_per_run: run_time_ns / runs,
+                    per_step_ns: None,
+                })
+            })
+            .collect();
+        programs.sort_by(|a, b| b.run_time_ns.cmp(&a.run_time_ns).then(a.name.cmp(&b.name)));
+        let cpu_ns = programs
+            .iter()
+            .map(|p| p.run_time_ns)
+            .fold(0u64, u64::saturating_add);
+        Some(BpfCost {
+            method: BPF_COST_METHOD,
+            cpu_ns,
+            cpu_share: cpu_ns as f64 / span as f64,
+            per_step_ns: None,
+            step_share: None,
+            programs,
+        })
+    }
+
+    /// Sets the per-step figures from the steps found and their summed wall time.
+    pub fn per_step(&mut self, steps: usize, wall_ns: u64) {
+        if steps == 0 || wall_ns == 0 {
+            return;
+        }
+        let per = |ns: u64| ns / steps as u64;
+        self.per_step_ns = Some(per(self.cpu_ns));
+        self.step_share = Some(self.cpu_ns as f64 / wall_ns as f64);
+        for p in &mut self.programs {
+            p.per_step_ns = Some(per(p.run_time_ns));
+        }
+    }
 }
 
 /// `summary.json`.
@@ -184,4 +281,67 @@ pub(crate) fn nccl_totals(by_func: BTreeMap<Func, OpStats>) -> NcclStats {
         nccl.by_op.insert(func.name().to_owned(), s);
     }
     nccl
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The cost is what each program added between the two readings, heaviest first;
+    /// programs that did not run are left out, one loaded since counts from zero, and
+    /// the per-step figures divide by the steps and their wall time.
+    #[test]
+    fn program_cost_between_two_readings() {
+        let first: Reading = (
+            1_000_000_000,
+            vec![
+                ("a".into(), 10, 5_000),
+                ("b".into(), 4, 4_000),
+                ("idle".into(), 3, 300),
+            ],
+        );
+        let last: Reading = (
+            3_000_000_000,
+            vec![
+                ("a".into(), 110, 105_000),
+                ("b".into(), 1_004, 2_004_000),
+                ("idle".into(), 3, 300),
+                ("new".into(), 2, 1_000),
+            ],
+        );
+        let mut cost = BpfCost::between(&first, &last).unwrap();
+        let names: Vec<&str> = cost.programs.iter().map(|p| p.name.as_str()).collect();
+        assert_eq!(names, ["b", "a", "new"]);
+        assert_eq!(cost.cpu_ns, 2_000_000 + 100_000 + 1_000);
+        assert_eq!(cost.programs[0].ns_per_run, 2_000);
+        assert!((cost.cpu_share - 2_101_000.0 / 2e9).abs() < 1e-12);
+        assert_eq!(cost.per_step_ns, None);
+        cost.per_step(100, 1_000_000_000);
+        assert_eq!(cost.per_step_ns, Some(21_010));
+        assert_eq!(cost.programs[1].per_step_ns, Some(1_000));
+        assert!((cost.step_share.unwrap() - 0.002_101).abs() < 1e-9);
+        // Readings at one moment give nothing, not a share of zero.
+        assert!(BpfCost::between(&last, &last).is_none());
+        let mut text = Vec::new();
+        let agent = AgentStats {
+            bpf: Some(cost),
+            ..AgentStats::default()
+        };
+        crate::render::summary::write_cost(&agent, &mut text).unwrap();
+        let text = String::from_utf8(text).unwrap();
+        assert!(
+            text.starts_with("agent cost: eBPF programs 21.0 µs a step (0.21% of step time), 1.05 ms of CPU a second on all CPUs — b 20.0 µs, a 1.0 µs, new 0.0 µs"),
+            "{text}"
+        );
+        let mut text = Vec::new();
+        let agent = AgentStats {
+            bpf_unmeasured: Some("refused".into()),
+            ..AgentStats::default()
+        };
+        crate::render::summary::write_cost(&agent, &mut text).unwrap();
+        assert_eq!(
+            String::from_utf8(text).unwrap(),
+            "agent cost: not measured (refused)\n"
+        );
+    }
 }

@@ -35,6 +35,7 @@ fn counts_every_call_of_the_trainer() {
     assert_eq!(summary["lost_events"], 0);
     assert_eq!(summary["stop_reason"], "every target exited");
     assert_eq!(summary["nccl"]["errors"], 0);
+    programs_accounted(&summary);
     // 512 fresh pages a step, each a fault (enough fault time, over 10 ms, that the
     // default 999 Hz sampling surely lands in some: the attributed graph's page_fault).
     assert!(summary["memory"]["page_faults"].as_u64().unwrap() >= 25 * 512);
@@ -54,6 +55,41 @@ fn counts_every_call_of_the_trainer() {
             .is_some_and(|t| !t.is_empty())
     );
     no_programs_left();
+}
+
+/// The programs' own run time, as the kernel accounts it (issue 22): the entry and the
+/// return program ran for each traced call, the total is the programs' sum, and it is
+/// spread over the steps found.
+fn programs_accounted(summary: &Value) {
+    let bpf = &summary["agent"]["bpf"];
+    assert!(bpf.is_object(), "agent.bpf: {}", summary["agent"]);
+    let programs = bpf["programs"].as_array().unwrap();
+    let runs = |name: &str| {
+        programs
+            .iter()
+            .find(|p| p["name"] == name)
+            .map_or(0, |p| p["runs"].as_u64().unwrap())
+    };
+    let calls = summary["nccl"]["calls"].as_u64().unwrap()
+        + summary["cuda_sync"]["calls"].as_u64().unwrap();
+    let (entries, returns) = (runs("uprobe_lib_call"), runs("uretprobe_lib_call"));
+    assert!(
+        entries >= calls,
+        "{entries} entry runs for {calls} traced calls"
+    );
+    assert!(
+        entries.abs_diff(returns) <= 2,
+        "{entries} entries, {returns} returns"
+    );
+    let sum: u64 = programs
+        .iter()
+        .map(|p| p["run_time_ns"].as_u64().unwrap())
+        .sum();
+    assert_eq!(bpf["cpu_ns"].as_u64(), Some(sum));
+    assert!(sum > 0);
+    let share = bpf["step_share"].as_f64().unwrap();
+    assert!(share > 0.0 && share < 0.5, "step share {share}");
+    assert!(bpf["per_step_ns"].as_u64().unwrap() > 0);
 }
 
 /// `report` on the recording rebuilds the same summary, without the target, and the same

@@ -333,6 +333,18 @@ impl LiveSink {
         live.join().ok()
     }
 
+    /// Records `meta` where the run is kept (the recording, or memory after a spill).
+    fn meta(&mut self, meta: Meta) {
+        match &mut self.store {
+            Store::Disk(writer) => {
+                if let Err(e) = writer.meta(&meta) {
+                    self.spill(e);
+                }
+            }
+            Store::Memory { agg, .. } => agg.meta(meta),
+        }
+    }
+
     /// Moves from disk to memory after `error`: nothing written or gathered is lost.
     fn spill(&mut self, error: crate::record::RecordError) {
         crate::note!(
@@ -483,15 +495,11 @@ impl Sink for LiveSink {
     }
 
     fn python_codes(&mut self, pid: u32, codes: Vec<(u64, crate::python::CodeInfo)>) {
-        let meta = Meta::PythonCodes { pid, codes };
-        match &mut self.store {
-            Store::Disk(writer) => {
-                if let Err(e) = writer.meta(&meta) {
-                    self.spill(e);
-                }
-            }
-            Store::Memory { agg, .. } => agg.meta(meta),
-        }
+        self.meta(Meta::PythonCodes { pid, codes });
+    }
+
+    fn program_stats(&mut self, at_ns: u64, programs: Vec<(String, u64, u64)>) {
+        self.meta(Meta::ProgramStats { at_ns, programs });
     }
 
     fn tick(&mut self, lost_by_kind: &std::collections::BTreeMap<String, u64>, alive: usize) {

@@ -450,6 +450,8 @@ pub struct Attached {
     python: python::PyTargets,
     /// The PMU's memory sampler on the targets' threads, where the host has one.
     mem: Option<pmu::Sampling>,
+    /// Held open while the kernel is to account the programs' run time.
+    bpf_stats: Option<std::os::fd::OwnedFd>,
     /// Read the targets' numa_maps (NUMA balancing off or untraced on a multi-node host),
     /// and when it was last read.
     resident: bool,
@@ -706,6 +708,18 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
 
     let shards = ring_shards();
     let mut ebpf = load(&offsets, profile, shards)?;
+    // The kernel accounts each program's run time while this descriptor is open (the
+    // programs' own cost, `summary.json` agent.bpf).
+    let (bpf_stats, bpf_stats_refused) = match aya::sys::enable_stats(aya::sys::Stats::RunTime) {
+        Ok(fd) => (Some(fd), None),
+        Err(e) => (
+            None,
+            Some(format!(
+                "the kernel refused to account the programs' run time (BPF_ENABLE_STATS: {e}; \
+                 it needs Linux 5.8 and CAP_SYS_ADMIN)"
+            )),
+        ),
+    };
 
     let logger = match aya_log::EbpfLogger::init(&mut ebpf) {
         Ok(logger) => Some(logger),
@@ -891,8 +905,10 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
         mem_sampler: mem.as_ref().map(|m| m.sampler.describe()),
         mem_sampling_refused,
         cpu_khz: mem.as_ref().and_then(|_| crate::pmu::cpu_khz()),
+        bpf_stats_refused,
     };
     Ok(Attached {
+        bpf_stats,
         mem,
         resident,
         resident_read: None,
@@ -1006,6 +1022,9 @@ pub trait Sink {
     /// Names of Python code objects seen for the first time in this sink's records (the
     /// record that shows them comes next).
     fn python_codes(&mut self, _pid: u32, _codes: Vec<(u64, crate::python::CodeInfo)>) {}
+    /// The programs' run time so far, as the kernel accounts it: when tracing starts,
+    /// about once a second, and when it stops.
+    fn program_stats(&mut self, _at_ns: u64, _programs: Vec<(String, u64, u64)>) {}
 }
 
 impl Attached {
@@ -1127,6 +1146,7 @@ impl Attached {
         let mut last_tick = Instant::now();
         let mut last_follow = Instant::now();
         let mut more = true;
+        self.read_program_stats(sink);
         let reason = loop {
             if more {
                 let mut naming = python::Naming {
@@ -1177,6 +1197,7 @@ impl Attached {
                         if let Some(mem) = self.mem.as_mut() {
                             mem.follow(self.pids.iter().flat_map(|p| host.threads(*p)));
                         }
+                        self.read_program_stats(sink);
                         let lost = self.counters().0;
                         let alive = self.pids.iter().filter(|p| host.process_alive(**p)).count();
                         sink.tick(&lost, alive);
@@ -1201,7 +1222,28 @@ impl Attached {
         };
         self.rings.drain(&mut naming, usize::MAX)?;
         self.drain_mem(sink)?;
+        self.read_program_stats(sink);
         Ok(reason)
+    }
+
+    /// Hands `sink` each loaded program's runs and run time so far, where the kernel
+    /// accounts them.
+    fn read_program_stats(&self, sink: &mut impl Sink) {
+        let (Some(ebpf), Some(_)) = (self.ebpf.as_ref(), self.bpf_stats.as_ref()) else {
+            return;
+        };
+        let programs = ebpf
+            .programs()
+            .filter_map(|(name, p)| {
+                let info = p.info().ok()?;
+                Some((
+                    name.to_owned(),
+                    info.run_count(),
+                    info.run_time().as_nanos() as u64,
+                ))
+            })
+            .collect();
+        sink.program_stats(host::clock_ns(libc::CLOCK_MONOTONIC), programs);
     }
 
     /// Every [`host::NUMA_MAPS_EVERY`], where enabled: each target's resident memory per

@@ -62,6 +62,8 @@ pub struct Aggregator {
     build_ids: crate::symbolize::BuildIds,
     /// Writes each epoch's outputs as it is attributed (see [`Aggregator::stream_into`]).
     streamer: Option<Streamer>,
+    /// The first and the last reading of the programs' run time.
+    program_stats: Option<(crate::summary::Reading, crate::summary::Reading)>,
     /// Who else follows the run as it is attributed (metrics, the status line).
     sinks: Vec<Box<dyn Sink>>,
     /// When the last epoch was tried because the reader caught up with the run.
@@ -106,6 +108,7 @@ impl Aggregator {
             agent_peak_rss_kb: None,
             build_ids: BTreeMap::new(),
             streamer: None,
+            program_stats: None,
             sinks: Vec::new(),
             last_idle_epoch: None,
         }
@@ -304,6 +307,13 @@ impl Aggregator {
             end @ Meta::End { .. } => self.end = Some(end),
             Meta::Doctor { report } => self.doctor = Some(report),
             Meta::AgentPeak { peak_rss_kb } => self.agent_peak_rss_kb = Some(peak_rss_kb),
+            Meta::ProgramStats { at_ns, programs } => {
+                let reading = (at_ns, programs);
+                match &mut self.program_stats {
+                    Some((_, last)) => *last = reading,
+                    None => self.program_stats = Some((reading.clone(), reading)),
+                }
+            }
             Meta::Maps { pid, added } => {
                 if let Some(t) = self.header.targets.iter_mut().find(|t| t.pid == pid) {
                     t.maps_text.push_str(&added);
@@ -320,12 +330,34 @@ impl Aggregator {
         self.incomplete = Some(why);
     }
 
+    /// The programs' run time between the first and the last reading, or why there is
+    /// none.
+    fn bpf_cost(&self) -> (Option<crate::summary::BpfCost>, Option<String>) {
+        let bpf = self
+            .program_stats
+            .as_ref()
+            .and_then(|(first, last)| crate::summary::BpfCost::between(first, last));
+        let unmeasured = bpf.is_none().then(|| {
+            self.header.bpf_stats_refused.clone().unwrap_or_else(|| {
+                "the programs' run time was read fewer than twice (the recording ends before \
+                 tracing stopped)"
+                    .to_owned()
+            })
+        });
+        (bpf, unmeasured)
+    }
+
     /// The summary and the per-step report of everything pushed.
     #[must_use]
     pub fn finish(mut self, rule: StepRule) -> Outputs {
         let start = self.header.clock.monotonic_ns;
         let streamer = self.end_epochs(&rule);
-        let mut agent = AgentStats::default();
+        let (bpf, bpf_unmeasured) = self.bpf_cost();
+        let mut agent = AgentStats {
+            bpf,
+            bpf_unmeasured,
+            ..AgentStats::default()
+        };
         let (end_ns, stop_reason, lost_by_kind, counters) = match self.end {
             Some(Meta::End {
                 end_monotonic_ns,
@@ -335,10 +367,8 @@ impl Aggregator {
                 attach_ns,
                 agent_peak_rss_kb,
             }) => {
-                agent = AgentStats {
-                    attach_ms: attach_ns as f64 / 1e6,
-                    peak_rss_kb: self.agent_peak_rss_kb.unwrap_or(agent_peak_rss_kb),
-                };
+                agent.attach_ms = attach_ns as f64 / 1e6;
+                agent.peak_rss_kb = self.agent_peak_rss_kb.unwrap_or(agent_peak_rss_kb);
                 (end_monotonic_ns, Some(reason), lost_by_kind, counters)
             }
             // Only the closing record is kept in `end`.

@@ -61,6 +61,9 @@ pub fn write_outputs(
         });
         s
     };
+    if let Some(bpf) = &mut outputs.summary.agent.bpf {
+        bpf.per_step(streamer.table.len(), streamer.table.wall_ns());
+    }
     streamer.finish(outputs, text)
 }
 
@@ -320,6 +323,7 @@ impl Streamer {
         let mut print = || -> io::Result<()> {
             render::summary::write_text(&outputs.summary, text)?;
             render::steps::write_table(&report, &self.table, text)?;
+            render::summary::write_cost(&outputs.summary.agent, text)?;
             if let Some(share) = share
                 && share > 0.5
             {

@@ -100,3 +100,36 @@ pub fn write_text(s: &Summary, out: &mut impl Write) -> io::Result<()> {
     }
     Ok(())
 }
+
+/// The agent's own cost in one line: the programs' run time per step and per second.
+pub fn write_cost(agent: &crate::summary::AgentStats, out: &mut impl Write) -> io::Result<()> {
+    let Some(bpf) = &agent.bpf else {
+        let why = agent.bpf_unmeasured.as_deref().unwrap_or("no reading");
+        return writeln!(out, "agent cost: not measured ({why})");
+    };
+    let us = |ns: u64| ns as f64 / 1e3;
+    let per_second = format!("{:.2} ms of CPU a second on all CPUs", bpf.cpu_share * 1e3);
+    let head = match (bpf.per_step_ns, bpf.step_share) {
+        (Some(per_step), Some(share)) => format!(
+            "{:.1} µs a step ({:.2}% of step time), {per_second}",
+            us(per_step),
+            share * 100.0
+        ),
+        _ => per_second,
+    };
+    let top: Vec<String> = bpf
+        .programs
+        .iter()
+        .take(3)
+        .map(|p| match p.per_step_ns {
+            Some(ns) => format!("{} {:.1} µs", p.name, us(ns)),
+            None => format!("{} {:.2} ms", p.name, p.run_time_ns as f64 / 1e6),
+        })
+        .collect();
+    writeln!(
+        out,
+        "agent cost: eBPF programs {head} — {}; uprobe traps and the sampling interrupt are \
+         not counted",
+        top.join(", ")
+    )
+}
