@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The agent's own cost on a real PyTorch rank (issue 22), as the kernel accounts the
+# programs' run time (summary.json agent.bpf): the DDP job already running, traced for
+# SECONDS with each profile given, one after another in the same process.
+# usage: tests/gpu/cost.sh NCCLTRACE_BINARY [SECONDS] [PROFILE...]   (default: default minimal)
+set -uo pipefail
+BIN=${1:?usage: cost.sh NCCLTRACE_BINARY [SECONDS] [PROFILE...]}
+SECS=${2:-10}
+shift $(( $# >= 2 ? 2 : 1 ))
+[ "$#" -gt 0 ] || set -- default minimal
+OUT=${OUT:-./gpu-out}/cost
+HERE=$(cd "$(dirname "$0")" && pwd)
+# shellcheck source=lib.sh
+. "$HERE/lib.sh"
+rm -rf "$OUT"; mkdir -p "$OUT"
+running_ddp "$OUT"
+for profile in "$@"; do
+  name=$(basename "$profile" .toml)
+  "$BIN" attach --pid "$train" --duration "${SECS}s" --profile "$profile" --out "$OUT/$name" \
+    > "$OUT/$name.txt" 2> "$OUT/$name.err"
+  echo "$name: exit $?; $(grep '^agent cost' "$OUT/$name.txt")"
+done
+kill "$train"; wait "$train" 2>/dev/null
+"$PY" - "$OUT" "$@" <<'PY'
+import json, os, sys
+out, profiles = sys.argv[1], sys.argv[2:]
+for p in profiles:
+    name = os.path.basename(p).removesuffix(".toml")
+    s = json.load(open(f"{out}/{name}/summary.json"))
+    steps = json.load(open(f"{out}/{name}/steps.json"))["steps"]
+    bpf = s["agent"]["bpf"] or {}
+    walls = sorted(x["wall_ns"] for x in steps)
+    print(json.dumps({"profile": name, "steps": len(steps),
+        "median_step_ms": walls[len(walls) // 2] / 1e6 if walls else None,
+        "lost": s["lost_events"], "bpf_unmeasured": s["agent"].get("bpf_unmeasured"),
+        "per_step_us": (bpf.get("per_step_ns") or 0) / 1e3, "step_share": bpf.get("step_share"),
+        "cpu_share": bpf.get("cpu_share"),
+        "programs": [(q["name"], q["runs"], q["ns_per_run"], (q["per_step_ns"] or 0) / 1e3)
+                     for q in bpf.get("programs", [])]}))
+PY
