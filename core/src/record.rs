@@ -265,6 +265,10 @@ pub enum Meta {
     ProgramStats {
         at_ns: u64,
         programs: Vec<(String, u64, u64)>,
+        /// The timed programs' runs for traced threads and the nanoseconds of those runs
+        /// from the target check on (`nccltrace_common::timed`), cumulative likewise.
+        #[serde(default)]
+        traced: Vec<(String, u64, u64)>,
     },
 }
 

@@ -115,15 +115,26 @@ pub struct AgentStats {
     pub bpf_unmeasured: Option<String>,
 }
 
-/// One reading of the programs' run time: (CLOCK_MONOTONIC ns, (program, runs, run time
-/// in ns) each, cumulative since loaded).
-pub type Reading = (u64, Vec<(String, u64, u64)>);
+/// One reading of the programs' run time, cumulative since they were loaded.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Reading {
+    /// CLOCK_MONOTONIC.
+    pub at_ns: u64,
+    /// (program, runs, run time in ns), every run on every CPU.
+    pub programs: Vec<(String, u64, u64)>,
+    /// (program, runs for traced threads, ns of those runs from the target check on), for
+    /// the programs that time themselves.
+    pub traced: Vec<(String, u64, u64)>,
+}
 
 /// How the programs' cost is measured.
 pub const BPF_COST_METHOD: &str = "the kernel's run-time accounting of each program \
     (BPF_ENABLE_STATS: run_time_ns and run_cnt), from when tracing started to when it stopped, \
     all CPUs. Program time only: the uprobe and uretprobe traps around it and the sampling \
-    interrupt are not in it";
+    interrupt are not in it. traced_*: the part spent in runs for traced threads, an \
+    estimate: each hot program times its runs for traced threads from the target check on, \
+    and every run is charged the mean cost of what comes before that check; programs that \
+    do not time themselves (rare ones) are counted whole";
 
 /// The eBPF programs' run time over the traced run, as the kernel accounts it.
 #[derive(Clone, Debug, Default, Serialize, PartialEq)]
@@ -136,6 +147,11 @@ pub struct BpfCost {
     /// `cpu_ns` per step found, and over the steps' wall time (null without steps).
     pub per_step_ns: Option<u64>,
     pub step_share: Option<f64>,
+    /// The part of `cpu_ns` spent in runs for the traced threads (estimated: see
+    /// `method`), and the same per step and over the steps' wall time.
+    pub traced_ns: u64,
+    pub traced_per_step_ns: Option<u64>,
+    pub traced_step_share: Option<f64>,
     /// Heaviest first; programs that never ran are left out.
     pub programs: Vec<ProgramCost>,
 }
@@ -149,6 +165,11 @@ pub struct ProgramCost {
     pub ns_per_run: u64,
     /// `run_time_ns` per step found (null without steps).
     pub per_step_ns: Option<u64>,
+    /// Runs for traced threads, and their share of `run_time_ns` (estimated; a program
+    /// that does not time itself: all of it).
+    pub traced_runs: Option<u64>,
+    pub traced_ns: u64,
+    pub traced_per_step_ns: Option<u64>,
 }
 
 impl BpfCost {
@@ -156,39 +177,61 @@ impl BpfCost {
     /// (at_ns, programs); none when they are not apart in time.
     #[must_use]
     pub fn between(first: &Reading, last: &Reading) -> Option<BpfCost> {
-        let span = last.0.checked_sub(first.0).filter(|s| *s > 0)?;
-        let before: BTreeMap<&str, (u64, u64)> = first
-            .1
-            .iter()
-            .map(|(n, r, t)| (n.as_str(), (*r, *t)))
-            .collect();
+        let span = last.at_ns.checked_sub(first.at_ns).filter(|s| *s > 0)?;
+        let delta = |then: &[(String, u64, u64)], name: &str, runs: u64, ns: u64| {
+            let (r0, t0) = then
+                .iter()
+                .find(|(n, _, _)| n == name)
+                .map_or((0, 0), |(_, r, t)| (*r, *t));
+            (runs.saturating_sub(r0), ns.saturating_sub(t0))
+        };
         let mut programs: Vec<ProgramCost> = last
-            .1
+            .programs
             .iter()
             .filter_map(|(name, runs, time)| {
-                let (r0, t0) = before.get(name.as_str()).copied().unwrap_or((0, 0));
-                let runs = runs.saturating_sub(r0);
-                let run_time_ns = time.saturating_sub(t0);
-                (runs > 0).then(|| ProgramCost {
+                let (runs, run_time_ns) = delta(&first.programs, name, *runs, *time);
+                if runs == 0 {
+                    return None;
+                }
+                let traced = last
+                    .traced
+                    .iter()
+                    .find(|(n, _, _)| n == name)
+                    .map(|(_, r, t)| delta(&first.traced, name, *r, *t));
+                // Every run pays the part before the target check; traced runs pay the rest,
+                // which they time themselves.
+                let traced_ns = traced.map_or(run_time_ns, |(traced_runs, timed_ns)| {
+                    let before_check = run_time_ns.saturating_sub(timed_ns) / runs;
+                    timed_ns
+                        .saturating_add(traced_runs.saturating_mul(before_check))
+                        .min(run_time_ns)
+                });
+                Some(ProgramCost {
                     name: name.clone(),
                     runs,
                     run_time_ns,
                     ns_per_run: run_time_ns / runs,
                     per_step_ns: None,
+                    traced_runs: traced.map(|(r, _)| r),
+                    traced_ns,
+                    traced_per_step_ns: None,
                 })
             })
             .collect();
         programs.sort_by(|a, b| b.run_time_ns.cmp(&a.run_time_ns).then(a.name.cmp(&b.name)));
-        let cpu_ns = programs
-            .iter()
-            .map(|p| p.run_time_ns)
-            .fold(0u64, u64::saturating_add);
+        let sum =
+            |f: fn(&ProgramCost) -> u64| programs.iter().map(f).fold(0u64, u64::saturating_add);
+        let cpu_ns = sum(|p| p.run_time_ns);
+        let traced_ns = sum(|p| p.traced_ns);
         Some(BpfCost {
             method: BPF_COST_METHOD,
             cpu_ns,
             cpu_share: cpu_ns as f64 / span as f64,
             per_step_ns: None,
             step_share: None,
+            traced_ns,
+            traced_per_step_ns: None,
+            traced_step_share: None,
             programs,
         })
     }
@@ -201,8 +244,11 @@ impl BpfCost {
         let per = |ns: u64| ns / steps as u64;
         self.per_step_ns = Some(per(self.cpu_ns));
         self.step_share = Some(self.cpu_ns as f64 / wall_ns as f64);
+        self.traced_per_step_ns = Some(per(self.traced_ns));
+        self.traced_step_share = Some(self.traced_ns as f64 / wall_ns as f64);
         for p in &mut self.programs {
             p.per_step_ns = Some(per(p.run_time_ns));
+            p.traced_per_step_ns = Some(per(p.traced_ns));
         }
     }
 }
@@ -292,32 +338,52 @@ mod tests {
     /// the per-step figures divide by the steps and their wall time.
     #[test]
     fn program_cost_between_two_readings() {
-        let first: Reading = (
+        let reading = |at_ns, programs: &[(&str, u64, u64)], traced: &[(&str, u64, u64)]| {
+            let own = |v: &[(&str, u64, u64)]| -> Vec<(String, u64, u64)> {
+                v.iter()
+                    .map(|(n, r, t)| ((*n).to_owned(), *r, *t))
+                    .collect()
+            };
+            Reading {
+                at_ns,
+                programs: own(programs),
+                traced: own(traced),
+            }
+        };
+        let first = reading(
             1_000_000_000,
-            vec![
-                ("a".into(), 10, 5_000),
-                ("b".into(), 4, 4_000),
-                ("idle".into(), 3, 300),
-            ],
+            &[("a", 10, 5_000), ("b", 4, 4_000), ("idle", 3, 300)],
+            &[("b", 1, 900)],
         );
-        let last: Reading = (
+        let last = reading(
             3_000_000_000,
-            vec![
-                ("a".into(), 110, 105_000),
-                ("b".into(), 1_004, 2_004_000),
-                ("idle".into(), 3, 300),
-                ("new".into(), 2, 1_000),
+            &[
+                ("a", 110, 105_000),
+                ("b", 1_004, 2_004_000),
+                ("idle", 3, 300),
+                ("new", 2, 1_000),
             ],
+            // b: 100 of its 1,000 runs were for traced threads, 1,000,900 - 900 ns of them
+            // after the target check.
+            &[("b", 101, 1_000_900)],
         );
         let mut cost = BpfCost::between(&first, &last).unwrap();
         let names: Vec<&str> = cost.programs.iter().map(|p| p.name.as_str()).collect();
         assert_eq!(names, ["b", "a", "new"]);
         assert_eq!(cost.cpu_ns, 2_000_000 + 100_000 + 1_000);
         assert_eq!(cost.programs[0].ns_per_run, 2_000);
+        // b: the 1,000,000 ns untimed spread over 1,000 runs is 1,000 ns before the check
+        // each; its 100 traced runs: 1,000,000 timed + 100 × 1,000. a and new do not time
+        // themselves: counted whole.
+        assert_eq!(cost.programs[0].traced_runs, Some(100));
+        assert_eq!(cost.programs[0].traced_ns, 1_100_000);
+        assert_eq!(cost.programs[1].traced_runs, None);
+        assert_eq!(cost.traced_ns, 1_100_000 + 100_000 + 1_000);
         assert!((cost.cpu_share - 2_101_000.0 / 2e9).abs() < 1e-12);
         assert_eq!(cost.per_step_ns, None);
         cost.per_step(100, 1_000_000_000);
         assert_eq!(cost.per_step_ns, Some(21_010));
+        assert_eq!(cost.traced_per_step_ns, Some(12_010));
         assert_eq!(cost.programs[1].per_step_ns, Some(1_000));
         assert!((cost.step_share.unwrap() - 0.002_101).abs() < 1e-9);
         // Readings at one moment give nothing, not a share of zero.
@@ -330,7 +396,11 @@ mod tests {
         crate::render::summary::write_cost(&agent, &mut text).unwrap();
         let text = String::from_utf8(text).unwrap();
         assert!(
-            text.starts_with("agent cost: eBPF programs 21.0 µs a step (0.21% of step time), 1.05 ms of CPU a second on all CPUs — b 20.0 µs, a 1.0 µs, new 0.0 µs"),
+            text.starts_with(
+                "agent cost: eBPF programs 12.0 µs a step in the traced threads (0.12% of step \
+                 time, estimated), 21.0 µs on all CPUs (1.05 ms of CPU a second) — in the \
+                 traced threads b 11.0 µs, a 1.0 µs, new 0.0 µs;"
+            ),
             "{text}"
         );
         let mut text = Vec::new();

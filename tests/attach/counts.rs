@@ -90,6 +90,16 @@ fn programs_accounted(summary: &Value) {
     let share = bpf["step_share"].as_f64().unwrap();
     assert!(share > 0.0 && share < 0.5, "step share {share}");
     assert!(bpf["per_step_ns"].as_u64().unwrap() > 0);
+    // The entry program runs only for traced processes: all its runs are the traced
+    // threads', and it timed each of them itself.
+    let entry = programs
+        .iter()
+        .find(|p| p["name"] == "uprobe_lib_call")
+        .unwrap();
+    assert_eq!(entry["traced_runs"], entry["runs"]);
+    let traced = bpf["traced_ns"].as_u64().unwrap();
+    assert!(traced > 0 && traced <= sum, "traced {traced} of {sum} ns");
+    assert!(bpf["traced_per_step_ns"].as_u64().unwrap() <= bpf["per_step_ns"].as_u64().unwrap());
 }
 
 /// `report` on the recording rebuilds the same summary, without the target, and the same

@@ -498,8 +498,17 @@ impl Sink for LiveSink {
         self.meta(Meta::PythonCodes { pid, codes });
     }
 
-    fn program_stats(&mut self, at_ns: u64, programs: Vec<(String, u64, u64)>) {
-        self.meta(Meta::ProgramStats { at_ns, programs });
+    fn program_stats(
+        &mut self,
+        at_ns: u64,
+        programs: crate::source::Programs,
+        traced: crate::source::Programs,
+    ) {
+        self.meta(Meta::ProgramStats {
+            at_ns,
+            programs,
+            traced,
+        });
     }
 
     fn tick(&mut self, lost_by_kind: &std::collections::BTreeMap<String, u64>, alive: usize) {

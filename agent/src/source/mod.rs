@@ -28,7 +28,7 @@ use aya::programs::{
     FEntry, FExit, KProbe, PerfEvent, ProgramError, RawTracePoint, TracePoint, UProbe,
 };
 use aya::{Btf, Ebpf, EbpfLoader};
-use nccltrace_common::{counter, kind, names};
+use nccltrace_common::{counter, kind, names, timed};
 
 use crate::event::{Event, Library};
 use crate::host::{self, Host};
@@ -452,6 +452,8 @@ pub struct Attached {
     mem: Option<pmu::Sampling>,
     /// Held open while the kernel is to account the programs' run time.
     bpf_stats: Option<std::os::fd::OwnedFd>,
+    /// The timed programs' runs and nanoseconds for traced threads (`timed`).
+    target_costs: PerCpuArray<MapData, u64>,
     /// Read the targets' numa_maps (NUMA balancing off or untraced on a multi-node host),
     /// and when it was last read.
     resident: bool,
@@ -865,6 +867,11 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
             .ok_or_else(|| missing_map(names::COUNTERS))?,
     )
     .map_err(map_error(names::COUNTERS))?;
+    let target_costs = PerCpuArray::try_from(
+        ebpf.take_map(names::TARGET_COSTS)
+            .ok_or_else(|| missing_map(names::TARGET_COSTS))?,
+    )
+    .map_err(map_error(names::TARGET_COSTS))?;
 
     // Without hinting faults, where the targets' memory is tells the remote share.
     let node_distances = host.node_distances();
@@ -909,6 +916,7 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
     };
     Ok(Attached {
         bpf_stats,
+        target_costs,
         mem,
         resident,
         resident_read: None,
@@ -1005,6 +1013,9 @@ impl std::fmt::Display for StopReason {
     }
 }
 
+/// (program, runs, nanoseconds) each.
+pub type Programs = Vec<(String, u64, u64)>;
+
 /// Receives every raw record as it is drained.
 pub trait Sink {
     /// One raw kernel record. An error stops the run (the outputs already written stay).
@@ -1024,7 +1035,7 @@ pub trait Sink {
     fn python_codes(&mut self, _pid: u32, _codes: Vec<(u64, crate::python::CodeInfo)>) {}
     /// The programs' run time so far, as the kernel accounts it: when tracing starts,
     /// about once a second, and when it stops.
-    fn program_stats(&mut self, _at_ns: u64, _programs: Vec<(String, u64, u64)>) {}
+    fn program_stats(&mut self, _at_ns: u64, _programs: Programs, _traced: Programs) {}
 }
 
 impl Attached {
@@ -1243,7 +1254,19 @@ impl Attached {
                 ))
             })
             .collect();
-        sink.program_stats(host::clock_ns(libc::CLOCK_MONOTONIC), programs);
+        let sum = |index: u32| -> u64 {
+            self.target_costs
+                .get(&index, 0)
+                .map_or(0, |values| values.iter().sum())
+        };
+        let traced = (0..timed::COUNT)
+            .map(|id| {
+                let name = timed::PROGRAMS[id as usize].to_owned();
+                (name, sum(2 * id), sum(2 * id + 1))
+            })
+            .filter(|(_, runs, _)| *runs > 0)
+            .collect();
+        sink.program_stats(host::clock_ns(libc::CLOCK_MONOTONIC), programs, traced);
     }
 
     /// Every [`host::NUMA_MAPS_EVERY`], where enabled: each target's resident memory per
@@ -1385,6 +1408,7 @@ mod tests {
             names::FEXIT_HANDLE_MM_FAULT,
             names::KPROBE_TASK_NUMA_FAULT,
             names::COUNTERS,
+            names::TARGET_COSTS,
             names::TARGETS,
             names::THREADS,
             names::PY_THREADS,
@@ -1394,6 +1418,7 @@ mod tests {
         ];
         wanted.extend(names::EVENTS);
         wanted.extend(names::TRACEPOINTS.iter().map(|t| t.program));
+        wanted.extend(nccltrace_common::timed::PROGRAMS);
         for name in wanted {
             assert!(defined.contains(name), "the object defines no {name}");
         }

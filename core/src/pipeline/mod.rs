@@ -307,8 +307,16 @@ impl Aggregator {
             end @ Meta::End { .. } => self.end = Some(end),
             Meta::Doctor { report } => self.doctor = Some(report),
             Meta::AgentPeak { peak_rss_kb } => self.agent_peak_rss_kb = Some(peak_rss_kb),
-            Meta::ProgramStats { at_ns, programs } => {
-                let reading = (at_ns, programs);
+            Meta::ProgramStats {
+                at_ns,
+                programs,
+                traced,
+            } => {
+                let reading = crate::summary::Reading {
+                    at_ns,
+                    programs,
+                    traced,
+                };
                 match &mut self.program_stats {
                     Some((_, last)) => *last = reading,
                     None => self.program_stats = Some((reading.clone(), reading)),

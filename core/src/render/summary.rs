@@ -101,35 +101,43 @@ pub fn write_text(s: &Summary, out: &mut impl Write) -> io::Result<()> {
     Ok(())
 }
 
-/// The agent's own cost in one line: the programs' run time per step and per second.
+/// The agent's own cost in one line: the programs' run time per step, in the traced
+/// threads and on all CPUs.
 pub fn write_cost(agent: &crate::summary::AgentStats, out: &mut impl Write) -> io::Result<()> {
     let Some(bpf) = &agent.bpf else {
         let why = agent.bpf_unmeasured.as_deref().unwrap_or("no reading");
         return writeln!(out, "agent cost: not measured ({why})");
     };
     let us = |ns: u64| ns as f64 / 1e3;
-    let per_second = format!("{:.2} ms of CPU a second on all CPUs", bpf.cpu_share * 1e3);
-    let head = match (bpf.per_step_ns, bpf.step_share) {
-        (Some(per_step), Some(share)) => format!(
-            "{:.1} µs a step ({:.2}% of step time), {per_second}",
-            us(per_step),
-            share * 100.0
+    let per_second = format!("{:.2} ms of CPU a second", bpf.cpu_share * 1e3);
+    let steps = bpf.traced_per_step_ns.zip(bpf.traced_step_share);
+    let head = match (steps, bpf.per_step_ns) {
+        (Some((traced, share)), Some(all)) => format!(
+            "{:.1} µs a step in the traced threads ({:.2}% of step time, estimated), {:.1} µs \
+             on all CPUs ({per_second})",
+            us(traced),
+            share * 100.0,
+            us(all)
         ),
-        _ => per_second,
+        _ => format!(
+            "{per_second} on all CPUs, {:.2} ms of it in the traced threads (estimated)",
+            bpf.traced_ns as f64 / 1e6
+        ),
     };
-    let top: Vec<String> = bpf
-        .programs
+    let mut heaviest: Vec<&crate::summary::ProgramCost> = bpf.programs.iter().collect();
+    heaviest.sort_by_key(|p| std::cmp::Reverse(p.traced_ns));
+    let top: Vec<String> = heaviest
         .iter()
         .take(3)
-        .map(|p| match p.per_step_ns {
+        .map(|p| match p.traced_per_step_ns {
             Some(ns) => format!("{} {:.1} µs", p.name, us(ns)),
-            None => format!("{} {:.2} ms", p.name, p.run_time_ns as f64 / 1e6),
+            None => format!("{} {:.2} ms", p.name, p.traced_ns as f64 / 1e6),
         })
         .collect();
     writeln!(
         out,
-        "agent cost: eBPF programs {head} — {}; uprobe traps and the sampling interrupt are \
-         not counted",
+        "agent cost: eBPF programs {head} — in the traced threads {}; uprobe traps and the \
+         sampling interrupt are not counted",
         top.join(", ")
     )
 }

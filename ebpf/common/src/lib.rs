@@ -68,6 +68,8 @@ pub mod counter {
     pub const THREADS_FULL: u32 = 18;
     /// Reading a call's stack arguments or out-pointer failed.
     pub const READ_FAILED: u32 = 19;
+    /// The fault-start map was full at a fault's entry (that fault is not timed).
+    pub const FAULT_START_FULL: u32 = 20;
     /// Size of the array.
     pub const COUNT: u32 = 32;
 
@@ -79,9 +81,38 @@ pub mod counter {
             PENDING_FULL => Some("pending_map_full"),
             THREADS_FULL => Some("thread_map_full"),
             READ_FAILED => Some("argument_reads_failed"),
+            FAULT_START_FULL => Some("fault_start_map_full"),
             _ => None,
         }
     }
+}
+
+/// The programs that time their runs for traced threads (`TARGET_COSTS`: at `2 * id` the
+/// runs, at `2 * id + 1` their nanoseconds, from just after the target check to the
+/// program's end), so that the agent can tell what the traced threads pay from what every
+/// run costs (the kernel's own run-time accounting counts every run, on every CPU).
+pub mod timed {
+    pub const UPROBE_LIB_CALL: u32 = 0;
+    pub const URETPROBE_LIB_CALL: u32 = 1;
+    pub const SCHED_SWITCH: u32 = 2;
+    pub const SCHED_WAKING: u32 = 3;
+    pub const PAGE_FAULT_USER: u32 = 4;
+    pub const FENTRY_HANDLE_MM_FAULT: u32 = 5;
+    pub const FEXIT_HANDLE_MM_FAULT: u32 = 6;
+    pub const PERF_EVENT_CPU_CLOCK: u32 = 7;
+    /// Programs timed.
+    pub const COUNT: u32 = 8;
+    /// Each id's program name.
+    pub const PROGRAMS: [&str; COUNT as usize] = [
+        super::names::UPROBE_LIB_CALL,
+        super::names::URETPROBE_LIB_CALL,
+        "tracepoint_sched_switch",
+        "tracepoint_sched_waking",
+        "raw_page_fault_user",
+        super::names::FENTRY_HANDLE_MM_FAULT,
+        super::names::FEXIT_HANDLE_MM_FAULT,
+        super::names::PERF_EVENT_CPU_CLOCK,
+    ];
 }
 
 /// Subkinds of [`NumaTaskEvent`].
@@ -595,6 +626,8 @@ pub mod names {
         "EVENTS_7",
     ];
     pub const COUNTERS: &str = "COUNTERS";
+    /// Runs and nanoseconds of the timed programs for traced threads ([`super::timed`]).
+    pub const TARGET_COSTS: &str = "TARGET_COSTS";
     pub const TARGETS: &str = "TARGETS";
     pub const THREADS: &str = "THREADS";
     /// Python thread states of target threads (tid → `PyThreadState *`).

@@ -43,7 +43,7 @@ use nccltrace_common::{
     FaultTimeEvent, Header, KSTACK_DEPTH, MAX_ARGS, MigrateEvent, NOT_READ, NumaHintEvent,
     NumaTaskEvent, PY_DEPTH, PY_ENTRY, PY_FRAME_WINDOW, PageMigrationEvent, PendingCall, PyLayout,
     PyStackEvent, RING_SHARDS, SampleEvent, SwitchEvent, TaskEvent, TpOffsets, USTACK_DEPTH,
-    WakeupEvent, call_stacks, counter, func, kind, numa_task, switch_flags,
+    WakeupEvent, call_stacks, counter, func, kind, numa_task, switch_flags, timed,
 };
 
 /// Every record, in ring buffers shared by groups of CPUs (`CONFIG.shards` of them in use,
@@ -88,6 +88,10 @@ fn ring() -> &'static RingBuf {
 /// Drops and errors, indexed by [`counter`] (and by [`kind`] for lost records).
 #[map]
 static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(counter::COUNT, 0);
+
+/// Runs and nanoseconds of the timed programs for traced threads ([`timed`]).
+#[map]
+static TARGET_COSTS: PerCpuArray<u64> = PerCpuArray::with_max_entries(2 * timed::COUNT, 0);
 
 /// Target thread groups (tgid → flags), filled by user space before attach.
 #[map]
@@ -175,6 +179,38 @@ fn bump(index: u32) {
     }
 }
 
+/// Times the rest of a program's run for a traced thread: from its making to its drop (at
+/// every return after it), added to `TARGET_COSTS` under `id`.
+struct TargetRun {
+    id: u32,
+    start_ns: u64,
+}
+
+impl TargetRun {
+    #[inline(always)]
+    fn start(id: u32) -> TargetRun {
+        // SAFETY: helper without preconditions.
+        let start_ns = unsafe { bpf_ktime_get_ns() };
+        TargetRun { id, start_ns }
+    }
+}
+
+impl Drop for TargetRun {
+    #[inline(always)]
+    fn drop(&mut self) {
+        // SAFETY: helper without preconditions.
+        let ns = unsafe { bpf_ktime_get_ns() }.wrapping_sub(self.start_ns);
+        if let Some(runs) = TARGET_COSTS.get_ptr_mut(2 * self.id) {
+            // SAFETY: per-CPU slot, no other writer on this CPU while the program runs.
+            unsafe { *runs += 1 };
+        }
+        if let Some(total) = TARGET_COSTS.get_ptr_mut(2 * self.id + 1) {
+            // SAFETY: as above.
+            unsafe { *total += ns };
+        }
+    }
+}
+
 #[inline(always)]
 fn is_target(tgid: u32) -> bool {
     // SAFETY: the value is not kept past this call.
@@ -248,6 +284,7 @@ pub fn uprobe_lib_call(ctx: ProbeContext) -> u32 {
     if !is_target(tgid) {
         return 0;
     }
+    let _timed = TargetRun::start(timed::UPROBE_LIB_CALL);
     // SAFETY: the cookie is the function id user space attached with.
     let func_id = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } as u32;
     // SAFETY: regs is the probe's own register snapshot.
@@ -382,6 +419,7 @@ pub fn uretprobe_lib_call(ctx: RetProbeContext) -> u32 {
         }
         return 0;
     };
+    let _timed = TargetRun::start(timed::URETPROBE_LIB_CALL);
     let ret: i64 = ctx.ret();
     let mut out = 0u64;
     if let Some(index) = func::out_comm_arg(func_id) {
@@ -440,6 +478,7 @@ pub fn tracepoint_sched_switch(ctx: TracePointContext) -> u32 {
     if flags == 0 {
         return 0;
     }
+    let _timed = TargetRun::start(timed::SCHED_SWITCH);
     // SAFETY: a plain read of a read-only global.
     if flags & switch_flags::PREV_TARGET != 0
         && unsafe { core::ptr::read_volatile(&raw const CONFIG.offcpu_stacks) } != 0
@@ -475,6 +514,7 @@ pub fn tracepoint_sched_waking(ctx: TracePointContext) -> u32 {
     let Some(tgid) = target_of_thread(tid) else {
         return 0;
     };
+    let _timed = TargetRun::start(timed::SCHED_WAKING);
     let (waker_tgid, waker_tid) = current();
     let target_cpu = read_tp::<i32>(&ctx, offset!(wakeup_target_cpu)).unwrap_or(-1);
     emit(
@@ -570,6 +610,7 @@ pub fn raw_page_fault_user(ctx: RawTracePointContext) -> i32 {
     if !is_target(tgid) {
         return 0;
     }
+    let _timed = TargetRun::start(timed::PAGE_FAULT_USER);
     let address: u64 = ctx.arg(0);
     let regs: u64 = ctx.arg(1);
     let error_code: u64 = ctx.arg(2);
@@ -610,6 +651,7 @@ pub fn fentry_handle_mm_fault(ctx: FEntryContext) -> u32 {
     if !is_target(tgid) {
         return 0;
     }
+    let _timed = TargetRun::start(timed::FENTRY_HANDLE_MM_FAULT);
     let flags: u32 = ctx.arg(2);
     if flags & FAULT_FLAG_USER == 0 {
         return 0;
@@ -620,7 +662,9 @@ pub fn fentry_handle_mm_fault(ctx: FEntryContext) -> u32 {
         flags,
         _pad: 0,
     };
-    let _ = FAULT_START.insert(&tid, &start, 0);
+    if FAULT_START.insert(&tid, &start, 0).is_err() {
+        bump(counter::FAULT_START_FULL);
+    }
     0
 }
 
@@ -632,6 +676,7 @@ pub fn fexit_handle_mm_fault(ctx: FExitContext) -> u32 {
     let Some(start) = (unsafe { FAULT_START.get(&tid) }).copied() else {
         return 0;
     };
+    let _timed = TargetRun::start(timed::FEXIT_HANDLE_MM_FAULT);
     let _ = FAULT_START.remove(&tid);
     let address: u64 = ctx.arg(1);
     let result: u32 = ctx.ret().unwrap_or(0);
@@ -772,6 +817,7 @@ pub fn perf_event_cpu_clock(ctx: PerfEventContext) -> u32 {
     if !is_target(tgid) {
         return 0;
     }
+    let _timed = TargetRun::start(timed::PERF_EVENT_CPU_CLOCK);
     emit_stacks(ctx.as_ptr(), kind::SAMPLE, tgid, tid);
     0
 }
