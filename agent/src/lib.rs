@@ -16,7 +16,7 @@ pub mod source;
 pub mod stop;
 
 pub use nccltrace_core::{
-    attribute, decode, event, note, pipeline, pmu, procfs, record, render, symbolize,
+    attribute, decode, event, note, pipeline, pmu, procfs, record, render, summary, symbolize,
 };
 
 use std::path::PathBuf;

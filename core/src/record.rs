@@ -260,16 +260,8 @@ pub enum Meta {
         codes: Vec<(u64, crate::python::CodeInfo)>,
     },
     /// The kernel's accounting of the programs' run time (BPF_ENABLE_STATS), cumulative
-    /// since they were loaded: (program, runs, run time in ns), at `at_ns`
-    /// (CLOCK_MONOTONIC). Written when tracing starts, every second, and when it stops.
-    ProgramStats {
-        at_ns: u64,
-        programs: Vec<(String, u64, u64)>,
-        /// The timed programs' runs for traced threads and the nanoseconds of those runs
-        /// from the target check on (`nccltrace_common::timed`), cumulative likewise.
-        #[serde(default)]
-        traced: Vec<(String, u64, u64)>,
-    },
+    /// since they were loaded. Written when tracing starts, every second, and when it stops.
+    ProgramStats(crate::summary::Reading),
 }
 
 impl Meta {
@@ -286,7 +278,7 @@ impl Meta {
             Meta::BuildIds { .. } => "build_ids",
             Meta::Maps { .. } => "maps",
             Meta::PythonCodes { .. } => "python_codes",
-            Meta::ProgramStats { .. } => "program_stats",
+            Meta::ProgramStats(_) => "program_stats",
         }
     }
 }

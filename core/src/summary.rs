@@ -115,16 +115,24 @@ pub struct AgentStats {
     pub bpf_unmeasured: Option<String>,
 }
 
-/// One reading of the programs' run time, cumulative since they were loaded.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+/// One reading of the programs' run time, cumulative since they were loaded (the
+/// recording's `program_stats` records).
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Deserialize, Serialize)]
 pub struct Reading {
     /// CLOCK_MONOTONIC.
     pub at_ns: u64,
     /// (program, runs, run time in ns), every run on every CPU.
     pub programs: Vec<(String, u64, u64)>,
     /// (program, runs for traced threads, ns of those runs from the target check on), for
-    /// the programs that time themselves.
+    /// the programs that time themselves (`nccltrace_common::timed`).
+    #[serde(default)]
     pub traced: Vec<(String, u64, u64)>,
+    /// What a traced call's uprobe and uretprobe traps cost on this host, measured once
+    /// while tracing (ns a call), or why not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trap_ns: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trap_refused: Option<String>,
 }
 
 /// How the programs' cost is measured.
@@ -152,6 +160,17 @@ pub struct BpfCost {
     pub traced_ns: u64,
     pub traced_per_step_ns: Option<u64>,
     pub traced_step_share: Option<f64>,
+    /// The uprobe and uretprobe traps of the traced calls, not in any program's run time:
+    /// what a call's traps cost on this host (measured once while tracing), times the
+    /// traced calls; null with the reason when not measured.
+    pub trap_ns_per_call: Option<u64>,
+    pub traps_ns: Option<u64>,
+    pub traps_per_step_ns: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub traps_unmeasured: Option<String>,
+    /// Programs and traps in the traced threads, per step and over the steps' wall time.
+    pub traced_total_per_step_ns: Option<u64>,
+    pub traced_total_step_share: Option<f64>,
     /// Heaviest first; programs that never ran are left out.
     pub programs: Vec<ProgramCost>,
 }
@@ -223,6 +242,11 @@ impl BpfCost {
             |f: fn(&ProgramCost) -> u64| programs.iter().map(f).fold(0u64, u64::saturating_add);
         let cpu_ns = sum(|p| p.run_time_ns);
         let traced_ns = sum(|p| p.traced_ns);
+        let calls = programs
+            .iter()
+            .find(|p| p.name == nccltrace_common::names::UPROBE_LIB_CALL)
+            .map_or(0, |p| p.traced_runs.unwrap_or(p.runs));
+        let trap_ns_per_call = last.trap_ns.or(first.trap_ns);
         Some(BpfCost {
             method: BPF_COST_METHOD,
             cpu_ns,
@@ -232,6 +256,16 @@ impl BpfCost {
             traced_ns,
             traced_per_step_ns: None,
             traced_step_share: None,
+            trap_ns_per_call,
+            traps_ns: trap_ns_per_call.map(|t| t.saturating_mul(calls)),
+            traps_per_step_ns: None,
+            traps_unmeasured: trap_ns_per_call.is_none().then(|| {
+                last.trap_refused.clone().unwrap_or_else(|| {
+                    "not measured by the agent that made the recording".to_owned()
+                })
+            }),
+            traced_total_per_step_ns: None,
+            traced_total_step_share: None,
             programs,
         })
     }
@@ -246,6 +280,10 @@ impl BpfCost {
         self.step_share = Some(self.cpu_ns as f64 / wall_ns as f64);
         self.traced_per_step_ns = Some(per(self.traced_ns));
         self.traced_step_share = Some(self.traced_ns as f64 / wall_ns as f64);
+        self.traps_per_step_ns = self.traps_ns.map(per);
+        let total = self.traced_ns.saturating_add(self.traps_ns.unwrap_or(0));
+        self.traced_total_per_step_ns = Some(per(total));
+        self.traced_total_step_share = Some(total as f64 / wall_ns as f64);
         for p in &mut self.programs {
             p.per_step_ns = Some(per(p.run_time_ns));
             p.traced_per_step_ns = Some(per(p.traced_ns));
@@ -348,17 +386,22 @@ mod tests {
                 at_ns,
                 programs: own(programs),
                 traced: own(traced),
+                ..Reading::default()
             }
         };
         let first = reading(
             1_000_000_000,
-            &[("a", 10, 5_000), ("b", 4, 4_000), ("idle", 3, 300)],
+            &[
+                ("uprobe_lib_call", 10, 5_000),
+                ("b", 4, 4_000),
+                ("idle", 3, 300),
+            ],
             &[("b", 1, 900)],
         );
-        let last = reading(
+        let mut last = reading(
             3_000_000_000,
             &[
-                ("a", 110, 105_000),
+                ("uprobe_lib_call", 110, 105_000),
                 ("b", 1_004, 2_004_000),
                 ("idle", 3, 300),
                 ("new", 2, 1_000),
@@ -367,14 +410,20 @@ mod tests {
             // after the target check.
             &[("b", 101, 1_000_900)],
         );
+        // Without the traps measured: programs only, and why.
+        let cost = BpfCost::between(&first, &last).unwrap();
+        assert_eq!(cost.traps_ns, None);
+        assert!(cost.traps_unmeasured.is_some());
+        last.trap_ns = Some(1_500);
         let mut cost = BpfCost::between(&first, &last).unwrap();
+        assert_eq!(cost.traps_unmeasured, None);
         let names: Vec<&str> = cost.programs.iter().map(|p| p.name.as_str()).collect();
-        assert_eq!(names, ["b", "a", "new"]);
+        assert_eq!(names, ["b", "uprobe_lib_call", "new"]);
         assert_eq!(cost.cpu_ns, 2_000_000 + 100_000 + 1_000);
         assert_eq!(cost.programs[0].ns_per_run, 2_000);
         // b: the 1,000,000 ns untimed spread over 1,000 runs is 1,000 ns before the check
-        // each; its 100 traced runs: 1,000,000 timed + 100 × 1,000. a and new do not time
-        // themselves: counted whole.
+        // each; its 100 traced runs: 1,000,000 timed + 100 × 1,000. The other two do not
+        // time themselves here: counted whole.
         assert_eq!(cost.programs[0].traced_runs, Some(100));
         assert_eq!(cost.programs[0].traced_ns, 1_100_000);
         assert_eq!(cost.programs[1].traced_runs, None);
@@ -384,6 +433,9 @@ mod tests {
         cost.per_step(100, 1_000_000_000);
         assert_eq!(cost.per_step_ns, Some(21_010));
         assert_eq!(cost.traced_per_step_ns, Some(12_010));
+        // 100 calls entered (the entry program's runs) × 1,500 ns of traps.
+        assert_eq!(cost.traps_ns, Some(150_000));
+        assert_eq!(cost.traced_total_per_step_ns, Some(13_510));
         assert_eq!(cost.programs[1].per_step_ns, Some(1_000));
         assert!((cost.step_share.unwrap() - 0.002_101).abs() < 1e-9);
         // Readings at one moment give nothing, not a share of zero.
@@ -397,9 +449,10 @@ mod tests {
         let text = String::from_utf8(text).unwrap();
         assert!(
             text.starts_with(
-                "agent cost: eBPF programs 12.0 µs a step in the traced threads (0.12% of step \
-                 time, estimated), 21.0 µs on all CPUs (1.05 ms of CPU a second) — in the \
-                 traced threads b 11.0 µs, a 1.0 µs, new 0.0 µs;"
+                "agent cost: 13.5 µs a step in the traced threads (0.14% of step time, \
+                 estimated: programs 12.0 µs, uprobe traps 1.5 µs), 21.0 µs of programs on all \
+                 CPUs (1.05 ms of CPU a second) — programs in the traced threads: b 11.0 µs, \
+                 uprobe_lib_call 1.0 µs, new 0.0 µs;"
             ),
             "{text}"
         );

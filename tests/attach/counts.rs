@@ -100,6 +100,10 @@ fn programs_accounted(summary: &Value) {
     let traced = bpf["traced_ns"].as_u64().unwrap();
     assert!(traced > 0 && traced <= sum, "traced {traced} of {sum} ns");
     assert!(bpf["traced_per_step_ns"].as_u64().unwrap() <= bpf["per_step_ns"].as_u64().unwrap());
+    // The traps, measured on the agent's own function, for every call entered.
+    let trap = bpf["trap_ns_per_call"].as_u64().unwrap_or(0);
+    assert!(trap > 0 && trap < 1_000_000, "trap {trap} ns a call: {bpf}");
+    assert_eq!(bpf["traps_ns"].as_u64(), Some(trap * entries));
 }
 
 /// `report` on the recording rebuilds the same summary, without the target, and the same

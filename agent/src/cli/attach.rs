@@ -498,17 +498,8 @@ impl Sink for LiveSink {
         self.meta(Meta::PythonCodes { pid, codes });
     }
 
-    fn program_stats(
-        &mut self,
-        at_ns: u64,
-        programs: crate::source::Programs,
-        traced: crate::source::Programs,
-    ) {
-        self.meta(Meta::ProgramStats {
-            at_ns,
-            programs,
-            traced,
-        });
+    fn program_stats(&mut self, reading: crate::summary::Reading) {
+        self.meta(Meta::ProgramStats(reading));
     }
 
     fn tick(&mut self, lost_by_kind: &std::collections::BTreeMap<String, u64>, alive: usize) {

@@ -7,6 +7,7 @@ pub mod pmu;
 pub mod python;
 pub mod rings;
 pub mod tracefs;
+mod traps;
 
 use std::collections::BTreeMap;
 use std::os::unix::fs::MetadataExt as _;
@@ -454,6 +455,12 @@ pub struct Attached {
     bpf_stats: Option<std::os::fd::OwnedFd>,
     /// The timed programs' runs and nanoseconds for traced threads (`timed`).
     target_costs: PerCpuArray<MapData, u64>,
+    /// What a traced call's traps cost here (ns), measured at the first tick, or why not.
+    traps: Option<Result<u64, String>>,
+    /// The programs' run time before any probe was attached (the first window's start).
+    baseline: Option<crate::summary::Reading>,
+    /// The runs the trap calibration caused, left out of every reading.
+    calibration_runs: BTreeMap<String, (u64, u64)>,
     /// Read the targets' numa_maps (NUMA balancing off or untraced on a multi-node host),
     /// and when it was last read.
     resident: bool,
@@ -722,6 +729,11 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
             )),
         ),
     };
+    // The programs are loaded and not attached yet: every count starts from zero here.
+    let baseline = bpf_stats.as_ref().map(|_| crate::summary::Reading {
+        at_ns: host::clock_ns(libc::CLOCK_MONOTONIC),
+        ..crate::summary::Reading::default()
+    });
 
     let logger = match aya_log::EbpfLogger::init(&mut ebpf) {
         Ok(logger) => Some(logger),
@@ -917,6 +929,9 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
     Ok(Attached {
         bpf_stats,
         target_costs,
+        traps: None,
+        baseline,
+        calibration_runs: BTreeMap::new(),
         mem,
         resident,
         resident_read: None,
@@ -968,6 +983,17 @@ where
     Ok(prog)
 }
 
+/// Each loaded program's runs and run time as the kernel counts them.
+fn raw_program_runs(ebpf: &Ebpf) -> BTreeMap<String, (u64, u64)> {
+    ebpf.programs()
+        .filter_map(|(name, p)| {
+            let info = p.info().ok()?;
+            let ns = u64::try_from(info.run_time().as_nanos()).unwrap_or(u64::MAX);
+            Some((name.to_owned(), (info.run_count(), ns)))
+        })
+        .collect()
+}
+
 /// The program `name` of the object, as its type.
 fn typed_program<'e, P>(ebpf: &'e mut Ebpf, name: &str) -> Result<&'e mut P, SourceError>
 where
@@ -1013,9 +1039,6 @@ impl std::fmt::Display for StopReason {
     }
 }
 
-/// (program, runs, nanoseconds) each.
-pub type Programs = Vec<(String, u64, u64)>;
-
 /// Receives every raw record as it is drained.
 pub trait Sink {
     /// One raw kernel record. An error stops the run (the outputs already written stay).
@@ -1035,7 +1058,7 @@ pub trait Sink {
     fn python_codes(&mut self, _pid: u32, _codes: Vec<(u64, crate::python::CodeInfo)>) {}
     /// The programs' run time so far, as the kernel accounts it: when tracing starts,
     /// about once a second, and when it stops.
-    fn program_stats(&mut self, _at_ns: u64, _programs: Programs, _traced: Programs) {}
+    fn program_stats(&mut self, _reading: crate::summary::Reading) {}
 }
 
 impl Attached {
@@ -1157,7 +1180,12 @@ impl Attached {
         let mut last_tick = Instant::now();
         let mut last_follow = Instant::now();
         let mut more = true;
-        self.read_program_stats(sink);
+        // The first window counts from the reading taken before any probe was attached:
+        // the calls made while attaching are in its recording too.
+        match self.baseline.take() {
+            Some(reading) => sink.program_stats(reading),
+            None => self.read_program_stats(sink),
+        }
         let reason = loop {
             if more {
                 let mut naming = python::Naming {
@@ -1208,6 +1236,7 @@ impl Attached {
                         if let Some(mem) = self.mem.as_mut() {
                             mem.follow(self.pids.iter().flat_map(|p| host.threads(*p)));
                         }
+                        self.measure_traps();
                         self.read_program_stats(sink);
                         let lost = self.counters().0;
                         let alive = self.pids.iter().filter(|p| host.process_alive(**p)).count();
@@ -1233,25 +1262,47 @@ impl Attached {
         };
         self.rings.drain(&mut naming, usize::MAX)?;
         self.drain_mem(sink)?;
+        // A run shorter than a second has its traps measured now.
+        self.measure_traps();
         self.read_program_stats(sink);
         Ok(reason)
     }
 
-    /// Hands `sink` each loaded program's runs and run time so far, where the kernel
-    /// accounts them.
-    fn read_program_stats(&self, sink: &mut impl Sink) {
+    /// Once, where the programs' run time is accounted: what a traced call's traps cost
+    /// here (a few milliseconds of calls of the agent's own, a second into the run).
+    fn measure_traps(&mut self) {
+        if self.traps.is_none()
+            && self.bpf_stats.is_some()
+            && let Some(ebpf) = self.ebpf.as_mut()
+        {
+            let before = raw_program_runs(ebpf);
+            self.traps = Some(traps::calibrate(ebpf, &mut self.links));
+            // The calibration's own runs of the call programs (rejected at once: the agent is
+            // no target) are not the job's: exactly `traps::CALLS_MADE` each, and their share
+            // of the time the program ran meanwhile (the job's calls ran it too).
+            let after = raw_program_runs(ebpf);
+            for name in [names::UPROBE_LIB_CALL, names::URETPROBE_LIB_CALL] {
+                let (r0, t0) = before.get(name).copied().unwrap_or((0, 0));
+                let (r1, t1) = after.get(name).copied().unwrap_or((0, 0));
+                let (runs, ns) = (r1.saturating_sub(r0), t1.saturating_sub(t0));
+                let own_runs = traps::CALLS_MADE.min(runs);
+                let own_ns = ns.checked_div(runs).map_or(0, |per_run| per_run * own_runs);
+                self.calibration_runs
+                    .insert(name.to_owned(), (own_runs, own_ns));
+            }
+        }
+    }
+
+    /// Each loaded program's runs and run time so far, where the kernel accounts them.
+    fn program_reading(&self) -> Option<crate::summary::Reading> {
         let (Some(ebpf), Some(_)) = (self.ebpf.as_ref(), self.bpf_stats.as_ref()) else {
-            return;
+            return None;
         };
-        let programs = ebpf
-            .programs()
-            .filter_map(|(name, p)| {
-                let info = p.info().ok()?;
-                Some((
-                    name.to_owned(),
-                    info.run_count(),
-                    info.run_time().as_nanos() as u64,
-                ))
+        let programs = raw_program_runs(ebpf)
+            .into_iter()
+            .map(|(name, (runs, ns))| {
+                let (r, t) = self.calibration_runs.get(&name).copied().unwrap_or((0, 0));
+                (name, runs.saturating_sub(r), ns.saturating_sub(t))
             })
             .collect();
         let sum = |index: u32| -> u64 {
@@ -1266,7 +1317,28 @@ impl Attached {
             })
             .filter(|(_, runs, _)| *runs > 0)
             .collect();
-        sink.program_stats(host::clock_ns(libc::CLOCK_MONOTONIC), programs, traced);
+        let (trap_ns, trap_refused) = match &self.traps {
+            Some(Ok(ns)) => (Some(*ns), None),
+            Some(Err(why)) => (None, Some(why.clone())),
+            None => (
+                None,
+                Some("tracing stopped before it was measured".to_owned()),
+            ),
+        };
+        Some(crate::summary::Reading {
+            at_ns: host::clock_ns(libc::CLOCK_MONOTONIC),
+            programs,
+            traced,
+            trap_ns,
+            trap_refused,
+        })
+    }
+
+    /// Hands `sink` the programs' run time so far.
+    fn read_program_stats(&self, sink: &mut impl Sink) {
+        if let Some(reading) = self.program_reading() {
+            sink.program_stats(reading);
+        }
     }
 
     /// Every [`host::NUMA_MAPS_EVERY`], where enabled: each target's resident memory per

@@ -307,21 +307,10 @@ impl Aggregator {
             end @ Meta::End { .. } => self.end = Some(end),
             Meta::Doctor { report } => self.doctor = Some(report),
             Meta::AgentPeak { peak_rss_kb } => self.agent_peak_rss_kb = Some(peak_rss_kb),
-            Meta::ProgramStats {
-                at_ns,
-                programs,
-                traced,
-            } => {
-                let reading = crate::summary::Reading {
-                    at_ns,
-                    programs,
-                    traced,
-                };
-                match &mut self.program_stats {
-                    Some((_, last)) => *last = reading,
-                    None => self.program_stats = Some((reading.clone(), reading)),
-                }
-            }
+            Meta::ProgramStats(reading) => match &mut self.program_stats {
+                Some((_, last)) => *last = reading,
+                None => self.program_stats = Some((reading.clone(), reading)),
+            },
             Meta::Maps { pid, added } => {
                 if let Some(t) = self.header.targets.iter_mut().find(|t| t.pid == pid) {
                     t.maps_text.push_str(&added);

@@ -110,13 +110,20 @@ pub fn write_cost(agent: &crate::summary::AgentStats, out: &mut impl Write) -> i
     };
     let us = |ns: u64| ns as f64 / 1e3;
     let per_second = format!("{:.2} ms of CPU a second", bpf.cpu_share * 1e3);
-    let steps = bpf.traced_per_step_ns.zip(bpf.traced_step_share);
-    let head = match (steps, bpf.per_step_ns) {
-        (Some((traced, share)), Some(all)) => format!(
-            "{:.1} µs a step in the traced threads ({:.2}% of step time, estimated), {:.1} µs \
-             on all CPUs ({per_second})",
-            us(traced),
+    let traps = bpf.traps_per_step_ns.map_or_else(
+        || "uprobe traps not measured".to_owned(),
+        |t| format!("uprobe traps {:.1} µs", us(t)),
+    );
+    let steps = bpf
+        .traced_total_per_step_ns
+        .zip(bpf.traced_total_step_share);
+    let head = match (steps, bpf.traced_per_step_ns, bpf.per_step_ns) {
+        (Some((total, share)), Some(programs), Some(all)) => format!(
+            "{:.1} µs a step in the traced threads ({:.2}% of step time, estimated: programs \
+             {:.1} µs, {traps}), {:.1} µs of programs on all CPUs ({per_second})",
+            us(total),
             share * 100.0,
+            us(programs),
             us(all)
         ),
         _ => format!(
@@ -136,8 +143,8 @@ pub fn write_cost(agent: &crate::summary::AgentStats, out: &mut impl Write) -> i
         .collect();
     writeln!(
         out,
-        "agent cost: eBPF programs {head} — in the traced threads {}; uprobe traps and the \
-         sampling interrupt are not counted",
+        "agent cost: {head} — programs in the traced threads: {}; the sampling interrupt is \
+         not counted",
         top.join(", ")
     )
 }
