@@ -88,7 +88,11 @@ fn programs_accounted(summary: &Value) {
     assert_eq!(bpf["cpu_ns"].as_u64(), Some(sum));
     assert!(sum > 0);
     let share = bpf["step_share"].as_f64().unwrap();
-    assert!(share > 0.0 && share < 0.5, "step share {share}");
+    // Under emulation (the QEMU guests) the programs weigh far more against the steps.
+    assert!(
+        share > 0.0 && (share < 0.5 || in_a_guest()),
+        "step share {share}"
+    );
     assert!(bpf["per_step_ns"].as_u64().unwrap() > 0);
     // The entry program runs only for traced processes: all its runs are the traced
     // threads', and it timed each of them itself.

@@ -445,6 +445,83 @@ fn attach_only(
     Ok((median(ms), rss))
 }
 
+/// `cargo xtask bench --cost`: the cost model (summary.json agent.bpf) against the wall
+/// clock on the demo trainer, where the wall clock can resolve it: `pairs` interleaved
+/// untraced / traced runs of 300 steps (default profile); the measured cost a step is the
+/// traced mean step less the untraced one of the same pair, the predicted one the traced
+/// run's `traced_total_per_step_ns`.
+pub fn cost(root: &Path, pairs: usize) -> anyhow::Result<()> {
+    if !super::setup::is_root() {
+        bail!("the benchmarks load eBPF programs: run `sudo -E cargo xtask bench --cost`");
+    }
+    if pairs < 3 {
+        bail!("--pairs {pairs}: at least 3 pairs are needed for a median and its interval");
+    }
+    let fixtures = super::build_fixtures(root)?;
+    let (agent, work) = super::release_agent(root, "bench-cost")?;
+    let out = work.join("trainer");
+    let (mut ratios, mut measured, mut predicted) = (Vec::new(), Vec::new(), Vec::new());
+    for pair in 1..=pairs {
+        let untraced = trainer_step_ns(&agent, &fixtures, &work, None, 300)?;
+        let traced = trainer_step_ns(&agent, &fixtures, &work, Some((&out, "default")), 300)?;
+        let summary: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("summary.json"))?)?;
+        let bpf = &summary["agent"]["bpf"];
+        let model = bpf["traced_total_per_step_ns"].as_f64().with_context(|| {
+            format!(
+                "no agent.bpf.traced_total_per_step_ns: {}",
+                summary["agent"]
+            )
+        })?;
+        eprintln!(
+            "bench: pair {pair}/{pairs}: untraced {:.1} µs, traced {:.1} µs a step; predicted \
+             cost {:.1} µs",
+            untraced / 1e3,
+            traced / 1e3,
+            model / 1e3
+        );
+        ratios.push(traced / untraced);
+        measured.push(traced - untraced);
+        predicted.push(model);
+    }
+    let (low, high) = median_interval(&ratios);
+    let (m, p) = (median(measured.clone()), median(predicted.clone()));
+    let (m_low, m_high) = median_interval(&measured);
+    println!(
+        "\nnccltrace cost model on the demo trainer (default profile, {pairs} interleaved pairs of 300-step runs)"
+    );
+    println!("| measure | value |");
+    println!("| --- | --- |");
+    println!(
+        "| step time, traced / untraced: median (95% interval of the median) | {:.4} ({low:.4}–{high:.4}) |",
+        median(ratios.clone())
+    );
+    println!(
+        "| measured cost a step (traced − untraced step, median, 95% interval) | {:.1} µs ({:.1}–{:.1}) |",
+        m / 1e3,
+        m_low / 1e3,
+        m_high / 1e3
+    );
+    println!(
+        "| predicted cost a step (summary.json agent.bpf traced_total_per_step_ns, median) | {:.1} µs |",
+        p / 1e3
+    );
+    println!("| predicted / measured | {:.2} |", p / m);
+    Ok(())
+}
+
+/// The 95% interval of the median of `v` from order statistics (binomial, normal
+/// approximation): distribution-free.
+fn median_interval(v: &[f64]) -> (f64, f64) {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    let n = v.len() as f64;
+    let half = 1.96 * n.sqrt() / 2.0;
+    let low = ((n / 2.0 - half).floor().max(0.0)) as usize;
+    let high = ((n / 2.0 + half).ceil() as usize).min(v.len() - 1);
+    (v[low], v[high])
+}
+
 /// Mean step wall time of the demo trainer (steps after the fifth), traced into
 /// `(out, profile)` when given.
 fn trainer_step_ns(

@@ -36,7 +36,16 @@ enum Task {
     /// Set up, build, run the demo trainer, attach to it and print the summary.
     Demo,
     /// The agent's cost beside its baselines (docs/benchmarks.md).
-    Bench,
+    Bench {
+        /// Only the cost model against the wall clock: interleaved untraced / traced runs
+        /// of the demo trainer, the measured cost a step beside the one summary.json's
+        /// agent.bpf predicts.
+        #[arg(long)]
+        cost: bool,
+        /// Pairs of runs for --cost.
+        #[arg(long, default_value_t = 30)]
+        pairs: usize,
+    },
     /// Man pages and shell completions into target/man/ and target/completions/.
     Man,
     /// Run the cargo fuzz targets (fuzz/) for a while each.
@@ -88,7 +97,8 @@ fn main() -> anyhow::Result<()> {
         Task::Setup | Task::GpuCheck { .. } => Ok(()),
         Task::Test { args } => test::run(&root, &args),
         Task::Demo => demo::run(&root),
-        Task::Bench => bench::run(&root),
+        Task::Bench { cost: false, .. } => bench::run(&root),
+        Task::Bench { cost: true, pairs } => bench::cost(&root, pairs),
         Task::Man => man::run(&root),
         Task::VmTest {
             kernel,
