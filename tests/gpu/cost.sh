@@ -33,8 +33,11 @@ for p in profiles:
     print(json.dumps({"profile": name, "steps": len(steps),
         "median_step_ms": walls[len(walls) // 2] / 1e6 if walls else None,
         "lost": s["lost_events"], "bpf_unmeasured": s["agent"].get("bpf_unmeasured"),
-        "per_step_us": (bpf.get("per_step_ns") or 0) / 1e3, "step_share": bpf.get("step_share"),
-        "cpu_share": bpf.get("cpu_share"),
-        "programs": [(q["name"], q["runs"], q["ns_per_run"], (q["per_step_ns"] or 0) / 1e3)
+        "traced_total_per_step_us": (bpf.get("traced_total_per_step_ns") or 0) / 1e3,
+        "traced_total_step_share": bpf.get("traced_total_step_share"),
+        "traced_programs_per_step_us": (bpf.get("traced_per_step_ns") or 0) / 1e3,
+        "trap_ns_per_call": bpf.get("trap_ns_per_call"), "traps_per_step_us": (bpf.get("traps_per_step_ns") or 0) / 1e3,
+        "all_cpus_per_step_us": (bpf.get("per_step_ns") or 0) / 1e3, "cpu_share": bpf.get("cpu_share"),
+        "programs": [(q["name"], q["runs"], q["traced_runs"], q["ns_per_run"], (q["traced_per_step_ns"] or 0) / 1e3)
                      for q in bpf.get("programs", [])]}))
 PY
