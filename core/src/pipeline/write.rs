@@ -322,8 +322,9 @@ impl Streamer {
         let share = render::flamegraph::short_stack_share(stacks, &self.samples);
         let mut print = || -> io::Result<()> {
             render::summary::write_text(&outputs.summary, text)?;
-            render::steps::write_table(&report, &self.table, text)?;
+            // Before the steps: the table's verdict stays the last line.
             render::summary::write_cost(&outputs.summary.agent, text)?;
+            render::steps::write_table(&report, &self.table, text)?;
             if let Some(share) = share
                 && share > 0.5
             {
