@@ -208,6 +208,26 @@ fn stats_not_recorded() -> Option<String> {
     )
 }
 
+/// One reading of the programs' run time, cumulative since they were loaded (the
+/// recording's `program_stats` records).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProgramReading {
+    /// CLOCK_MONOTONIC.
+    pub at_ns: u64,
+    /// (program, runs, run time in ns), every run on every CPU.
+    pub programs: Vec<(String, u64, u64)>,
+    /// (program, runs for traced threads, ns of those runs from the target check on), for
+    /// the programs that time themselves (`nccltrace_common::timed`).
+    #[serde(default)]
+    pub traced: Vec<(String, u64, u64)>,
+    /// What a traced call's uprobe and uretprobe traps cost on this host, measured once
+    /// while tracing (ns a call), or why not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trap_ns: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trap_refused: Option<String>,
+}
+
 /// Agent metadata records.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(tag = "type", rename_all = "snake_case")]
@@ -261,7 +281,7 @@ pub enum Meta {
     },
     /// The kernel's accounting of the programs' run time (BPF_ENABLE_STATS), cumulative
     /// since they were loaded. Written when tracing starts, every second, and when it stops.
-    ProgramStats(crate::summary::Reading),
+    ProgramStats(ProgramReading),
 }
 
 impl Meta {

@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use crate::event::Func;
+use crate::record::ProgramReading as Reading;
 
 /// Per-NCCL-function totals.
 #[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
@@ -113,26 +114,6 @@ pub struct AgentStats {
     pub bpf: Option<BpfCost>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bpf_unmeasured: Option<String>,
-}
-
-/// One reading of the programs' run time, cumulative since they were loaded (the
-/// recording's `program_stats` records).
-#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Deserialize, Serialize)]
-pub struct Reading {
-    /// CLOCK_MONOTONIC.
-    pub at_ns: u64,
-    /// (program, runs, run time in ns), every run on every CPU.
-    pub programs: Vec<(String, u64, u64)>,
-    /// (program, runs for traced threads, ns of those runs from the target check on), for
-    /// the programs that time themselves (`nccltrace_common::timed`).
-    #[serde(default)]
-    pub traced: Vec<(String, u64, u64)>,
-    /// What a traced call's uprobe and uretprobe traps cost on this host, measured once
-    /// while tracing (ns a call), or why not.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub trap_ns: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub trap_refused: Option<String>,
 }
 
 /// How the programs' cost is measured.

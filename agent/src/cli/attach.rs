@@ -498,7 +498,7 @@ impl Sink for LiveSink {
         self.meta(Meta::PythonCodes { pid, codes });
     }
 
-    fn program_stats(&mut self, reading: crate::summary::Reading) {
+    fn program_stats(&mut self, reading: crate::record::ProgramReading) {
         self.meta(Meta::ProgramStats(reading));
     }
 

@@ -458,7 +458,7 @@ pub struct Attached {
     /// What a traced call's traps cost here (ns), measured at the first tick, or why not.
     traps: Option<Result<u64, String>>,
     /// The programs' run time before any probe was attached (the first window's start).
-    baseline: Option<crate::summary::Reading>,
+    baseline: Option<crate::record::ProgramReading>,
     /// The runs the trap calibration caused, left out of every reading.
     calibration_runs: BTreeMap<String, (u64, u64)>,
     /// Read the targets' numa_maps (NUMA balancing off or untraced on a multi-node host),
@@ -730,9 +730,9 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
         ),
     };
     // The programs are loaded and not attached yet: every count starts from zero here.
-    let baseline = bpf_stats.as_ref().map(|_| crate::summary::Reading {
+    let baseline = bpf_stats.as_ref().map(|_| crate::record::ProgramReading {
         at_ns: host::clock_ns(libc::CLOCK_MONOTONIC),
-        ..crate::summary::Reading::default()
+        ..crate::record::ProgramReading::default()
     });
 
     let logger = match aya_log::EbpfLogger::init(&mut ebpf) {
@@ -1058,7 +1058,7 @@ pub trait Sink {
     fn python_codes(&mut self, _pid: u32, _codes: Vec<(u64, crate::python::CodeInfo)>) {}
     /// The programs' run time so far, as the kernel accounts it: when tracing starts,
     /// about once a second, and when it stops.
-    fn program_stats(&mut self, _reading: crate::summary::Reading) {}
+    fn program_stats(&mut self, _reading: crate::record::ProgramReading) {}
 }
 
 impl Attached {
@@ -1294,7 +1294,7 @@ impl Attached {
     }
 
     /// Each loaded program's runs and run time so far, where the kernel accounts them.
-    fn program_reading(&self) -> Option<crate::summary::Reading> {
+    fn program_reading(&self) -> Option<crate::record::ProgramReading> {
         let (Some(ebpf), Some(_)) = (self.ebpf.as_ref(), self.bpf_stats.as_ref()) else {
             return None;
         };
@@ -1325,7 +1325,7 @@ impl Attached {
                 Some("tracing stopped before it was measured".to_owned()),
             ),
         };
-        Some(crate::summary::Reading {
+        Some(crate::record::ProgramReading {
             at_ns: host::clock_ns(libc::CLOCK_MONOTONIC),
             programs,
             traced,

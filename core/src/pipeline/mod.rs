@@ -63,7 +63,7 @@ pub struct Aggregator {
     /// Writes each epoch's outputs as it is attributed (see [`Aggregator::stream_into`]).
     streamer: Option<Streamer>,
     /// The first and the last reading of the programs' run time.
-    program_stats: Option<(crate::summary::Reading, crate::summary::Reading)>,
+    program_stats: Option<(crate::record::ProgramReading, crate::record::ProgramReading)>,
     /// Who else follows the run as it is attributed (metrics, the status line).
     sinks: Vec<Box<dyn Sink>>,
     /// When the last epoch was tried because the reader caught up with the run.
