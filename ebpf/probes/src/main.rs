@@ -173,9 +173,15 @@ macro_rules! offset {
 
 #[inline(always)]
 fn bump(index: u32) {
-    if let Some(slot) = COUNTERS.get_ptr_mut(index) {
+    add(&COUNTERS, index, 1);
+}
+
+/// Adds `value` to this CPU's slot `index` of `map`.
+#[inline(always)]
+fn add(map: &PerCpuArray<u64>, index: u32, value: u64) {
+    if let Some(slot) = map.get_ptr_mut(index) {
         // SAFETY: per-CPU slot, no other writer on this CPU while the program runs.
-        unsafe { *slot += 1 };
+        unsafe { *slot += value };
     }
 }
 
@@ -200,14 +206,8 @@ impl Drop for TargetRun {
     fn drop(&mut self) {
         // SAFETY: helper without preconditions.
         let ns = unsafe { bpf_ktime_get_ns() }.wrapping_sub(self.start_ns);
-        if let Some(runs) = TARGET_COSTS.get_ptr_mut(2 * self.id) {
-            // SAFETY: per-CPU slot, no other writer on this CPU while the program runs.
-            unsafe { *runs += 1 };
-        }
-        if let Some(total) = TARGET_COSTS.get_ptr_mut(2 * self.id + 1) {
-            // SAFETY: as above.
-            unsafe { *total += ns };
-        }
+        add(&TARGET_COSTS, 2 * self.id, 1);
+        add(&TARGET_COSTS, 2 * self.id + 1, ns);
     }
 }
 
