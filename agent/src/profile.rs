@@ -27,8 +27,18 @@ pub struct Probes {
     pub page_faults: bool,
     /// migrate:mm_migrate_pages and sched_{move,swap,stick}_numa.
     pub numa: bool,
-    /// Kernel and user stacks each time a target thread leaves the CPU.
+    /// Kernel and user stacks of target threads off the CPU.
     pub offcpu_stacks: bool,
+    /// With `offcpu_stacks`: take them only for stretches off the CPU at least this long
+    /// (µs), as the thread comes back; 0 (when not given): at every switch-out. Shorter
+    /// stretches are counted with their time and drawn without a stack.
+    #[serde(default)]
+    pub offcpu_min_us: u64,
+    /// With `offcpu_stacks`: kernel frames too (where in the kernel the thread blocked),
+    /// not only user and Python frames (whose innermost is the blocking call, in libc).
+    /// On when not given.
+    #[serde(default = "yes")]
+    pub offcpu_kernel_stacks: bool,
     /// User stacks at the entry of traced calls, so that waits are drawn by call site:
     /// "off", "sync" (CUDA sync calls) or "all" (and NCCL calls). Off when not given.
     #[serde(default)]
@@ -42,6 +52,10 @@ pub struct Probes {
     /// given.
     #[serde(default)]
     pub python_frames: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// Which traced calls get their entry stack.

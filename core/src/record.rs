@@ -176,6 +176,22 @@ pub struct Header {
     /// in `program_stats` records).
     #[serde(default = "stats_not_recorded")]
     pub bpf_stats_refused: Option<String>,
+    /// Which frames off-CPU stacks have and when they were taken (only for long enough
+    /// stretches, or at every switch-out and why); `None`: the profile has them off, or
+    /// the recording is older (kernel and user frames at every switch-out).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub offcpu_stacks: Option<String>,
+    /// Off-CPU stretches shorter than this (ns) have no stack (0: every stretch may).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub offcpu_min_ns: u64,
+}
+
+#[expect(
+    clippy::trivially_copy_pass_by_ref,
+    reason = "serde's skip_serializing_if passes a reference"
+)]
+fn is_zero(v: &u64) -> bool {
+    *v == 0
 }
 
 /// A recording without the field was made before nccltrace traced hinting faults.

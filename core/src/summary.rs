@@ -286,8 +286,13 @@ pub struct Summary {
     pub events: u64,
     /// On-CPU samples of target threads.
     pub cpu_samples: u64,
-    /// Stacks captured as target threads left the CPU.
+    /// Stacks of target threads off the CPU.
     pub offcpu_stacks: u64,
+    /// Which frames they have and when they were taken (only for long enough stretches,
+    /// as threads came back, or at every switch-out and why); counters
+    /// `offcpu_stacks_skipped_short` and `_ns` count the shorter stretches and their time.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub offcpu_stacks_taken: Option<String>,
     /// Stacks captured at the entry of traced calls (profile `call_stacks`).
     pub call_stacks: u64,
     pub undecodable_records: u64,

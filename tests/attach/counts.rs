@@ -9,7 +9,13 @@ use super::*;
 #[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
 fn counts_every_call_of_the_trainer() {
     let _serial = privileged();
-    let (truth, summary, out, _dir) = traced_trainer(25, &[("FAKE_NCCL_US", "300")]);
+    // 999 Hz (the default is 199): enough samples that some land in the faults.
+    let (truth, summary, out, _dir, _) = traced_trainer_with(
+        25,
+        &[("FAKE_NCCL_US", "300")],
+        &["--compute-us", "500", "--fault-pages", "512"],
+        &["--sample-hz", "999"],
+    );
     for (op, calls) in truth["calls"].as_object().unwrap() {
         assert_eq!(summary["nccl"]["by_op"][op]["calls"], *calls, "{op} calls");
         assert_eq!(
@@ -37,7 +43,7 @@ fn counts_every_call_of_the_trainer() {
     assert_eq!(summary["nccl"]["errors"], 0);
     programs_accounted(&summary);
     // 512 fresh pages a step, each a fault (enough fault time, over 10 ms, that the
-    // default 999 Hz sampling surely lands in some: the attributed graph's page_fault).
+    // 999 Hz sampling surely lands in some: the attributed graph's page_fault).
     assert!(summary["memory"]["page_faults"].as_u64().unwrap() >= 25 * 512);
     if std::thread::available_parallelism().map_or(1, usize::from) > 1 {
         assert!(summary["sched"]["migrations"].as_u64().unwrap() >= 1);

@@ -626,6 +626,59 @@ fn breakdown_run(env: &[(&str, &str)], extra: &[&str], accuracy: &Accuracy) -> R
     Ok(())
 }
 
+/// The off-CPU stacks as the run says it took them (summary.json `offcpu_stacks_taken`;
+/// the default profile's minimum is 100 µs): as threads came back to the CPU, with the
+/// shorter stretches counted and drawn as one frame of about their time; or, where the
+/// kernel has no kprobes (these CPU machines), at every switch-out, saying why. In a
+/// guest (Debian's kernels have kprobes) it must be the former.
+fn offcpu_stacks_as_taken(out: &Path, summary: &Value) {
+    let folded = std::fs::read_to_string(out.join("flamegraph-offcpu.folded")).unwrap();
+    assert!(summary["offcpu_stacks"].as_u64().unwrap() > 0, "{summary}");
+    // No kernel frames: none of the kernel's blocking functions is drawn.
+    assert!(
+        !folded.contains("_[k]") && folded.contains(";[blocked] "),
+        "{folded}"
+    );
+    let short_frame = "[off-CPU under 100 µs: no stack taken]";
+    let weight = |l: &str| l.rsplit_once(' ').unwrap().1.parse::<u64>().unwrap();
+    let short_us: u64 = folded
+        .lines()
+        .filter(|l| l.contains(short_frame))
+        .map(weight)
+        .sum();
+    let skipped = summary["counters"]["offcpu_stacks_skipped_short"]
+        .as_u64()
+        .unwrap();
+    let skipped_us = summary["counters"]["offcpu_stacks_skipped_short_ns"]
+        .as_u64()
+        .unwrap()
+        / 1000;
+    let taken = summary["offcpu_stacks_taken"].as_str().unwrap();
+    eprintln!("off-CPU stacks {taken}: {skipped} shorter, {skipped_us} µs ({short_us} µs drawn)");
+    // The default profile's off-CPU stacks have no kernel frames.
+    assert!(
+        taken.starts_with("user and Python frames, no kernel frames"),
+        "{taken}"
+    );
+    if taken.contains("taken as threads come back to the CPU") {
+        assert!(folded.lines().any(|l| !l.contains(short_frame)), "{folded}");
+        assert!(
+            skipped > 0,
+            "the trainer's threads hand off faster than 100 µs"
+        );
+        // The kernel's count and the graph's frame cover the same stretches, but for
+        // those cut by the run's start and end.
+        assert!(
+            short_us * 10 >= skipped_us * 7 && short_us * 10 <= skipped_us * 13,
+            "short stretches: {short_us} µs drawn, {skipped_us} µs counted"
+        );
+    } else {
+        assert!(!in_a_guest(), "{taken}");
+        assert!(taken.contains(", taken at every switch-out: "), "{taken}");
+        assert_eq!((skipped, short_us), (0, 0));
+    }
+}
+
 /// Every SVG is well-formed XML and names the trainer's own functions; every `.folded`
 /// line is `frames weight`; trace.json holds named tracks, one slice per NCCL call and
 /// per step, with timestamps inside the trace.
@@ -662,6 +715,7 @@ fn flamegraphs_and_trace_are_valid(out: &Path, summary: &Value) {
                 && l.contains("cuStreamSynchronize;[in cuStreamSynchronize] ")),
         "{wait}"
     );
+    offcpu_stacks_as_taken(out, summary);
     let attributed = std::fs::read_to_string(out.join("flamegraph-attributed.folded")).unwrap();
     assert!(attributed.lines().any(|l| l.starts_with("nccl_wait;")));
     assert!(attributed.lines().any(|l| l.starts_with("page_fault;")));

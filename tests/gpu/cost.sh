@@ -38,6 +38,9 @@ for p in profiles:
         "traced_programs_per_step_us": (bpf.get("traced_per_step_ns") or 0) / 1e3,
         "trap_ns_per_call": bpf.get("trap_ns_per_call"), "traps_per_step_us": (bpf.get("traps_per_step_ns") or 0) / 1e3,
         "all_cpus_per_step_us": (bpf.get("per_step_ns") or 0) / 1e3, "cpu_share": bpf.get("cpu_share"),
+        "offcpu_stacks": s["offcpu_stacks"], "offcpu_stacks_taken": s.get("offcpu_stacks_taken"),
+        "offcpu_short": [s["counters"].get("offcpu_stacks_skipped_short"),
+                         s["counters"].get("offcpu_stacks_skipped_short_ns")],
         "programs": [(q["name"], q["runs"], q["traced_runs"], q["ns_per_run"], (q["traced_per_step_ns"] or 0) / 1e3)
                      for q in bpf.get("programs", [])]}))
 PY

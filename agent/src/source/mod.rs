@@ -417,6 +417,61 @@ fn trace_numa_hints(ebpf: &mut Ebpf) -> Result<Link, String> {
     prog.take_link(id).map(Link::KProbe).map_err(refused)
 }
 
+/// The kernel function a task runs first after a switch (kernel/sched/core.c), in its own
+/// context: where off-CPU stacks of long stretches are taken. Compilers often rename it
+/// (`finish_task_switch.isra.0`).
+const SWITCH_IN_FUNCTION: &str = "finish_task_switch";
+
+/// The name `/proc/kallsyms` gives [`SWITCH_IN_FUNCTION`] (a compiler clone's suffix
+/// included), if any.
+fn switch_in_symbol(kallsyms: &str) -> Option<String> {
+    kallsyms.lines().find_map(|line| {
+        let name = line.split_whitespace().nth(2)?;
+        let rest = name.strip_prefix(SWITCH_IN_FUNCTION)?;
+        (rest.is_empty() || rest.starts_with('.')).then(|| name.to_owned())
+    })
+}
+
+/// Takes off-CPU stacks only for stretches of at least `min_ns`, as threads come back to
+/// the CPU: attaches the switch-in program, then tells the switch-out program. The
+/// description of how they are taken with the program's link, or why they stay at every
+/// switch-out.
+fn offcpu_stacks_on_return(
+    ebpf: &mut Ebpf,
+    kallsyms: &str,
+    min_ns: u64,
+) -> Result<(String, Link), String> {
+    let every = "taken at every switch-out";
+    let Some(symbol) = switch_in_symbol(kallsyms) else {
+        return Err(format!(
+            "{every}: no {SWITCH_IN_FUNCTION} in /proc/kallsyms to take them as threads come back"
+        ));
+    };
+    let prog: &mut KProbe =
+        typed_program(ebpf, names::KPROBE_FINISH_TASK_SWITCH).map_err(|e| e.to_string())?;
+    let refused = |e: ProgramError| {
+        format!(
+            "{every}: the kernel refused a kprobe on {symbol} ({})",
+            root_cause(&e)
+        )
+    };
+    prog.load().map_err(refused)?;
+    let id = prog.attach(&symbol, 0).map_err(refused)?;
+    let link = prog.take_link(id).map_err(refused)?;
+    let mut min: aya::maps::Array<&mut MapData, u64> = aya::maps::Array::try_from(
+        ebpf.map_mut(names::OFFCPU_MIN)
+            .ok_or_else(|| format!("{every}: the programs have no {} map", names::OFFCPU_MIN))?,
+    )
+    .map_err(|e| format!("{every}: {e}"))?;
+    min.set(0, min_ns, 0).map_err(|e| format!("{every}: {e}"))?;
+    let how = format!(
+        "taken as threads come back to the CPU (kprobe on {symbol}), for stretches of {} µs \
+         or more",
+        min_ns / 1000
+    );
+    Ok((how, Link::KProbe(link)))
+}
+
 /// Kernel functions on the user page-fault path: a sample whose kernel stack passes
 /// through one of them was taken while handling a fault.
 pub const FAULT_HANDLERS: [&str; 5] = [
@@ -508,7 +563,14 @@ fn load(
     let mut loader = EbpfLoader::new();
     loader.override_global(names::OFFSETS, offsets, true);
     let config = nccltrace_common::Config {
-        offcpu_stacks: u32::from(profile.probes.offcpu_stacks && profile.probes.sched),
+        offcpu_stacks: match (
+            profile.probes.offcpu_stacks && profile.probes.sched,
+            profile.probes.offcpu_kernel_stacks,
+        ) {
+            (false, _) => nccltrace_common::offcpu::OFF,
+            (true, false) => nccltrace_common::offcpu::USER,
+            (true, true) => nccltrace_common::offcpu::KERNEL,
+        },
         call_stacks: profile.probes.call_stacks.setting(),
         streams: u32::from(profile.probes.streams),
         shards,
@@ -716,6 +778,7 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
     let (offsets, available) = tracefs::offsets(&tracefs_root)?;
 
     let shards = ring_shards();
+    let kallsyms = std::fs::read_to_string("/proc/kallsyms").unwrap_or_default();
     let mut ebpf = load(&offsets, profile, shards)?;
     // The kernel accounts each program's run time while this descriptor is open (the
     // programs' own cost, `summary.json` agent.bpf).
@@ -830,6 +893,27 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
         (None, Some("page faults are off in this profile".to_owned()))
     };
 
+    // Off-CPU stacks: which frames, and when they are taken.
+    let min_ns = profile.probes.offcpu_min_us.saturating_mul(1000);
+    let offcpu_on = profile.probes.offcpu_stacks && profile.probes.sched;
+    let (when, offcpu_min_ns) = if offcpu_on && min_ns > 0 {
+        match offcpu_stacks_on_return(&mut ebpf, &kallsyms, min_ns) {
+            Ok((how, link)) => {
+                links.push(link);
+                (how, min_ns)
+            }
+            Err(why) => (why, 0),
+        }
+    } else {
+        ("taken at every switch-out".to_owned(), 0)
+    };
+    let frames = if profile.probes.offcpu_kernel_stacks {
+        "kernel, user and Python frames"
+    } else {
+        "user and Python frames, no kernel frames (profile offcpu_kernel_stacks = false)"
+    };
+    let offcpu_stacks = offcpu_on.then(|| format!("{frames}, {when}"));
+
     let numa_hints_refused = if profile.probes.numa {
         match trace_numa_hints(&mut ebpf) {
             Ok(link) => {
@@ -869,9 +953,7 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
             }
         }
     }
-    let fault_handler_ranges = std::fs::read_to_string("/proc/kallsyms")
-        .map(|text| host::kallsyms_ranges(&text, &FAULT_HANDLERS))
-        .unwrap_or_default();
+    let fault_handler_ranges = host::kallsyms_ranges(&kallsyms, &FAULT_HANDLERS);
 
     let rings = rings::Rings::take(&mut ebpf, shards)?;
     let counters = PerCpuArray::try_from(
@@ -925,6 +1007,8 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
         mem_sampling_refused,
         cpu_khz: mem.as_ref().and_then(|_| crate::pmu::cpu_khz()),
         bpf_stats_refused,
+        offcpu_stacks,
+        offcpu_min_ns,
     };
     Ok(Attached {
         bpf_stats,
@@ -1479,6 +1563,8 @@ mod tests {
             names::FENTRY_HANDLE_MM_FAULT,
             names::FEXIT_HANDLE_MM_FAULT,
             names::KPROBE_TASK_NUMA_FAULT,
+            names::KPROBE_FINISH_TASK_SWITCH,
+            names::OFF_SINCE,
             names::COUNTERS,
             names::TARGET_COSTS,
             names::TARGETS,

@@ -367,6 +367,8 @@ pub struct Detail {
     pub calls: Vec<Call>,
     pub cpu_nodes: Vec<i32>,
     pub sample_period_ns: u64,
+    /// Off-CPU stretches shorter than this have no stack by design (0: any may have one).
+    pub offcpu_min_ns: u64,
     /// The steps' `[start, end)`, for graphs of step time.
     pub step_bounds: Vec<(u64, u64)>,
     /// The rank thread whose steps these are, and its process.
@@ -415,6 +417,7 @@ pub struct Timeline {
     cpu_nodes: Vec<i32>,
     fault_ranges: Vec<(u64, u64)>,
     sample_period_ns: u64,
+    offcpu_min_ns: u64,
     thread_names: BTreeMap<u32, String>,
     first_ns: u64,
     last_ns: u64,
@@ -484,6 +487,7 @@ impl Timeline {
             cpu_nodes: header.cpu_nodes.clone(),
             fault_ranges: header.fault_handler_ranges.clone(),
             sample_period_ns: header.sample_period_ns,
+            offcpu_min_ns: header.offcpu_min_ns,
             thread_names: header
                 .targets
                 .iter()
@@ -637,6 +641,13 @@ impl Timeline {
     /// Adds one event.
     pub fn push(&mut self, event: &Event) {
         let ts = event.ts_ns();
+        if ts < self.cut_ns && matches!(event, Event::OffCpu { .. } | Event::PyStack { .. }) {
+            // Stacks taken as a thread came back after a long stretch off the CPU
+            // (`Header::offcpu_min_ns`) are timed at its switch-out, possibly epochs ago:
+            // the stretch is still open (its switch-in arrives with them) and finds them.
+            self.ingest(event);
+            return;
+        }
         if ts < self.cut_ns {
             // Its epoch is attributed already (records of different CPUs arrive a little
             // out of order; epochs end a reorder margin before the newest record).
@@ -1218,6 +1229,65 @@ mod tests {
             prev_is_target: out,
             next_is_target: !out,
         }
+    }
+
+    /// Off-CPU stacks taken as the thread comes back are timed at its switch-out
+    /// (`Header::offcpu_min_ns`): here 39 ms earlier, epochs ago. The stretch still gets
+    /// its stack; late records of any other kind stay left out and counted.
+    #[test]
+    fn stack_taken_at_the_switch_in_finds_its_stretch_across_epochs() {
+        let mut tl = Timeline::new(&header());
+        tl.stream(StepRule::Window(1_000_000), 8);
+        let other = Task {
+            tgid: 10,
+            tid: 11,
+            cpu: 1,
+        };
+        let mut events = vec![switch(1_000_000, true, 1)];
+        for ms in 0..60u64 {
+            let t = ms * 1_000_000 + 500_000;
+            events.push(Event::Call(Call::new(other, Func::AllReduce, t, t + 1_000)));
+        }
+        events.sort_by_key(Event::ts_ns);
+        let back = events.partition_point(|e| e.ts_ns() < 40_000_000);
+        events.insert(back, switch(40_000_000, false, 0));
+        // What the kernel submits just after the switch-in: the stacks, timed at the
+        // switch-out.
+        events.insert(
+            back + 1,
+            Event::OffCpu {
+                ts_ns: 1_000_000,
+                task: task(10),
+                kstack: vec![0xffff_2000],
+                ustack: vec![7],
+            },
+        );
+        // A late record of another kind is still left out.
+        events.insert(
+            back + 2,
+            Event::Wakeup {
+                ts_ns: 2_000_000,
+                task: task(10),
+                waker_tid: 11,
+                waker_tgid: 10,
+                target_cpu: 0,
+            },
+        );
+        for e in &events {
+            tl.push(e);
+        }
+        let (report, detail) = tl.finish(61_000_000, StepRule::Window(1_000_000));
+        assert_eq!(report.late_events_left_out, 1);
+        let thread = detail.threads.iter().find(|t| t.tid == 10).unwrap();
+        let off: Vec<&OffCpu> = thread
+            .offcpu
+            .iter()
+            .filter(|o| o.start_ns == 1_000_000)
+            .collect();
+        assert_eq!(off.len(), 1, "{:?}", thread.offcpu);
+        assert_eq!(off[0].end_ns, 40_000_000);
+        let stack = off[0].stack.expect("the stretch has its stack");
+        assert_eq!(detail.stacks[stack as usize].kstack, vec![0xffff_2000]);
     }
 
     /// One step of known shape: 1 ms compute (200 µs of it page faults, by samples), a

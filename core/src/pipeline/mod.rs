@@ -416,6 +416,7 @@ impl Aggregator {
             events: self.events,
             cpu_samples: self.samples,
             offcpu_stacks: self.offcpu_stacks,
+            offcpu_stacks_taken: self.header.offcpu_stacks.clone(),
             call_stacks: self.call_stacks,
             undecodable_records: self.undecodable,
             lost_events: lost_by_kind.values().sum(),

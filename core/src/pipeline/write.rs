@@ -299,7 +299,7 @@ impl Streamer {
         log::debug!("symbolized in {:?}", started.elapsed());
         let mut report = render::steps::without_steps(&outputs.steps);
         for (kind, w) in render::flamegraph::Kind::ALL.iter().zip(&self.weights) {
-            let lines = w.lines(stacks, &symbols);
+            let lines = w.lines(stacks, &symbols, outputs.header.offcpu_min_ns);
             if *kind == render::flamegraph::Kind::Attributed {
                 report.other_offcpu_top_stacks =
                     render::flamegraph::top_stacks(&lines, "other_offcpu", 5);

@@ -159,6 +159,10 @@ fn overlap_in_steps(detail: &Detail, t: &ThreadDetail, a: u64, b: u64) -> Vec<(C
         .collect()
 }
 
+/// The stack id standing for off-CPU stretches shorter than `Detail::offcpu_min_ns`,
+/// which have no stack by design.
+const SHORT_STACK: u32 = u32::MAX;
+
 /// One flamegraph's weights as they add up: ns per (root category, thread, stack,
 /// suffix), over any number of epochs; each distinct stack is symbolized and joined once
 /// at the end ([`Weights::lines`]), as traces hold far more samples than stacks.
@@ -218,7 +222,13 @@ impl Weights {
                 continue;
             }
             for off in &t.offcpu {
-                let Some(stack) = off.stack else { continue };
+                // A stretch too short for a stack by design is drawn all the same, as one
+                // frame that says so; one without for another reason (the run began
+                // during it, the buffer was full) is left out.
+                let short = off.end_ns.saturating_sub(off.start_ns) < detail.offcpu_min_ns;
+                let Some(stack) = off.stack.or(short.then_some(SHORT_STACK)) else {
+                    continue;
+                };
                 if kind == Kind::NcclWait && inside_covered(off.start_ns) {
                     continue;
                 }
@@ -242,9 +252,10 @@ impl Weights {
         }
     }
 
-    /// The folded lines, `stack weight_us` sorted.
+    /// The folded lines, `stack weight_us` sorted (`min_ns`: the off-CPU stacks' minimum
+    /// stretch, named by the frame of shorter ones).
     #[must_use]
-    pub fn lines(&self, stacks: &[StackKey], symbols: &Symbols) -> Vec<String> {
+    pub fn lines(&self, stacks: &[StackKey], symbols: &Symbols, min_ns: u64) -> Vec<String> {
         // Each stack's frames are made once, not per weight.
         let mut joined: std::collections::HashMap<u32, String> = std::collections::HashMap::new();
         let mut out: BTreeMap<String, u64> = BTreeMap::new();
@@ -261,9 +272,16 @@ impl Weights {
                 &mut line,
                 self.threads.get(&tid).map_or("thread", String::as_str),
             );
-            let frames = joined
-                .entry(stack)
-                .or_insert_with(|| stack_line(stacks, symbols, stack));
+            let frames = joined.entry(stack).or_insert_with(|| {
+                if stack == SHORT_STACK {
+                    format!(
+                        "[off-CPU under {} µs: no stack taken]",
+                        min_ns.div_ceil(1000)
+                    )
+                } else {
+                    stack_line(stacks, symbols, stack)
+                }
+            });
             if !frames.is_empty() {
                 // Already joined and cleaned.
                 line.push(';');
@@ -292,7 +310,7 @@ impl Weights {
 pub fn folded(detail: &Detail, symbols: &Symbols, kind: Kind) -> Vec<String> {
     let mut weights = Weights::default();
     weights.weigh(detail, kind);
-    weights.lines(&detail.stacks, symbols)
+    weights.lines(&detail.stacks, symbols, detail.offcpu_min_ns)
 }
 
 /// Writes the folded lines.
@@ -423,6 +441,41 @@ mod tests {
     }
 
     /// The heaviest blocking stacks come from the attributed lines of their category.
+    /// With a minimum stretch for off-CPU stacks, the shorter stretches are drawn as one
+    /// frame that says so, weighted by their time; a long one without a stack (the run
+    /// began during it) is still left out.
+    #[test]
+    fn short_stretches_drawn_without_a_stack() {
+        let (mut detail, symbols) = crate::render::fixture::detail();
+        let before = folded(&detail, &symbols, Kind::OffCpu);
+        detail.offcpu_min_ns = 100_000;
+        let short = |start_ns: u64, len: u64, runnable: bool| crate::attribute::OffCpu {
+            start_ns,
+            end_ns: start_ns + len,
+            runnable,
+            stack: None,
+            waker: None,
+            woken_ns: None,
+        };
+        detail.threads[0].offcpu.extend([
+            short(3_000_000, 40_000, false),
+            short(3_100_000, 30_000, false),
+            short(3_200_000, 20_000, true),
+            short(3_300_000, 500_000, false),
+        ]);
+        let after = folded(&detail, &symbols, Kind::OffCpu);
+        let new: Vec<&String> = after.iter().filter(|l| !before.contains(l)).collect();
+        assert_eq!(
+            new,
+            [
+                "trainer 10 (main (rank));[off-CPU under 100 µs: no stack taken];[blocked] 70",
+                "trainer 10 (main (rank));[off-CPU under 100 µs: no stack taken];[preempted] 20",
+            ],
+            "{after:?}"
+        );
+        assert_eq!(after.len(), before.len() + 2);
+    }
+
     #[test]
     fn top_blocking_stacks() {
         let lines = vec![

@@ -124,6 +124,7 @@ pub(crate) mod fixture {
             ],
             cpu_nodes: vec![0, 1],
             sample_period_ns: 1_000_000,
+            offcpu_min_ns: 0,
             step_bounds: vec![(0, 8_000_000)],
             rank_tid: Some(10),
             rank_pid: Some(10),

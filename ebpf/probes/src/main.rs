@@ -31,7 +31,7 @@ use aya_ebpf::{
     macros::{
         fentry, fexit, kprobe, map, perf_event, raw_tracepoint, tracepoint, uprobe, uretprobe,
     },
-    maps::{Array, HashMap, PerCpuArray, RingBuf},
+    maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
     programs::{
         FEntryContext, FExitContext, PerfEventContext, ProbeContext, RawTracePointContext,
         RetProbeContext, TracePointContext,
@@ -43,7 +43,7 @@ use nccltrace_common::{
     FaultTimeEvent, Header, KSTACK_DEPTH, MAX_ARGS, MigrateEvent, NOT_READ, NumaHintEvent,
     NumaTaskEvent, PY_DEPTH, PY_ENTRY, PY_FRAME_WINDOW, PageMigrationEvent, PendingCall, PyLayout,
     PyStackEvent, RING_SHARDS, SampleEvent, SwitchEvent, TaskEvent, TpOffsets, USTACK_DEPTH,
-    WakeupEvent, call_stacks, counter, func, kind, numa_task, switch_flags, timed,
+    WakeupEvent, call_stacks, counter, func, kind, numa_task, offcpu, switch_flags, timed,
 };
 
 /// Every record, in ring buffers shared by groups of CPUs (`CONFIG.shards` of them in use,
@@ -110,6 +110,23 @@ static PY_THREADS: HashMap<u32, u64> = HashMap::with_max_entries(16384, 0);
 /// How to walk each Python target's frames (tgid → layout of its CPython version).
 #[map]
 static PY_LAYOUTS: HashMap<u32, PyLayout> = HashMap::with_max_entries(1024, 0);
+
+/// Switch-out times of target threads off the CPU, while their off-CPU stacks wait for the
+/// switch-in (`OFFCPU_MIN`). LRU: a thread that exits is switched out one last
+/// time and never comes back.
+#[map]
+static OFF_SINCE: LruHashMap<u32, u64> = LruHashMap::with_max_entries(16384, 0);
+
+/// The shortest off-CPU stretch whose stacks are taken, as the thread comes back (ns; 0:
+/// taken at every switch-out); see `names::OFFCPU_MIN`.
+#[map]
+static OFFCPU_MIN: Array<u64> = Array::with_max_entries(1, 0);
+
+/// The value of `OFFCPU_MIN`.
+#[inline(always)]
+fn offcpu_min_ns() -> u64 {
+    OFFCPU_MIN.get(0).copied().unwrap_or(0)
+}
 
 /// Calls in flight, keyed by `tid << 32 | function id`.
 #[map]
@@ -479,22 +496,36 @@ pub fn tracepoint_sched_switch(ctx: TracePointContext) -> u32 {
         return 0;
     }
     let _timed = TargetRun::start(timed::SCHED_SWITCH);
-    // SAFETY: a plain read of a read-only global.
-    if flags & switch_flags::PREV_TARGET != 0
-        && unsafe { core::ptr::read_volatile(&raw const CONFIG.offcpu_stacks) } != 0
-    {
-        // The stacks the thread leaves the CPU with: why it blocked, and where it waits.
-        emit_stacks(ctx.as_ptr(), kind::OFFCPU, cur_tgid, prev_tid);
-    }
     let (tgid, tid) = if flags & switch_flags::PREV_TARGET != 0 {
         (cur_tgid, prev_tid)
     } else {
         (next_tgid, next_tid)
     };
+    let hdr = header(kind::SWITCH, tgid, tid);
+    // SAFETY: a plain read of a read-only global.
+    if flags & switch_flags::PREV_TARGET != 0
+        && unsafe { core::ptr::read_volatile(&raw const CONFIG.offcpu_stacks) } != offcpu::OFF
+    {
+        // The stacks the thread leaves the CPU with: why it blocked, and where it waits.
+        // Taken now, at every switch, or when it comes back after a long enough stretch
+        // (`kprobe_finish_task_switch`): the unwinding is most of a switch's cost.
+        if offcpu_min_ns() == 0 {
+            emit_stacks(
+                ctx.as_ptr(),
+                Header {
+                    kind: kind::OFFCPU,
+                    ..hdr
+                },
+                offcpu_kernel(),
+            );
+        } else if OFF_SINCE.insert(&prev_tid, &hdr.ts_ns, 0).is_err() {
+            bump(u32::from(kind::OFFCPU));
+        }
+    }
     emit(
         kind::SWITCH,
         SwitchEvent {
-            hdr: header(kind::SWITCH, tgid, tid),
+            hdr,
             prev_tid,
             next_tid,
             prev_state,
@@ -502,6 +533,32 @@ pub fn tracepoint_sched_switch(ctx: TracePointContext) -> u32 {
             flags,
         },
     );
+    0
+}
+
+/// The first code a task runs after a switch, in its own context: the stacks a target
+/// thread was off the CPU with are still in place, and taken only if it was off for at
+/// least `OFFCPU_MIN` (the record timed at the switch-out). Shorter stretches
+/// are counted with their time.
+#[kprobe]
+pub fn kprobe_finish_task_switch(ctx: ProbeContext) -> u32 {
+    let (tgid, tid) = current();
+    // SAFETY: copied out at once.
+    let Some(since) = (unsafe { OFF_SINCE.get(&tid) }).copied() else {
+        return 0;
+    };
+    let _timed = TargetRun::start(timed::KPROBE_FINISH_TASK_SWITCH);
+    let _ = OFF_SINCE.remove(&tid);
+    // SAFETY: helper without preconditions.
+    let off = unsafe { bpf_ktime_get_ns() }.saturating_sub(since);
+    if off < offcpu_min_ns() {
+        bump(counter::OFFCPU_SHORT);
+        add(&COUNTERS, counter::OFFCPU_SHORT_NS, off);
+        return 0;
+    }
+    let mut hdr = header(kind::OFFCPU, tgid, tid);
+    hdr.ts_ns = since;
+    emit_stacks(ctx.as_ptr(), hdr, offcpu_kernel());
     0
 }
 
@@ -818,7 +875,7 @@ pub fn perf_event_cpu_clock(ctx: PerfEventContext) -> u32 {
         return 0;
     }
     let _timed = TargetRun::start(timed::PERF_EVENT_CPU_CLOCK);
-    emit_stacks(ctx.as_ptr(), kind::SAMPLE, tgid, tid);
+    emit_stacks(ctx.as_ptr(), header(kind::SAMPLE, tgid, tid), true);
     0
 }
 
@@ -863,15 +920,23 @@ fn emit_entry_stack(ctx: *mut core::ffi::c_void, rsp: u64, tgid: u32, tid: u32) 
     entry.submit(wake_flags(ring));
 }
 
-/// Submits the current task's kernel and user stacks as a `SampleEvent` of `kind`.
+/// Whether off-CPU stacks have kernel frames (`offcpu::KERNEL`).
 #[inline(always)]
-fn emit_stacks(ctx: *mut core::ffi::c_void, kind: u16, tgid: u32, tid: u32) {
+fn offcpu_kernel() -> bool {
+    // SAFETY: a plain read of a read-only global.
+    let stacks = unsafe { core::ptr::read_volatile(&raw const CONFIG.offcpu_stacks) };
+    stacks == offcpu::KERNEL
+}
+
+/// Submits the current task's user stack, and its kernel stack if `kernel`, as a
+/// `SampleEvent` under `hdr`.
+#[inline(always)]
+fn emit_stacks(ctx: *mut core::ffi::c_void, hdr: Header, kernel: bool) {
     // The Python frames first: the record they belong to comes next in the buffer.
-    let hdr = header(kind, tgid, tid);
     emit_py_stack(&hdr);
     let ring = ring();
     let Some(mut entry) = ring.reserve::<SampleEvent>(0) else {
-        bump(u32::from(kind));
+        bump(u32::from(hdr.kind));
         return;
     };
     let event = entry.as_mut_ptr();
@@ -879,12 +944,16 @@ fn emit_stacks(ctx: *mut core::ffi::c_void, kind: u16, tgid: u32, tid: u32) {
     // read by user space is written here (stack slots past the lengths are not read).
     unsafe {
         (*event).hdr = hdr;
-        let k = bpf_get_stack(
-            ctx,
-            (&raw mut (*event).kstack).cast(),
-            (KSTACK_DEPTH * 8) as u32,
-            0,
-        );
+        let k = if kernel {
+            bpf_get_stack(
+                ctx,
+                (&raw mut (*event).kstack).cast(),
+                (KSTACK_DEPTH * 8) as u32,
+                0,
+            )
+        } else {
+            0
+        };
         (*event).kstack_len = if k > 0 { (k / 8) as u32 } else { 0 };
         let u = bpf_get_stack(
             ctx,
