@@ -184,6 +184,9 @@ pub struct Header {
     /// Off-CPU stretches shorter than this (ns) have no stack (0: every stretch may).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub offcpu_min_ns: u64,
+    /// Where attaching went: each phase and its microseconds, in order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub attach_phases_us: Vec<(String, u64)>,
 }
 
 #[expect(

@@ -106,6 +106,9 @@ pub struct TargetSummary {
 pub struct AgentStats {
     /// Loading the programs and attaching every probe.
     pub attach_ms: f64,
+    /// Where that went, phase by phase, in order (empty for older recordings).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub attach_phases_ms: Vec<AttachPhase>,
     /// Peak resident memory (VmHWM) of the whole agent process over the whole run, its
     /// end (reading back, attributing, writing every other output) included.
     pub peak_rss_kb: u64,
@@ -114,6 +117,27 @@ pub struct AgentStats {
     pub bpf: Option<BpfCost>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bpf_unmeasured: Option<String>,
+}
+
+/// One phase of attaching.
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct AttachPhase {
+    pub phase: String,
+    pub ms: f64,
+}
+
+impl AttachPhase {
+    /// The phases as the recording's header has them (name, µs).
+    #[must_use]
+    pub fn all(phases: &[(String, u64)]) -> Vec<AttachPhase> {
+        phases
+            .iter()
+            .map(|(phase, us)| AttachPhase {
+                phase: phase.clone(),
+                ms: *us as f64 / 1e3,
+            })
+            .collect()
+    }
 }
 
 /// How the programs' cost is measured.

@@ -67,6 +67,28 @@ fn counts_every_call_of_the_trainer() {
 /// return program ran for each traced call, the total is the programs' sum, and it is
 /// spread over the steps found.
 fn programs_accounted(summary: &Value) {
+    // Where attaching went: the phases in order, adding up to the attach time.
+    let phases = summary["agent"]["attach_phases_ms"].as_array().unwrap();
+    let names: Vec<&str> = phases
+        .iter()
+        .map(|p| p["phase"].as_str().unwrap())
+        .collect();
+    assert_eq!(names.first(), Some(&"tracefs"), "{names:?}");
+    assert_eq!(names.last(), Some(&"maps and header"), "{names:?}");
+    for phase in [
+        "maps and object",
+        "uprobes",
+        "tracepoints",
+        "sampling clocks",
+    ] {
+        assert!(names.contains(&phase), "{phase} not in {names:?}");
+    }
+    let sum: f64 = phases.iter().map(|p| p["ms"].as_f64().unwrap()).sum();
+    let attach = summary["agent"]["attach_ms"].as_f64().unwrap();
+    assert!(
+        sum <= attach + 0.01 && sum >= attach * 0.95,
+        "phases {sum} ms, attach {attach} ms"
+    );
     let bpf = &summary["agent"]["bpf"];
     assert!(bpf.is_object(), "agent.bpf: {}", summary["agent"]);
     let programs = bpf["programs"].as_array().unwrap();

@@ -5,7 +5,8 @@ buckets through a counting comm hook); `allreduce` all-reduces every gradient by
 Both call `loss.item()` each step, as real scripts do. Warm-up steps (NCCL and CUDA init)
 run before the script waits for --go-file, so nccltrace attaches to a running job; then it
 runs --steps steps and prints, as JSON, what it did: its own count of all-reduce calls and
-its step times.
+its step times. With --step-log, each step's end (CLOCK_MONOTONIC ns) and length are also
+appended to that file, 256 steps at a time (tests/gpu/windows.sh).
 """
 import argparse
 import json
@@ -27,6 +28,7 @@ def main():
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--go-file")
     p.add_argument("--width", type=int, default=2048)
+    p.add_argument("--step-log")
     a = p.parse_args()
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -74,10 +76,16 @@ def main():
             time.sleep(0.001)
     counted["allreduce"] = 0
     times = []
-    for _ in range(a.steps):
-        t0 = time.perf_counter_ns()
+    log = open(a.step_log, "a", buffering=1 << 16) if a.step_log else None
+    for i in range(a.steps):
+        t0 = time.monotonic_ns()
         step()
-        times.append(time.perf_counter_ns() - t0)
+        t1 = time.monotonic_ns()
+        times.append(t1 - t0)
+        if log:
+            log.write(f"{t1} {t1 - t0}\n")
+            if i % 256 == 255:
+                log.flush()
     print(json.dumps({
         "mode": a.mode,
         "steps": a.steps,

@@ -450,7 +450,7 @@ fn attach_only(
 /// untraced / traced runs of 300 steps (default profile); the measured cost a step is the
 /// traced mean step less the untraced one of the same pair, the predicted one the traced
 /// run's `traced_total_per_step_ns`.
-pub fn cost(root: &Path, pairs: usize) -> anyhow::Result<()> {
+pub fn cost(root: &Path, pairs: usize, profile: &str) -> anyhow::Result<()> {
     if !super::setup::is_root() {
         bail!("the benchmarks load eBPF programs: run `sudo -E cargo xtask bench --cost`");
     }
@@ -463,7 +463,7 @@ pub fn cost(root: &Path, pairs: usize) -> anyhow::Result<()> {
     let (mut ratios, mut measured, mut predicted) = (Vec::new(), Vec::new(), Vec::new());
     for pair in 1..=pairs {
         let untraced = trainer_step_ns(&agent, &fixtures, &work, None, 300)?;
-        let traced = trainer_step_ns(&agent, &fixtures, &work, Some((&out, "default")), 300)?;
+        let traced = trainer_step_ns(&agent, &fixtures, &work, Some((&out, profile)), 300)?;
         let summary: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(out.join("summary.json"))?)?;
         let bpf = &summary["agent"]["bpf"];
@@ -488,7 +488,7 @@ pub fn cost(root: &Path, pairs: usize) -> anyhow::Result<()> {
     let (m, p) = (median(measured.clone()), median(predicted.clone()));
     let (m_low, m_high) = median_interval(&measured);
     println!(
-        "\nnccltrace cost model on the demo trainer (default profile, {pairs} interleaved pairs of 300-step runs)"
+        "\nnccltrace cost model on the demo trainer (profile {profile}, {pairs} interleaved pairs of 300-step runs)"
     );
     println!("| measure | value |");
     println!("| --- | --- |");

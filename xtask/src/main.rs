@@ -45,6 +45,9 @@ enum Task {
         /// Pairs of runs for --cost.
         #[arg(long, default_value_t = 30)]
         pairs: usize,
+        /// The profile the traced runs of --cost use (a shipped name or a TOML file).
+        #[arg(long, default_value = "default")]
+        profile: String,
     },
     /// Man pages and shell completions into target/man/ and target/completions/.
     Man,
@@ -98,7 +101,11 @@ fn main() -> anyhow::Result<()> {
         Task::Test { args } => test::run(&root, &args),
         Task::Demo => demo::run(&root),
         Task::Bench { cost: false, .. } => bench::run(&root),
-        Task::Bench { cost: true, pairs } => bench::cost(&root, pairs),
+        Task::Bench {
+            cost: true,
+            pairs,
+            profile,
+        } => bench::cost(&root, pairs, &profile),
         Task::Man => man::run(&root),
         Task::VmTest {
             kernel,

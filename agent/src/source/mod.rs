@@ -361,8 +361,8 @@ fn root_cause(e: &(dyn std::error::Error + 'static)) -> String {
 /// Times user page faults with fentry/fexit on the fault handler. Many kernels refuse
 /// these programs (no BPF trampoline, or a policy): then why, and faults are measured by
 /// sampling instead. Both links or neither.
-fn time_faults(ebpf: &mut Ebpf) -> Result<(String, [Link; 2]), String> {
-    let btf = Btf::from_sys_fs().map_err(|e| format!("no kernel BTF ({})", root_cause(&e)))?;
+fn time_faults(ebpf: &mut Ebpf, btf: Result<Btf, String>) -> Result<(String, [Link; 2]), String> {
+    let btf = btf?;
     let refused = |e: ProgramError| {
         format!(
             "the kernel refused fentry/fexit on {FAULT_FUNCTION} ({})",
@@ -401,9 +401,26 @@ fn agent_record(ts_ns: u64, pid: u32, thread: u32, kind: u16) -> nccltrace_commo
 /// thread's context (kernel/sched/fair.c; no tracepoint reports these faults).
 const NUMA_HINT_FUNCTION: &str = "task_numa_fault";
 
+/// Why kprobes cannot be attached here, found before loading a program for one (the
+/// verifier's work on a program with stacks is ~30 ms): a kernel without kprobes
+/// (`CONFIG_KPROBES` unset) has neither the perf PMU nor tracefs's `kprobe_events`.
+fn kprobes_missing(tracefs_root: &Path) -> Option<String> {
+    let pmu = Path::new("/sys/bus/event_source/devices/kprobe");
+    (!pmu.exists() && !tracefs_root.join("kprobe_events").exists()).then(|| {
+        format!(
+            "this kernel has no kprobes (no {}, no kprobe_events in {})",
+            pmu.display(),
+            tracefs_root.display()
+        )
+    })
+}
+
 /// Traces NUMA hinting faults with a kprobe on [`NUMA_HINT_FUNCTION`]; why not, when the
-/// kernel has no such function or refuses the probe.
-fn trace_numa_hints(ebpf: &mut Ebpf) -> Result<Link, String> {
+/// kernel has no kprobes, no such function, or refuses the probe.
+fn trace_numa_hints(ebpf: &mut Ebpf, tracefs_root: &Path) -> Result<Link, String> {
+    if let Some(why) = kprobes_missing(tracefs_root) {
+        return Err(format!("no kprobe on {NUMA_HINT_FUNCTION}: {why}"));
+    }
     let prog: &mut KProbe =
         typed_program(ebpf, names::KPROBE_TASK_NUMA_FAULT).map_err(|e| e.to_string())?;
     let refused = |e: ProgramError| {
@@ -412,7 +429,9 @@ fn trace_numa_hints(ebpf: &mut Ebpf) -> Result<Link, String> {
             root_cause(&e)
         )
     };
-    prog.load().map_err(refused)?;
+    if !prog.loaded() {
+        prog.load().map_err(refused)?;
+    }
     let id = prog.attach(NUMA_HINT_FUNCTION, 0).map_err(refused)?;
     prog.take_link(id).map(Link::KProbe).map_err(refused)
 }
@@ -438,11 +457,15 @@ fn switch_in_symbol(kallsyms: &str) -> Option<String> {
 /// switch-out.
 fn offcpu_stacks_on_return(
     ebpf: &mut Ebpf,
-    kallsyms: &str,
+    tracefs_root: &Path,
+    symbol: Option<String>,
     min_ns: u64,
 ) -> Result<(String, Link), String> {
     let every = "taken at every switch-out";
-    let Some(symbol) = switch_in_symbol(kallsyms) else {
+    if let Some(why) = kprobes_missing(tracefs_root) {
+        return Err(format!("{every}: {why}"));
+    }
+    let Some(symbol) = symbol else {
         return Err(format!(
             "{every}: no {SWITCH_IN_FUNCTION} in /proc/kallsyms to take them as threads come back"
         ));
@@ -455,7 +478,9 @@ fn offcpu_stacks_on_return(
             root_cause(&e)
         )
     };
-    prog.load().map_err(refused)?;
+    if !prog.loaded() {
+        prog.load().map_err(refused)?;
+    }
     let id = prog.attach(&symbol, 0).map_err(refused)?;
     let link = prog.take_link(id).map_err(refused)?;
     let mut min: aya::maps::Array<&mut MapData, u64> = aya::maps::Array::try_from(
@@ -778,8 +803,24 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
     let (offsets, available) = tracefs::offsets(&tracefs_root)?;
 
     let shards = ring_shards();
-    let kallsyms = std::fs::read_to_string("/proc/kallsyms").unwrap_or_default();
+    let mut phases = Phases::new(started);
+    // Read and parsed beside the loading (tens of ms each): /proc/kallsyms (~10 MB) for the
+    // fault handlers' ranges and the switch-in kprobe's symbol, the kernel BTF for fentry.
+    let kallsyms = std::thread::spawn(|| {
+        let text = std::fs::read_to_string("/proc/kallsyms").unwrap_or_default();
+        (
+            host::kallsyms_ranges(&text, &FAULT_HANDLERS),
+            switch_in_symbol(&text),
+        )
+    });
+    let btf = profile.probes.page_faults.then(|| {
+        std::thread::spawn(|| {
+            Btf::from_sys_fs().map_err(|e| format!("no kernel BTF ({})", root_cause(&e)))
+        })
+    });
+    phases.mark("tracefs");
     let mut ebpf = load(&offsets, profile, shards)?;
+    phases.mark("maps and object");
     // The kernel accounts each program's run time while this descriptor is open (the
     // programs' own cost, `summary.json` agent.bpf).
     let (bpf_stats, bpf_stats_refused) = match aya::sys::enable_stats(aya::sys::Stats::RunTime) {
@@ -818,6 +859,7 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
     for t in targets {
         register_threads(&mut ebpf, &host, t)?;
     }
+    phases.mark("targets and threads");
     let mut py_targets = python::PyTargets::new();
     let mut py_infos = BTreeMap::new();
     if profile.probes.python_frames {
@@ -828,6 +870,12 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
         }
     }
 
+    phases.mark("python");
+    preload(
+        &mut ebpf,
+        &wanted_programs(profile, &available, &tracefs_root),
+    );
+    phases.mark("programs verified (in parallel)");
     let mut links = Vec::new();
     let infos: Vec<(&Target, Vec<&FoundLibrary>, Vec<ProbeInfo>)> = targets
         .iter()
@@ -848,14 +896,9 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
         }
     }
 
+    phases.mark("uprobes");
     for tp in names::TRACEPOINTS {
-        let wanted = match tp.switch {
-            names::Switch::PageFaults => profile.probes.page_faults,
-            names::Switch::Numa => profile.probes.numa,
-            names::Switch::Always => true,
-            names::Switch::Sched => profile.probes.sched,
-        };
-        if !wanted || !available.contains(&tp.event) {
+        if !tracepoint_wanted(&tp, profile) || !available.contains(&tp.event) {
             continue;
         }
         let place = format!("{}:{}", tp.category, tp.event);
@@ -881,8 +924,16 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
         links.push(Link::Tracepoint(link));
     }
 
+    phases.mark("tracepoints");
     let (fault_timing, fault_timing_refused) = if profile.probes.page_faults {
-        match time_faults(&mut ebpf) {
+        let btf = btf.map_or_else(
+            || Err("the kernel BTF was not read".to_owned()),
+            |t| {
+                t.join()
+                    .unwrap_or_else(|_| Err("reading the kernel BTF panicked".to_owned()))
+            },
+        );
+        match time_faults(&mut ebpf, btf) {
             Ok((how, pair)) => {
                 links.extend(pair);
                 (Some(how), None)
@@ -893,11 +944,14 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
         (None, Some("page faults are off in this profile".to_owned()))
     };
 
+    phases.mark("fault timing");
+    let (fault_handler_ranges, switch_in) = kallsyms.join().unwrap_or_default();
+    phases.mark("kallsyms (the rest of its reading)");
     // Off-CPU stacks: which frames, and when they are taken.
     let min_ns = profile.probes.offcpu_min_us.saturating_mul(1000);
     let offcpu_on = profile.probes.offcpu_stacks && profile.probes.sched;
     let (when, offcpu_min_ns) = if offcpu_on && min_ns > 0 {
-        match offcpu_stacks_on_return(&mut ebpf, &kallsyms, min_ns) {
+        match offcpu_stacks_on_return(&mut ebpf, &tracefs_root, switch_in, min_ns) {
             Ok((how, link)) => {
                 links.push(link);
                 (how, min_ns)
@@ -914,8 +968,9 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
     };
     let offcpu_stacks = offcpu_on.then(|| format!("{frames}, {when}"));
 
+    phases.mark("off-CPU kprobe");
     let numa_hints_refused = if profile.probes.numa {
-        match trace_numa_hints(&mut ebpf) {
+        match trace_numa_hints(&mut ebpf, &tracefs_root) {
             Ok(link) => {
                 links.push(link);
                 None
@@ -926,6 +981,7 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
         Some("the profile has numa off".to_owned())
     };
 
+    phases.mark("NUMA kprobe");
     // The PMU's memory sampler on every thread of the targets, where the host has one.
     let (mem, mem_sampling_refused) = if profile.probes.numa {
         let tids: Vec<u32> = targets.iter().flat_map(|t| host.threads(t.pid)).collect();
@@ -939,6 +995,7 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
         (None, Some("the profile has numa off".to_owned()))
     };
 
+    phases.mark("PMU sampler");
     let mut sample_period_ns = 0;
     if profile.sampling.hz > 0 {
         sample_period_ns = 1_000_000_000 / u64::from(profile.sampling.hz);
@@ -953,7 +1010,7 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
             }
         }
     }
-    let fault_handler_ranges = host::kallsyms_ranges(&kallsyms, &FAULT_HANDLERS);
+    phases.mark("sampling clocks");
 
     let rings = rings::Rings::take(&mut ebpf, shards)?;
     let counters = PerCpuArray::try_from(
@@ -1009,7 +1066,11 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
         bpf_stats_refused,
         offcpu_stacks,
         offcpu_min_ns,
+        attach_phases_us: Vec::new(),
     };
+    phases.mark("maps and header");
+    let mut header = header;
+    header.attach_phases_us = phases.done;
     Ok(Attached {
         bpf_stats,
         target_costs,
@@ -1036,9 +1097,44 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
     })
 }
 
+/// Where attaching went: each phase's name and microseconds, in order.
+struct Phases {
+    last: Instant,
+    done: Vec<(String, u64)>,
+}
+
+impl Phases {
+    fn new(started: Instant) -> Phases {
+        Phases {
+            last: started,
+            done: Vec::new(),
+        }
+    }
+
+    /// Ends the phase that began at the previous mark.
+    fn mark(&mut self, name: &str) {
+        let now = Instant::now();
+        let us = u64::try_from(now.duration_since(self.last).as_micros()).unwrap_or(u64::MAX);
+        self.done.push((name.to_owned(), us));
+        self.last = now;
+    }
+}
+
+/// Whether `profile` attaches the tracepoint `tp`.
+fn tracepoint_wanted(tp: &names::Tracepoint, profile: &Profile) -> bool {
+    match tp.switch {
+        names::Switch::PageFaults => profile.probes.page_faults,
+        names::Switch::Numa => profile.probes.numa,
+        names::Switch::Always => true,
+        names::Switch::Sched => profile.probes.sched,
+    }
+}
+
 /// A program type that loads with no arguments.
 pub trait Loadable {
     fn load_into_kernel(&mut self) -> Result<(), ProgramError>;
+    /// Already loaded (by `preload`).
+    fn loaded(&self) -> bool;
 }
 
 macro_rules! loadable {
@@ -1047,10 +1143,13 @@ macro_rules! loadable {
             fn load_into_kernel(&mut self) -> Result<(), ProgramError> {
                 self.load()
             }
+            fn loaded(&self) -> bool {
+                self.fd().is_ok()
+            }
         }
     )*};
 }
-loadable!(UProbe, TracePoint, RawTracePoint, PerfEvent);
+loadable!(UProbe, TracePoint, RawTracePoint, PerfEvent, KProbe);
 
 /// Loads the program `name` of `ebpf` into the kernel. A rejection by the verifier names
 /// the program and the kernel release, with the verifier's output.
@@ -1062,9 +1161,68 @@ where
     &'e mut P: TryFrom<&'e mut aya::programs::Program, Error = ProgramError>,
 {
     let prog: &mut P = typed_program(ebpf, name)?;
-    prog.load_into_kernel()
-        .map_err(|e| program_error(name, "-", e))?;
+    if !prog.loaded() {
+        prog.load_into_kernel()
+            .map_err(|e| program_error(name, "-", e))?;
+    }
     Ok(prog)
+}
+
+/// The programs `attach_all` will load under `profile` on this kernel (`available`: its
+/// tracepoints).
+fn wanted_programs(
+    profile: &Profile,
+    available: &[&str],
+    tracefs_root: &Path,
+) -> Vec<&'static str> {
+    let mut wanted = vec![names::UPROBE_LIB_CALL, names::URETPROBE_LIB_CALL];
+    wanted.extend(
+        names::TRACEPOINTS
+            .iter()
+            .filter(|tp| tracepoint_wanted(tp, profile) && available.contains(&tp.event))
+            .map(|tp| tp.program),
+    );
+    if profile.sampling.hz > 0 {
+        wanted.push(names::PERF_EVENT_CPU_CLOCK);
+    }
+    if kprobes_missing(tracefs_root).is_none() {
+        if profile.probes.numa {
+            wanted.push(names::KPROBE_TASK_NUMA_FAULT);
+        }
+        if profile.probes.offcpu_stacks && profile.probes.sched && profile.probes.offcpu_min_us > 0
+        {
+            wanted.push(names::KPROBE_FINISH_TASK_SWITCH);
+        }
+    }
+    wanted
+}
+
+/// Loads the `wanted` programs into the kernel at once, a thread each: the kernel verifies
+/// them side by side (on the H200 those with stacks and the Python walk took 20–30 ms each,
+/// one after another). A program that fails here is loaded again where it is attached,
+/// which reports the verifier's refusal by name.
+fn preload(ebpf: &mut Ebpf, wanted: &[&str]) {
+    use aya::programs::Program;
+    std::thread::scope(|scope| {
+        for (name, program) in ebpf.programs_mut() {
+            if !wanted.contains(&name) || program.fd().is_ok() {
+                continue;
+            }
+            scope.spawn(move || {
+                let loaded = match program {
+                    Program::UProbe(p) => p.load(),
+                    Program::TracePoint(p) => p.load(),
+                    Program::RawTracePoint(p) => p.load(),
+                    Program::PerfEvent(p) => p.load(),
+                    Program::KProbe(p) => p.load(),
+                    _ => Ok(()),
+                };
+                if let Err(e) = loaded {
+                    log::debug!("{name} not loaded ahead: {e}");
+                }
+            });
+        }
+    });
 }
 
 /// Each loaded program's runs and run time as the kernel counts them.

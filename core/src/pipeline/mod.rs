@@ -365,6 +365,8 @@ impl Aggregator {
                 agent_peak_rss_kb,
             }) => {
                 agent.attach_ms = attach_ns as f64 / 1e6;
+                agent.attach_phases_ms =
+                    crate::summary::AttachPhase::all(&self.header.attach_phases_us);
                 agent.peak_rss_kb = self.agent_peak_rss_kb.unwrap_or(agent_peak_rss_kb);
                 (end_monotonic_ns, Some(reason), lost_by_kind, counters)
             }
