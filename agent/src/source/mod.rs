@@ -421,18 +421,23 @@ fn trace_numa_hints(ebpf: &mut Ebpf, tracefs_root: &Path) -> Result<Link, String
     if let Some(why) = kprobes_missing(tracefs_root) {
         return Err(format!("no kprobe on {NUMA_HINT_FUNCTION}: {why}"));
     }
-    let prog: &mut KProbe =
-        typed_program(ebpf, names::KPROBE_TASK_NUMA_FAULT).map_err(|e| e.to_string())?;
+    attach_kprobe(ebpf, names::KPROBE_TASK_NUMA_FAULT, NUMA_HINT_FUNCTION)
+}
+
+/// Loads the kprobe `program` (unless loaded ahead) and attaches it to `function`; the
+/// kernel's refusal, said.
+fn attach_kprobe(ebpf: &mut Ebpf, program: &str, function: &str) -> Result<Link, String> {
+    let prog: &mut KProbe = typed_program(ebpf, program).map_err(|e| e.to_string())?;
     let refused = |e: ProgramError| {
         format!(
-            "the kernel refused a kprobe on {NUMA_HINT_FUNCTION} ({})",
+            "the kernel refused a kprobe on {function} ({})",
             root_cause(&e)
         )
     };
     if !prog.loaded() {
         prog.load().map_err(refused)?;
     }
-    let id = prog.attach(NUMA_HINT_FUNCTION, 0).map_err(refused)?;
+    let id = prog.attach(function, 0).map_err(refused)?;
     prog.take_link(id).map(Link::KProbe).map_err(refused)
 }
 
@@ -470,19 +475,8 @@ fn offcpu_stacks_on_return(
             "{every}: no {SWITCH_IN_FUNCTION} in /proc/kallsyms to take them as threads come back"
         ));
     };
-    let prog: &mut KProbe =
-        typed_program(ebpf, names::KPROBE_FINISH_TASK_SWITCH).map_err(|e| e.to_string())?;
-    let refused = |e: ProgramError| {
-        format!(
-            "{every}: the kernel refused a kprobe on {symbol} ({})",
-            root_cause(&e)
-        )
-    };
-    if !prog.loaded() {
-        prog.load().map_err(refused)?;
-    }
-    let id = prog.attach(&symbol, 0).map_err(refused)?;
-    let link = prog.take_link(id).map_err(refused)?;
+    let link = attach_kprobe(ebpf, names::KPROBE_FINISH_TASK_SWITCH, &symbol)
+        .map_err(|why| format!("{every}: {why}"))?;
     let mut min: aya::maps::Array<&mut MapData, u64> = aya::maps::Array::try_from(
         ebpf.map_mut(names::OFFCPU_MIN)
             .ok_or_else(|| format!("{every}: the programs have no {} map", names::OFFCPU_MIN))?,
@@ -494,7 +488,7 @@ fn offcpu_stacks_on_return(
          or more",
         min_ns / 1000
     );
-    Ok((how, Link::KProbe(link)))
+    Ok((how, link))
 }
 
 /// Kernel functions on the user page-fault path: a sample whose kernel stack passes
