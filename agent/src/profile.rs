@@ -58,6 +58,14 @@ fn yes() -> bool {
     true
 }
 
+impl Probes {
+    /// Off-CPU stacks are taken: they ride on the scheduler tracepoints.
+    #[must_use]
+    pub fn offcpu_on(&self) -> bool {
+        self.offcpu_stacks && self.sched
+    }
+}
+
 /// Which traced calls get their entry stack.
 #[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]

@@ -583,7 +583,7 @@ fn load(
     loader.override_global(names::OFFSETS, offsets, true);
     let config = nccltrace_common::Config {
         offcpu_stacks: match (
-            profile.probes.offcpu_stacks && profile.probes.sched,
+            profile.probes.offcpu_on(),
             profile.probes.offcpu_kernel_stacks,
         ) {
             (false, _) => nccltrace_common::offcpu::OFF,
@@ -943,7 +943,7 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
     phases.mark("kallsyms (the rest of its reading)");
     // Off-CPU stacks: which frames, and when they are taken.
     let min_ns = profile.probes.offcpu_min_us.saturating_mul(1000);
-    let offcpu_on = profile.probes.offcpu_stacks && profile.probes.sched;
+    let offcpu_on = profile.probes.offcpu_on();
     let (when, offcpu_min_ns) = if offcpu_on && min_ns > 0 {
         match offcpu_stacks_on_return(&mut ebpf, &tracefs_root, switch_in, min_ns) {
             Ok((how, link)) => {
@@ -1027,7 +1027,7 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
         && node_distances.len() > 1
         && (numa_balancing == Some(0) || numa_hints_refused.is_some());
     let (kernel_release, hostname) = host::uname();
-    let header = Header {
+    let mut header = Header {
         format_version: FORMAT_VERSION,
         agent_version: env!("CARGO_PKG_VERSION").to_owned(),
         kernel_release,
@@ -1063,7 +1063,6 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
         attach_phases_us: Vec::new(),
     };
     phases.mark("maps and header");
-    let mut header = header;
     header.attach_phases_us = phases.done;
     Ok(Attached {
         bpf_stats,
@@ -1183,8 +1182,7 @@ fn wanted_programs(
         if profile.probes.numa {
             wanted.push(names::KPROBE_TASK_NUMA_FAULT);
         }
-        if profile.probes.offcpu_stacks && profile.probes.sched && profile.probes.offcpu_min_us > 0
-        {
+        if profile.probes.offcpu_on() && profile.probes.offcpu_min_us > 0 {
             wanted.push(names::KPROBE_FINISH_TASK_SWITCH);
         }
     }
