@@ -1,5 +1,6 @@
 //! Render stage: one module per output format, each writing to any `impl Write`.
 pub mod flamegraph;
+pub(crate) mod json;
 pub mod steps;
 pub mod summary;
 pub mod trace;

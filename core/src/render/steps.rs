@@ -34,7 +34,7 @@ impl<W: Write> StepsJson<W> {
         } else {
             b",\n    "
         })?;
-        serde_json::to_writer(&mut self.out, s)?;
+        write_step(&mut self.out, s)?;
         self.steps += 1;
         Ok(())
     }
@@ -60,6 +60,47 @@ impl<W: Write> StepsJson<W> {
         writeln!(self.out)?;
         self.out.flush()
     }
+}
+
+/// One step as `Step`'s `Serialize` writes it (`step_rows_as_serde_writes_them` holds
+/// them to it), field by field: the rows are most of a short-step run's report.
+fn write_step(out: &mut impl Write, s: &Step) -> io::Result<()> {
+    use super::json::{Obj, categories};
+    let mut o = Obj::new(out)?;
+    o.u64("index", s.index as u64)?;
+    o.u64("start_ns", s.start_ns)?;
+    o.u64("end_ns", s.end_ns)?;
+    o.u64("wall_ns", s.wall_ns)?;
+    categories(o.key("categories_ns")?, &s.categories)?;
+    let n = o.key("nccl")?;
+    let mut nccl = Obj::new(n)?;
+    nccl.u64("collectives", s.nccl.collectives)?;
+    nccl.u64("bytes", s.nccl.bytes)?;
+    nccl.end()?;
+    o.u64("faults", s.faults)?;
+    o.u64("migrations", s.migrations)?;
+    o.u64("cross_node_migrations", s.cross_node_migrations)?;
+    o.u64("numa_page_migrations", s.numa_page_migrations)?;
+    o.u64("numa_task_moves", s.numa_task_moves)?;
+    o.value("remote_access", &s.remote_access)?;
+    if let Some(loads) = &s.remote_loads {
+        o.value("remote_loads", loads)?;
+    }
+    o.opt_i64("slowest_rank", s.slowest_rank.map(i64::from))?;
+    let out = o.key("ranks")?;
+    out.write_all(b"[")?;
+    for (i, r) in s.ranks.iter().enumerate() {
+        if i > 0 {
+            out.write_all(b",")?;
+        }
+        let mut rank = Obj::new(&mut *out)?;
+        rank.i64("rank", i64::from(r.rank))?;
+        rank.u64("pid", u64::from(r.pid))?;
+        categories(rank.key("categories_ns")?, &r.categories)?;
+        rank.end()?;
+    }
+    out.write_all(b"]")?;
+    o.end()
 }
 
 /// `report` but its steps.
@@ -111,21 +152,21 @@ pub fn write_csv(report: &StepsReport, out: &mut impl Write) -> io::Result<()> {
 
 /// The rows of `steps` in `steps.csv`.
 pub fn write_csv_rows(steps: &[Step], out: &mut impl Write) -> io::Result<()> {
+    let mut buf = itoa::Buffer::new();
     for s in steps {
-        let mut categories = String::new();
-        for (_, value) in s.categories.named() {
-            if let Some(v) = value {
-                let _ = write!(categories, "{v}");
+        let mut cell = |out: &mut dyn Write, v: Option<u64>| -> io::Result<()> {
+            if let Some(v) = v {
+                out.write_all(buf.format(v).as_bytes())?;
             }
-            categories.push(',');
+            out.write_all(b",")
+        };
+        for v in [s.index as u64, s.start_ns, s.end_ns, s.wall_ns] {
+            cell(out, Some(v))?;
         }
-        writeln!(
-            out,
-            "{},{},{},{},{categories}{},{},{},{},{},{},{},{}",
-            s.index,
-            s.start_ns,
-            s.end_ns,
-            s.wall_ns,
+        for (_, value) in s.categories.named() {
+            cell(out, value)?;
+        }
+        for v in [
             s.nccl.collectives,
             s.nccl.bytes,
             s.faults,
@@ -133,12 +174,18 @@ pub fn write_csv_rows(steps: &[Step], out: &mut impl Write) -> io::Result<()> {
             s.cross_node_migrations,
             s.numa_page_migrations,
             s.numa_task_moves,
-            // The PMU's measured share where it sampled, else the hinting faults'.
-            s.remote_loads
-                .and_then(|m| m.share())
-                .or_else(|| s.remote_access.map(|r| r.share()))
-                .map_or_else(String::new, |share| format!("{share:.4}"))
-        )?;
+        ] {
+            cell(out, Some(v))?;
+        }
+        // The PMU's measured share where it sampled, else the hinting faults'.
+        if let Some(share) = s
+            .remote_loads
+            .and_then(|m| m.share())
+            .or_else(|| s.remote_access.map(|r| r.share()))
+        {
+            write!(out, "{share:.4}")?;
+        }
+        out.write_all(b"\n")?;
     }
     Ok(())
 }
@@ -625,6 +672,61 @@ mod tests {
             remote_loads: None,
             slowest_rank: None,
             ranks: vec![],
+        }
+    }
+
+    /// steps.json's rows are written by hand for speed: byte for byte what `Step`'s
+    /// `Serialize` writes, for every shape a field can take (a field added to `Step` and
+    /// not to the writer fails here).
+    #[test]
+    fn step_rows_as_serde_writes_them() {
+        use crate::attribute::remote::{Basis, RemoteAccess};
+        let plain = step(3, 2_000_000, 1_000_000);
+        let mut full = step(u32::MAX as usize + 7, u64::MAX / 2, 12);
+        full.start_ns = 17;
+        full.categories.unmeasured.page_fault = true;
+        full.categories.unmeasured.nccl_wait = true;
+        full.categories.remote_memory = Some(99);
+        full.nccl = crate::attribute::NcclCount {
+            collectives: 3,
+            bytes: 1 << 40,
+        };
+        (full.faults, full.migrations, full.cross_node_migrations) = (1, 2, 3);
+        (full.numa_page_migrations, full.numa_task_moves) = (4, 5);
+        full.remote_access = Some(RemoteAccess {
+            pages: 10,
+            remote_pages: 3,
+            basis: Basis::StepHints,
+            gap_ppm: Some(1234),
+        });
+        full.remote_loads = Some(crate::pmu::MeasuredStep {
+            dram_samples: 8,
+            remote_samples: 2,
+            remote_cycles: 900,
+        });
+        full.slowest_rank = Some(-1);
+        full.ranks = vec![
+            crate::attribute::StepRank {
+                rank: 0,
+                pid: 41,
+                categories: plain.categories,
+            },
+            crate::attribute::StepRank {
+                rank: i32::MAX,
+                pid: u32::MAX,
+                categories: full.categories,
+            },
+        ];
+        let mut one_rank = plain.clone();
+        one_rank.ranks.truncate(0);
+        one_rank.slowest_rank = Some(2);
+        for s in [plain, full, one_rank] {
+            let mut ours = Vec::new();
+            write_step(&mut ours, &s).unwrap();
+            assert_eq!(
+                String::from_utf8(ours).unwrap(),
+                serde_json::to_string(&s).unwrap()
+            );
         }
     }
 

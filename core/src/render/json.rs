@@ -1,0 +1,91 @@
+//! JSON objects written field by field, for the outputs written once per step or per
+//! event (steps.json's rows, trace.json's events): keys are written as they are (they are
+//! fixed names that need no escaping), integers through `itoa`, and only strings and
+//! floats go through serde_json, so the bytes are the ones serde_json would write.
+//! On a recording of 300,000 one-call steps this is what the report's time went to.
+
+use std::io::{self, Write};
+
+use serde::Serialize;
+
+/// An object being written: `{`, then fields, then [`Obj::end`].
+pub(crate) struct Obj<'w, W: Write> {
+    out: &'w mut W,
+    first: bool,
+}
+
+impl<'w, W: Write> Obj<'w, W> {
+    /// Starts an object.
+    pub(crate) fn new(out: &'w mut W) -> io::Result<Self> {
+        out.write_all(b"{")?;
+        Ok(Obj { out, first: true })
+    }
+
+    /// Writes `"key":` (with the comma before it but for the first field).
+    pub(crate) fn key(&mut self, key: &str) -> io::Result<&mut W> {
+        debug_assert!(
+            !key.bytes().any(|b| b == b'"' || b == b'\\' || b < 0x20),
+            "{key:?} needs escaping"
+        );
+        if !self.first {
+            self.out.write_all(b",")?;
+        }
+        self.first = false;
+        self.out.write_all(b"\"")?;
+        self.out.write_all(key.as_bytes())?;
+        self.out.write_all(b"\":")?;
+        Ok(self.out)
+    }
+
+    pub(crate) fn u64(&mut self, key: &str, v: u64) -> io::Result<()> {
+        let out = self.key(key)?;
+        out.write_all(itoa::Buffer::new().format(v).as_bytes())
+    }
+
+    pub(crate) fn i64(&mut self, key: &str, v: i64) -> io::Result<()> {
+        let out = self.key(key)?;
+        out.write_all(itoa::Buffer::new().format(v).as_bytes())
+    }
+
+    /// An integer, or `null`.
+    pub(crate) fn opt_u64(&mut self, key: &str, v: Option<u64>) -> io::Result<()> {
+        match v {
+            Some(v) => self.u64(key, v),
+            None => self.key(key)?.write_all(b"null"),
+        }
+    }
+
+    /// An integer, or `null`.
+    pub(crate) fn opt_i64(&mut self, key: &str, v: Option<i64>) -> io::Result<()> {
+        match v {
+            Some(v) => self.i64(key, v),
+            None => self.key(key)?.write_all(b"null"),
+        }
+    }
+
+    /// A string, escaped.
+    pub(crate) fn str(&mut self, key: &str, v: &str) -> io::Result<()> {
+        let out = self.key(key)?;
+        serde_json::to_writer(out, v).map_err(io::Error::from)
+    }
+
+    /// Any value, through serde_json (floats, and what is rare enough not to matter).
+    pub(crate) fn value(&mut self, key: &str, v: &impl Serialize) -> io::Result<()> {
+        let out = self.key(key)?;
+        serde_json::to_writer(out, v).map_err(io::Error::from)
+    }
+
+    /// Ends the object.
+    pub(crate) fn end(self) -> io::Result<()> {
+        self.out.write_all(b"}")
+    }
+}
+
+/// The categories of a step or rank, as `Categories`'s `Serialize` writes them.
+pub(crate) fn categories(out: &mut impl Write, c: &crate::attribute::Categories) -> io::Result<()> {
+    let mut obj = Obj::new(out)?;
+    for (name, value) in c.named() {
+        obj.opt_u64(name, value)?;
+    }
+    obj.end()
+}
