@@ -19,22 +19,31 @@ pub fn write_json(report: &StepsReport, out: &mut impl Write) -> io::Result<()> 
 pub struct StepsJson<W: Write> {
     out: W,
     steps: usize,
+    /// The row being written: one write to `out` a row (a write a field cost more
+    /// than the field).
+    row: Vec<u8>,
 }
 
 impl<W: Write> StepsJson<W> {
     pub fn new(mut out: W) -> io::Result<Self> {
         out.write_all(b"{\n  \"steps\": [")?;
-        Ok(StepsJson { out, steps: 0 })
+        Ok(StepsJson {
+            out,
+            steps: 0,
+            row: Vec::with_capacity(512),
+        })
     }
 
     /// The next step, final.
     pub fn step(&mut self, s: &Step) -> io::Result<()> {
-        self.out.write_all(if self.steps == 0 {
+        self.row.clear();
+        self.row.extend_from_slice(if self.steps == 0 {
             b"\n    "
         } else {
             b",\n    "
-        })?;
-        write_step(&mut self.out, s)?;
+        });
+        write_step(&mut self.row, s)?;
+        self.out.write_all(&self.row)?;
         self.steps += 1;
         Ok(())
     }
@@ -153,18 +162,21 @@ pub fn write_csv(report: &StepsReport, out: &mut impl Write) -> io::Result<()> {
 /// The rows of `steps` in `steps.csv`.
 pub fn write_csv_rows(steps: &[Step], out: &mut impl Write) -> io::Result<()> {
     let mut buf = itoa::Buffer::new();
+    // A row at a time (a write a cell cost more than the cell).
+    let mut row = Vec::with_capacity(256);
     for s in steps {
-        let mut cell = |out: &mut dyn Write, v: Option<u64>| -> io::Result<()> {
+        row.clear();
+        let mut cell = |row: &mut Vec<u8>, v: Option<u64>| {
             if let Some(v) = v {
-                out.write_all(buf.format(v).as_bytes())?;
+                row.extend_from_slice(buf.format(v).as_bytes());
             }
-            out.write_all(b",")
+            row.push(b',');
         };
         for v in [s.index as u64, s.start_ns, s.end_ns, s.wall_ns] {
-            cell(out, Some(v))?;
+            cell(&mut row, Some(v));
         }
         for (_, value) in s.categories.named() {
-            cell(out, value)?;
+            cell(&mut row, value);
         }
         for v in [
             s.nccl.collectives,
@@ -175,7 +187,7 @@ pub fn write_csv_rows(steps: &[Step], out: &mut impl Write) -> io::Result<()> {
             s.numa_page_migrations,
             s.numa_task_moves,
         ] {
-            cell(out, Some(v))?;
+            cell(&mut row, Some(v));
         }
         // The PMU's measured share where it sampled, else the hinting faults'.
         if let Some(share) = s
@@ -183,9 +195,10 @@ pub fn write_csv_rows(steps: &[Step], out: &mut impl Write) -> io::Result<()> {
             .and_then(|m| m.share())
             .or_else(|| s.remote_access.map(|r| r.share()))
         {
-            write!(out, "{share:.4}")?;
+            write!(row, "{share:.4}")?;
         }
-        out.write_all(b"\n")?;
+        row.push(b'\n');
+        out.write_all(&row)?;
     }
     Ok(())
 }

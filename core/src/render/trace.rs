@@ -29,6 +29,9 @@ struct Writer<W: Write> {
     out: W,
     first: bool,
     base_ns: u64,
+    /// The event being written: one write to `out` an event (a write a field cost more
+    /// than the field).
+    ev: Vec<u8>,
 }
 
 /// One trace event, written as it is (no intermediate JSON tree: traces run to millions
@@ -252,7 +255,8 @@ impl<W: Write> Writer<W> {
     /// Writes one event field by field (the name escaped; the fixed fields need not be).
     fn event<A: Args>(&mut self, ev: &Ev<'_, A>) -> io::Result<()> {
         self.separator()?;
-        let out = &mut self.out;
+        let out = &mut self.ev;
+        out.clear();
         out.write_all(b"{\"ph\":")?;
         quoted(out, ev.ph)?;
         if let Some(s) = ev.s {
@@ -283,7 +287,8 @@ impl<W: Write> Writer<W> {
         let mut args = Obj::new(&mut *out)?;
         ev.args.write(&mut args)?;
         args.end()?;
-        out.write_all(b"}")
+        out.push(b'}');
+        self.out.write_all(out)
     }
 
     /// Writes one event given whole (the few metadata events).
@@ -371,6 +376,7 @@ impl<W: Write> TraceStream<W> {
                 out,
                 first: true,
                 base_ns,
+                ev: Vec::with_capacity(512),
             },
             sequence: std::collections::BTreeMap::new(),
             runnable_changes: Vec::new(),
