@@ -52,6 +52,30 @@ pub struct Probes {
     /// given.
     #[serde(default)]
     pub python_frames: bool,
+    /// Which traced calls get a return probe: "all" (when not given), or "needed": only
+    /// CUDA syncs, communicator creation and destruction and ncclGroupEnd
+    /// (`nccltrace_common::func::return_needed`). The others are recorded at entry, one
+    /// trap a call instead of two; their time inside NCCL, their result and any blocking
+    /// inside them are not seen.
+    #[serde(default)]
+    pub call_returns: CallReturns,
+}
+
+/// Which traced calls get a return probe.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum CallReturns {
+    #[default]
+    All,
+    Needed,
+}
+
+impl CallReturns {
+    /// Whether a call of function `id` gets its return probe.
+    #[must_use]
+    pub fn traced(self, id: u32) -> bool {
+        self == CallReturns::All || nccltrace_common::func::return_needed(id)
+    }
 }
 
 fn yes() -> bool {

@@ -266,11 +266,19 @@ type ArgLayout = (usize, usize, Option<usize>, Option<usize>, usize, usize);
 
 /// Interprets a call's raw arguments by the NCCL / CUDA driver ABI (nccl.h, cuda.h).
 fn decode_call(e: &CallEvent) -> Result<Call, DecodeError> {
-    let func = Func::from_id(e.func).ok_or(DecodeError::UnknownFunc { id: e.func })?;
+    let id = e.func & !nccltrace_common::func::ENTRY_ONLY;
+    let func = Func::from_id(id).ok_or(DecodeError::UnknownFunc { id: e.func })?;
     let a = &e.args;
+    // Traced at entry only: no return time, value or written communicator.
+    let returned = e.func & nccltrace_common::func::ENTRY_ONLY == 0;
     let mut call = Call {
-        ret: e.ret,
-        ..Call::new(task(&e.hdr), func, e.start_ns, e.hdr.ts_ns)
+        ret: returned.then_some(e.ret),
+        ..Call::new(
+            task(&e.hdr),
+            func,
+            e.start_ns,
+            if returned { e.hdr.ts_ns } else { e.start_ns },
+        )
     };
     let layout: Option<ArgLayout> = match func {
         Func::AllReduce | Func::ReduceScatter => Some((2, 3, Some(4), None, 5, 6)),
@@ -363,6 +371,29 @@ mod tests {
         assert_eq!(c.redop, Some(0));
         assert_eq!((c.comm, c.stream), (Some(0x77), Some(0x88)));
         assert_eq!(c.duration_ns(), 500);
+    }
+
+    /// A collective traced at entry only (`call_returns = "needed"`): the function named
+    /// without the flag, no return value, no duration; its arguments as usual.
+    #[test]
+    fn entry_only_call_has_no_return() {
+        let mut rec = call_record(
+            func::NCCL_ALL_REDUCE | func::ENTRY_ONLY,
+            [1, 2, 1000, 7, 0, 0x77, 0x88, 0],
+        );
+        rec.hdr.ts_ns = rec.start_ns;
+        let Event::Call(c) = decode(&as_bytes(&rec)).unwrap() else {
+            panic!("not a call")
+        };
+        assert_eq!(c.func, Func::AllReduce);
+        assert_eq!((c.ret, c.returned(), c.duration_ns()), (None, false, 0));
+        assert_eq!((c.bytes, c.comm), (Some(4000), Some(0x77)));
+        let Event::Call(c) =
+            decode(&as_bytes(&call_record(func::NCCL_ALL_REDUCE, [0; 8]))).unwrap()
+        else {
+            panic!("not a call")
+        };
+        assert_eq!((c.ret, c.returned()), (Some(0), true));
     }
 
     /// The agent's own PMU load-sample records decode like the programs' (recordings

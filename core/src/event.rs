@@ -315,8 +315,11 @@ pub struct Call {
     pub task: Task,
     pub func: Func,
     pub start_ns: u64,
+    /// The return's time; `start_ns` when the return was not traced.
     pub end_ns: u64,
-    pub ret: i32,
+    /// The return value; `None` when the call was traced at entry only
+    /// (`call_returns = "needed"`).
+    pub ret: Option<i32>,
     /// Elements (`count`, `sendcount` or `recvcount` as the API names it).
     pub count: Option<u64>,
     pub datatype: Option<u32>,
@@ -352,7 +355,7 @@ impl Call {
             func,
             start_ns,
             end_ns,
-            ret: 0,
+            ret: Some(0),
             count: None,
             datatype: None,
             bytes: None,
@@ -367,6 +370,12 @@ impl Call {
             comm_id: None,
             python: None,
         }
+    }
+
+    /// Whether the call's return was traced (its duration and return value are known).
+    #[must_use]
+    pub fn returned(&self) -> bool {
+        self.ret.is_some()
     }
 
     #[must_use]

@@ -193,7 +193,7 @@ pub struct Header {
     clippy::trivially_copy_pass_by_ref,
     reason = "serde's skip_serializing_if passes a reference"
 )]
-fn is_zero(v: &u64) -> bool {
+pub(crate) fn is_zero(v: &u64) -> bool {
     *v == 0
 }
 
@@ -243,6 +243,10 @@ pub struct ProgramReading {
     /// while tracing (ns a call), or why not.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub trap_ns: Option<u64>,
+    /// The same for a call traced at entry only (its uprobe trap alone); `None` in older
+    /// recordings, whose calls all had both.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub entry_trap_ns: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub trap_refused: Option<String>,
 }

@@ -15,9 +15,13 @@ pub struct OpStats {
     pub calls: u64,
     pub bytes: u64,
     /// Time inside the call (NCCL calls are asynchronous: this is enqueue time, not the
-    /// collective's duration).
-    pub enqueue_ns: u64,
-    pub errors: u64,
+    /// collective's duration), and calls that returned an error: over the calls whose
+    /// return was traced; null when none was (`call_returns = "needed"`).
+    pub enqueue_ns: Option<u64>,
+    pub errors: Option<u64>,
+    /// Calls traced at entry only (counted, their bytes known, not their time or result).
+    #[serde(skip_serializing_if = "crate::record::is_zero")]
+    pub entry_only: u64,
 }
 
 /// NCCL totals.
@@ -30,7 +34,12 @@ pub struct NcclStats {
     /// and the steps count.
     pub collectives: u64,
     pub bytes: u64,
+    /// Calls that returned an error, among those whose return was traced.
     pub errors: u64,
+    /// Calls traced at entry only (`call_returns = "needed"`): their time inside NCCL,
+    /// their result and any blocking inside them are not seen.
+    #[serde(skip_serializing_if = "crate::record::is_zero")]
+    pub entry_only: u64,
     pub by_op: BTreeMap<String, OpStats>,
 }
 
@@ -169,6 +178,10 @@ pub struct BpfCost {
     /// what a call's traps cost on this host (measured once while tracing), times the
     /// traced calls; null with the reason when not measured.
     pub trap_ns_per_call: Option<u64>,
+    /// The traps of a call traced at entry only (`call_returns = "needed"`): its uprobe
+    /// alone; `traps_ns` charges it to the calls no return program ran for.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub entry_trap_ns: Option<u64>,
     pub traps_ns: Option<u64>,
     pub traps_per_step_ns: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -247,11 +260,24 @@ impl BpfCost {
             |f: fn(&ProgramCost) -> u64| programs.iter().map(f).fold(0u64, u64::saturating_add);
         let cpu_ns = sum(|p| p.run_time_ns);
         let traced_ns = sum(|p| p.traced_ns);
-        let calls = programs
-            .iter()
-            .find(|p| p.name == nccltrace_common::names::UPROBE_LIB_CALL)
-            .map_or(0, |p| p.traced_runs.unwrap_or(p.runs));
+        let traced_runs = |name: &str| {
+            programs
+                .iter()
+                .find(|p| p.name == name)
+                .map_or(0, |p| p.traced_runs.unwrap_or(p.runs))
+        };
+        let calls = traced_runs(nccltrace_common::names::UPROBE_LIB_CALL);
+        // Calls traced at entry only (no return program ran for them) paid one trap.
+        let entry_only =
+            calls.saturating_sub(traced_runs(nccltrace_common::names::URETPROBE_LIB_CALL));
         let trap_ns_per_call = last.trap_ns.or(first.trap_ns);
+        let entry_trap_ns = last.entry_trap_ns.or(first.entry_trap_ns);
+        let traps_ns = trap_ns_per_call.map(|pair| {
+            let entry = entry_trap_ns.unwrap_or(pair);
+            (calls - entry_only)
+                .saturating_mul(pair)
+                .saturating_add(entry_only.saturating_mul(entry))
+        });
         Some(BpfCost {
             method: BPF_COST_METHOD,
             cpu_ns,
@@ -262,7 +288,8 @@ impl BpfCost {
             traced_per_step_ns: None,
             traced_step_share: None,
             trap_ns_per_call,
-            traps_ns: trap_ns_per_call.map(|t| t.saturating_mul(calls)),
+            entry_trap_ns,
+            traps_ns,
             traps_per_step_ns: None,
             traps_unmeasured: trap_ns_per_call.is_none().then(|| {
                 last.trap_refused.clone().unwrap_or_else(|| {
@@ -371,7 +398,8 @@ pub(crate) fn nccl_totals(by_func: BTreeMap<Func, OpStats>) -> NcclStats {
             nccl.collectives += s.calls;
         }
         nccl.bytes = nccl.bytes.saturating_add(s.bytes);
-        nccl.errors += s.errors;
+        nccl.errors += s.errors.unwrap_or(0);
+        nccl.entry_only += s.entry_only;
         nccl.by_op.insert(func.name().to_owned(), s);
     }
     nccl
@@ -450,6 +478,17 @@ mod tests {
         assert!((cost.step_share.unwrap() - 0.002_101).abs() < 1e-9);
         // Readings at one moment give nothing, not a share of zero.
         assert!(BpfCost::between(&last, &last).is_none());
+        // 40 of the 100 calls traced at entry only (`call_returns = "needed"`): the return
+        // program ran for 60; those 40 paid the entry trap alone.
+        let mut mixed = last.clone();
+        mixed
+            .programs
+            .push(("uretprobe_lib_call".into(), 60, 6_000));
+        mixed.traced.push(("uretprobe_lib_call".into(), 60, 5_000));
+        mixed.entry_trap_ns = Some(600);
+        let cost_mixed = BpfCost::between(&first, &mixed).unwrap();
+        assert_eq!(cost_mixed.traps_ns, Some(60 * 1_500 + 40 * 600));
+        assert_eq!(cost_mixed.entry_trap_ns, Some(600));
         let mut text = Vec::new();
         let agent = AgentStats {
             bpf: Some(cost),

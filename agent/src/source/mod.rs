@@ -33,7 +33,7 @@ use nccltrace_common::{counter, kind, names, timed};
 
 use crate::event::{Event, Library};
 use crate::host::{self, Host};
-use crate::profile::{Profile, SampleScope};
+use crate::profile::{CallReturns, Profile, SampleScope};
 use crate::record::{ClockRef, FORMAT_VERSION, Header, ProbeInfo, TargetInfo};
 use discover::FoundLibrary;
 
@@ -530,7 +530,7 @@ pub struct Attached {
     /// The timed programs' runs and nanoseconds for traced threads (`timed`).
     target_costs: PerCpuArray<MapData, u64>,
     /// What a traced call's traps cost here (ns), measured at the first tick, or why not.
-    traps: Option<Result<u64, String>>,
+    traps: Option<Result<traps::Traps, String>>,
     /// The programs' run time before any probe was attached (the first window's start).
     baseline: Option<crate::record::ProgramReading>,
     /// The runs the trap calibration caused, left out of every reading.
@@ -640,11 +640,14 @@ fn inode(path: &Path) -> (u64, u64) {
     std::fs::metadata(path).map_or((0, 0), |m| (m.dev(), m.ino()))
 }
 
-/// Attaches the entry and return programs (loaded) to every site of `lib`, unless a file
-/// in `probed` (device, inode) is the same: probes fire for every process mapping it.
+/// Attaches the entry and return programs (loaded) to every site of `lib`, the return
+/// program only where `returns` wants it (the entry program then writes the record, told
+/// by its cookie), unless a file in `probed` (device, inode) is the same: probes fire for
+/// every process mapping it.
 fn probe_library(
     ebpf: &mut Ebpf,
     lib: &FoundLibrary,
+    returns: CallReturns,
     probed: &mut Vec<(u64, u64)>,
     links: &mut Vec<Link>,
 ) -> Result<(), SourceError> {
@@ -656,9 +659,19 @@ fn probe_library(
     for program in [names::UPROBE_LIB_CALL, names::URETPROBE_LIB_CALL] {
         let prog: &mut UProbe = typed_program(ebpf, program)?;
         for site in &lib.sites {
+            let func = site.func.id();
+            let returned = returns.traced(func);
+            if program == names::URETPROBE_LIB_CALL && !returned {
+                continue;
+            }
+            let entry_only = if returned {
+                0
+            } else {
+                nccltrace_common::func::ENTRY_ONLY
+            };
             let point = UProbeAttachPoint {
                 location: UProbeAttachLocation::AbsoluteOffset(site.file_offset),
-                cookie: Some(u64::from(site.func.id())),
+                cookie: Some(u64::from(func | entry_only)),
             };
             let place = format!("{}:{}", lib.path, site.symbol);
             let id = prog
@@ -886,7 +899,13 @@ fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceE
     let mut probed: Vec<(u64, u64)> = Vec::new();
     for (_, libs, _) in &infos {
         for lib in libs {
-            probe_library(&mut ebpf, lib, &mut probed, &mut links)?;
+            probe_library(
+                &mut ebpf,
+                lib,
+                profile.probes.call_returns,
+                &mut probed,
+                &mut links,
+            )?;
         }
     }
 
@@ -1306,7 +1325,8 @@ impl Attached {
         register_threads(ebpf, &host, t)?;
         let (libs, probes) = target_libs(t, &self.profile);
         for lib in libs {
-            probe_library(ebpf, lib, &mut self.probed, &mut self.links)?;
+            let returns = self.profile.probes.call_returns;
+            probe_library(ebpf, lib, returns, &mut self.probed, &mut self.links)?;
         }
         if self.header.sample_period_ns > 0 && self.profile.sampling.scope == SampleScope::Thread {
             let period = self.header.sample_period_ns;
@@ -1519,7 +1539,13 @@ impl Attached {
                 let (r0, t0) = before.get(name).copied().unwrap_or((0, 0));
                 let (r1, t1) = after.get(name).copied().unwrap_or((0, 0));
                 let (runs, ns) = (r1.saturating_sub(r0), t1.saturating_sub(t0));
-                let own_runs = traps::CALLS_MADE.min(runs);
+                // The entry program ran in both sets of calls, the return program in one.
+                let made = if name == names::UPROBE_LIB_CALL {
+                    2 * traps::CALLS_MADE
+                } else {
+                    traps::CALLS_MADE
+                };
+                let own_runs = made.min(runs);
                 let own_ns = ns.checked_div(runs).map_or(0, |per_run| per_run * own_runs);
                 self.calibration_runs
                     .insert(name.to_owned(), (own_runs, own_ns));
@@ -1551,10 +1577,11 @@ impl Attached {
             })
             .filter(|(_, runs, _)| *runs > 0)
             .collect();
-        let (trap_ns, trap_refused) = match &self.traps {
-            Some(Ok(ns)) => (Some(*ns), None),
-            Some(Err(why)) => (None, Some(why.clone())),
+        let (trap_ns, entry_trap_ns, trap_refused) = match &self.traps {
+            Some(Ok(t)) => (Some(t.pair_ns), Some(t.entry_ns), None),
+            Some(Err(why)) => (None, None, Some(why.clone())),
             None => (
+                None,
                 None,
                 Some("tracing stopped before it was measured".to_owned()),
             ),
@@ -1564,6 +1591,7 @@ impl Attached {
             programs,
             traced,
             trap_ns,
+            entry_trap_ns,
             trap_refused,
         })
     }

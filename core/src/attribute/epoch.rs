@@ -889,25 +889,33 @@ impl Timeline {
     fn methods(&self, unmeasured: Unmeasured) -> Methods {
         let nodes: std::collections::BTreeSet<i32> =
             self.cpu_nodes.iter().copied().filter(|n| *n >= 0).collect();
-        Methods {
-            nccl_wait: if self.sync_probed {
-                "time inside CUDA sync calls (cuStreamSynchronize, cuEventSynchronize, \
+        let mut nccl_wait: String = if self.sync_probed {
+            "time inside CUDA sync calls (cuStreamSynchronize, cuEventSynchronize, \
                  cuCtxSynchronize and their _ptsz forms) while NCCL work issued before them \
                  is outstanding, spinning or blocked, and inside NCCL calls that block the host"
-                    .into()
-            } else if unmeasured.nccl_wait_lower_bound {
-                "a lower bound: no CUDA sync function was probed (the profile has cuda_sync \
+                .into()
+        } else if unmeasured.nccl_wait_lower_bound {
+            "a lower bound: no CUDA sync function was probed (the profile has cuda_sync \
                  off, or no libcuda was mapped), so only NCCL calls that block the host are \
                  seen; waits inside CUDA syncs count as compute (spinning) or other_offcpu \
                  (blocking). Use the default profile to measure them"
-                    .into()
-            } else {
-                "not measured: no CUDA sync function was probed (the profile has cuda_sync \
+                .into()
+        } else {
+            "not measured: no CUDA sync function was probed (the profile has cuda_sync \
                  off, or no libcuda was mapped), so waits for NCCL cannot be told from other \
                  work: a spinning wait counts as compute, a blocking one as other_offcpu. Use \
                  the default profile to measure it"
-                    .into()
-            },
+                .into()
+        };
+        if self.entry_only_seen {
+            nccl_wait.push_str(
+                "; collectives, point-to-point calls and ncclGroupStart were traced at entry \
+                 only (profile call_returns = \"needed\"): a host blocked inside one of them \
+                 is not seen as nccl_wait",
+            );
+        }
+        Methods {
+            nccl_wait,
             page_fault: self.fault_method(),
             remote_memory: self.remote_method(nodes.len()),
             remote_memory_estimated: self.mem_khz.is_none()

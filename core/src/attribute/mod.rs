@@ -410,6 +410,7 @@ impl<S: std::hash::BuildHasher> StackIds<S> {
 }
 
 /// Collects what attribution needs, event by event.
+#[allow(clippy::struct_excessive_bools)] // independent facts about the run
 pub struct Timeline {
     threads: BTreeMap<u32, ThreadLog>,
     page_migrations: Vec<(u32, u64, u64)>,
@@ -450,6 +451,9 @@ pub struct Timeline {
     mem_khz: Option<u64>,
     /// A CUDA sync function was probed in some target: `nccl_wait` is measured.
     sync_probed: bool,
+    /// An NCCL call was traced at entry only (`call_returns = "needed"`): blocking inside
+    /// it cannot be seen.
+    entry_only_seen: bool,
     /// Ranks given to `ncclCommInitRank*`, by pid.
     init_ranks: BTreeMap<u32, i32>,
     /// How steps are found.
@@ -516,6 +520,7 @@ impl Timeline {
             mem_sampling_refused: header.mem_sampling_refused.clone(),
             mem_khz: header.mem_sampler.as_ref().and(header.cpu_khz),
             sync_probed: header.targets.iter().any(syncs_probed),
+            entry_only_seen: false,
             init_ranks: BTreeMap::new(),
             rule: StepRule::Auto,
             epoch_events: 0,
@@ -608,6 +613,7 @@ impl Timeline {
         // A call is recorded at its return: one that began before the epoch it returned
         // in counts from that epoch's start (the earlier part is attributed already).
         let start_ns = c.start_ns.max(self.cut_ns);
+        self.entry_only_seen |= !c.returned() && c.func.library() == Library::Nccl;
         self.calls.push(c.clone());
         let log = self.log(c.task.tid, c.task.tgid);
         match c.func.library() {
@@ -622,8 +628,11 @@ impl Timeline {
                 log.total_syncs += 1;
             }
             Library::Nccl => {
-                log.changes.push((start_ns, Change::NcclStart));
-                log.changes.push((c.end_ns, Change::NcclEnd));
+                // Traced at entry only: counted, but its inside is not known.
+                if c.returned() {
+                    log.changes.push((start_ns, Change::NcclStart));
+                    log.changes.push((c.end_ns, Change::NcclEnd));
+                }
                 if c.func.is_collective() {
                     log.total_collectives += 1;
                     log.collectives.push(Collective {

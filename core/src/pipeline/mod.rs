@@ -218,8 +218,13 @@ impl Aggregator {
                     s.calls += 1;
                     // Saturating: a damaged recording may carry any value.
                     s.bytes = s.bytes.saturating_add(call.bytes.unwrap_or(0));
-                    s.enqueue_ns = s.enqueue_ns.saturating_add(call.duration_ns());
-                    s.errors += u64::from(call.ret != 0);
+                    if let Some(ret) = call.ret {
+                        let (enqueue, errors) = (s.enqueue_ns.get_or_insert(0), &mut s.errors);
+                        *enqueue = enqueue.saturating_add(call.duration_ns());
+                        *errors.get_or_insert(0) += u64::from(ret != 0);
+                    } else {
+                        s.entry_only += 1;
+                    }
                     self.threads.insert(call.task.tid);
                 }
                 Library::Cuda => {
@@ -497,6 +502,9 @@ mod tests {
         }
         let out = agg.finish(StepRule::Auto);
         assert_eq!(out.summary.nccl.bytes, u64::MAX);
-        assert_eq!(out.summary.nccl.by_op["AllReduce"].enqueue_ns, u64::MAX);
+        assert_eq!(
+            out.summary.nccl.by_op["AllReduce"].enqueue_ns,
+            Some(u64::MAX)
+        );
     }
 }

@@ -43,18 +43,26 @@ pub fn write_text(s: &Summary, out: &mut impl Write) -> io::Result<()> {
             }
         }
     }
-    writeln!(
+    write!(
         out,
         "NCCL: {} calls, {} bytes, {} errors",
         s.nccl.calls, s.nccl.bytes, s.nccl.errors
     )?;
+    if s.nccl.entry_only > 0 {
+        write!(
+            out,
+            " ({} calls traced at entry only: their time and result not seen)",
+            s.nccl.entry_only
+        )?;
+    }
+    writeln!(out)?;
     for (op, o) in &s.nccl.by_op {
         writeln!(
             out,
             "  {op:<20} {:>8} calls {:>14} bytes  enqueue {}",
             o.calls,
             o.bytes,
-            ms(o.enqueue_ns)
+            o.enqueue_ns.map_or_else(|| "not traced".to_owned(), ms)
         )?;
     }
     writeln!(

@@ -130,7 +130,8 @@ impl Args for StepArgs<'_> {
 
 /// The arguments of an NCCL call or CUDA sync slice (those the call has).
 struct CallArgs<'a> {
-    ret: i32,
+    /// None: traced at entry only.
+    ret: Option<i32>,
     bytes: Option<u64>,
     count: Option<u64>,
     datatype: Option<&'a str>,
@@ -147,7 +148,9 @@ struct CallArgs<'a> {
 
 impl Args for CallArgs<'_> {
     fn write(&self, o: &mut Obj<'_, impl Write>) -> io::Result<()> {
-        o.i64("ret", i64::from(self.ret))?;
+        if let Some(ret) = self.ret {
+            o.i64("ret", i64::from(ret))?;
+        }
         for (key, v) in [("bytes", self.bytes), ("count", self.count)] {
             if let Some(v) = v {
                 o.u64(key, v)?;
@@ -725,7 +728,7 @@ mod tests {
     #[test]
     fn call_args_with_every_field() {
         let args = CallArgs {
-            ret: -3,
+            ret: Some(-3),
             bytes: Some(1 << 33),
             count: Some(7),
             datatype: Some("float32"),
@@ -752,7 +755,7 @@ mod tests {
         let mut out = Vec::new();
         let mut o = Obj::new(&mut out).unwrap();
         CallArgs {
-            ret: 0,
+            ret: None,
             bytes: None,
             count: None,
             datatype: None,
@@ -767,7 +770,7 @@ mod tests {
         .write(&mut o)
         .unwrap();
         o.end().unwrap();
-        assert_eq!(out, b"{\"ret\":0}");
+        assert_eq!(out, b"{}");
     }
 
     /// trace.json of a fixed timeline, against its golden file.

@@ -170,6 +170,23 @@ pub mod func {
     pub const NVTX_RANGE_PUSH_A: u32 = 129;
     /// Bytes of an NVTX message kept (NUL-terminated when shorter).
     pub const NVTX_MESSAGE_BYTES: usize = 56;
+    /// Set in an entry probe's attach cookie (beside the id) when the function has no
+    /// return probe (`call_returns = "needed"`): the entry program writes the call's record
+    /// itself. Set in that record's `func` too, so user space knows no return was traced.
+    pub const ENTRY_ONLY: u32 = 1 << 31;
+
+    /// Whether the breakdown needs function `id`'s return when the profile asks only for
+    /// the returns needed: CUDA syncs (their duration is the wait), the calls that create
+    /// a communicator (its handle is written at return), ncclGroupEnd (grouped calls launch
+    /// there and can block) and communicator destruction (it can block). Collectives,
+    /// point-to-point calls, ncclGroupStart, step markers and NVTX pushes are traced at
+    /// entry only.
+    #[must_use]
+    pub const fn return_needed(id: u32) -> bool {
+        (id >= FIRST_CUDA && id < STEP_MARKER)
+            || out_comm_arg(id).is_some()
+            || matches!(id, NCCL_GROUP_END | NCCL_COMM_DESTROY | NCCL_COMM_ABORT)
+    }
 
     /// How many arguments the function takes, counting a by-value `ncclUniqueId` as none
     /// since the x86-64 ABI passes it in memory without using a register.

@@ -302,8 +302,9 @@ pub fn uprobe_lib_call(ctx: ProbeContext) -> u32 {
         return 0;
     }
     let _timed = TargetRun::start(timed::UPROBE_LIB_CALL);
-    // SAFETY: the cookie is the function id user space attached with.
-    let func_id = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } as u32;
+    // SAFETY: the cookie is the function id user space attached with (and ENTRY_ONLY).
+    let cookie = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } as u32;
+    let func_id = cookie & !func::ENTRY_ONLY;
     // SAFETY: regs is the probe's own register snapshot.
     let regs = unsafe { &*ctx.regs };
     let mut pending = PendingCall {
@@ -351,6 +352,21 @@ pub fn uprobe_lib_call(ctx: ProbeContext) -> u32 {
             }
             Err(_) => bump(counter::READ_FAILED),
         }
+    }
+    if cookie & func::ENTRY_ONLY != 0 {
+        // No return probe: the record now, its return left unknown.
+        emit(
+            kind::CALL,
+            CallEvent {
+                hdr: header(kind::CALL, tgid, tid),
+                start_ns: pending.start_ns,
+                func: cookie,
+                ret: 0,
+                args: pending.args,
+                out: 0,
+            },
+        );
+        return 0;
     }
     let key = call_key(tid, func_id);
     if let Some(slot) = SLOTS.get_ptr_mut(tid & (CALL_SLOTS - 1)) {
