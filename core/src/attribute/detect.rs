@@ -1,0 +1,129 @@
+//! Which thread runs the training loop, and where its steps are: the rank thread's choice
+//! and step detection on what an epoch holds (with the tail of the earlier ones).
+
+use std::collections::BTreeMap;
+
+use super::steps::{self, Collective, Detected};
+use super::{StepRule, ThreadLog, Timeline, ranks};
+
+impl Timeline {
+    /// The rank thread runs the training loop: in the process that issued the most
+    /// collectives, the thread that waits on the GPU most often (PyTorch's main thread:
+    /// DDP issues its all-reduces from the autograd thread, but `.item()` syncs on the
+    /// main one), else the thread issuing the most collectives.
+    pub(super) fn choose_rank(&self) -> Option<(u32, u32)> {
+        let mut per_pid: BTreeMap<u32, u64> = BTreeMap::new();
+        for log in self.threads.values() {
+            *per_pid.entry(log.pid).or_default() += log.total_collectives;
+        }
+        let pid = per_pid
+            .iter()
+            .filter(|(_, n)| **n > 0)
+            .max_by_key(|(pid, n)| (**n, std::cmp::Reverse(**pid)))
+            .map(|(pid, _)| *pid)?;
+        self.threads
+            .iter()
+            .filter(|(_, l)| l.pid == pid)
+            .max_by_key(|(tid, l)| (l.total_syncs, l.total_collectives, std::cmp::Reverse(**tid)))
+            .map(|(tid, _)| (*tid, pid))
+    }
+
+    /// A process's training-loop thread over the run so far: the one that waits on the
+    /// GPU most often, else the one issuing the most collectives.
+    pub(super) fn loop_thread(&self, pid: u32) -> Option<u32> {
+        self.threads
+            .iter()
+            .filter(|(_, l)| l.pid == pid)
+            .filter(|(_, l)| l.total_syncs > 0 || l.total_collectives > 0)
+            .max_by_key(|(tid, l)| (l.total_syncs, l.total_collectives, std::cmp::Reverse(**tid)))
+            .map(|(tid, _)| *tid)
+    }
+
+    /// A process's collectives from every thread, by start: the earlier epochs' tail
+    /// too when `history`.
+    pub(super) fn process_collectives(&self, pid: u32, history: bool) -> Vec<Collective> {
+        let mut c: Vec<Collective> = self
+            .threads
+            .values()
+            .filter(|l| l.pid == pid)
+            .flat_map(|l| {
+                let old = if history {
+                    &l.history.collectives[..]
+                } else {
+                    &[][..]
+                };
+                old.iter().chain(&l.collectives).copied()
+            })
+            .collect();
+        c.sort_by_key(|c| c.start_ns);
+        c
+    }
+
+    /// Steps in the buffer by the rule, and whether they were found (not the fallback).
+    pub(super) fn detect(&self, rank: Option<(u32, u32)>, end_ns: u64) -> (Detected, bool) {
+        let cut = self.cut_ns.max(self.first_ns);
+        let of_rank = |l: &&ThreadLog| rank.is_none_or(|r| l.pid == r.1);
+        let markers: Vec<u64> = self
+            .threads
+            .values()
+            .filter(of_rank)
+            .flat_map(|l| l.markers.iter().copied())
+            .collect();
+        // When no steps can be found: 1 s windows, saying why.
+        let fallback = |why: &str| {
+            let w = steps::windows(cut, end_ns, 1_000_000_000, format!("{why}: 1 s windows"));
+            (w, false)
+        };
+        let found = |d: Detected| (d, true);
+        match (&self.rule, rank) {
+            (StepRule::Nvtx(pattern), _) => {
+                let pushes: Vec<u64> = self
+                    .threads
+                    .values()
+                    .filter(of_rank)
+                    .flat_map(|l| l.nvtx.iter())
+                    .filter(|(_, name)| pattern.0.is_match(name))
+                    .map(|(t, _)| *t)
+                    .collect();
+                let re = pattern.0.as_str();
+                steps::by_nvtx(&pushes, re).map_or_else(
+                    || {
+                        fallback(&format!(
+                            "--step-nvtx {re:?}: fewer than two NVTX ranges matched"
+                        ))
+                    },
+                    found,
+                )
+            }
+            (StepRule::Window(w), _) => found(steps::windows(
+                cut,
+                end_ns,
+                *w,
+                format!("--step-window {w} ns"),
+            )),
+            // A recording made with --step-symbol holds the marker's entries.
+            (StepRule::Auto, _) if !markers.is_empty() => steps::by_marker(&markers).map_or_else(
+                || fallback("--step-symbol: the marker was entered fewer than twice"),
+                found,
+            ),
+            (StepRule::Auto, Some((tid, pid))) => {
+                let log = &self.threads[&tid];
+                let syncs: Vec<(u64, u64)> = log
+                    .history
+                    .syncs
+                    .iter()
+                    .chain(&log.syncs)
+                    .copied()
+                    .collect();
+                steps::detect(&self.process_collectives(pid, true), &syncs)
+                    .map_or_else(|| fallback("no repeating sequence of collectives"), found)
+            }
+            (StepRule::Auto, None) => fallback("no collectives traced"),
+        }
+    }
+
+    /// Rank numbers of the traced processes.
+    pub(super) fn identities(&self) -> Vec<ranks::RankIdentity> {
+        ranks::identify(&self.target_pids, &self.init_ranks, &self.env_ranks)
+    }
+}

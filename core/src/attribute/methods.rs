@@ -1,0 +1,143 @@
+//! How each category was measured, or why not, in words (steps.json `methods`).
+
+use super::{Methods, Timeline, Unmeasured};
+
+impl Timeline {
+    /// How each category was measured, or why not.
+    pub(super) fn methods(&self, unmeasured: Unmeasured) -> Methods {
+        let nodes: std::collections::BTreeSet<i32> =
+            self.cpu_nodes.iter().copied().filter(|n| *n >= 0).collect();
+        let mut nccl_wait: String = if self.sync_probed {
+            "time inside CUDA sync calls (cuStreamSynchronize, cuEventSynchronize, \
+                 cuCtxSynchronize and their _ptsz forms) while NCCL work issued before them \
+                 is outstanding, spinning or blocked, and inside NCCL calls that block the host"
+                .into()
+        } else if unmeasured.nccl_wait_lower_bound {
+            "a lower bound: no CUDA sync function was probed (the profile has cuda_sync \
+                 off, or no libcuda was mapped), so only NCCL calls that block the host are \
+                 seen; waits inside CUDA syncs count as compute (spinning) or other_offcpu \
+                 (blocking). Use the default profile to measure them"
+                .into()
+        } else {
+            "not measured: no CUDA sync function was probed (the profile has cuda_sync \
+                 off, or no libcuda was mapped), so waits for NCCL cannot be told from other \
+                 work: a spinning wait counts as compute, a blocking one as other_offcpu. Use \
+                 the default profile to measure it"
+                .into()
+        };
+        if self.entry_only_seen {
+            nccl_wait.push_str(
+                "; collectives, point-to-point calls and ncclGroupStart were traced at entry \
+                 only (profile call_returns = \"needed\"): a host blocked inside one of them \
+                 is not seen as nccl_wait",
+            );
+        }
+        Methods {
+            nccl_wait,
+            page_fault: self.fault_method(),
+            remote_memory: self.remote_method(nodes.len()),
+            remote_memory_estimated: self.mem_khz.is_none()
+                && nodes.len() > 1
+                && self.numa_hints_seen + self.resident_seen > 0,
+        }
+    }
+
+    /// How `remote_memory` was estimated, or why not.
+    pub(super) fn remote_method(&self, nodes: usize) -> String {
+        if let (Some(sampler), Some(khz)) = (&self.mem_sampler, self.mem_khz) {
+            return format!(
+                "measured by {sampler}: the rank thread's user loads sampled one in {} with \
+                 their latency and data source; per step, Σ latency × {} of the samples a \
+                 remote node's DRAM served, at {} MHz. An upper end: loads that overlap are \
+                 each counted whole",
+                crate::pmu::SAMPLE_PERIOD,
+                crate::pmu::SAMPLE_PERIOD,
+                khz / 1000
+            );
+        }
+        let no_pmu = match (&self.mem_sampler, &self.mem_sampling_refused) {
+            (Some(sampler), _) => format!(
+                "{sampler} was sampled, but the CPU's frequency is unknown (no cpufreq, no \
+                 cpu MHz in /proc/cpuinfo), so its latencies cannot be turned into time"
+            ),
+            (None, Some(why)) => why.clone(),
+            (None, None) => "no PMU memory sampler was opened".to_owned(),
+        };
+        let no_pmu = no_pmu.as_str();
+        if nodes <= 1 {
+            return format!(
+                "not measured: the host has one NUMA node, so nothing is remote ({no_pmu})"
+            );
+        }
+        if self.numa_hints_seen == 0 && self.resident_seen > 0 {
+            return format!(
+                "estimated from the target's resident pages per node (/proc/PID/numa_maps, \
+                 read every {} s while NUMA balancing is off, so no access is sampled): the \
+                 step's on-CPU compute × the share of those pages on other nodes than the \
+                 rank thread's, each weighted by 1 − local/remote SLIT distance, from the \
+                 latest reading before the step's end. A weaker proxy than hinting faults: \
+                 it weighs every resident page the same, touched or not; an upper end as \
+                 well (it assumes the on-CPU time is bound by memory latency). {no_pmu}",
+                crate::procfs::NUMA_MAPS_EVERY.as_secs()
+            );
+        }
+        if let Some(why) = &self.numa_hints_refused {
+            return format!("not measured: NUMA hinting faults were not traced ({why}); {no_pmu}");
+        }
+        if self.numa_hints_seen == 0 {
+            let why = if self.numa_balancing == Some(0) {
+                "automatic NUMA balancing is off (kernel.numa_balancing = 0), so the kernel \
+                 samples no memory accesses"
+                    .to_owned()
+            } else {
+                format!(
+                    "no NUMA hinting fault of a target thread was seen (kernel.numa_balancing \
+                     = {}; the kernel scans a task's memory once a scan period, 1 s or more, \
+                     after it has run for a while)",
+                    self.numa_balancing
+                        .map_or_else(|| "unknown".to_owned(), |v| v.to_string())
+                )
+            };
+            return format!("not measured: {why}; {no_pmu}");
+        }
+        format!(
+            "estimated from NUMA hinting faults (the kernel's own sample of memory accesses, \
+             one per page per balancing scan): the step's on-CPU compute × the remote share \
+             of the rank thread's hinting-fault pages (the step's own when it has {} or more, \
+             else the latest scan's burst before its end, faults under {} ms apart, at most \
+             {} pages) weighted by 1 − local/remote SLIT distance. \
+             An upper end: it assumes the on-CPU time is bound by memory latency and the SLIT \
+             ratio is the latency ratio. Null before the thread's first hinting fault; \
+             {no_pmu}",
+            super::remote::MIN_STEP_PAGES,
+            super::remote::BURST_GAP_NS / 1_000_000,
+            super::remote::WINDOW_PAGES
+        )
+    }
+
+    /// How `page_fault` was measured, for `methods.page_fault`.
+    pub(super) fn fault_method(&self) -> String {
+        let why_not = self
+            .fault_timing_refused
+            .as_deref()
+            .unwrap_or("fentry/fexit not tried");
+        if self.faults_timed {
+            "fentry/fexit on handle_mm_fault: each user fault of a target thread timed from \
+             the handler's entry to its return, on the CPU or blocked inside it"
+                .into()
+        } else if self.sample_period_ns > 0 && self.fault_ranges.is_empty() {
+            "not measured: the page-fault handler's addresses were not found in \
+             /proc/kallsyms (unreadable, or kernel.kptr_restrict hides them), so samples in \
+             it cannot be told; fault time stays in compute"
+                .into()
+        } else if self.sample_period_ns > 0 {
+            format!(
+                "on-CPU samples every {} µs whose kernel stack is in the page-fault handler, \
+                 times the period ({why_not})",
+                self.sample_period_ns / 1000
+            )
+        } else {
+            format!("not measured: on-CPU sampling is off in this profile ({why_not})")
+        }
+    }
+}

@@ -1,0 +1,151 @@
+//! The attribution's output model: steps.json (`StepsReport`, its `Step`s), the per-thread
+//! totals, how each category was measured, and how steps are to be found.
+
+use serde::Serialize;
+
+use super::steps::Method;
+use super::{Categories, ranks, remote};
+
+/// NCCL traffic in a step.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct NcclCount {
+    /// Calls that move data (collectives, send and receive); group and communicator
+    /// calls are left out.
+    pub collectives: u64,
+    pub bytes: u64,
+}
+
+/// One step of the rank thread.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Step {
+    pub index: usize,
+    pub start_ns: u64,
+    pub end_ns: u64,
+    pub wall_ns: u64,
+    /// Where the wall time went, ns per category.
+    #[serde(rename = "categories_ns")]
+    pub categories: Categories,
+    pub nccl: NcclCount,
+    pub faults: u64,
+    pub migrations: u64,
+    pub cross_node_migrations: u64,
+    pub numa_page_migrations: u64,
+    pub numa_task_moves: u64,
+    /// The remote share of the rank thread's sampled memory accesses (NUMA hinting
+    /// faults) that `remote_memory` is estimated from; `None` before its first such fault
+    /// or when they were not traced.
+    pub remote_access: Option<remote::RemoteAccess>,
+    /// Where the PMU sampled loads (`methods.remote_memory_estimated` false): the rank
+    /// thread's sampled DRAM loads in the step and those a remote node served.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub remote_loads: Option<crate::pmu::MeasuredStep>,
+    /// With several ranks: the rank whose late arrivals made the others wait most in this
+    /// step.
+    pub slowest_rank: Option<i32>,
+    /// With several ranks: each rank's training-loop thread over this step's interval.
+    pub ranks: Vec<StepRank>,
+}
+
+/// One rank's categories in a step.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct StepRank {
+    pub rank: i32,
+    pub pid: u32,
+    #[serde(rename = "categories_ns")]
+    pub categories: Categories,
+}
+
+/// A thread's totals over the traced interval.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ThreadReport {
+    pub tid: u32,
+    pub pid: u32,
+    pub name: String,
+    pub role: &'static str,
+    #[serde(rename = "categories_ns")]
+    pub categories: Categories,
+    pub nccl_calls: u64,
+    pub faults: u64,
+    pub migrations: u64,
+    pub cross_node_migrations: u64,
+}
+
+/// How `nccl_wait`, `remote_memory` and `page_fault` were obtained, or why not.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Methods {
+    pub nccl_wait: String,
+    pub page_fault: String,
+    pub remote_memory: String,
+    pub remote_memory_estimated: bool,
+}
+
+/// `steps.json`.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct StepsReport {
+    /// The clock of every `*_ns` timestamp (not durations) in this file.
+    pub clock: &'static str,
+    /// Steps found that began before tracing was armed, left out of `steps` and of every
+    /// statistic (their beginning was not traced).
+    pub partial_steps_left_out: usize,
+    /// Epochs the run was attributed in, as it went (1: the whole run at once).
+    pub epochs: u64,
+    /// Records that came after the epoch holding them was attributed: counted in the
+    /// totals, left out of steps and categories.
+    pub late_events_left_out: u64,
+    pub method: Method,
+    pub reason: String,
+    /// Collectives per step, when found automatically.
+    pub period: Option<usize>,
+    pub rank_pid: Option<u32>,
+    pub rank_tid: Option<u32>,
+    pub methods: Methods,
+    pub steps: Vec<Step>,
+    pub threads: Vec<ThreadReport>,
+    /// Where the rank thread was blocked for `other_offcpu`, heaviest first (filled once
+    /// stacks are symbolized).
+    pub other_offcpu_top_stacks: Vec<BlockingStack>,
+    /// Where the rank thread waited for NCCL and the GPU (`nccl_wait`), heaviest first:
+    /// with Python frames, the line that waited.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub nccl_wait_top_stacks: Vec<BlockingStack>,
+    /// Every traced rank (one per target process).
+    pub ranks: Vec<ranks::RankReport>,
+    pub straggler: Option<ranks::Straggler>,
+}
+
+/// A stack the rank thread blocked in, with the time it accounts for in its steps.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct BlockingStack {
+    /// Frames root first, `;`-separated, as in the `.folded` files.
+    pub stack: String,
+    pub total_ns: u64,
+}
+
+/// How steps are to be found.
+#[derive(Clone, Debug, PartialEq, Default)]
+pub enum StepRule {
+    #[default]
+    Auto,
+    Window(u64),
+    /// `--step-nvtx REGEX`: a step starts at each NVTX range push whose name matches.
+    Nvtx(NvtxPattern),
+}
+
+/// A `--step-nvtx` regular expression, compiled.
+#[derive(Clone, Debug)]
+pub struct NvtxPattern(pub regex_lite::Regex);
+
+impl PartialEq for NvtxPattern {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.as_str() == other.0.as_str()
+    }
+}
+
+impl NvtxPattern {
+    /// Compiles `pattern`; the error says what is wrong with it.
+    pub fn new(pattern: &str) -> Result<Self, String> {
+        regex_lite::Regex::new(pattern)
+            .map(NvtxPattern)
+            .map_err(|e| e.to_string())
+    }
+}

@@ -1,0 +1,530 @@
+//! The attribution's unit tests: timelines built event by event, attributed, checked.
+
+use super::steps::Method;
+use super::*;
+
+/// Stacks are interned once each; stacks whose hashes collide (a hasher that hashes
+/// everything alike) still get ids of their own, and the same ids again.
+#[test]
+fn stacks_interned_once_even_when_hashes_collide() {
+    #[derive(Default)]
+    struct Alike;
+    impl std::hash::BuildHasher for Alike {
+        type Hasher = Alike;
+        fn build_hasher(&self) -> Alike {
+            Alike
+        }
+    }
+    impl std::hash::Hasher for Alike {
+        fn finish(&self) -> u64 {
+            7
+        }
+        fn write(&mut self, _: &[u8]) {}
+    }
+    let key = |pid, ip| StackKey {
+        pid,
+        kstack: vec![ip],
+        ustack: vec![ip + 1],
+        py: Vec::new(),
+    };
+    let mut ids = StackIds::<Alike>::default();
+    let mut table = Vec::new();
+    let keys = [
+        key(1, 10),
+        key(1, 20),
+        key(2, 10),
+        key(1, 20),
+        key(1, 10),
+        key(2, 10),
+    ];
+    let got: Vec<u32> = keys
+        .into_iter()
+        .map(|k| ids.intern(&mut table, k))
+        .collect();
+    assert_eq!(got, [0, 1, 2, 1, 0, 2]);
+    assert_eq!(table, [key(1, 10), key(1, 20), key(2, 10)]);
+    let mut ids = StackIds::<std::collections::hash_map::RandomState>::default();
+    let mut table = Vec::new();
+    assert_eq!(ids.intern(&mut table, key(1, 10)), 0);
+    assert_eq!(ids.intern(&mut table, key(1, 10)), 0);
+    assert!(ids.collisions.is_empty());
+}
+use crate::event::Func;
+use crate::record::{ClockRef, Header};
+
+fn header() -> Header {
+    Header {
+        clock: ClockRef {
+            monotonic_ns: 0,
+            realtime_ns: 0,
+        },
+        cpu_nodes: vec![0, 0, 1, 1],
+        sample_period_ns: 100_000,
+        fault_handler_ranges: vec![(0xffff_0000, 0xffff_1000)],
+        targets: vec![crate::record::TargetInfo {
+            pid: 10,
+            probes: vec![crate::record::ProbeInfo {
+                func: "cuStreamSynchronize".into(),
+                symbol: "cuStreamSynchronize".into(),
+                library: "libcuda.so.1".into(),
+                file_offset: 0,
+                past_endbr64: false,
+            }],
+            ..Default::default()
+        }],
+        ..Header::default()
+    }
+}
+
+/// Regression (issue 18): each step scanned every page migration and NUMA move of the
+/// run; now they are sorted once and each step takes its own stretch. Events pushed
+/// out of time order, of the rank thread and another, land in the right steps.
+#[test]
+fn numa_events_counted_per_step() {
+    let mut tl = Timeline::new(&header());
+    tl.push(&call(Func::AllReduce, 100, 200));
+    let migration = |ts_ns, tid| Event::PageMigration {
+        ts_ns,
+        task: task(tid),
+        succeeded: 4,
+        failed: 0,
+        mode: 0,
+        reason: 0,
+    };
+    let moved = |ts_ns, tid| Event::NumaTask {
+        ts_ns,
+        task: task(tid),
+        kind: crate::event::NumaTaskKind::Move,
+        src_cpu: 0,
+        src_nid: 0,
+        dst_cpu: 2,
+        dst_nid: 1,
+    };
+    for e in [
+        migration(15_000, 10),
+        migration(5_000, 10),
+        migration(6_000, 11),
+        moved(12_000, 10),
+        moved(3_000, 10),
+        moved(4_000, 10),
+    ] {
+        tl.push(&e);
+    }
+    let (report, _) = tl.finish(20_000, StepRule::Window(10_000));
+    let counts: Vec<(u64, u64)> = report
+        .steps
+        .iter()
+        .map(|s| (s.numa_page_migrations, s.numa_task_moves))
+        .collect();
+    assert_eq!(counts, [(4, 2), (4, 1)]);
+}
+
+/// Where the PMU sampled loads, `remote_memory` is measured from the rank thread's
+/// remote-DRAM samples (latency × period at the CPU's frequency), carved out of
+/// compute, and labelled measured; samples pushed out of time order land in their step.
+#[test]
+fn remote_memory_measured_from_pmu_samples() {
+    use nccltrace_common::kind;
+    let mut h = header();
+    h.mem_sampler = Some("Intel PEBS load latency (cpu/mem-loads, ldlat=30)".into());
+    h.mem_sampling_refused = None;
+    h.cpu_khz = Some(2_000_000);
+    let mut tl = Timeline::new(&h);
+    tl.push(&call(Func::AllReduce, 100, 200));
+    // perf_mem_data_src: a load served by DRAM, remote or local (level number + bit).
+    let dram = |remote: u64| 2 | (13 << 33) | (remote << 37);
+    let sample = |ts_ns, remote, weight| Event::MemSample {
+        ts_ns,
+        task: task(10),
+        weight,
+        data_src: dram(remote),
+    };
+    for e in [
+        sample(13_000_000, 0, 300),
+        sample(3_000_000, 1, 100),
+        sample(2_000_000, 1, 100),
+        sample(4_000_000, 1, 100),
+        sample(12_000_000, 0, 300),
+    ] {
+        tl.push(&e);
+    }
+    let (report, _) = tl.finish(20_000_000, StepRule::Window(10_000_000));
+    assert_eq!(report.steps.len(), 2);
+    let (far, near) = (&report.steps[0], &report.steps[1]);
+    // 3 samples × 100 cycles × 20,000 loads each at 2 GHz: 3 ms.
+    assert_eq!(far.categories.remote_memory, Some(3_000_000));
+    assert_eq!(far.categories.compute + 3_000_000, far.wall_ns);
+    let loads = far.remote_loads.unwrap();
+    assert_eq!((loads.dram_samples, loads.remote_samples), (3, 3));
+    // Local DRAM only: measured as none, not unknown.
+    assert_eq!(near.categories.remote_memory, Some(0));
+    assert_eq!(near.remote_loads.unwrap().share(), Some(0.0));
+    assert!(!report.methods.remote_memory_estimated);
+    assert!(
+        report
+            .methods
+            .remote_memory
+            .starts_with("measured by Intel PEBS"),
+        "{}",
+        report.methods.remote_memory
+    );
+    assert_eq!(Event::kind_name(kind::MEM_SAMPLE), "mem_sample");
+    // No sampler: not measured, and the reason the host gave.
+    let mut h = header();
+    h.mem_sampling_refused = Some("no PMU memory sampling: only software".into());
+    let mut tl = Timeline::new(&h);
+    tl.push(&call(Func::AllReduce, 100, 200));
+    tl.push(&sample(3_000_000, 1, 500));
+    let (report, _) = tl.finish(20_000_000, StepRule::Window(10_000_000));
+    assert_eq!(report.steps[0].categories.remote_memory, None);
+    assert!(report.steps[0].remote_loads.is_none());
+    assert!(
+        report
+            .methods
+            .remote_memory
+            .contains("no PMU memory sampling: only software"),
+        "{}",
+        report.methods.remote_memory
+    );
+}
+
+/// With NUMA balancing off, the share comes from where the process's memory is
+/// (numa_maps readings) seen from the node the rank thread runs on, the latest reading
+/// before each step's end; labelled an estimate with that method.
+#[test]
+fn remote_memory_estimated_from_resident_pages() {
+    let mut h = header();
+    h.node_distances = vec![vec![10, 20], vec![20, 10]];
+    h.numa_balancing = Some(0);
+    let mut tl = Timeline::new(&h);
+    // The rank thread runs on CPU 0 (node 0) from the start.
+    tl.push(&switch(50, false, 0));
+    tl.push(&call(Func::AllReduce, 100, 200));
+    let pages = |ts_ns, kib: Vec<u64>| Event::NumaPages {
+        ts_ns,
+        task: task(10),
+        kib,
+    };
+    // Three quarters on node 1, then all moved to node 0.
+    tl.push(&pages(1_000_000, vec![1 << 20, 3 << 20]));
+    tl.push(&pages(12_000_000, vec![4 << 20, 0]));
+    let (report, _) = tl.finish(20_000_000, StepRule::Window(10_000_000));
+    assert_eq!(report.steps.len(), 2);
+    let (far, near) = (&report.steps[0], &report.steps[1]);
+    let share = far.remote_access.unwrap().share();
+    assert!((share - 0.75).abs() < 1e-9, "{share}");
+    // Three quarters remote at SLIT 10/20: 37.5% of the on-CPU time.
+    let c = &far.categories;
+    let remote = c.remote_memory.unwrap();
+    assert_eq!(remote, (c.compute + remote) * 375 / 1000);
+    assert_eq!(near.remote_access.unwrap().remote_pages, 0);
+    assert_eq!(near.categories.remote_memory, Some(0));
+    assert!(report.methods.remote_memory_estimated);
+    assert!(
+        report
+            .methods
+            .remote_memory
+            .starts_with("estimated from the target's resident pages"),
+        "{}",
+        report.methods.remote_memory
+    );
+}
+
+/// Regression (issue 18): summing categories dropped `remote_memory`.
+#[test]
+fn sums_keep_remote_memory() {
+    let mut sum = Categories::default();
+    for remote in [Some(5), None, Some(7)] {
+        sum.add(&Categories {
+            remote_memory: remote,
+            ..Categories::default()
+        });
+    }
+    assert_eq!(sum.remote_memory, Some(12));
+}
+
+/// Regression (issue 17): `--profile minimal` (no CUDA sync probe) showed nccl_wait
+/// 0.000 and `--sample-hz 0` page_fault 0. A category the run could not measure is
+/// null in every output, with the reason in `methods`; the categories measured still
+/// add up.
+#[test]
+fn unmeasured_categories_are_null() {
+    let mut bare = header();
+    bare.targets[0].probes.clear();
+    bare.sample_period_ns = 0;
+    let mut tl = Timeline::new(&bare);
+    tl.push(&call(Func::AllReduce, 3_000, 3_100));
+    let (report, _) = tl.finish(10_000, StepRule::Window(10_000));
+    let json = serde_json::to_value(&report).unwrap();
+    for c in [
+        &json["steps"][0]["categories_ns"],
+        &json["threads"][0]["categories_ns"],
+    ] {
+        assert!(c["nccl_wait"].is_null(), "{c}");
+        assert!(c["page_fault"].is_null(), "{c}");
+        assert_eq!(c["compute"], 10_000, "{c}");
+    }
+    assert!(report.methods.nccl_wait.starts_with("not measured"));
+    assert!(report.methods.page_fault.starts_with("not measured"));
+    // Regression (issue 18): sampling on but no fault handler addresses (no kallsyms):
+    // fault time was silently 0 while the method said "samples".
+    let mut no_kallsyms = header();
+    no_kallsyms.fault_handler_ranges.clear();
+    let mut tl = Timeline::new(&no_kallsyms);
+    tl.push(&call(Func::AllReduce, 3_000, 3_100));
+    let (report, _) = tl.finish(10_000, StepRule::Window(10_000));
+    let json = serde_json::to_value(&report).unwrap();
+    assert!(json["threads"][0]["categories_ns"]["page_fault"].is_null());
+    assert!(
+        report.methods.page_fault.contains("kallsyms"),
+        "{}",
+        report.methods.page_fault
+    );
+    // Measured (the sync probed, sampling on): numbers, not null.
+    let mut tl = Timeline::new(&header());
+    tl.push(&call(Func::AllReduce, 3_000, 3_100));
+    let (report, _) = tl.finish(10_000, StepRule::Window(10_000));
+    let json = serde_json::to_value(&report).unwrap();
+    assert_eq!(json["threads"][0]["categories_ns"]["nccl_wait"], 0);
+    assert_eq!(json["threads"][0]["categories_ns"]["page_fault"], 0);
+}
+
+fn task(tid: u32) -> Task {
+    Task {
+        tgid: 10,
+        tid,
+        cpu: 0,
+    }
+}
+
+fn call(func: Func, start: u64, end: u64) -> Event {
+    Event::Call(Call {
+        count: Some(256),
+        datatype: Some(7),
+        bytes: Some(1024),
+        comm: Some(1),
+        stream: Some(2),
+        ..Call::new(task(10), func, start, end)
+    })
+}
+
+fn switch(ts: u64, out: bool, state: i64) -> Event {
+    Event::Switch {
+        ts_ns: ts,
+        task: task(10),
+        prev_tid: if out { 10 } else { 99 },
+        next_tid: if out { 99 } else { 10 },
+        next_tgid: if out { 0 } else { 10 },
+        prev_state: state,
+        prev_is_target: out,
+        next_is_target: !out,
+    }
+}
+
+/// Off-CPU stacks taken as the thread comes back are timed at its switch-out
+/// (`Header::offcpu_min_ns`): here 39 ms earlier, epochs ago. The stretch still gets
+/// its stack; late records of any other kind stay left out and counted.
+#[test]
+fn stack_taken_at_the_switch_in_finds_its_stretch_across_epochs() {
+    let mut tl = Timeline::new(&header());
+    tl.stream(StepRule::Window(1_000_000), 8);
+    let other = Task {
+        tgid: 10,
+        tid: 11,
+        cpu: 1,
+    };
+    let mut events = vec![switch(1_000_000, true, 1)];
+    for ms in 0..60u64 {
+        let t = ms * 1_000_000 + 500_000;
+        events.push(Event::Call(Call::new(other, Func::AllReduce, t, t + 1_000)));
+    }
+    events.sort_by_key(Event::ts_ns);
+    let back = events.partition_point(|e| e.ts_ns() < 40_000_000);
+    events.insert(back, switch(40_000_000, false, 0));
+    // What the kernel submits just after the switch-in: the stacks, timed at the
+    // switch-out.
+    events.insert(
+        back + 1,
+        Event::OffCpu {
+            ts_ns: 1_000_000,
+            task: task(10),
+            kstack: vec![0xffff_2000],
+            ustack: vec![7],
+        },
+    );
+    // A late record of another kind is still left out.
+    events.insert(
+        back + 2,
+        Event::Wakeup {
+            ts_ns: 2_000_000,
+            task: task(10),
+            waker_tid: 11,
+            waker_tgid: 10,
+            target_cpu: 0,
+        },
+    );
+    for e in &events {
+        tl.push(e);
+    }
+    let (report, detail) = tl.finish(61_000_000, StepRule::Window(1_000_000));
+    assert_eq!(report.late_events_left_out, 1);
+    let thread = detail.threads.iter().find(|t| t.tid == 10).unwrap();
+    let off: Vec<&OffCpu> = thread
+        .offcpu
+        .iter()
+        .filter(|o| o.start_ns == 1_000_000)
+        .collect();
+    assert_eq!(off.len(), 1, "{:?}", thread.offcpu);
+    assert_eq!(off[0].end_ns, 40_000_000);
+    let stack = off[0].stack.expect("the stretch has its stack");
+    assert_eq!(detail.stacks[stack as usize].kstack, vec![0xffff_2000]);
+}
+
+/// One step of known shape: 1 ms compute (200 µs of it page faults, by samples), a
+/// 500 µs preemption with a cross-node migration 100 µs in, an async AllReduce, a 3 ms
+/// sync sleeping while NCCL work is outstanding, 1 ms blocked elsewhere. Every
+/// nanosecond lands in its category.
+#[test]
+fn one_step_partitioned() {
+    let mut tl = Timeline::new(&header());
+    let mut events = vec![];
+    for step in 0..3u64 {
+        let t = step * 10_000_000;
+        // Compute 0..1 ms; faults sampled at 2 points (2 × 100 µs).
+        events.push(Event::Sample {
+            ts_ns: t + 100_000,
+            task: task(10),
+            kstack: vec![0xffff_0010],
+            ustack: vec![],
+        });
+        events.push(Event::Sample {
+            ts_ns: t + 200_000,
+            task: task(10),
+            kstack: vec![0xffff_0020],
+            ustack: vec![],
+        });
+        events.push(Event::Sample {
+            ts_ns: t + 300_000,
+            task: task(10),
+            kstack: vec![],
+            ustack: vec![1],
+        });
+        // Preempted 1.0..1.5 ms, migrated to node 1.
+        events.push(switch(t + 1_000_000, true, 0));
+        events.push(Event::Migrate {
+            ts_ns: t + 1_100_000,
+            task: task(10),
+            orig_cpu: 0,
+            dest_cpu: 2,
+        });
+        events.push(switch(t + 1_500_000, false, 0));
+        events.push(call(Func::AllReduce, t + 1_500_000, t + 1_510_000));
+        // Sync 1.51..4.51 ms, asleep 1.6..4.5 ms.
+        events.push(switch(t + 1_600_000, true, 1));
+        events.push(Event::Wakeup {
+            ts_ns: t + 4_400_000,
+            task: task(10),
+            waker_tid: 1,
+            waker_tgid: 1,
+            target_cpu: 0,
+        });
+        events.push(switch(t + 4_500_000, false, 0));
+        events.push(call(
+            Func::CuStreamSynchronize,
+            t + 1_510_000,
+            t + 4_510_000,
+        ));
+        // Blocked on something else 5..6 ms.
+        events.push(switch(t + 5_000_000, true, 1));
+        events.push(switch(t + 6_000_000, false, 0));
+    }
+    events.sort_by_key(Event::ts_ns);
+    for e in &events {
+        tl.push(e);
+    }
+    let (report, _) = tl.finish(30_000_000, StepRule::Auto);
+    assert_eq!(report.method, Method::Auto);
+    assert_eq!(report.rank_tid, Some(10));
+    assert_eq!(report.steps.len(), 2);
+    let s = &report.steps[0];
+    assert_eq!(s.wall_ns, 10_000_000);
+    assert_eq!(s.categories.total(), s.wall_ns);
+    assert_eq!(s.categories.nccl_wait, 3_000_000);
+    assert_eq!(s.categories.page_fault, 200_000);
+    // Preempted 500 µs, migrated 100 µs in: the wait after the migration is its cost.
+    assert_eq!(s.categories.cpu_migration, 400_000);
+    assert_eq!(s.categories.runqueue, 100_000);
+    assert_eq!(s.categories.other_offcpu, 1_000_000);
+    assert_eq!(s.categories.remote_memory, None);
+    assert_eq!((s.migrations, s.cross_node_migrations), (1, 1));
+    assert_eq!(
+        s.nccl,
+        NcclCount {
+            collectives: 1,
+            bytes: 1024
+        }
+    );
+}
+
+/// A sync with no NCCL work since the previous sync waits for the GPU's compute: it is
+/// not `nccl_wait`; a spinning sync with NCCL outstanding is, although on-CPU.
+#[test]
+fn only_syncs_after_collectives_are_nccl_waits() {
+    let mut tl = Timeline::new(&header());
+    for e in [
+        call(Func::CuStreamSynchronize, 1_000, 2_000),
+        call(Func::AllReduce, 3_000, 3_100),
+        call(Func::CuStreamSynchronize, 4_000, 9_000),
+    ] {
+        tl.push(&e);
+    }
+    let (report, _) = tl.finish(10_000, StepRule::Window(10_000));
+    assert_eq!(report.method, Method::Window);
+    let t = &report.threads[0].categories;
+    assert_eq!(t.nccl_wait, 5_000);
+    assert_eq!(t.compute, 5_000);
+    assert_eq!(t.total(), 10_000);
+}
+
+/// Faults timed by fentry/fexit are `page_fault` from the handler's entry to its
+/// return, on the CPU or blocked inside it (a page read in); samples in the handler no
+/// longer estimate it, so nothing is counted twice.
+#[test]
+fn timed_faults_replace_samples() {
+    let mut h = header();
+    h.fault_timing = Some("fentry/fexit on handle_mm_fault".into());
+    let mut tl = Timeline::new(&h);
+    let fault = |start: u64, end: u64| Event::FaultTime {
+        ts_ns: end,
+        task: task(10),
+        start_ns: start,
+        address: 0x1000,
+    };
+    let mut events = vec![
+        switch(0, false, 0),
+        // A sample in the handler: it would stand for 100 µs if samples estimated it.
+        Event::Sample {
+            ts_ns: 200_000,
+            task: task(10),
+            kstack: vec![0xffff_0010],
+            ustack: vec![],
+        },
+        fault(100_000, 250_000),
+        // A major fault: blocked 2.1..2.9 ms inside it.
+        switch(2_100_000, true, 1),
+        switch(2_900_000, false, 0),
+        fault(2_000_000, 3_000_000),
+    ];
+    events.sort_by_key(Event::ts_ns);
+    for e in &events {
+        tl.push(e);
+    }
+    let (report, detail) = tl.finish(10_000_000, StepRule::Window(10_000_000));
+    let c = &report.threads[0].categories;
+    assert_eq!(c.page_fault, 150_000 + 1_000_000);
+    assert_eq!(c.other_offcpu, 0);
+    assert_eq!(c.total(), 10_000_000);
+    assert!(report.methods.page_fault.starts_with("fentry/fexit"));
+    // The sample inside the fault is drawn as fault time in the flamegraphs.
+    assert_eq!(detail.threads[0].samples[0].2, Cat::PageFault);
+}
