@@ -170,7 +170,7 @@ fn collectives_traced_at_entry_only() {
     let default = std::fs::read_to_string(workspace().join("profiles/default.toml")).unwrap();
     std::fs::write(
         &profile,
-        default.replace("[probes]\n", "[probes]\ncall_returns = \"needed\"\n"),
+        default.replace("call_returns = \"all\"", "call_returns = \"needed\""),
     )
     .unwrap();
     let steps = 20;

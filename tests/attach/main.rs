@@ -67,7 +67,33 @@ fn privileged() -> std::sync::MutexGuard<'static, ()> {
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
     require_root();
+    kill_leftover_fixtures();
     guard
+}
+
+/// Kills the fixtures an earlier test of this process started and left behind when it
+/// failed: one left waiting for its go-file was found by a later test attaching with
+/// `--all`, which then waited for it (seen: one failed test hung the suite).
+fn kill_leftover_fixtures() {
+    let me = std::process::id();
+    let fixtures = fixtures();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
+        // The parent pid is the second field after the command name's closing parenthesis.
+        let ppid = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok());
+        let exe = std::fs::read_link(entry.path().join("exe")).unwrap_or_default();
+        if ppid == Some(me) && exe.starts_with(&fixtures) {
+            unsafe {
+                libc::kill(pid, libc::SIGKILL);
+                libc::waitpid(pid, std::ptr::null_mut(), 0);
+            }
+        }
+    }
 }
 
 fn require_root() {

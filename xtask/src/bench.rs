@@ -119,7 +119,7 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
     std::fs::write(
         &entries_profile,
         std::fs::read_to_string(root.join("profiles/minimal.toml"))?
-            .replace("[probes]\n", "[probes]\ncall_returns = \"needed\"\n"),
+            .replace("call_returns = \"all\"", "call_returns = \"needed\""),
     )?;
     let mut cpu_at_200k = Vec::new();
     let mut rss_traced_kb = 0u64;

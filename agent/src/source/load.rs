@@ -1,0 +1,202 @@
+//! Loading the kernel programs: the object with this kernel's offsets and the profile's
+//! switches, which programs a profile wants, their verification side by side, and where
+//! attaching went (`Phases`).
+
+use super::{
+    BTreeMap, Ebpf, EbpfLoader, Instant, KProbe, PROGRAMS, Path, PerfEvent, Profile, ProgramError,
+    RawTracePoint, SourceError, TracePoint, UProbe, is_eperm, kprobes_missing, missing_program,
+    names, program_error, rings,
+};
+
+/// Ring buffers for this host (one per group of CPUs, see `rings`).
+pub(super) fn ring_shards() -> u32 {
+    // SAFETY: sysconf has no preconditions.
+    let cpus = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_CONF) };
+    rings::shards_for(usize::try_from(cpus).unwrap_or(1))
+}
+
+/// Loads the programs with this kernel's tracepoint offsets, the profile's switches and `shards`
+/// ring buffers in use.
+pub(super) fn load(
+    offsets: &nccltrace_common::TpOffsets,
+    profile: &Profile,
+    shards: u32,
+) -> Result<Ebpf, SourceError> {
+    let mut loader = EbpfLoader::new();
+    loader.override_global(names::OFFSETS, offsets, true);
+    let config = nccltrace_common::Config {
+        offcpu_stacks: match (
+            profile.probes.offcpu_on(),
+            profile.probes.offcpu_kernel_stacks,
+        ) {
+            (false, _) => nccltrace_common::offcpu::OFF,
+            (true, false) => nccltrace_common::offcpu::USER,
+            (true, true) => nccltrace_common::offcpu::KERNEL,
+        },
+        call_stacks: profile.probes.call_stacks.setting(),
+        streams: u32::from(profile.probes.streams),
+        shards,
+        // Woken early at an eighth full; otherwise drained every `DRAIN_EVERY`.
+        wakeup_bytes: u64::from(profile.ring_buffer_bytes() / shards / 8),
+    };
+    loader.override_global(names::CONFIG, &config, true);
+    rings::size(&mut loader, shards, profile.ring_buffer_bytes());
+    loader.load(PROGRAMS).map_err(|e| {
+        if is_eperm(&e) {
+            SourceError::Permission {
+                source: Box::new(e),
+            }
+        } else {
+            SourceError::Load(Box::new(e))
+        }
+    })
+}
+
+/// Where attaching went: each phase's name and microseconds, in order.
+pub(super) struct Phases {
+    pub(super) last: Instant,
+    pub(super) done: Vec<(String, u64)>,
+}
+
+impl Phases {
+    pub(super) fn new(started: Instant) -> Phases {
+        Phases {
+            last: started,
+            done: Vec::new(),
+        }
+    }
+
+    /// Ends the phase that began at the previous mark.
+    pub(super) fn mark(&mut self, name: &str) {
+        let now = Instant::now();
+        let us = u64::try_from(now.duration_since(self.last).as_micros()).unwrap_or(u64::MAX);
+        self.done.push((name.to_owned(), us));
+        self.last = now;
+    }
+}
+
+/// Whether `profile` attaches the tracepoint `tp`.
+pub(super) fn tracepoint_wanted(tp: &names::Tracepoint, profile: &Profile) -> bool {
+    match tp.switch {
+        names::Switch::PageFaults => profile.probes.page_faults,
+        names::Switch::Numa => profile.probes.numa,
+        names::Switch::Always => true,
+        names::Switch::Sched => profile.probes.sched,
+    }
+}
+
+/// A program type that loads with no arguments.
+pub trait Loadable {
+    fn load_into_kernel(&mut self) -> Result<(), ProgramError>;
+    /// Already loaded (by `preload`).
+    fn loaded(&self) -> bool;
+}
+
+macro_rules! loadable {
+    ($($t:ty),*) => {$(
+        impl Loadable for $t {
+            fn load_into_kernel(&mut self) -> Result<(), ProgramError> {
+                self.load()
+            }
+            fn loaded(&self) -> bool {
+                self.fd().is_ok()
+            }
+        }
+    )*};
+}
+loadable!(UProbe, TracePoint, RawTracePoint, PerfEvent, KProbe);
+
+/// Loads the program `name` of `ebpf` into the kernel. A rejection by the verifier names
+/// the program and the kernel release, with the verifier's output.
+pub fn load_program<'e, P: Loadable>(
+    ebpf: &'e mut Ebpf,
+    name: &str,
+) -> Result<&'e mut P, SourceError>
+where
+    &'e mut P: TryFrom<&'e mut aya::programs::Program, Error = ProgramError>,
+{
+    let prog: &mut P = typed_program(ebpf, name)?;
+    if !prog.loaded() {
+        prog.load_into_kernel()
+            .map_err(|e| program_error(name, "-", e))?;
+    }
+    Ok(prog)
+}
+
+/// The programs `attach_all` will load under `profile` on this kernel (`available`: its
+/// tracepoints).
+pub(super) fn wanted_programs(
+    profile: &Profile,
+    available: &[&str],
+    tracefs_root: &Path,
+) -> Vec<&'static str> {
+    let mut wanted = vec![names::UPROBE_LIB_CALL, names::URETPROBE_LIB_CALL];
+    wanted.extend(
+        names::TRACEPOINTS
+            .iter()
+            .filter(|tp| tracepoint_wanted(tp, profile) && available.contains(&tp.event))
+            .map(|tp| tp.program),
+    );
+    if profile.sampling.hz > 0 {
+        wanted.push(names::PERF_EVENT_CPU_CLOCK);
+    }
+    if kprobes_missing(tracefs_root).is_none() {
+        if profile.probes.numa {
+            wanted.push(names::KPROBE_TASK_NUMA_FAULT);
+        }
+        if profile.probes.offcpu_on() && profile.probes.offcpu_min_us > 0 {
+            wanted.push(names::KPROBE_FINISH_TASK_SWITCH);
+        }
+    }
+    wanted
+}
+
+/// Loads the `wanted` programs into the kernel at once, a thread each: the kernel verifies
+/// them side by side (on the H200 those with stacks and the Python walk took 20–30 ms each,
+/// one after another). A program that fails here is loaded again where it is attached,
+/// which reports the verifier's refusal by name.
+pub(super) fn preload(ebpf: &mut Ebpf, wanted: &[&str]) {
+    use aya::programs::Program;
+    std::thread::scope(|scope| {
+        for (name, program) in ebpf.programs_mut() {
+            if !wanted.contains(&name) || program.fd().is_ok() {
+                continue;
+            }
+            scope.spawn(move || {
+                let loaded = match program {
+                    Program::UProbe(p) => p.load(),
+                    Program::TracePoint(p) => p.load(),
+                    Program::RawTracePoint(p) => p.load(),
+                    Program::PerfEvent(p) => p.load(),
+                    Program::KProbe(p) => p.load(),
+                    _ => Ok(()),
+                };
+                if let Err(e) = loaded {
+                    log::debug!("{name} not loaded ahead: {e}");
+                }
+            });
+        }
+    });
+}
+
+/// Each loaded program's runs and run time as the kernel counts them.
+pub(super) fn raw_program_runs(ebpf: &Ebpf) -> BTreeMap<String, (u64, u64)> {
+    ebpf.programs()
+        .filter_map(|(name, p)| {
+            let info = p.info().ok()?;
+            let ns = u64::try_from(info.run_time().as_nanos()).unwrap_or(u64::MAX);
+            Some((name.to_owned(), (info.run_count(), ns)))
+        })
+        .collect()
+}
+
+/// The program `name` of the object, as its type.
+pub(super) fn typed_program<'e, P>(ebpf: &'e mut Ebpf, name: &str) -> Result<&'e mut P, SourceError>
+where
+    &'e mut P: TryFrom<&'e mut aya::programs::Program, Error = ProgramError>,
+{
+    ebpf.program_mut(name)
+        .ok_or_else(|| missing_program(name))?
+        .try_into()
+        .map_err(|e| program_error(name, "-", e))
+}

@@ -1,0 +1,194 @@
+//! Attaching to a target: uprobes on its libraries, sampling clocks, its threads in the
+//! maps, and what the recording keeps about it.
+
+use super::*;
+
+/// The libraries to probe in `t` under `profile`, and the probes as the recording lists them.
+pub(super) fn target_libs<'t>(
+    t: &'t Target,
+    profile: &Profile,
+) -> (Vec<&'t FoundLibrary>, Vec<ProbeInfo>) {
+    let mut libs: Vec<&FoundLibrary> = Vec::new();
+    if profile.probes.nccl {
+        libs.push(&t.nccl);
+    }
+    if profile.probes.cuda_sync {
+        libs.extend(t.cuda.iter());
+    }
+    libs.extend(t.marker.iter());
+    libs.extend(t.nvtx.iter());
+    let probes = libs
+        .iter()
+        .flat_map(|lib| {
+            lib.sites.iter().map(|site| ProbeInfo {
+                func: site.func.name().to_owned(),
+                symbol: site.symbol.clone(),
+                library: lib.path.clone(),
+                file_offset: site.file_offset,
+                past_endbr64: site.past_endbr64,
+            })
+        })
+        .collect();
+    (libs, probes)
+}
+
+/// A file's identity: probes are per file, whatever the number of processes mapping it.
+pub(super) fn inode(path: &Path) -> (u64, u64) {
+    std::fs::metadata(path).map_or((0, 0), |m| (m.dev(), m.ino()))
+}
+
+/// Attaches the entry and return programs (loaded) to every site of `lib`, the return
+/// program only where `returns` wants it (the entry program then writes the record, told
+/// by its cookie), unless a file in `probed` (device, inode) is the same: probes fire for
+/// every process mapping it.
+pub(super) fn probe_library(
+    ebpf: &mut Ebpf,
+    lib: &FoundLibrary,
+    returns: CallReturns,
+    probed: &mut Vec<(u64, u64)>,
+    links: &mut Vec<Link>,
+) -> Result<(), SourceError> {
+    let id = inode(&lib.host_path);
+    if id != (0, 0) && probed.contains(&id) {
+        return Ok(());
+    }
+    probed.push(id);
+    for program in [names::UPROBE_LIB_CALL, names::URETPROBE_LIB_CALL] {
+        let prog: &mut UProbe = typed_program(ebpf, program)?;
+        for site in &lib.sites {
+            let func = site.func.id();
+            let returned = returns.traced(func);
+            if program == names::URETPROBE_LIB_CALL && !returned {
+                continue;
+            }
+            let entry_only = if returned {
+                0
+            } else {
+                nccltrace_common::func::ENTRY_ONLY
+            };
+            let point = UProbeAttachPoint {
+                location: UProbeAttachLocation::AbsoluteOffset(site.file_offset),
+                cookie: Some(u64::from(func | entry_only)),
+            };
+            let place = format!("{}:{}", lib.path, site.symbol);
+            let id = prog
+                .attach(point, &lib.host_path, UProbeScope::AllProcesses)
+                .map_err(|e| program_error(program, &place, e))?;
+            let link = prog
+                .take_link(id)
+                .map_err(|e| program_error(program, &place, e))?;
+            links.push(Link::Uprobe(link));
+        }
+    }
+    Ok(())
+}
+
+/// One software cpu-clock event per online CPU (`SampleScope::Cpu`); the program keeps the
+/// samples of target threads only.
+pub(super) fn sample_cpus(
+    ebpf: &mut Ebpf,
+    period_ns: u64,
+    links: &mut Vec<Link>,
+) -> Result<(), SourceError> {
+    let name = names::PERF_EVENT_CPU_CLOCK;
+    let prog: &mut PerfEvent = typed_program(ebpf, name)?;
+    let cpus = aya::util::online_cpus().map_err(|(path, source)| SourceError::OnlineCpus {
+        path: path.to_owned(),
+        source,
+    })?;
+    for cpu in cpus {
+        let scope = PerfEventScope::AllProcessesOneCpu { cpu };
+        attach_clock(prog, scope, period_ns, false, links)
+            .map_err(|e| program_error(name, &format!("CPU {cpu}"), e))?;
+    }
+    Ok(())
+}
+
+/// Attaches the sampling program to one software cpu-clock event of `scope`.
+pub(super) fn attach_clock(
+    prog: &mut PerfEvent,
+    scope: PerfEventScope,
+    period_ns: u64,
+    inherit: bool,
+    links: &mut Vec<Link>,
+) -> Result<(), ProgramError> {
+    let config = PerfEventConfig::Software(SoftwareEvent::CpuClock);
+    let id = prog.attach(config, scope, SamplePolicy::Period(period_ns), inherit)?;
+    links.push(Link::Perf(prog.take_link(id)?));
+    Ok(())
+}
+
+/// One software cpu-clock event per thread of `pid`, inherited by threads it creates
+/// (`SampleScope::Thread`).
+pub(super) fn sample_threads(
+    ebpf: &mut Ebpf,
+    host: &Host,
+    pid: u32,
+    period_ns: u64,
+    links: &mut Vec<Link>,
+) -> Result<(), SourceError> {
+    let name = names::PERF_EVENT_CPU_CLOCK;
+    let prog: &mut PerfEvent = typed_program(ebpf, name)?;
+    for tid in host.threads(pid) {
+        let scope = PerfEventScope::OneProcess {
+            pid: tid,
+            cpu: None,
+        };
+        match attach_clock(prog, scope, period_ns, true, links) {
+            Ok(()) => {}
+            // The thread exited between listing and attaching.
+            Err(_) if !host.path(&format!("proc/{pid}/task/{tid}")).exists() => {}
+            Err(e) => {
+                return Err(program_error(
+                    name,
+                    &format!("thread {tid} of pid {pid}"),
+                    e,
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// What the recording keeps about a target.
+pub(super) fn target_info(
+    host: &Host,
+    t: &Target,
+    probes: Vec<ProbeInfo>,
+    python: Option<crate::python::PythonInfo>,
+) -> TargetInfo {
+    TargetInfo {
+        python,
+        pid: t.pid,
+        comm: t.comm.clone(),
+        cmdline: host.cmdline(t.pid),
+        nccl_library: Some(t.nccl.path.clone()),
+        cuda_library: t.cuda.as_ref().map(|c| c.path.clone()),
+        probes,
+        maps: t.maps.clone(),
+        threads: host.thread_names(t.pid),
+        env_rank: host.env_rank(t.pid),
+        job: host.env_job(t.pid),
+        maps_text: std::fs::read_to_string(host.path(&format!("proc/{}/maps", t.pid)))
+            .unwrap_or_default(),
+    }
+}
+
+/// Adds `t`'s threads to `THREADS`.
+pub(super) fn register_threads(
+    ebpf: &mut Ebpf,
+    host: &Host,
+    t: &Target,
+) -> Result<(), SourceError> {
+    let mut threads: BpfHashMap<_, u32, u32> = BpfHashMap::try_from(
+        ebpf.map_mut(names::THREADS)
+            .ok_or_else(|| missing_map(names::THREADS))?,
+    )
+    .map_err(map_error(names::THREADS))?;
+    for tid in host.threads(t.pid) {
+        threads
+            .insert(tid, t.pid, 0)
+            .map_err(map_error(names::THREADS))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,324 @@
+//! `attach`: everything in order, from tracefs and the kernel object to the header.
+
+use super::*;
+
+/// Loads the programs and attaches everything `profile` asks for to `targets`.
+/// Must run inside a tokio runtime (the ring buffer is registered with it). A target that
+/// exits meanwhile makes whatever failed (its files vanish from /proc/PID/root) a
+/// [`SourceError::ExitedDuringAttach`].
+pub fn attach(targets: &[Target], profile: &Profile) -> Result<Attached, SourceError> {
+    attach_all(targets, profile).map_err(|e| {
+        let host = Host::live();
+        match targets.iter().find(|t| !host.process_alive(t.pid)) {
+            Some(t) => SourceError::ExitedDuringAttach { pid: t.pid },
+            None => e,
+        }
+    })
+}
+
+#[allow(clippy::too_many_lines)] // one straight sequence: load, fill maps, attach, take maps
+pub(super) fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceError> {
+    let started = Instant::now();
+    let host = Host::live();
+    let tracefs_root = tracefs::ensure_mounted()?;
+    let (offsets, available) = tracefs::offsets(&tracefs_root)?;
+
+    let shards = ring_shards();
+    let mut phases = Phases::new(started);
+    // Read and parsed beside the loading (tens of ms each): /proc/kallsyms (~10 MB) for the
+    // fault handlers' ranges and the switch-in kprobe's symbol, the kernel BTF for fentry.
+    let kallsyms = std::thread::spawn(|| {
+        let text = std::fs::read_to_string("/proc/kallsyms").unwrap_or_default();
+        (
+            host::kallsyms_ranges(&text, &FAULT_HANDLERS),
+            switch_in_symbol(&text),
+        )
+    });
+    let btf = profile.probes.page_faults.then(|| {
+        std::thread::spawn(|| {
+            Btf::from_sys_fs().map_err(|e| format!("no kernel BTF ({})", root_cause(&e)))
+        })
+    });
+    phases.mark("tracefs");
+    let mut ebpf = load(&offsets, profile, shards)?;
+    phases.mark("maps and object");
+    // The kernel accounts each program's run time while this descriptor is open (the
+    // programs' own cost, `summary.json` agent.bpf).
+    let (bpf_stats, bpf_stats_refused) = match aya::sys::enable_stats(aya::sys::Stats::RunTime) {
+        Ok(fd) => (Some(fd), None),
+        Err(e) => (
+            None,
+            Some(format!(
+                "the kernel refused to account the programs' run time (BPF_ENABLE_STATS: {e}; \
+                 it needs Linux 5.8 and CAP_SYS_ADMIN)"
+            )),
+        ),
+    };
+    // The programs are loaded and not attached yet: every count starts from zero here.
+    let baseline = bpf_stats.as_ref().map(|_| crate::record::ProgramReading {
+        at_ns: host::clock_ns(libc::CLOCK_MONOTONIC),
+        ..crate::record::ProgramReading::default()
+    });
+
+    let logger = match aya_log::EbpfLogger::init(&mut ebpf) {
+        Ok(logger) => Some(logger),
+        Err(e) => {
+            log::warn!("eBPF diagnostics unavailable: {e}");
+            None
+        }
+    };
+    let mut map_targets: BpfHashMap<MapData, u32, u32> = BpfHashMap::try_from(
+        ebpf.take_map(names::TARGETS)
+            .ok_or_else(|| missing_map(names::TARGETS))?,
+    )
+    .map_err(map_error(names::TARGETS))?;
+    for t in targets {
+        map_targets
+            .insert(t.pid, 1, 0)
+            .map_err(map_error(names::TARGETS))?;
+    }
+    for t in targets {
+        register_threads(&mut ebpf, &host, t)?;
+    }
+    phases.mark("targets and threads");
+    let mut py_targets = python::PyTargets::new();
+    let mut py_infos = BTreeMap::new();
+    if profile.probes.python_frames {
+        for t in targets {
+            if let Some(info) = python::start(&mut ebpf, &host, t.pid, &mut py_targets)? {
+                py_infos.insert(t.pid, info);
+            }
+        }
+    }
+
+    phases.mark("python");
+    preload(
+        &mut ebpf,
+        &wanted_programs(profile, &available, &tracefs_root),
+    );
+    phases.mark("programs verified (in parallel)");
+    let mut links = Vec::new();
+    let infos: Vec<(&Target, Vec<&FoundLibrary>, Vec<ProbeInfo>)> = targets
+        .iter()
+        .map(|t| {
+            let (libs, probes) = target_libs(t, profile);
+            (t, libs, probes)
+        })
+        .collect();
+    for program in [names::UPROBE_LIB_CALL, names::URETPROBE_LIB_CALL] {
+        load_program::<UProbe>(&mut ebpf, program)?;
+    }
+    // One probe per file, whatever the number of targets: ranks share their libraries,
+    // the kernel filters by TARGETS, and every uprobe costs a grace period to detach.
+    let mut probed: Vec<(u64, u64)> = Vec::new();
+    for (_, libs, _) in &infos {
+        for lib in libs {
+            probe_library(
+                &mut ebpf,
+                lib,
+                profile.probes.call_returns,
+                &mut probed,
+                &mut links,
+            )?;
+        }
+    }
+
+    phases.mark("uprobes");
+    for tp in names::TRACEPOINTS {
+        if !tracepoint_wanted(&tp, profile) || !available.contains(&tp.event) {
+            continue;
+        }
+        let place = format!("{}:{}", tp.category, tp.event);
+        let name = tp.program;
+        if tp.raw {
+            let prog: &mut RawTracePoint = load_program(&mut ebpf, name)?;
+            let id = prog
+                .attach(tp.event)
+                .map_err(|e| program_error(name, &place, e))?;
+            let link = prog
+                .take_link(id)
+                .map_err(|e| program_error(name, &place, e))?;
+            links.push(Link::RawTracepoint(link));
+            continue;
+        }
+        let prog: &mut TracePoint = load_program(&mut ebpf, name)?;
+        let id = prog
+            .attach(tp.category, tp.event)
+            .map_err(|e| program_error(name, &place, e))?;
+        let link = prog
+            .take_link(id)
+            .map_err(|e| program_error(name, &place, e))?;
+        links.push(Link::Tracepoint(link));
+    }
+
+    phases.mark("tracepoints");
+    let (fault_timing, fault_timing_refused) = if profile.probes.page_faults {
+        let btf = btf.map_or_else(
+            || Err("the kernel BTF was not read".to_owned()),
+            |t| {
+                t.join()
+                    .unwrap_or_else(|_| Err("reading the kernel BTF panicked".to_owned()))
+            },
+        );
+        match time_faults(&mut ebpf, btf) {
+            Ok((how, pair)) => {
+                links.extend(pair);
+                (Some(how), None)
+            }
+            Err(why) => (None, Some(why)),
+        }
+    } else {
+        (None, Some("page faults are off in this profile".to_owned()))
+    };
+
+    phases.mark("fault timing");
+    let (fault_handler_ranges, switch_in) = kallsyms.join().unwrap_or_default();
+    phases.mark("kallsyms (the rest of its reading)");
+    // Off-CPU stacks: which frames, and when they are taken.
+    let min_ns = profile.probes.offcpu_min_us.saturating_mul(1000);
+    let offcpu_on = profile.probes.offcpu_on();
+    let (when, offcpu_min_ns) = if offcpu_on && min_ns > 0 {
+        match offcpu_stacks_on_return(&mut ebpf, &tracefs_root, switch_in, min_ns) {
+            Ok((how, link)) => {
+                links.push(link);
+                (how, min_ns)
+            }
+            Err(why) => (why, 0),
+        }
+    } else {
+        ("taken at every switch-out".to_owned(), 0)
+    };
+    let frames = if profile.probes.offcpu_kernel_stacks {
+        "kernel, user and Python frames"
+    } else {
+        "user and Python frames, no kernel frames (profile offcpu_kernel_stacks = false)"
+    };
+    let offcpu_stacks = offcpu_on.then(|| format!("{frames}, {when}"));
+
+    phases.mark("off-CPU kprobe");
+    let numa_hints_refused = if profile.probes.numa {
+        match trace_numa_hints(&mut ebpf, &tracefs_root) {
+            Ok(link) => {
+                links.push(link);
+                None
+            }
+            Err(why) => Some(why),
+        }
+    } else {
+        Some("the profile has numa off".to_owned())
+    };
+
+    phases.mark("NUMA kprobe");
+    // The PMU's memory sampler on every thread of the targets, where the host has one.
+    let (mem, mem_sampling_refused) = if profile.probes.numa {
+        let tids: Vec<u32> = targets.iter().flat_map(|t| host.threads(t.pid)).collect();
+        match crate::pmu::detect(std::path::Path::new(crate::pmu::DEVICES))
+            .and_then(|s| pmu::Sampling::open(s, &tids))
+        {
+            Ok(s) => (Some(s), None),
+            Err(why) => (None, Some(why)),
+        }
+    } else {
+        (None, Some("the profile has numa off".to_owned()))
+    };
+
+    phases.mark("PMU sampler");
+    let mut sample_period_ns = 0;
+    if profile.sampling.hz > 0 {
+        sample_period_ns = 1_000_000_000 / u64::from(profile.sampling.hz);
+        let name = names::PERF_EVENT_CPU_CLOCK;
+        load_program::<PerfEvent>(&mut ebpf, name)?;
+        match profile.sampling.scope {
+            SampleScope::Cpu => sample_cpus(&mut ebpf, sample_period_ns, &mut links)?,
+            SampleScope::Thread => {
+                for t in targets {
+                    sample_threads(&mut ebpf, &host, t.pid, sample_period_ns, &mut links)?;
+                }
+            }
+        }
+    }
+    phases.mark("sampling clocks");
+
+    let rings = rings::Rings::take(&mut ebpf, shards)?;
+    let counters = PerCpuArray::try_from(
+        ebpf.take_map(names::COUNTERS)
+            .ok_or_else(|| missing_map(names::COUNTERS))?,
+    )
+    .map_err(map_error(names::COUNTERS))?;
+    let target_costs = PerCpuArray::try_from(
+        ebpf.take_map(names::TARGET_COSTS)
+            .ok_or_else(|| missing_map(names::TARGET_COSTS))?,
+    )
+    .map_err(map_error(names::TARGET_COSTS))?;
+
+    // Without hinting faults, where the targets' memory is tells the remote share.
+    let node_distances = host.node_distances();
+    let numa_balancing: Option<u32> = host
+        .read("proc/sys/kernel/numa_balancing")
+        .and_then(|v| v.trim().parse().ok());
+    let resident = profile.probes.numa
+        && node_distances.len() > 1
+        && (numa_balancing == Some(0) || numa_hints_refused.is_some());
+    let (kernel_release, hostname) = host::uname();
+    let mut header = Header {
+        format_version: FORMAT_VERSION,
+        agent_version: env!("CARGO_PKG_VERSION").to_owned(),
+        kernel_release,
+        hostname,
+        clock: ClockRef {
+            monotonic_ns: host::clock_ns(libc::CLOCK_MONOTONIC),
+            realtime_ns: host::clock_ns(libc::CLOCK_REALTIME),
+        },
+        cpu_nodes: host.cpu_nodes(),
+        profile: profile.name.clone(),
+        targets: infos
+            .into_iter()
+            .map(|(t, _, probes)| {
+                let py = py_infos.remove(&t.pid);
+                target_info(&host, t, probes, py)
+            })
+            .collect(),
+        sample_period_ns,
+        fault_handler_ranges,
+        step_nvtx: None,
+        fault_timing,
+        fault_timing_refused,
+        node_distances,
+        numa_balancing,
+        numa_maps_every_s: resident.then_some(host::NUMA_MAPS_EVERY.as_secs()),
+        numa_hints_refused,
+        mem_sampler: mem.as_ref().map(|m| m.sampler.describe()),
+        mem_sampling_refused,
+        cpu_khz: mem.as_ref().and_then(|_| crate::pmu::cpu_khz()),
+        bpf_stats_refused,
+        offcpu_stacks,
+        offcpu_min_ns,
+        attach_phases_us: Vec::new(),
+    };
+    phases.mark("maps and header");
+    header.attach_phases_us = phases.done;
+    Ok(Attached {
+        bpf_stats,
+        target_costs,
+        traps: None,
+        baseline,
+        calibration_runs: BTreeMap::new(),
+        mem,
+        resident,
+        resident_read: None,
+        ebpf: Some(ebpf),
+        links,
+        logger,
+        targets: map_targets,
+        stopped_ns: None,
+        rings,
+        counters,
+        header,
+        pids: targets.iter().map(|t| t.pid).collect(),
+        attach_time: started.elapsed(),
+        profile: profile.clone(),
+        probed,
+        follow: None,
+        python: py_targets,
+    })
+}
