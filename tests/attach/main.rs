@@ -83,11 +83,11 @@ fn kill_leftover_fixtures() {
         };
         let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
         // The parent pid is the second field after the command name's closing parenthesis.
-        let ppid = stat
+        let parent = stat
             .rsplit_once(')')
             .and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok());
         let exe = std::fs::read_link(entry.path().join("exe")).unwrap_or_default();
-        if ppid == Some(me) && exe.starts_with(&fixtures) {
+        if parent == Some(me) && exe.starts_with(&fixtures) {
             unsafe {
                 libc::kill(pid, libc::SIGKILL);
                 libc::waitpid(pid, std::ptr::null_mut(), 0);
