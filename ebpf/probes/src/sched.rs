@@ -1,0 +1,199 @@
+//! The scheduler: switches (with off-CPU stacks), wake-ups, migrations, forks and exits of
+//! target threads.
+
+use crate::stacks::{emit_stacks, offcpu_kernel};
+#[allow(clippy::wildcard_imports)]
+use crate::*;
+
+#[tracepoint]
+pub fn tracepoint_sched_switch(ctx: TracePointContext) -> u32 {
+    let (cur_tgid, _) = current();
+    let (Some(prev_pid), Some(next_pid), Some(prev_state)) = (
+        read_tp::<i32>(&ctx, offset!(switch_prev_pid)),
+        read_tp::<i32>(&ctx, offset!(switch_next_pid)),
+        read_tp::<i64>(&ctx, offset!(switch_prev_state)),
+    ) else {
+        return 0;
+    };
+    let (prev_tid, next_tid) = (prev_pid as u32, next_pid as u32);
+    let mut flags = 0;
+    // The previous task is `current`, so its thread group is known without a lookup.
+    if is_target(cur_tgid) {
+        flags |= switch_flags::PREV_TARGET;
+        if target_of_thread(prev_tid).is_none() && THREADS.insert(&prev_tid, &cur_tgid, 0).is_err()
+        {
+            bump(counter::THREADS_FULL);
+        }
+    } else if target_of_thread(prev_tid).is_some() {
+        // A child process that fork() registered tentatively: it is not a target thread.
+        let _ = THREADS.remove(&prev_tid);
+    }
+    let next_tgid = target_of_thread(next_tid).unwrap_or(0);
+    if next_tgid != 0 {
+        flags |= switch_flags::NEXT_TARGET;
+    }
+    if flags == 0 {
+        return 0;
+    }
+    let _timed = TargetRun::start(timed::SCHED_SWITCH);
+    let (tgid, tid) = if flags & switch_flags::PREV_TARGET != 0 {
+        (cur_tgid, prev_tid)
+    } else {
+        (next_tgid, next_tid)
+    };
+    let hdr = header(kind::SWITCH, tgid, tid);
+    // SAFETY: a plain read of a read-only global.
+    if flags & switch_flags::PREV_TARGET != 0
+        && unsafe { core::ptr::read_volatile(&raw const CONFIG.offcpu_stacks) } != offcpu::OFF
+    {
+        // The stacks the thread leaves the CPU with: why it blocked, and where it waits.
+        // Taken now, at every switch, or when it comes back after a long enough stretch
+        // (`kprobe_finish_task_switch`): the unwinding is most of a switch's cost.
+        if offcpu_min_ns() == 0 {
+            emit_stacks(
+                ctx.as_ptr(),
+                Header {
+                    kind: kind::OFFCPU,
+                    ..hdr
+                },
+                offcpu_kernel(),
+            );
+        } else if OFF_SINCE.insert(&prev_tid, &hdr.ts_ns, 0).is_err() {
+            bump(u32::from(kind::OFFCPU));
+        }
+    }
+    emit(
+        kind::SWITCH,
+        SwitchEvent {
+            hdr,
+            prev_tid,
+            next_tid,
+            prev_state,
+            next_tgid,
+            flags,
+        },
+    );
+    0
+}
+
+/// The first code a task runs after a switch, in its own context: the stacks a target
+/// thread was off the CPU with are still in place, and taken only if it was off for at
+/// least `OFFCPU_MIN` (the record timed at the switch-out). Shorter stretches
+/// are counted with their time.
+#[kprobe]
+pub fn kprobe_finish_task_switch(ctx: ProbeContext) -> u32 {
+    let (tgid, tid) = current();
+    // SAFETY: copied out at once.
+    let Some(since) = (unsafe { OFF_SINCE.get(&tid) }).copied() else {
+        return 0;
+    };
+    let _timed = TargetRun::start(timed::KPROBE_FINISH_TASK_SWITCH);
+    let _ = OFF_SINCE.remove(&tid);
+    // SAFETY: helper without preconditions.
+    let off = unsafe { bpf_ktime_get_ns() }.saturating_sub(since);
+    if off < offcpu_min_ns() {
+        bump(counter::OFFCPU_SHORT);
+        add(&COUNTERS, counter::OFFCPU_SHORT_NS, off);
+        return 0;
+    }
+    let mut hdr = header(kind::OFFCPU, tgid, tid);
+    hdr.ts_ns = since;
+    emit_stacks(ctx.as_ptr(), hdr, offcpu_kernel());
+    0
+}
+
+#[tracepoint]
+pub fn tracepoint_sched_waking(ctx: TracePointContext) -> u32 {
+    let Some(pid) = read_tp::<i32>(&ctx, offset!(wakeup_pid)) else {
+        return 0;
+    };
+    let tid = pid as u32;
+    let Some(tgid) = target_of_thread(tid) else {
+        return 0;
+    };
+    let _timed = TargetRun::start(timed::SCHED_WAKING);
+    let (waker_tgid, waker_tid) = current();
+    let target_cpu = read_tp::<i32>(&ctx, offset!(wakeup_target_cpu)).unwrap_or(-1);
+    emit(
+        kind::WAKEUP,
+        WakeupEvent {
+            hdr: header(kind::WAKEUP, tgid, tid),
+            waker_tid,
+            waker_tgid,
+            target_cpu: target_cpu as u32,
+            _pad: 0,
+        },
+    );
+    0
+}
+
+#[tracepoint]
+pub fn tracepoint_sched_migrate_task(ctx: TracePointContext) -> u32 {
+    let Some(pid) = read_tp::<i32>(&ctx, offset!(migrate_pid)) else {
+        return 0;
+    };
+    let tid = pid as u32;
+    let Some(tgid) = target_of_thread(tid) else {
+        return 0;
+    };
+    let orig_cpu = read_tp::<i32>(&ctx, offset!(migrate_orig_cpu)).unwrap_or(-1);
+    let dest_cpu = read_tp::<i32>(&ctx, offset!(migrate_dest_cpu)).unwrap_or(-1);
+    emit(
+        kind::MIGRATE,
+        MigrateEvent {
+            hdr: header(kind::MIGRATE, tgid, tid),
+            orig_cpu: orig_cpu as u32,
+            dest_cpu: dest_cpu as u32,
+        },
+    );
+    0
+}
+
+#[tracepoint]
+pub fn tracepoint_sched_process_fork(ctx: TracePointContext) -> u32 {
+    let (tgid, tid) = current();
+    if !is_target(tgid) {
+        return 0;
+    }
+    let Some(child) = read_tp::<i32>(&ctx, offset!(fork_child_pid)) else {
+        return 0;
+    };
+    let child_tid = child as u32;
+    // Tentative: a new thread stays; a new process is dropped at its first switch-out.
+    if THREADS.insert(&child_tid, &tgid, 0).is_err() {
+        bump(counter::THREADS_FULL);
+    }
+    emit(
+        kind::FORK,
+        TaskEvent {
+            hdr: header(kind::FORK, tgid, tid),
+            child_tid,
+            group_dead: 0,
+        },
+    );
+    0
+}
+
+#[tracepoint]
+pub fn tracepoint_sched_process_exit(ctx: TracePointContext) -> u32 {
+    let (tgid, tid) = current();
+    if !is_target(tgid) {
+        return 0;
+    }
+    let at = offset!(exit_group_dead);
+    let group_dead = if at == FIELD_ABSENT as usize {
+        0
+    } else {
+        read_tp::<u8>(&ctx, at).unwrap_or(0)
+    };
+    let _ = THREADS.remove(&tid);
+    emit(
+        kind::EXIT,
+        TaskEvent {
+            hdr: header(kind::EXIT, tgid, tid),
+            child_tid: 0,
+            group_dead: u32::from(group_dead),
+        },
+    );
+    0
+}

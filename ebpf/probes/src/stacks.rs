@@ -1,0 +1,211 @@
+//! Stacks: on-CPU samples, the user stack at a call's entry, kernel and user stacks, and
+//! the Python frames walked beside them.
+
+#[allow(clippy::wildcard_imports)]
+use crate::*;
+
+/// On-CPU sample of a target thread: kernel and user stacks, straight into the ring
+/// buffer (bpf_get_stack, so no stack-map collisions).
+#[perf_event]
+pub fn perf_event_cpu_clock(ctx: PerfEventContext) -> u32 {
+    let (tgid, tid) = current();
+    if !is_target(tgid) {
+        return 0;
+    }
+    let _timed = TargetRun::start(timed::PERF_EVENT_CPU_CLOCK);
+    emit_stacks(ctx.as_ptr(), header(kind::SAMPLE, tgid, tid), true);
+    0
+}
+
+/// The user stack at the first instruction of a traced function. Frame-pointer unwinding
+/// there skips the caller (the callee has not pushed its frame yet, so the frame pointer
+/// is still the caller's): the caller's return address is read from the top of the stack
+/// and put second, after the function itself.
+#[inline(always)]
+pub(crate) fn emit_entry_stack(ctx: *mut core::ffi::c_void, rsp: u64, tgid: u32, tid: u32) {
+    // The Python frames first: the record they belong to comes next in the buffer.
+    let hdr = header(kind::CALL_STACK, tgid, tid);
+    emit_py_stack(&hdr);
+    let ring = ring();
+    let Some(mut entry) = ring.reserve::<SampleEvent>(0) else {
+        bump(u32::from(kind::CALL_STACK));
+        return;
+    };
+    let event = entry.as_mut_ptr();
+    // SAFETY: `event` points at reserved ring-buffer memory of the right size; the fields
+    // user space reads are written here; the user read is checked by the helper.
+    unsafe {
+        (*event).hdr = hdr;
+        (*event).kstack_len = 0;
+        let stack = &raw mut (*event).ustack;
+        let u = bpf_get_stack(
+            ctx,
+            stack.cast::<u64>().add(1).cast(),
+            ((USTACK_DEPTH - 1) * 8) as u32,
+            u64::from(BPF_F_USER_STACK),
+        );
+        let frames = if u > 0 { (u / 8) as usize } else { 0 };
+        let caller = bpf_probe_read_user(rsp as *const u64).unwrap_or(0);
+        if frames > 0 && caller != 0 {
+            // [function, caller, the caller's callers...]
+            (*stack)[0] = (*stack)[1];
+            (*stack)[1] = caller;
+            (*event).ustack_len = (frames + 1) as u32;
+        } else {
+            (*event).ustack_len = 0;
+        }
+    }
+    entry.submit(wake_flags(ring));
+}
+
+/// Whether off-CPU stacks have kernel frames (`offcpu::KERNEL`).
+#[inline(always)]
+pub(crate) fn offcpu_kernel() -> bool {
+    // SAFETY: a plain read of a read-only global.
+    let stacks = unsafe { core::ptr::read_volatile(&raw const CONFIG.offcpu_stacks) };
+    stacks == offcpu::KERNEL
+}
+
+/// Submits the current task's user stack, and its kernel stack if `kernel`, as a
+/// `SampleEvent` under `hdr`.
+#[inline(always)]
+pub(crate) fn emit_stacks(ctx: *mut core::ffi::c_void, hdr: Header, kernel: bool) {
+    // The Python frames first: the record they belong to comes next in the buffer.
+    emit_py_stack(&hdr);
+    let ring = ring();
+    let Some(mut entry) = ring.reserve::<SampleEvent>(0) else {
+        bump(u32::from(hdr.kind));
+        return;
+    };
+    let event = entry.as_mut_ptr();
+    // SAFETY: `event` points at reserved ring-buffer memory of the right size; every field
+    // read by user space is written here (stack slots past the lengths are not read).
+    unsafe {
+        (*event).hdr = hdr;
+        let k = if kernel {
+            bpf_get_stack(
+                ctx,
+                (&raw mut (*event).kstack).cast(),
+                (KSTACK_DEPTH * 8) as u32,
+                0,
+            )
+        } else {
+            0
+        };
+        (*event).kstack_len = if k > 0 { (k / 8) as u32 } else { 0 };
+        let u = bpf_get_stack(
+            ctx,
+            (&raw mut (*event).ustack).cast(),
+            (USTACK_DEPTH * 8) as u32,
+            u64::from(BPF_F_USER_STACK),
+        );
+        (*event).ustack_len = if u > 0 { (u / 8) as u32 } else { 0 };
+    }
+    entry.submit(wake_flags(ring));
+}
+
+/// Appends one frame to a Python stack record; false when it is full.
+#[inline(always)]
+pub(crate) fn push_py(event: &mut PyStackEvent, code: u64, offset: u32) -> bool {
+    // Each array indexed by a load of `len` of its own, checked on its own: where one
+    // check served both, the 6.1 verifier lost the bound of the second index ("invalid
+    // access to memory, mem_size=512 off=512").
+    // SAFETY: a plain field of a valid record.
+    let n = unsafe { core::ptr::read_volatile(&event.len) } as usize;
+    let Some(c) = event.codes.get_mut(n) else {
+        return false;
+    };
+    *c = code;
+    // SAFETY: as above.
+    let n = unsafe { core::ptr::read_volatile(&event.len) } as usize;
+    let Some(o) = event.offsets.get_mut(n) else {
+        return false;
+    };
+    *o = offset;
+    event.len += 1;
+    true
+}
+
+/// Writes the Python frames the current thread is executing as a `PY_STACK` record with
+/// `stack`'s time, before the stack record itself: nothing when the thread is not a known
+/// Python thread or runs no Python code. Walks the interpreter frame chain from the
+/// thread state (`tstate->cframe->current_frame`, then `previous`), one user read per
+/// frame, at most `PY_DEPTH` entries; code objects are named in user space.
+#[inline(always)]
+pub(crate) fn emit_py_stack(stack: &Header) {
+    // SAFETY: copied out at once.
+    let Some(tstate) = (unsafe { PY_THREADS.get(&stack.tid) }).copied() else {
+        return;
+    };
+    let Some(layout) = (unsafe { PY_LAYOUTS.get(&stack.tgid) }).copied() else {
+        return;
+    };
+    // SAFETY: bpf_probe_read_user checks the addresses.
+    let Ok(cframe) =
+        (unsafe { bpf_probe_read_user((tstate + u64::from(layout.tstate_cframe)) as *const u64) })
+    else {
+        return;
+    };
+    // 3.13 keeps the current frame in the thread state itself.
+    let mut frame = if layout.cframe_current_frame == FIELD_ABSENT {
+        cframe
+    } else {
+        match unsafe {
+            bpf_probe_read_user((cframe + u64::from(layout.cframe_current_frame)) as *const u64)
+        } {
+            Ok(frame) => frame,
+            Err(_) => return,
+        }
+    };
+    if frame == 0 {
+        return;
+    }
+    let ring = ring();
+    let Some(mut entry) = ring.reserve::<PyStackEvent>(0) else {
+        bump(u32::from(kind::PY_STACK));
+        return;
+    };
+    // SAFETY: reserved ring-buffer memory of the right size, written before it is read.
+    let event = unsafe { &mut *entry.as_mut_ptr() };
+    event.hdr = Header {
+        kind: kind::PY_STACK,
+        ..*stack
+    };
+    event.len = 0;
+    event.truncated = 0;
+    let mut window = [0u64; 16];
+    for _ in 0..PY_DEPTH {
+        if frame == 0 {
+            break;
+        }
+        // SAFETY: the helper checks the user address; the buffer holds the window.
+        let bytes = unsafe {
+            core::slice::from_raw_parts_mut(window.as_mut_ptr().cast::<u8>(), PY_FRAME_WINDOW)
+        };
+        if unsafe { aya_ebpf::helpers::bpf_probe_read_user_buf(frame as *const u8, bytes) }.is_err()
+        {
+            break;
+        }
+        let word = |at: u32| window[(at as usize >> 3) & 15];
+        let byte = |at: u32| (word(at) >> ((at & 7) * 8)) as u8;
+        let code = word(layout.frame_code);
+        let full = if u32::from(byte(layout.frame_owner)) == layout.owner_cstack {
+            // The shim frame an interpreter entry pushes (3.12): a boundary, no code.
+            !push_py(event, PY_ENTRY, 0)
+        } else {
+            // 3.10 keeps an index there, not a pointer: user space undoes the subtraction
+            // (no branch here: each one multiplies the verifier's work over the loop).
+            let offset = word(layout.frame_instr).wrapping_sub(code) as u32;
+            let entry_frame =
+                layout.frame_is_entry != FIELD_ABSENT && byte(layout.frame_is_entry) != 0;
+            !push_py(event, code, offset) || (entry_frame && !push_py(event, PY_ENTRY, 0))
+        };
+        frame = word(layout.frame_previous);
+        if full {
+            break;
+        }
+    }
+    // Frames left: the walk hit its bound, or a frame could not be read.
+    event.truncated = u32::from(frame != 0);
+    entry.submit(wake_flags(ring));
+}
