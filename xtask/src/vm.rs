@@ -197,6 +197,26 @@ fn test_names(tests: &Path, filters: &[String]) -> anyhow::Result<Vec<String>> {
     Ok(names)
 }
 
+/// Run first in every guest (issue 23): the kernel code the agent's attaches patch is
+/// patched once here, while no test runs, and stays patched. Enabling a tracepoint flips
+/// a static key, which rewrites code other vCPUs may be running; under QEMU's
+/// multi-threaded TCG the patch's int3 was seen executing after the patch completed
+/// (an oops at a jump label in `__schedule` or `try_to_wake_up`, then a panic: the guest
+/// died mid-test). With the scheduler and memory events enabled through tracefs (their
+/// output off: `tracing_on` 0) the keys stay on, so the agent's attaches only add probes;
+/// a kprobe event on each kernel function the agent kprobes keeps its ftrace site armed;
+/// kprobe jump optimization, which patches later from a worker, is off.
+const PRE_ARM: &str = "T=/sys/kernel/tracing; [ -d $T/events ] || mount -t tracefs nodev $T\n\
+    echo 0 > /proc/sys/debug/kprobes-optimization 2>/dev/null\n\
+    for e in sched/sched_switch sched/sched_waking sched/sched_migrate_task \
+    sched/sched_process_fork sched/sched_process_exit exceptions/page_fault_user \
+    migrate/mm_migrate_pages sched/sched_move_numa sched/sched_swap_numa \
+    sched/sched_stick_numa; do [ -e $T/events/$e/enable ] && echo 1 > $T/events/$e/enable; done\n\
+    i=0; for f in $(grep -o -E ' (finish_task_switch[.a-z0-9]*|task_numa_fault)$' /proc/kallsyms); do \
+    i=$((i+1)); echo \"p:nccltrace_prearm$i $f\" >> $T/kprobe_events && \
+    echo 1 > $T/events/kprobes/nccltrace_prearm$i/enable; done\n\
+    echo 0 > $T/tracing_on\n";
+
 /// The script a guest runs: each test alone, in a session of its own, killed with all it
 /// started when it runs past [`TEST_BOUND`] — after what the guest was running at that
 /// moment (processes and kernel stacks) is written to the log. One line per test in
@@ -204,7 +224,11 @@ fn test_names(tests: &Path, filters: &[String]) -> anyhow::Result<Vec<String>> {
 fn guest_script(env: &str, tests: &Path, names: &[String], log: &Path, results: &Path) -> String {
     let bound = TEST_BOUND.as_secs();
     let (log, results, tests) = (log.display(), results.display(), tests.display());
-    let mut script = format!("#!/bin/sh\n{env}\n: > {log}\n: > {results}\n");
+    let mut script = format!(
+        "#!/bin/sh\n{env}\n: > {log}\n: > {results}\n{PRE_ARM}\
+         echo \"vm-test: armed before the tests: $(grep -c . $T/kprobe_events) kprobe events, \
+         $(grep -l 1 $T/events/*/*/enable | wc -l) events\" >> {log}\n"
+    );
     for name in names {
         let _ = write!(
             script,
@@ -596,5 +620,21 @@ mod tests {
         assert!(s.contains(&format!("-lt {} ]", TEST_BOUND.as_secs())));
         assert!(s.contains("echo \"hung guest::t\" >> /res"));
         assert!(s.contains("echo \"$? guest::t\" >> /res"));
+        // The kernel's patch sites armed before any test, and the script valid shell.
+        let arm = s.find("sched/sched_switch").unwrap();
+        assert!(arm < s.find("setsid").unwrap());
+        let file = std::env::temp_dir().join(format!("guest-script-{}.sh", std::process::id()));
+        std::fs::write(&file, &s).unwrap();
+        let check = std::process::Command::new("sh")
+            .arg("-n")
+            .arg(&file)
+            .output()
+            .unwrap();
+        let _ = std::fs::remove_file(&file);
+        assert!(
+            check.status.success(),
+            "{}\n{s}",
+            String::from_utf8_lossy(&check.stderr)
+        );
     }
 }
