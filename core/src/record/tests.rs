@@ -1,0 +1,234 @@
+//! The recording's tests: written, read back, cut, damaged and followed.
+
+use std::fs::File;
+use std::io::BufReader;
+use std::path::Path;
+
+use super::*;
+
+fn header() -> Header {
+    Header {
+        format_version: FORMAT_VERSION,
+        kernel_release: "6.18".into(),
+        cpu_nodes: vec![0, 0],
+        targets: vec![TargetInfo {
+            pid: 7,
+            comm: "trainer".into(),
+            ..Default::default()
+        }],
+        ..Default::default()
+    }
+}
+
+fn write_sample(dir: &Path) -> PathBuf {
+    let path = dir.join("r.nctr");
+    let mut w = Writer::create(&path, &header()).unwrap();
+    w.kernel(&[1, 2, 3]).unwrap();
+    w.kernel(&[4; 100]).unwrap();
+    w.meta(&Meta::End {
+        end_monotonic_ns: 5,
+        reason: "target exited".into(),
+        lost_by_kind: BTreeMap::new(),
+        counters: BTreeMap::new(),
+        attach_ns: 0,
+        agent_peak_rss_kb: 0,
+    })
+    .unwrap();
+    w.finish().unwrap();
+    path
+}
+
+fn read_all(path: &Path) -> Result<Vec<Record>, RecordError> {
+    let mut r = Reader::open(path)?;
+    let mut out = Vec::new();
+    while let Some(rec) = r.next_record()? {
+        out.push(rec);
+    }
+    Ok(out)
+}
+
+/// What is written comes back identical, header and records.
+#[test]
+fn round_trip() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_sample(dir.path());
+    assert_eq!(Reader::open(&path).unwrap().header, header());
+    let recs = read_all(&path).unwrap();
+    assert_eq!(recs.len(), 3);
+    assert_eq!(recs[0], Record::Kernel(vec![1, 2, 3]));
+    assert!(matches!(recs[2], Record::Meta(Meta::End { .. })));
+}
+
+/// Truncation anywhere is reported with an offset; the records before it still read.
+#[test]
+fn truncated_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_sample(dir.path());
+    let full = std::fs::read(&path).unwrap();
+    for cut in [full.len() - 1, full.len() - 60, 30, 19, 5] {
+        std::fs::write(&path, &full[..cut]).unwrap();
+        match read_all(&path) {
+            Err(RecordError::Damaged { .. } | RecordError::Foreign { .. }) => {}
+            other => panic!("cut at {cut}: {other:?}"),
+        }
+    }
+    std::fs::write(&path, &full[..full.len() - 1]).unwrap();
+    let mut r = Reader::open(&path).unwrap();
+    assert!(r.next_record().unwrap().is_some());
+    assert!(r.next_record().unwrap().is_some());
+    let err = r.next_record().unwrap_err();
+    assert!(err.to_string().contains("offset"), "{err}");
+}
+
+/// Records are read in place when they lie whole in the input's buffer and copied when
+/// they cross its end: every buffer size gives the same records, and damage is found
+/// either way.
+#[test]
+fn records_across_buffer_edges() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_sample(dir.path());
+    let expected = read_all(&path).unwrap();
+    let read_with = |capacity: usize| -> Result<Vec<Record>, RecordError> {
+        let file = BufReader::with_capacity(capacity, File::open(&path).unwrap());
+        let mut r = Reader::new(file, &path)?;
+        let mut out = Vec::new();
+        while let Some(rec) = r.next_record()? {
+            out.push(rec);
+        }
+        Ok(out)
+    };
+    for capacity in [1, 7, 8, 9, 13, 30, 64, 4096] {
+        assert_eq!(
+            read_with(capacity).unwrap(),
+            expected,
+            "buffer of {capacity}"
+        );
+    }
+    let mut bytes = std::fs::read(&path).unwrap();
+    let n = bytes.len();
+    bytes[n - 10] ^= 0xff;
+    std::fs::write(&path, &bytes).unwrap();
+    for capacity in [7, 4096] {
+        assert!(matches!(
+            read_with(capacity),
+            Err(RecordError::Damaged { .. })
+        ));
+    }
+}
+
+/// A flipped byte in a record fails its checksum; empty and foreign files are named.
+#[test]
+fn damaged_empty_foreign() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_sample(dir.path());
+    let mut bytes = std::fs::read(&path).unwrap();
+    let n = bytes.len();
+    bytes[n - 10] ^= 0xff;
+    std::fs::write(&path, &bytes).unwrap();
+    assert!(matches!(read_all(&path), Err(RecordError::Damaged { .. })));
+    std::fs::write(&path, b"").unwrap();
+    assert!(matches!(read_all(&path), Err(RecordError::Empty { .. })));
+    std::fs::write(&path, b"{\"not\": \"a recording\"}").unwrap();
+    assert!(matches!(read_all(&path), Err(RecordError::Foreign { .. })));
+}
+
+/// Regression (issue 17): one damaged byte in the middle dropped every record after it.
+/// Now reading resumes at the next whole record, whatever was damaged (a payload byte,
+/// a length, a checksum) and however the input is buffered, and the skipped stretch
+/// is counted; several megabytes of garbage are crossed too.
+#[test]
+fn resumes_after_damage_in_the_middle() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("r.nctr");
+    let mut w = Writer::create(&path, &header()).unwrap();
+    let mut starts = Vec::new();
+    let header_len = std::fs::metadata(&path).unwrap().len() as usize;
+    let mut at = header_len;
+    for i in 0..100u32 {
+        let body = vec![(i % 251) as u8; 10 + (i as usize * 37) % 300];
+        starts.push(at);
+        at += 8 + 1 + body.len();
+        w.kernel(&body).unwrap();
+    }
+    w.finish().unwrap();
+    let clean = std::fs::read(&path).unwrap();
+    let read_with = |bytes: &[u8], capacity: usize| {
+        let mut r = Reader::new(
+            BufReader::with_capacity(capacity, io::Cursor::new(bytes)),
+            &path,
+        )
+        .unwrap();
+        let mut out = Vec::new();
+        while let Some(rec) = r.next_record().unwrap() {
+            out.push(rec);
+        }
+        (out, r.damage().clone())
+    };
+    // Record 50's payload, its length field, its checksum.
+    for (what, at) in [
+        ("payload", starts[50] + 12),
+        ("length", starts[50] + 2),
+        ("crc", starts[50] + 5),
+    ] {
+        let mut bytes = clean.clone();
+        bytes[at] ^= 0x5a;
+        for capacity in [7, 64, 4096, 1 << 20] {
+            let (records, damage) = read_with(&bytes, capacity);
+            assert_eq!(records.len(), 99, "{what}, buffer {capacity}");
+            assert_eq!(damage.regions, 1, "{what}");
+            assert_eq!(damage.bytes as usize, starts[51] - starts[50], "{what}");
+            assert_eq!(damage.first.as_ref().unwrap().0 as usize, starts[50]);
+            let expected = Record::Kernel(vec![51; 10 + (51 * 37) % 300]);
+            assert_eq!(records[50], expected, "{what}: the record after resumes");
+        }
+    }
+    // 3 MiB of garbage between records 20 and 21.
+    let mut bytes = clean[..starts[21]].to_vec();
+    bytes.extend((0..3 << 20).map(|i: u32| (i.wrapping_mul(2_654_435_761) >> 13) as u8));
+    bytes.extend_from_slice(&clean[starts[21]..]);
+    let (records, damage) = read_with(&bytes, 1 << 20);
+    assert_eq!(records.len(), 100);
+    assert_eq!((damage.regions, damage.bytes), (1, 3 << 20));
+}
+
+/// Regression (issue 18): the writer did not enforce the record limit the reader does,
+/// so a large symbol table made `report` stop at "damaged". Symbol tables over the
+/// limit are split over several records and read back whole; other metadata that
+/// large is refused with its size.
+#[test]
+fn large_symbol_tables_are_split() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("r.nctr");
+    let mut w = Writer::create(&path, &header()).unwrap();
+    let symbols: Vec<(u64, String)> = (0..60_000u64)
+        .map(|i| {
+            (
+                0xffff_ffff_8100_0000 + i * 16,
+                format!("kernel_function_number_{i}"),
+            )
+        })
+        .collect();
+    w.meta(&Meta::KernelSymbols {
+        symbols: symbols.clone(),
+    })
+    .unwrap();
+    let huge = Meta::Target {
+        target: Box::new(TargetInfo {
+            maps_text: "x".repeat(MAX_RECORD as usize),
+            ..TargetInfo::default()
+        }),
+    };
+    let err = w.meta(&huge).unwrap_err();
+    assert!(err.to_string().contains("target record"), "{err}");
+    w.finish().unwrap();
+    let mut back = Vec::new();
+    let mut parts = 0;
+    for rec in read_all(&path).unwrap() {
+        if let Record::Meta(Meta::KernelSymbols { symbols }) = rec {
+            parts += 1;
+            back.extend(symbols);
+        }
+    }
+    assert!(parts > 1, "{parts} records");
+    assert_eq!(back, symbols);
+}
