@@ -219,9 +219,9 @@ impl Aggregator {
                     // Saturating: a damaged recording may carry any value.
                     s.bytes = s.bytes.saturating_add(call.bytes.unwrap_or(0));
                     if let Some(ret) = call.ret {
-                        let (enqueue, errors) = (s.enqueue_ns.get_or_insert(0), &mut s.errors);
+                        let enqueue = s.enqueue_ns.get_or_insert(0);
                         *enqueue = enqueue.saturating_add(call.duration_ns());
-                        *errors.get_or_insert(0) += u64::from(ret != 0);
+                        *s.errors.get_or_insert(0) += u64::from(ret != 0);
                     } else {
                         s.entry_only += 1;
                     }

@@ -113,13 +113,12 @@ struct StepArgs<'a>(&'a Step);
 
 impl Args for StepArgs<'_> {
     fn write(&self, o: &mut Obj<'_, impl Write>) -> io::Result<()> {
+        // The keys made once, not once a step.
+        static KEYS: std::sync::LazyLock<[String; 7]> =
+            std::sync::LazyLock::new(|| crate::attribute::NAMES.map(|name| format!("{name}_ms")));
         let s = self.0;
-        let mut key = String::with_capacity(24);
-        for (name, value) in s.categories.named() {
-            key.clear();
-            key.push_str(name);
-            key.push_str("_ms");
-            o.value(&key, &value.map(|v| v as f64 / 1e6))?;
+        for (key, (_, value)) in KEYS.iter().zip(s.categories.named()) {
+            o.value(key, &value.map(|v| v as f64 / 1e6))?;
         }
         o.u64("nccl_collectives", s.nccl.collectives)?;
         o.u64("nccl_bytes", s.nccl.bytes)?;
