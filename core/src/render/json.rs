@@ -23,10 +23,7 @@ impl<'w, W: Write> Obj<'w, W> {
 
     /// Writes `"key":` (with the comma before it but for the first field).
     pub(crate) fn key(&mut self, key: &str) -> io::Result<&mut W> {
-        debug_assert!(
-            !key.bytes().any(|b| b == b'"' || b == b'\\' || b < 0x20),
-            "{key:?} needs escaping"
-        );
+        debug_assert!(plain(key), "{key:?} needs escaping");
         if !self.first {
             self.out.write_all(b",")?;
         }
@@ -63,6 +60,15 @@ impl<'w, W: Write> Obj<'w, W> {
         }
     }
 
+    /// A fixed string that needs no escaping (a phase, a category), quoted as it is.
+    pub(crate) fn plain(&mut self, key: &str, v: &str) -> io::Result<()> {
+        debug_assert!(plain(v), "{v:?} needs escaping");
+        let out = self.key(key)?;
+        out.write_all(b"\"")?;
+        out.write_all(v.as_bytes())?;
+        out.write_all(b"\"")
+    }
+
     /// A string, escaped.
     pub(crate) fn str(&mut self, key: &str, v: &str) -> io::Result<()> {
         let out = self.key(key)?;
@@ -79,6 +85,11 @@ impl<'w, W: Write> Obj<'w, W> {
     pub(crate) fn end(self) -> io::Result<()> {
         self.out.write_all(b"}")
     }
+}
+
+/// Whether `s` is written in JSON as it is (no quote, backslash or control character).
+fn plain(s: &str) -> bool {
+    !s.bytes().any(|b| b == b'"' || b == b'\\' || b < 0x20)
 }
 
 /// The categories of a step or rank, as `Categories`'s `Serialize` writes them.

@@ -245,52 +245,35 @@ impl Args for Count {
     }
 }
 
-/// A name that needs no escaping, quoted.
-fn quoted(out: &mut impl Write, name: &str) -> io::Result<()> {
-    debug_assert!(!name.bytes().any(|b| b == b'"' || b == b'\\' || b < 0x20));
-    out.write_all(b"\"")?;
-    out.write_all(name.as_bytes())?;
-    out.write_all(b"\"")
-}
-
 impl<W: Write> Writer<W> {
     /// Writes one event field by field (the name escaped; the fixed fields need not be).
     fn event<A: Args>(&mut self, ev: &Ev<'_, A>) -> io::Result<()> {
         self.separator()?;
-        let out = &mut self.ev;
-        out.clear();
-        out.write_all(b"{\"ph\":")?;
-        quoted(out, ev.ph)?;
+        self.ev.clear();
+        let mut o = Obj::new(&mut self.ev)?;
+        o.plain("ph", ev.ph)?;
         if let Some(s) = ev.s {
-            out.write_all(b",\"s\":")?;
-            quoted(out, s)?;
+            o.plain("s", s)?;
         }
         if let Some(cat) = ev.cat {
-            out.write_all(b",\"cat\":")?;
-            quoted(out, cat)?;
+            o.plain("cat", cat)?;
         }
-        out.write_all(b",\"name\":")?;
-        serde_json::to_writer(&mut *out, ev.name)?;
-        out.write_all(b",\"pid\":")?;
-        out.write_all(itoa::Buffer::new().format(ev.pid).as_bytes())?;
+        o.str("name", ev.name)?;
+        o.u64("pid", u64::from(ev.pid))?;
         if let Some(tid) = ev.tid {
-            out.write_all(b",\"tid\":")?;
-            out.write_all(itoa::Buffer::new().format(tid).as_bytes())?;
+            o.u64("tid", tid)?;
         }
         if let Some(ts) = ev.ts {
-            out.write_all(b",\"ts\":")?;
-            write_us(out, ts)?;
+            write_us(o.key("ts")?, ts)?;
         }
         if let Some(dur) = ev.dur {
-            out.write_all(b",\"dur\":")?;
-            write_us(out, dur)?;
+            write_us(o.key("dur")?, dur)?;
         }
-        out.write_all(b",\"args\":")?;
-        let mut args = Obj::new(&mut *out)?;
+        let mut args = Obj::new(o.key("args")?)?;
         ev.args.write(&mut args)?;
         args.end()?;
-        out.push(b'}');
-        self.out.write_all(out)
+        o.end()?;
+        self.out.write_all(&self.ev)
     }
 
     /// Writes one event given whole (the few metadata events).
