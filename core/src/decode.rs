@@ -70,6 +70,86 @@ pub fn unique_id(a: u64, b: u64) -> u64 {
         })
 }
 
+/// Bytes before the frames of a stack record, in both layouts.
+const STACK_HEAD: usize = std::mem::offset_of!(SampleEvent, kstack);
+/// Bytes before the code objects of a Python stack record, in both layouts.
+const PY_HEAD: usize = std::mem::offset_of!(PyStackEvent, codes);
+
+/// A little-endian `u32` of `bytes` at `at` (in range).
+fn u32_at(bytes: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap_or_default())
+}
+
+/// (kernel frames, user frames, where each begins) of a stack record as the ring buffer
+/// holds it (every slot, 800 bytes) or as the recording keeps it ([`compact`]: the frames
+/// in use only, user frames right after the kernel's).
+fn stack_layout(bytes: &[u8]) -> Result<(usize, usize, usize, usize), DecodeError> {
+    long_enough::<[u8; STACK_HEAD]>(bytes, "stack record's header")?;
+    let k =
+        (u32_at(bytes, std::mem::offset_of!(SampleEvent, kstack_len)) as usize).min(KSTACK_DEPTH);
+    let u =
+        (u32_at(bytes, std::mem::offset_of!(SampleEvent, ustack_len)) as usize).min(USTACK_DEPTH);
+    if bytes.len() >= size_of::<SampleEvent>() {
+        return Ok((k, u, STACK_HEAD, std::mem::offset_of!(SampleEvent, ustack)));
+    }
+    let expected = STACK_HEAD + 8 * (k + u);
+    if bytes.len() < expected {
+        return Err(DecodeError::TooShort {
+            what: "compact stack record",
+            len: bytes.len(),
+            expected,
+        });
+    }
+    Ok((k, u, STACK_HEAD, STACK_HEAD + 8 * k))
+}
+
+/// (frames, where the code objects and the offsets begin) of a Python stack record, in
+/// the ring buffer's layout or the recording's compact one (as [`stack_layout`]).
+fn py_layout(bytes: &[u8]) -> Result<(usize, usize, usize), DecodeError> {
+    long_enough::<[u8; PY_HEAD]>(bytes, "python stack record's header")?;
+    let n = (u32_at(bytes, std::mem::offset_of!(PyStackEvent, len)) as usize).min(PY_DEPTH);
+    if bytes.len() >= size_of::<PyStackEvent>() {
+        return Ok((n, PY_HEAD, std::mem::offset_of!(PyStackEvent, offsets)));
+    }
+    let expected = PY_HEAD + 12 * n;
+    if bytes.len() < expected {
+        return Err(DecodeError::TooShort {
+            what: "compact python stack record",
+            len: bytes.len(),
+            expected,
+        });
+    }
+    Ok((n, PY_HEAD, PY_HEAD + 8 * n))
+}
+
+/// What the recording keeps of a kernel record, in order: a stack or Python stack record
+/// as the ring buffer holds it (every slot) without the slots not in use (a stack of 6
+/// frames: 80 bytes, not 800); `None` for any other record, kept whole. [`decode`] reads
+/// both layouts; a record whose every slot is in use is the same bytes in both.
+#[must_use]
+pub fn compact(bytes: &[u8]) -> Option<[&[u8]; 2]> {
+    let kind = record_kind(bytes).ok()?;
+    match kind {
+        kind::SAMPLE | kind::OFFCPU | kind::CALL_STACK
+            if bytes.len() == size_of::<SampleEvent>() =>
+        {
+            let (k, u, kstack_at, ustack_at) = stack_layout(bytes).ok()?;
+            Some([
+                &bytes[..kstack_at + 8 * k],
+                &bytes[ustack_at..ustack_at + 8 * u],
+            ])
+        }
+        kind::PY_STACK if bytes.len() == size_of::<PyStackEvent>() => {
+            let (n, codes_at, offsets_at) = py_layout(bytes).ok()?;
+            Some([
+                &bytes[..codes_at + 8 * n],
+                &bytes[offsets_at..offsets_at + 4 * n],
+            ])
+        }
+        _ => None,
+    }
+}
+
 /// Decodes one raw record.
 #[allow(clippy::many_single_char_names, clippy::too_many_lines)] // one short arm per kind
 pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
@@ -204,21 +284,13 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
         }
         kind::SAMPLE | kind::OFFCPU | kind::CALL_STACK => {
             // The frames in use, straight from the record (not copying its 800 bytes).
-            long_enough::<SampleEvent>(bytes, "stack record")?;
-            let word =
-                |at: usize| u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap_or_default());
+            let (k, u, kstack_at, ustack_at) = stack_layout(bytes)?;
             let frames = |at: usize, n: usize| -> Vec<u64> {
                 bytes[at..at + 8 * n]
                     .chunks_exact(8)
                     .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
                     .collect()
             };
-            let kstack_at = std::mem::offset_of!(SampleEvent, kstack);
-            let ustack_at = std::mem::offset_of!(SampleEvent, ustack);
-            let k =
-                (word(std::mem::offset_of!(SampleEvent, kstack_len)) as usize).min(KSTACK_DEPTH);
-            let u =
-                (word(std::mem::offset_of!(SampleEvent, ustack_len)) as usize).min(USTACK_DEPTH);
             let (kstack, ustack) = (frames(kstack_at, k), frames(ustack_at, u));
             if h.kind == kind::SAMPLE {
                 Event::Sample {
@@ -243,17 +315,22 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
             }
         }
         kind::PY_STACK => {
-            let e = read::<PyStackEvent>(bytes, "python stack record")?;
-            let n = (e.len as usize).min(PY_DEPTH);
+            let (n, codes_at, offsets_at) = py_layout(bytes)?;
+            let word = |at: usize, n: usize| -> u64 {
+                let mut b = [0u8; 8];
+                b[..n].copy_from_slice(&bytes[at..at + n]);
+                u64::from_le_bytes(b)
+            };
             Event::PyStack {
                 ts_ns: h.ts_ns,
                 task: t,
-                frames: e.codes[..n]
-                    .iter()
-                    .zip(&e.offsets[..n])
-                    .map(|(&code, &offset)| PyFrame { code, offset })
+                frames: (0..n)
+                    .map(|i| PyFrame {
+                        code: word(codes_at + 8 * i, 8),
+                        offset: word(offsets_at + 4 * i, 4) as u32,
+                    })
                     .collect(),
-                truncated: e.truncated != 0,
+                truncated: word(std::mem::offset_of!(PyStackEvent, truncated), 4) != 0,
             }
         }
         other => return Err(DecodeError::UnknownKind { kind: other }),

@@ -84,32 +84,71 @@ pub struct Detail {
 /// Stack ids by the stack's hash: each stack is kept once, in the table the ids index (a
 /// map keyed by the stack itself held every stack twice: ~4,000 distinct stacks of up to
 /// 96 frames in a 4-minute soak). A stack whose hash another already has is found in
-/// `collisions`.
+/// `collisions`. A stack seen before is found from the frames as they lie (nothing is
+/// copied but a new stack's frames).
 #[derive(Debug, Default)]
-pub(super) struct StackIds<S = std::collections::hash_map::RandomState> {
-    by_hash: std::collections::HashMap<u64, u32>,
+pub(super) struct StackIds<S = foldhash::fast::RandomState> {
+    by_hash: std::collections::HashMap<u64, u32, foldhash::fast::RandomState>,
     pub(super) collisions: std::collections::HashMap<StackKey, u32>,
     hasher: S,
 }
 
+/// The stack `pid`, `kstack`, `ustack` and `py` make, borrowed.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Frames<'a> {
+    pub pid: u32,
+    pub kstack: &'a [u64],
+    pub ustack: &'a [u64],
+    pub py: &'a [PyFrame],
+}
+
+impl Frames<'_> {
+    fn is(&self, key: &StackKey) -> bool {
+        key.pid == self.pid
+            && key.kstack == self.kstack
+            && key.ustack == self.ustack
+            && key.py == self.py
+    }
+
+    fn to_key(self) -> StackKey {
+        StackKey {
+            pid: self.pid,
+            kstack: self.kstack.to_vec(),
+            ustack: self.ustack.to_vec(),
+            py: self.py.to_vec(),
+        }
+    }
+}
+
 impl<S: std::hash::BuildHasher> StackIds<S> {
-    /// `key`'s id in `table`, where it is added when new.
-    pub(super) fn intern(&mut self, table: &mut Vec<StackKey>, key: StackKey) -> u32 {
+    fn hash(&self, f: &Frames<'_>) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let mut h = self.hasher.build_hasher();
+        f.pid.hash(&mut h);
+        f.kstack.hash(&mut h);
+        f.ustack.hash(&mut h);
+        f.py.hash(&mut h);
+        h.finish()
+    }
+
+    /// The id of the stack `frames` make in `table`, where it is added when new.
+    pub(super) fn intern(&mut self, table: &mut Vec<StackKey>, frames: Frames<'_>) -> u32 {
         use std::collections::hash_map::Entry;
         let id = table.len() as u32;
-        match self.by_hash.entry(self.hasher.hash_one(&key)) {
+        match self.by_hash.entry(self.hash(&frames)) {
             Entry::Vacant(v) => {
                 v.insert(id);
             }
-            Entry::Occupied(o) if table[*o.get() as usize] == key => return *o.get(),
+            Entry::Occupied(o) if frames.is(&table[*o.get() as usize]) => return *o.get(),
             Entry::Occupied(_) => {
+                let key = frames.to_key();
                 if let Some(id) = self.collisions.get(&key) {
                     return *id;
                 }
-                self.collisions.insert(key.clone(), id);
+                self.collisions.insert(key, id);
             }
         }
-        table.push(key);
+        table.push(frames.to_key());
         id
     }
 }

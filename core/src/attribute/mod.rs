@@ -332,13 +332,13 @@ impl Timeline {
             Some((at, frames)) if at == ts => frames,
             _ => Vec::new(),
         };
-        let key = StackKey {
+        let frames = detail::Frames {
             pid: task.tgid,
-            kstack: kstack.to_vec(),
-            ustack: ustack.to_vec(),
-            py,
+            kstack,
+            ustack,
+            py: &py,
         };
-        self.stack_ids.intern(&mut self.stacks, key)
+        self.stack_ids.intern(&mut self.stacks, frames)
     }
 
     fn log(&mut self, tid: u32, pid: u32) -> &mut ThreadLog {

@@ -6,7 +6,10 @@
 //! then records: u32 payload length | u32 payload CRC-32 | payload
 //! payload: u8 type (1 = kernel record as the ring buffer gave it, 2 = agent metadata JSON) | body
 //! ```
-//! Raw kernel records go in unchanged so `report` runs the very decoder the live run used.
+//! Raw kernel records go in as the ring buffer gave them so `report` runs the very decoder
+//! the live run used; since format version 2, stack and Python stack records without their
+//! unused slots (`decode::compact`: 10× smaller on the demo trainer's recording). Version 1
+//! recordings (every record whole) are read too.
 //! A truncated or damaged file is detected by the lengths and checksums; past damage in
 //! the middle, reading resumes at the next record whose length and checksum hold, and the
 //! bytes skipped are counted ([`Reader::damage`]).
@@ -18,7 +21,9 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 pub const MAGIC: &[u8; 8] = b"NCCLTRC\0";
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
+/// The oldest format version this reader reads.
+pub const OLDEST_FORMAT_VERSION: u32 = 1;
 /// Records larger than this are taken as damage, not allocated.
 const MAX_RECORD: u32 = 1 << 20;
 const MAX_HEADER: u32 = 64 << 20;
@@ -42,8 +47,8 @@ pub enum RecordError {
     #[error("{path} is not an nccltrace recording: expected the magic \"NCCLTRC\" at offset 0")]
     Foreign { path: PathBuf },
     #[error(
-        "{path} has format version {version}; this nccltrace reads version {FORMAT_VERSION}: \
-         use the nccltrace that made it"
+        "{path} has format version {version}; this nccltrace reads versions \
+         {OLDEST_FORMAT_VERSION} to {FORMAT_VERSION}: use the nccltrace that made it"
     )]
     Version { path: PathBuf, version: u32 },
     #[error(

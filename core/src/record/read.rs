@@ -6,8 +6,8 @@ use std::io::{self, BufRead, BufReader, Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
 use super::{
-    FORMAT_VERSION, Header, MAGIC, MAX_HEADER, MAX_RECORD, Meta, Progress, Record, RecordError,
-    TYPE_KERNEL, TYPE_META,
+    FORMAT_VERSION, Header, MAGIC, MAX_HEADER, MAX_RECORD, Meta, OLDEST_FORMAT_VERSION, Progress,
+    Record, RecordError, TYPE_KERNEL, TYPE_META,
 };
 
 /// A recording read while it is written: reads stop at the last whole record the writer
@@ -183,7 +183,7 @@ impl<R: BufRead> Reader<R> {
             ));
         }
         let version = u32::from_le_bytes(fixed[8..12].try_into().unwrap_or_default());
-        if version != FORMAT_VERSION {
+        if !(OLDEST_FORMAT_VERSION..=FORMAT_VERSION).contains(&version) {
             return Err(RecordError::Version {
                 path: path.to_owned(),
                 version,

@@ -232,3 +232,82 @@ fn large_symbol_tables_are_split() {
     assert!(parts > 1, "{parts} records");
     assert_eq!(back, symbols);
 }
+
+/// Stack and Python stack records are kept without their unused slots, and decode to the
+/// same events as the ring buffer's whole records; a stack with every slot in use, and
+/// any other record, is kept as it came. A compact record cut short is refused.
+#[test]
+fn stack_records_kept_compact() {
+    use crate::decode::{as_bytes, decode};
+    use nccltrace_common::{KSTACK_DEPTH, PY_DEPTH, PyStackEvent, SampleEvent, USTACK_DEPTH, kind};
+    let hdr = |kind| nccltrace_common::Header {
+        ts_ns: 9,
+        tgid: 7,
+        tid: 8,
+        kind,
+        cpu: 1,
+        _pad: 0,
+    };
+    let stack = |kind, k: usize, u: usize| {
+        let mut e = SampleEvent {
+            hdr: hdr(kind),
+            kstack_len: k as u32,
+            ustack_len: u as u32,
+            kstack: [0xdead; KSTACK_DEPTH],
+            ustack: [0xbeef; USTACK_DEPTH],
+        };
+        for (i, f) in e.kstack[..k].iter_mut().enumerate() {
+            *f = 0xffff_0000 + i as u64;
+        }
+        for (i, f) in e.ustack[..u].iter_mut().enumerate() {
+            *f = 0x4000 + i as u64;
+        }
+        as_bytes(&e)
+    };
+    let mut py = PyStackEvent {
+        hdr: hdr(kind::PY_STACK),
+        len: 2,
+        truncated: 1,
+        codes: [0x77; PY_DEPTH],
+        offsets: [5; PY_DEPTH],
+    };
+    py.codes[..2].copy_from_slice(&[0x1000, 0x2000]);
+    py.offsets[..2].copy_from_slice(&[10, 20]);
+    let records = [
+        (stack(kind::OFFCPU, 2, 3), 32 + 8 * 5),
+        (stack(kind::SAMPLE, 0, 6), 32 + 8 * 6),
+        (stack(kind::CALL_STACK, 0, 0), 32),
+        (stack(kind::SAMPLE, KSTACK_DEPTH, USTACK_DEPTH), 800),
+        (as_bytes(&py), 32 + 12 * 2),
+        (vec![4; 100], 100),
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("r.nctr");
+    let mut w = Writer::create(&path, &header()).unwrap();
+    for (bytes, _) in &records {
+        w.kernel(bytes).unwrap();
+    }
+    w.finish().unwrap();
+    let back: Vec<Vec<u8>> = read_all(&path)
+        .unwrap()
+        .into_iter()
+        .filter_map(|r| match r {
+            Record::Kernel(bytes) => Some(bytes),
+            Record::Meta(_) => None,
+        })
+        .collect();
+    assert_eq!(back.len(), records.len());
+    for ((whole, kept_len), kept) in records.iter().zip(&back) {
+        assert_eq!(kept.len(), *kept_len);
+        assert_eq!(decode(kept), decode(whole));
+    }
+    assert!(matches!(
+        decode(&back[0]).unwrap(),
+        crate::event::Event::OffCpu { ref kstack, ref ustack, .. }
+            if kstack == &[0xffff_0000, 0xffff_0001] && ustack == &[0x4000, 0x4001, 0x4002]
+    ));
+    assert_eq!(back[5], vec![4; 100]);
+    // Cut short of the frames its lengths promise.
+    assert!(decode(&back[0][..back[0].len() - 8]).is_err());
+    assert!(decode(&back[4][..back[4].len() - 4]).is_err());
+}

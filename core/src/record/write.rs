@@ -111,14 +111,24 @@ impl Writer {
     }
 
     fn write(&mut self, kind: u8, body: &[u8]) -> Result<(), RecordError> {
+        self.write_parts(kind, &[body])
+    }
+
+    /// Writes one record whose body is `parts` one after another.
+    fn write_parts(&mut self, kind: u8, parts: &[&[u8]]) -> Result<(), RecordError> {
         let mut hasher = crc32fast::Hasher::new();
         hasher.update(&[kind]);
-        hasher.update(body);
-        let len = (body.len() + 1) as u32;
-        self.buf.extend_from_slice(&len.to_le_bytes());
+        let mut len = 1;
+        for part in parts {
+            hasher.update(part);
+            len += part.len();
+        }
+        self.buf.extend_from_slice(&(len as u32).to_le_bytes());
         self.buf.extend_from_slice(&hasher.finalize().to_le_bytes());
         self.buf.push(kind);
-        self.buf.extend_from_slice(body);
+        for part in parts {
+            self.buf.extend_from_slice(part);
+        }
         self.records += 1;
         if self.buf.len() >= WRITE_CHUNK {
             self.flush()?;
@@ -126,9 +136,13 @@ impl Writer {
         Ok(())
     }
 
-    /// Appends a kernel record exactly as received.
+    /// Appends a kernel record as received, a stack record without its unused slots
+    /// ([`crate::decode::compact`]).
     pub fn kernel(&mut self, bytes: &[u8]) -> Result<(), RecordError> {
-        self.write(TYPE_KERNEL, bytes)
+        match crate::decode::compact(bytes) {
+            Some(parts) => self.write_parts(TYPE_KERNEL, &parts),
+            None => self.write(TYPE_KERNEL, bytes),
+        }
     }
 
     /// Appends agent metadata. Symbol tables larger than a record may be are written as
