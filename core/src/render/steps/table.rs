@@ -1,0 +1,449 @@
+//! The per-step table on stdout, its histograms and the verdict under it.
+
+use super::*;
+
+/// The value at quantile `q` (nearest rank) of `values`.
+#[must_use]
+pub fn quantile(values: &mut [u64], q: f64) -> u64 {
+    if values.is_empty() {
+        return 0;
+    }
+    values.sort_unstable();
+    let rank = ((q * values.len() as f64).ceil() as usize).clamp(1, values.len());
+    values[rank - 1]
+}
+
+fn ms(ns: u64) -> String {
+    format!("{:.3}", ns as f64 / 1e6)
+}
+
+fn pct(part: u64, whole: u64) -> f64 {
+    if whole == 0 {
+        0.0
+    } else {
+        100.0 * part as f64 / whole as f64
+    }
+}
+
+fn dominant(c: &Categories) -> (&'static str, u64) {
+    c.named()
+        .iter()
+        .filter(|(name, _)| *name != "compute")
+        .filter_map(|(name, v)| v.map(|v| (*name, v)))
+        .max_by_key(|(_, v)| *v)
+        .unwrap_or(("nccl_wait", 0))
+}
+
+/// What time in `category` means, in words; `c` says what the run could measure.
+fn describe(category: &str, c: &Categories) -> &'static str {
+    match category {
+        "nccl_wait" => "waits on NCCL",
+        "page_fault" => "handles page faults",
+        "remote_memory" => "stalls on remote-NUMA memory (an estimate from NUMA hinting faults)",
+        "cpu_migration" => "waits for a CPU after migrations",
+        "runqueue" => "waits in the run queue",
+        _ if c.unmeasured.nccl_wait || c.unmeasured.nccl_wait_lower_bound => {
+            "is blocked off-CPU (I/O, locks, or waits for the GPU and NCCL: without CUDA sync \
+             probes this profile cannot tell them apart)"
+        }
+        _ => "is blocked off-CPU (I/O, locks)",
+    }
+}
+
+/// What the table and the verdict need of every step, not the steps themselves (a long
+/// run's steps are written out as they close): exact values for the first
+/// [`EXACT_STEPS`] steps, then log-bucket histograms (each quantile within 0.2%, said
+/// under the table), so that memory stays bounded at any run length.
+#[derive(Clone, Debug, Default)]
+pub struct StepTable {
+    steps: usize,
+    /// Wall time, then each category in [`Categories::named`] order (`NOT_MEASURED`
+    /// where not measured).
+    pub(super) columns: [Column; 8],
+    /// The slowest steps: (wall, index, the columns' values), slowest first.
+    pub(super) slowest: Vec<(u64, usize, [u64; 8])>,
+    sum: Categories,
+    wall_ns: u64,
+    migrations: u64,
+    cross_node_migrations: u64,
+}
+
+/// Steps whose values are kept exactly; past them, histograms.
+pub const EXACT_STEPS: usize = 10_000;
+/// Slowest steps kept.
+const SLOWEST: usize = 3;
+/// A category value the step could not measure, in [`StepTable`].
+const NOT_MEASURED: u64 = u64::MAX;
+
+/// One column of the table.
+#[derive(Clone, Debug)]
+pub(super) enum Column {
+    Exact(Vec<u64>),
+    Histogram(LogHistogram),
+}
+
+impl Default for Column {
+    fn default() -> Self {
+        Column::Exact(Vec::new())
+    }
+}
+
+/// Counts per bucket: values below 1024 exactly, above in 512 buckets per power of two
+/// (a bucket's width is at most 1/512 = 0.2% of its values).
+#[derive(Clone, Debug, Default)]
+pub struct LogHistogram {
+    counts: std::collections::BTreeMap<u32, u64>,
+}
+
+const MANTISSA_BITS: u32 = 9;
+
+impl LogHistogram {
+    pub(super) fn bucket(v: u64) -> u32 {
+        if v < 1 << (MANTISSA_BITS + 1) {
+            return v as u32;
+        }
+        let exp = v.ilog2();
+        let mantissa = (v >> (exp - MANTISSA_BITS)) & ((1 << MANTISSA_BITS) - 1);
+        ((exp - MANTISSA_BITS) << MANTISSA_BITS | mantissa as u32) + (1 << MANTISSA_BITS)
+    }
+
+    /// The middle of bucket `b`'s values.
+    pub(super) fn value(b: u32) -> u64 {
+        if b < 1 << (MANTISSA_BITS + 1) {
+            return u64::from(b);
+        }
+        let b = b - (1 << MANTISSA_BITS);
+        let shift = b >> MANTISSA_BITS;
+        let mantissa = u64::from(b & ((1 << MANTISSA_BITS) - 1));
+        let low = ((1 << MANTISSA_BITS) | mantissa) << shift;
+        low + (1u64 << shift) / 2
+    }
+
+    pub fn add(&mut self, v: u64) {
+        *self.counts.entry(Self::bucket(v)).or_default() += 1;
+    }
+
+    /// The value at quantile `q` (nearest rank), within a bucket's width.
+    #[must_use]
+    pub fn quantile(&self, q: f64) -> u64 {
+        let n: u64 = self.counts.values().sum();
+        if n == 0 {
+            return 0;
+        }
+        let rank = ((q * n as f64).ceil() as u64).clamp(1, n);
+        let mut seen = 0;
+        for (b, c) in &self.counts {
+            seen += c;
+            if seen >= rank {
+                return Self::value(*b);
+            }
+        }
+        0
+    }
+}
+
+impl Column {
+    fn push(&mut self, v: u64) {
+        match self {
+            Column::Exact(values) => {
+                if values.capacity() == 0 {
+                    values.reserve_exact(EXACT_STEPS);
+                }
+                values.push(v);
+            }
+            Column::Histogram(h) => h.add(v),
+        }
+    }
+
+    /// Past [`EXACT_STEPS`]: into a histogram.
+    fn fold(&mut self) {
+        if let Column::Exact(values) = self {
+            let mut h = LogHistogram::default();
+            for v in values.iter() {
+                h.add(*v);
+            }
+            *self = Column::Histogram(h);
+        }
+    }
+
+    /// The value at quantile `q`, not-measured values counted as 0.
+    pub(super) fn quantile(&self, q: f64) -> u64 {
+        match self {
+            Column::Exact(values) => {
+                let mut v: Vec<u64> = values
+                    .iter()
+                    .map(|v| if *v == NOT_MEASURED { 0 } else { *v })
+                    .collect();
+                quantile(&mut v, q)
+            }
+            Column::Histogram(h) => h.quantile(q),
+        }
+    }
+}
+
+impl StepTable {
+    /// The table of `steps`.
+    #[must_use]
+    pub fn of(steps: &[Step]) -> StepTable {
+        let mut t = StepTable::default();
+        for s in steps {
+            t.push(s);
+        }
+        t
+    }
+
+    /// Adds the next step.
+    pub fn push(&mut self, s: &Step) {
+        let mut row = [0u64; 8];
+        row[0] = s.wall_ns;
+        for (cell, (_, v)) in row[1..].iter_mut().zip(s.categories.named()) {
+            *cell = v.unwrap_or(NOT_MEASURED);
+        }
+        if self.steps == EXACT_STEPS {
+            self.columns.iter_mut().for_each(Column::fold);
+        }
+        for (column, v) in self.columns.iter_mut().zip(row) {
+            column.push(
+                if v == NOT_MEASURED && matches!(column, Column::Histogram(_)) {
+                    0
+                } else {
+                    v
+                },
+            );
+        }
+        // Slowest first; among equals, the earlier step.
+        let at = self.slowest.partition_point(|(w, _, _)| *w >= s.wall_ns);
+        if at < SLOWEST {
+            self.slowest.insert(at, (s.wall_ns, s.index, row));
+            self.slowest.truncate(SLOWEST);
+        }
+        self.steps += 1;
+        self.wall_ns += s.wall_ns;
+        self.sum.add(&s.categories);
+        self.migrations += s.migrations;
+        self.cross_node_migrations += s.cross_node_migrations;
+    }
+
+    /// Steps in the table.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.steps
+    }
+
+    /// The steps' wall time, summed.
+    #[must_use]
+    pub fn wall_ns(&self) -> u64 {
+        self.wall_ns
+    }
+
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.steps == 0
+    }
+
+    /// Whether quantiles come from histograms (more than [`EXACT_STEPS`] steps).
+    #[must_use]
+    pub fn approximate(&self) -> bool {
+        self.steps > EXACT_STEPS
+    }
+
+    /// The median of each category, in [`Categories::named`] order.
+    pub(super) fn category_medians(&self) -> Vec<u64> {
+        self.columns[1..].iter().map(|c| c.quantile(0.5)).collect()
+    }
+
+    /// What made a step (its `row`) slower than the median step: the category with the
+    /// largest excess over its own median (`medians`), and that excess.
+    pub(super) fn slowest_cause(row: &[u64; 8], medians: &[u64]) -> Option<(&'static str, u64)> {
+        crate::attribute::NAMES
+            .iter()
+            .zip(&row[1..])
+            .zip(medians)
+            .filter(|((_, v), _)| **v != NOT_MEASURED)
+            .map(|((name, v), median)| (*name, v.saturating_sub(*median)))
+            .filter(|(_, excess)| *excess > 0)
+            .max_by_key(|(_, excess)| *excess)
+    }
+}
+
+/// A blocking stack (frames root first, `;`-separated) in short: the innermost user
+/// frame, where the program asked to block, then the kernel frames it blocked in.
+pub(super) fn blocked_in(stack: &str) -> String {
+    let frames: Vec<&str> = stack.split(';').collect();
+    let is_kernel = |f: &str| f.ends_with("_[k]");
+    // The first frame names the thread; pseudo-frames ("[blocked]") are in brackets.
+    let user = frames
+        .iter()
+        .skip(1)
+        .rfind(|f| !is_kernel(f) && !f.starts_with('['));
+    let kernel: Vec<&str> = frames.iter().copied().filter(|f| is_kernel(f)).collect();
+    let leaf = &kernel[kernel.len().saturating_sub(3)..];
+    let kernel_part = if leaf.is_empty() {
+        String::new()
+    } else {
+        format!(" → {}", leaf.join(" > "))
+    };
+    match user {
+        Some(user) => format!("{user}{kernel_part}"),
+        None => format!("(no user frame captured){kernel_part}"),
+    }
+}
+
+/// The lines naming where the rank thread waited for NCCL most (its Python line, when
+/// the stacks have Python frames) and where it blocked most.
+fn write_top_stacks(report: &StepsReport, out: &mut impl Write) -> io::Result<()> {
+    if let Some(top) = report.nccl_wait_top_stacks.first()
+        && let Some(line) = python_line(&top.stack)
+    {
+        writeln!(
+            out,
+            "  waited for NCCL/GPU most at: {line} ({} ms over the steps; all in steps.json)",
+            ms(top.total_ns)
+        )?;
+    }
+    if let Some(top) = report.other_offcpu_top_stacks.first() {
+        writeln!(
+            out,
+            "  blocked most in: {} ({} ms over the steps; all in steps.json)",
+            blocked_in(&top.stack),
+            ms(top.total_ns)
+        )?;
+    }
+    Ok(())
+}
+
+/// The innermost Python frame of a folded stack (`wait_for_gpu (train.py:41)`), if any.
+fn python_line(stack: &str) -> Option<&str> {
+    stack
+        .split(';')
+        .rfind(|f| f.ends_with(')') && f.contains(".py:"))
+}
+
+/// The one line naming the dominant cause.
+#[must_use]
+pub fn verdict(report: &StepsReport, table: &StepTable) -> String {
+    let sum = table.sum;
+    let wall = table.wall_ns;
+    let (name, value) = dominant(&sum);
+    let mut line = format!(
+        "{:.0}% of step time {}",
+        pct(value, wall),
+        describe(name, &sum)
+    );
+    if sum.unmeasured.nccl_wait || sum.unmeasured.nccl_wait_lower_bound {
+        // A spinning sync (cudaDeviceScheduleAuto) counts as compute without sync probes.
+        let _ = write!(
+            line,
+            "; compute ({:.0}%) may hold waits for the GPU and NCCL that this profile cannot \
+             see (no CUDA sync probes)",
+            pct(sum.compute, wall)
+        );
+    }
+    if let Some(tid) = report.rank_tid {
+        let (migrations, cross) = (table.migrations, table.cross_node_migrations);
+        let _ = write!(
+            line,
+            "; rank thread {tid} migrated {migrations} times, {:.0}% across nodes",
+            pct(cross, migrations)
+        );
+    }
+    line
+}
+
+/// Writes the per-category quantiles, the slowest steps and the verdict.
+pub fn write_table(
+    report: &StepsReport,
+    table: &StepTable,
+    out: &mut impl Write,
+) -> io::Result<()> {
+    writeln!(
+        out,
+        "Steps: {} found ({}): {}",
+        table.len(),
+        serde_json::to_value(report.method)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_owned))
+            .unwrap_or_default(),
+        report.reason
+    )?;
+    if table.is_empty() {
+        return Ok(());
+    }
+    let wall = table.wall_ns;
+    writeln!(
+        out,
+        "  {:<14} {:>10} {:>10} {:>10} {:>7}",
+        "per step (ms)", "p50", "p90", "p99", "share"
+    )?;
+    writeln!(
+        out,
+        "  {:<14} {:>10} {:>10} {:>10} {:>6.1}%",
+        "wall",
+        ms(table.columns[0].quantile(0.5)),
+        ms(table.columns[0].quantile(0.9)),
+        ms(table.columns[0].quantile(0.99)),
+        100.0
+    )?;
+    let sum = table.sum;
+    for (i, (name, value)) in sum.named().iter().enumerate() {
+        let Some(value) = value else {
+            writeln!(
+                out,
+                "  {name:<14} {:>10} (not measured: see steps.json methods)",
+                "-"
+            )?;
+            continue;
+        };
+        let per = &table.columns[i + 1];
+        let note = if *name == "nccl_wait" && sum.unmeasured.nccl_wait_lower_bound {
+            "  (a lower bound: see steps.json methods)"
+        } else {
+            ""
+        };
+        writeln!(
+            out,
+            "  {name:<14} {:>10} {:>10} {:>10} {:>6.1}%{note}",
+            ms(per.quantile(0.5)),
+            ms(per.quantile(0.9)),
+            ms(per.quantile(0.99)),
+            pct(*value, wall)
+        )?;
+    }
+    // Time no measured category holds (a category the profile could not measure).
+    let unattributed = wall.saturating_sub(sum.total());
+    if unattributed > 0 {
+        writeln!(
+            out,
+            "  {:<14} {:>10} {:>10} {:>10} {:>6.1}%  (in no measured category)",
+            "unattributed",
+            "-",
+            "-",
+            "-",
+            pct(unattributed, wall)
+        )?;
+    }
+    let median_wall = table.columns[0].quantile(0.5);
+    write!(
+        out,
+        "  slowest steps (against the median step, {} ms):",
+        ms(median_wall)
+    )?;
+    let medians = table.category_medians();
+    for (wall, index, row) in &table.slowest {
+        write!(out, " #{index} {} ms", ms(*wall))?;
+        match StepTable::slowest_cause(row, &medians) {
+            Some((name, excess)) => write!(out, " ({name} +{} ms);", ms(excess))?,
+            None => write!(out, ";")?,
+        }
+    }
+    writeln!(out)?;
+    if table.approximate() {
+        writeln!(
+            out,
+            "  (p50/p90/p99 from log-bucket histograms past the first {EXACT_STEPS} steps: \
+             each within 0.2%)"
+        )?;
+    }
+    write_top_stacks(report, out)?;
+    writeln!(out, "{}", verdict(report, table))
+}

@@ -1,0 +1,146 @@
+//! Tests of `trace`.
+
+use super::*;
+use crate::attribute::steps::Method;
+use crate::attribute::{Categories, Methods, NcclCount};
+use serde_json::Value;
+
+/// A call slice's arguments with every field there, a Python line that needs
+/// escaping among them: valid JSON with each value where it belongs.
+#[test]
+fn call_args_with_every_field() {
+    let args = CallArgs {
+        ret: Some(-3),
+        bytes: Some(1 << 33),
+        count: Some(7),
+        datatype: Some("float32"),
+        op: Some("sum"),
+        peer_or_root: Some(-1),
+        comm: Some(0xdead_beef),
+        seq: Some(0),
+        stream: Some(0x10),
+        rank: Some(5),
+        python: Some("step (\"train\".py:7)\n"),
+    };
+    let mut out = Vec::new();
+    let mut o = Obj::new(&mut out).unwrap();
+    args.write(&mut o).unwrap();
+    o.end().unwrap();
+    let v: Value = serde_json::from_slice(&out).unwrap();
+    assert_eq!(
+        v,
+        serde_json::json!({"ret": -3, "bytes": 1u64 << 33, "count": 7,
+            "datatype": "float32", "op": "sum", "peer_or_root": -1,
+            "comm": "0xdeadbeef", "seq": 0, "stream": "0x10", "rank": 5,
+            "python": "step (\"train\".py:7)\n"})
+    );
+    let mut out = Vec::new();
+    let mut o = Obj::new(&mut out).unwrap();
+    CallArgs {
+        ret: None,
+        bytes: None,
+        count: None,
+        datatype: None,
+        op: None,
+        peer_or_root: None,
+        comm: None,
+        seq: None,
+        stream: None,
+        rank: None,
+        python: None,
+    }
+    .write(&mut o)
+    .unwrap();
+    o.end().unwrap();
+    assert_eq!(out, b"{}");
+}
+
+/// trace.json of a fixed timeline, against its golden file.
+#[test]
+fn trace_golden() {
+    let (detail, _) = crate::render::fixture::detail();
+    let header = Header {
+        targets: vec![crate::record::TargetInfo {
+            pid: 10,
+            comm: "trainer".into(),
+            ..Default::default()
+        }],
+        kernel_release: "6.18".into(),
+        ..Default::default()
+    };
+    let step = Step {
+        index: 0,
+        start_ns: 0,
+        end_ns: 8_000_000,
+        wall_ns: 8_000_000,
+        categories: Categories {
+            compute: 3_000_000,
+            nccl_wait: 3_000_000,
+            page_fault: 1_000_000,
+            runqueue: 1_000_000,
+            ..Categories::default()
+        },
+        nccl: NcclCount {
+            collectives: 1,
+            bytes: 4096,
+        },
+        faults: 3,
+        migrations: 1,
+        cross_node_migrations: 1,
+        numa_page_migrations: 0,
+        numa_task_moves: 0,
+        remote_access: None,
+        remote_loads: None,
+        slowest_rank: None,
+        ranks: vec![],
+    };
+    let steps = StepsReport {
+        clock: "",
+        partial_steps_left_out: 0,
+        epochs: 1,
+        late_events_left_out: 0,
+        method: Method::Auto,
+        reason: String::new(),
+        period: Some(1),
+        rank_pid: Some(10),
+        rank_tid: Some(10),
+        methods: Methods {
+            nccl_wait: String::new(),
+            page_fault: String::new(),
+            remote_memory: String::new(),
+            remote_memory_estimated: false,
+        },
+        steps: vec![step],
+        threads: vec![],
+        other_offcpu_top_stacks: vec![],
+        nccl_wait_top_stacks: Vec::new(),
+        // Regression (issue 18): the process was named "rank 0" (its position) while
+        // summary.json said rank 3.
+        ranks: vec![crate::attribute::ranks::RankReport {
+            pid: 10,
+            rank: 3,
+            rank_source: "environment RANK".into(),
+            nccl: crate::attribute::ranks::RankNccl {
+                collectives: 1,
+                bytes: 4096,
+            },
+            categories: Categories::default(),
+        }],
+        straggler: None,
+    };
+    let mut out = Vec::new();
+    write(&header, &detail, &steps, &mut out).unwrap();
+    let text = String::from_utf8(out).unwrap();
+    let parsed: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(
+        parsed["traceEvents"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["cat"] == "nccl")
+            .count(),
+        1
+    );
+    assert!(text.contains("\"rank 3 (pid 10) trainer\""), "{text}");
+    crate::render::golden("trace.json", &text);
+}
