@@ -1,0 +1,513 @@
+//! What an epoch's close builds: the cross-rank matching, the steps with their
+//! categories, every thread's totals, the timeline pieces the renderers get, and the
+//! reports at the end of the run.
+
+use super::{
+    BTreeMap, Categories, Change, Collective, Detail, Epoch, NcclCount, OffCpu, OpenOff, Step,
+    StepRank, ThreadDetail, ThreadLog, ThreadReport, Timeline, Unmeasured, categories, ranks, role,
+};
+
+impl Timeline {
+    /// Gives the cross-rank matcher every collective not given yet.
+    pub(super) fn match_ranks(&mut self) {
+        let mut per_pid: BTreeMap<u32, Vec<Collective>> = BTreeMap::new();
+        for log in self.threads.values_mut() {
+            per_pid
+                .entry(log.pid)
+                .or_default()
+                .extend(log.collectives.get(log.fed..).unwrap_or(&[]));
+            log.fed = log.collectives.len();
+        }
+        for (pid, mut cs) in per_pid {
+            cs.sort_by_key(|c| c.start_ns);
+            for c in &cs {
+                self.done.matcher.add(pid, c);
+            }
+        }
+        let Some((_, rank_pid)) = self.done.rank else {
+            return;
+        };
+        let groups = self.done.matcher.matched();
+        self.done
+            .lateness
+            .extend(groups.iter().filter_map(|g| ranks::late_entry(g, rank_pid)));
+        self.done.lateness.sort_unstable();
+    }
+
+    /// The rank thread's steps in `bounds`.
+    pub(super) fn steps(
+        &self,
+        bounds: &[(u64, u64)],
+        identities: &[ranks::RankIdentity],
+        loop_threads: &BTreeMap<u32, u32>,
+    ) -> Vec<Step> {
+        let Some((tid, pid)) = self.done.rank else {
+            return Vec::new();
+        };
+        let rank_of = |pid: u32| {
+            identities
+                .iter()
+                .find(|i| i.pid == pid)
+                .map_or(-1, |i| i.rank)
+        };
+        let colls = self.process_collectives(pid, false);
+        let log = &self.threads[&tid];
+        let mut out = Vec::with_capacity(bounds.len());
+        for &(a, b) in bounds {
+            let mut step = self.step(self.done.next_index + out.len(), log, tid, &colls, a, b);
+            if loop_threads.len() > 1 {
+                step.slowest_rank = ranks::slowest_in(&self.done.lateness, a, b).map(rank_of);
+                step.ranks = loop_threads
+                    .iter()
+                    .map(|(p, t)| StepRank {
+                        rank: rank_of(*p),
+                        pid: *p,
+                        categories: categories(&self.threads[t], a, b),
+                    })
+                    .collect();
+            }
+            out.push(step);
+        }
+        out
+    }
+
+    /// Every thread's and every rank's totals over `[from, until)` (`from` per thread;
+    /// `loop_threads`: each process's training-loop thread).
+    pub(super) fn totals(
+        &mut self,
+        from: &BTreeMap<u32, u64>,
+        until: u64,
+        identities: &[ranks::RankIdentity],
+        loop_threads: &BTreeMap<u32, u32>,
+    ) {
+        for (tid, log) in &self.threads {
+            let t = self.done.threads.entry(*tid).or_default();
+            let c = categories(log, from[tid], until);
+            self.done.blocked_in_nccl |= c.nccl_wait > 0;
+            t.categories.add(&c);
+            t.nccl_calls += log
+                .changes
+                .iter()
+                .filter(|(ts, c)| *ts < until && *c == Change::NcclStart)
+                .count() as u64;
+            t.faults += log.faults.partition_point(|ts| *ts < until) as u64;
+            let migrations = &log.migrations[..log.migrations.partition_point(|m| m.0 < until)];
+            t.migrations += migrations.len() as u64;
+            t.cross_node_migrations += migrations.iter().filter(|(_, x)| *x).count() as u64;
+        }
+        for id in identities {
+            let colls = self.process_collectives(id.pid, false);
+            let n = self.done.rank_nccl.entry(id.pid).or_default();
+            for c in colls.iter().take_while(|c| c.start_ns < until) {
+                n.collectives += 1;
+                n.bytes = n.bytes.saturating_add(c.bytes);
+            }
+            if let Some(t) = loop_threads.get(&id.pid) {
+                let c = categories(&self.threads[t], from[t], until);
+                self.done.rank_categories.entry(id.pid).or_default().add(&c);
+            }
+        }
+    }
+
+    /// A thread blocked at the cut with no wakeup yet: whether another thread of its
+    /// process wakes it (the wait is then the process's own work, `compute`, not
+    /// `other_offcpu`) is known only in a later epoch. Its `other_offcpu` time is noted
+    /// here and moved once the wakeup is seen (the switch-out stays in its changes so that
+    /// the next epoch's cut sees the block).
+    pub(super) fn settle_blocks(&mut self, until: u64, loop_threads: &BTreeMap<u32, u32>) {
+        // tid → pid of the training-loop threads.
+        let loop_threads: BTreeMap<u32, u32> =
+            loop_threads.iter().map(|(pid, tid)| (*tid, *pid)).collect();
+        for (tid, log) in &mut self.threads {
+            if let Some((since, ns)) = log.pending_block {
+                let next = log.changes.iter().take_while(|c| c.0 < until).find(|c| {
+                    c.0 >= since && matches!(c.1, Change::Wakeup { .. } | Change::SwitchIn)
+                });
+                if let Some(&(_, change)) = next {
+                    log.pending_block = None;
+                    if change == (Change::Wakeup { own: true }) {
+                        let t = self.done.threads.entry(*tid).or_default();
+                        t.categories.other_offcpu -= ns.min(t.categories.other_offcpu);
+                        t.categories.compute += ns;
+                        if let Some(pid) = loop_threads.get(tid) {
+                            let r = self.done.rank_categories.entry(*pid).or_default();
+                            r.other_offcpu -= ns.min(r.other_offcpu);
+                            r.compute += ns;
+                        }
+                    }
+                }
+            }
+            if !log
+                .carry
+                .is_some_and(crate::attribute::cut::State::blocked_other)
+            {
+                continue;
+            }
+            let since = log
+                .changes
+                .iter()
+                .take_while(|c| c.0 < until)
+                .filter(|c| c.1 == (Change::SwitchOut { runnable: false }))
+                .map(|c| c.0)
+                .last()
+                .or(log.pending_block.map(|p| p.0))
+                .or(log.off_open.map(|o| o.start));
+            let Some(since) = since else { continue };
+            let ns: u64 = log
+                .segments
+                .iter()
+                .filter(|(_, _, c)| *c == crate::attribute::Cat::OtherOffcpu)
+                .map(|(a, b, _)| (*b).min(until).saturating_sub((*a).max(since)))
+                .sum();
+            log.pending_block = match log.pending_block {
+                Some((s, before)) if s == since => Some((s, before + ns)),
+                _ => Some((since, ns)),
+            };
+        }
+    }
+
+    /// The timeline pieces, samples and off-CPU stretches up to `until`, for the
+    /// flamegraphs and the Perfetto trace. Handed on as they come (`emit`), each thread's
+    /// pieces and entry stacks reach back to the stretches and calls still open, so that
+    /// what closes later is weighed as on the whole run.
+    pub(super) fn epoch_detail(&mut self, cut: u64, until: u64, emit: bool) -> Detail {
+        let rank_tid = self.done.rank.map(|r| r.0);
+        let (calls, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut self.calls)
+            .into_iter()
+            .partition(|c| c.end_ns <= until);
+        self.calls = kept;
+        let mut threads = Vec::with_capacity(self.threads.len());
+        for (tid, log) in &mut self.threads {
+            let name = self.thread_names.get(tid).cloned().unwrap_or_default();
+            let mut thread = ThreadDetail {
+                tid: *tid,
+                pid: log.pid,
+                role: role(Some(*tid) == rank_tid, &name),
+                name,
+                segments: std::mem::take(&mut log.tail.segments),
+                samples: Vec::new(),
+                offcpu: Vec::new(),
+                migrations: Vec::new(),
+                faults: Vec::new(),
+                call_stacks: std::mem::take(&mut log.tail.call_stacks),
+                open: None,
+            };
+            let before = |ts: &u64| *ts < until;
+            thread.segments.append(&mut log.segments);
+            thread
+                .migrations
+                .extend(log.migration_cpus.iter().filter(|m| before(&m.0)).copied());
+            thread
+                .faults
+                .extend(log.faults.iter().filter(|t| before(t)).copied());
+            thread
+                .call_stacks
+                .extend(log.call_stacks.iter().filter(|c| before(&c.0)).copied());
+            let fault_weight: BTreeMap<u64, u64> = log.fault_time.iter().copied().collect();
+            for &(ts, stack, in_fault) in log.stack_samples.iter().filter(|s| before(&s.0)) {
+                let at = category_at_thread(&thread, ts);
+                let (cat, weight) = match fault_weight.get(&ts) {
+                    Some(w) if in_fault && at == crate::attribute::Cat::Compute => {
+                        (crate::attribute::Cat::PageFault, *w)
+                    }
+                    _ => (at, self.sample_period_ns),
+                };
+                thread.samples.push((ts, stack, cat, weight));
+            }
+            // Past the first epoch, a switch-out before the cut is there only to settle a
+            // block (`settle_blocks`): its stretch is open already.
+            let from = if self.done.epochs > 0 { cut } else { 0 };
+            log.off_open = off_cpu(log, from, until, &mut thread.offcpu);
+            thread.open = log.off_open.map(|o| OffCpu {
+                start_ns: o.start,
+                end_ns: until,
+                runnable: o.runnable,
+                stack: o.stack,
+                waker: o.wakeup.map(|(_, tid, tgid)| (tid, tgid)),
+                woken_ns: o.wakeup.map(|(t, _, _)| t),
+            });
+            if emit {
+                // What the next epoch's stretches and calls reach back to.
+                let from = self
+                    .calls
+                    .iter()
+                    .filter(|c| c.task.tid == *tid)
+                    .map(|c| c.start_ns)
+                    .chain(log.off_open.map(|o| o.start))
+                    .min()
+                    .unwrap_or(until);
+                log.tail.segments = thread
+                    .segments
+                    .iter()
+                    .filter(|(_, e, _)| *e > from)
+                    .copied()
+                    .collect();
+                log.tail.call_stacks = thread
+                    .call_stacks
+                    .iter()
+                    .filter(|(t, _)| *t >= from)
+                    .copied()
+                    .collect();
+            }
+            threads.push(thread);
+        }
+        Detail {
+            first_ns: self.first_ns,
+            end_ns: until,
+            threads,
+            stacks: Vec::new(),
+            calls,
+            cpu_nodes: self.cpu_nodes.clone(),
+            sample_period_ns: self.sample_period_ns,
+            offcpu_min_ns: self.offcpu_min_ns,
+            step_bounds: Vec::new(),
+            rank_tid,
+            rank_pid: self.done.rank.map(|r| r.1),
+        }
+    }
+
+    /// Keeps an epoch's steps and timeline for [`Timeline::finish`], or hands them on.
+    pub(super) fn keep_or_emit(&mut self, mut steps: Vec<Step>, mut detail: Detail, emit: bool) {
+        if emit {
+            mark_unmeasured(&mut steps, self.unmeasured());
+            // The rank thread's stretches still open reach back into these steps.
+            let from = self
+                .done
+                .rank
+                .and_then(|(tid, _)| self.threads.get(&tid))
+                .and_then(|l| l.tail.segments.first().map(|s| s.0))
+                .unwrap_or(u64::MAX);
+            detail.step_bounds = std::mem::take(&mut self.done.step_tail);
+            detail
+                .step_bounds
+                .extend(steps.iter().map(|s| (s.start_ns, s.end_ns)));
+            let until = detail.end_ns;
+            self.done.step_tail = detail
+                .step_bounds
+                .iter()
+                .filter(|(_, e)| *e > from.min(until))
+                .copied()
+                .collect();
+            let lateness = self.done.matcher.lateness();
+            self.done.ready.push(Epoch {
+                steps,
+                detail,
+                lateness,
+            });
+            return;
+        }
+        self.done.steps.extend(steps);
+        self.done.calls.append(&mut detail.calls);
+        for t in detail.threads {
+            match self.done.detail.entry(t.tid) {
+                std::collections::btree_map::Entry::Vacant(v) => {
+                    v.insert(t);
+                }
+                std::collections::btree_map::Entry::Occupied(mut o) => {
+                    let o = o.get_mut();
+                    o.role = t.role;
+                    o.segments.extend(t.segments);
+                    o.samples.extend(t.samples);
+                    o.offcpu.extend(t.offcpu);
+                    o.migrations.extend(t.migrations);
+                    o.faults.extend(t.faults);
+                    o.call_stacks.extend(t.call_stacks);
+                    o.open = t.open;
+                }
+            }
+        }
+    }
+
+    /// Every rank's and every thread's totals, for the reports.
+    pub(super) fn reports(
+        &mut self,
+        identities: &[ranks::RankIdentity],
+        unmeasured: Unmeasured,
+    ) -> (Vec<ranks::RankReport>, Vec<ThreadReport>) {
+        let rank = self.done.rank;
+        let ranks_out = identities
+            .iter()
+            .map(|id| ranks::RankReport {
+                pid: id.pid,
+                rank: id.rank,
+                rank_source: id.rank_source.clone(),
+                nccl: self.done.rank_nccl.remove(&id.pid).unwrap_or_default(),
+                categories: Categories {
+                    unmeasured,
+                    ..self
+                        .done
+                        .rank_categories
+                        .remove(&id.pid)
+                        .unwrap_or_default()
+                },
+            })
+            .collect();
+        let threads = self
+            .done
+            .threads
+            .iter()
+            .map(|(tid, t)| {
+                let name = self.thread_names.get(tid).cloned().unwrap_or_default();
+                ThreadReport {
+                    tid: *tid,
+                    pid: self.threads.get(tid).map_or(0, |l| l.pid),
+                    role: role(Some(*tid) == rank.map(|r| r.0), &name),
+                    name,
+                    categories: Categories {
+                        unmeasured,
+                        ..t.categories
+                    },
+                    nccl_calls: t.nccl_calls,
+                    faults: t.faults,
+                    migrations: t.migrations,
+                    cross_node_migrations: t.cross_node_migrations,
+                }
+            })
+            .collect();
+        (ranks_out, threads)
+    }
+
+    /// One step of the rank thread.
+    pub(super) fn step(
+        &self,
+        index: usize,
+        log: &ThreadLog,
+        tid: u32,
+        collectives: &[Collective],
+        a: u64,
+        b: u64,
+    ) -> Step {
+        // Sorted by time: each step looks at its own stretch only.
+        let within = |lo: usize, hi: usize| lo..hi.max(lo);
+        let page_migrations = &self.page_migrations[within(
+            self.page_migrations.partition_point(|m| m.1 < a),
+            self.page_migrations.partition_point(|m| m.1 < b),
+        )];
+        let numa_moves = &self.numa_moves[within(
+            self.numa_moves.partition_point(|m| m.1 < a),
+            self.numa_moves.partition_point(|m| m.1 < b),
+        )];
+        // Everything below is sorted by time: binary searches keep long runs linear.
+        let lo = collectives.partition_point(|c| c.start_ns < a);
+        let nccl = collectives[lo..]
+            .iter()
+            .take_while(|c| c.start_ns < b)
+            .fold(NcclCount::default(), |n, c| NcclCount {
+                collectives: n.collectives + 1,
+                bytes: n.bytes.saturating_add(c.bytes),
+            });
+        let faults =
+            log.faults.partition_point(|t| *t < b) - log.faults.partition_point(|t| *t < a);
+        let lo = log.migrations.partition_point(|m| m.0 < a);
+        let migrations = &log.migrations[lo..log.migrations.partition_point(|m| m.0 < b).max(lo)];
+        Step {
+            index,
+            start_ns: a,
+            end_ns: b,
+            wall_ns: b - a,
+            categories: categories(log, a, b),
+            nccl,
+            faults: faults as u64,
+            migrations: migrations.len() as u64,
+            cross_node_migrations: migrations.iter().filter(|(_, x)| *x).count() as u64,
+            numa_page_migrations: page_migrations
+                .iter()
+                .filter(|(t, _, _)| *t == tid)
+                .map(|(_, _, n)| n)
+                .sum(),
+            slowest_rank: None,
+            ranks: Vec::new(),
+            numa_task_moves: numa_moves.iter().filter(|(t, _)| *t == tid).count() as u64,
+            remote_access: log.remote_access(a, b),
+            remote_loads: log
+                .mem_khz
+                .map(|_| crate::pmu::measure(&log.mem_samples, a, b, crate::pmu::SAMPLE_PERIOD)),
+        }
+    }
+}
+
+/// Marks what the run could not measure in `steps` and their per-rank categories.
+pub(super) fn mark_unmeasured(steps: &mut [Step], unmeasured: Unmeasured) {
+    for step in steps {
+        step.categories.unmeasured = unmeasured;
+        for r in &mut step.ranks {
+            r.categories.unmeasured = unmeasured;
+        }
+    }
+}
+
+/// How long before its switch record an off-CPU stack record may be: the same program
+/// run makes both.
+pub(super) const OFFCPU_STACK_SLACK: u64 = 100_000;
+
+/// The category at `ts` of a thread's pieces so far (compute when none holds it).
+pub(super) fn category_at_thread(thread: &ThreadDetail, ts: u64) -> crate::attribute::Cat {
+    thread
+        .category_at(ts)
+        .unwrap_or(crate::attribute::Cat::Compute)
+}
+
+/// Appends the thread's off-CPU stretches that closed in `[from, until)` (one open from the
+/// previous epoch included); returns the one still open at `until`.
+pub(super) fn off_cpu(
+    log: &ThreadLog,
+    from: u64,
+    until: u64,
+    out: &mut Vec<OffCpu>,
+) -> Option<OpenOff> {
+    let mut open = log.off_open;
+    let changes = log.changes.iter().skip_while(|c| c.0 < from);
+    for &(ts, change) in changes.take_while(|c| c.0 < until) {
+        match change {
+            Change::SwitchOut { runnable } => {
+                open = Some(OpenOff {
+                    start: ts,
+                    runnable,
+                    stack: None,
+                    wakeup: None,
+                });
+            }
+            Change::SwitchIn => {
+                let Some(o) = open.take() else {
+                    continue;
+                };
+                let wakeup = last_wakeup(log, o.start, ts).or(o.wakeup);
+                out.push(OffCpu {
+                    start_ns: o.start,
+                    end_ns: ts,
+                    runnable: o.runnable,
+                    stack: o.stack.or_else(|| offcpu_stack(log, o.start, ts)),
+                    waker: wakeup.map(|(_, tid, tgid)| (tid, tgid)),
+                    woken_ns: wakeup.map(|(t, _, _)| t),
+                });
+            }
+            _ => {}
+        }
+    }
+    open.map(|o| OpenOff {
+        stack: o.stack.or_else(|| offcpu_stack(log, o.start, until)),
+        wakeup: last_wakeup(log, o.start, until).or(o.wakeup),
+        ..o
+    })
+}
+
+/// The stack taken when the thread left the CPU at `start` (it came back at `back`): the
+/// same program run records it just before the switch.
+pub(super) fn offcpu_stack(log: &ThreadLog, start: u64, back: u64) -> Option<u32> {
+    let i = log
+        .offcpu_stacks
+        .partition_point(|(t, _)| *t + OFFCPU_STACK_SLACK < start);
+    log.offcpu_stacks
+        .get(i)
+        .filter(|(t, _)| *t <= start + OFFCPU_STACK_SLACK && *t <= back)
+        .map(|(_, id)| *id)
+}
+
+/// The last wakeup of the thread in `[from, to]`.
+pub(super) fn last_wakeup(log: &ThreadLog, from: u64, to: u64) -> Option<(u64, u32, u32)> {
+    log.wakeups
+        .partition_point(|(t, _, _)| *t <= to)
+        .checked_sub(1)
+        .map(|i| log.wakeups[i])
+        .filter(|(t, _, _)| *t >= from)
+}
