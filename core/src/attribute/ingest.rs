@@ -1,0 +1,254 @@
+//! Each event into the thread logs: what every kind of record changes on the timeline.
+
+use super::{Call, Change, Collective, Event, Library, RETRY_BYTES, Timeline, remote};
+
+impl Timeline {
+    pub(super) fn call(&mut self, c: &Call) {
+        if matches!(
+            c.func,
+            crate::event::Func::CommInitRank | crate::event::Func::CommInitRankConfig
+        ) && let Some(r) = c.rank
+        {
+            self.init_ranks.insert(c.task.tgid, r);
+        }
+        // A call is recorded at its return: one that began before the epoch it returned
+        // in counts from that epoch's start (the earlier part is attributed already).
+        let start_ns = c.start_ns.max(self.cut_ns);
+        self.entry_only_seen |= !c.returned() && c.func.library() == Library::Nccl;
+        self.calls.push(c.clone());
+        let log = self.log(c.task.tid, c.task.tgid);
+        match c.func.library() {
+            Library::Marker => log.markers.push(c.start_ns),
+            Library::Nvtx => log
+                .nvtx
+                .push((c.start_ns, c.message.clone().unwrap_or_default())),
+            Library::Cuda => {
+                log.changes.push((start_ns, Change::SyncStart));
+                log.changes.push((c.end_ns, Change::SyncEnd));
+                log.syncs.push((start_ns, c.end_ns));
+                log.total_syncs += 1;
+            }
+            Library::Nccl => {
+                // Traced at entry only: counted, but its inside is not known.
+                if c.returned() {
+                    log.changes.push((start_ns, Change::NcclStart));
+                    log.changes.push((c.end_ns, Change::NcclEnd));
+                }
+                if c.func.is_collective() {
+                    log.total_collectives += 1;
+                    log.collectives.push(Collective {
+                        func: c.func,
+                        bytes: c.bytes.unwrap_or(0),
+                        start_ns: c.start_ns,
+                        end_ns: c.end_ns,
+                        comm: c.comm.unwrap_or(0),
+                    });
+                }
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_lines)] // one arm per event kind
+    pub(super) fn ingest(&mut self, event: &Event) {
+        match event {
+            Event::Call(c) => self.call(c),
+            Event::Switch {
+                ts_ns,
+                prev_tid,
+                next_tid,
+                next_tgid,
+                prev_state,
+                prev_is_target,
+                next_is_target,
+                task,
+            } => {
+                if *prev_is_target {
+                    let log = self.log(*prev_tid, task.tgid);
+                    log.first_switch_is_in.get_or_insert(false);
+                    log.changes.push((
+                        *ts_ns,
+                        Change::SwitchOut {
+                            runnable: *prev_state == 0,
+                        },
+                    ));
+                }
+                if *next_is_target {
+                    let node = self.node(i32::from(task.cpu));
+                    let log = self.log(*next_tid, *next_tgid);
+                    log.first_switch_is_in.get_or_insert(true);
+                    log.changes.push((*ts_ns, Change::SwitchIn));
+                    if log.nodes.last().is_none_or(|(_, n)| *n != node) {
+                        log.nodes.push((*ts_ns, node));
+                    }
+                }
+            }
+            Event::Wakeup {
+                ts_ns,
+                task,
+                waker_tgid,
+                waker_tid,
+                ..
+            } => {
+                let own = *waker_tgid == task.tgid && *waker_tid != task.tid;
+                let log = self.log(task.tid, task.tgid);
+                log.changes.push((*ts_ns, Change::Wakeup { own }));
+                log.wakeups.push((*ts_ns, *waker_tid, *waker_tgid));
+            }
+            Event::OffCpu {
+                ts_ns,
+                task,
+                kstack,
+                ustack,
+            } => {
+                let id = self.intern(*task, *ts_ns, kstack, ustack);
+                self.log(task.tid, task.tgid)
+                    .offcpu_stacks
+                    .push((*ts_ns, id));
+            }
+            Event::Migrate {
+                ts_ns,
+                task,
+                orig_cpu,
+                dest_cpu,
+            } => {
+                let cross = self.node(*orig_cpu) != self.node(*dest_cpu);
+                let log = self.log(task.tid, task.tgid);
+                log.changes.push((*ts_ns, Change::Migrate));
+                log.migrations.push((*ts_ns, cross));
+                log.migration_cpus.push((*ts_ns, *orig_cpu, *dest_cpu));
+            }
+            Event::Fault {
+                ts_ns, task, ip, ..
+            } => {
+                let log = self.log(task.tid, task.tgid);
+                log.faults.push(*ts_ns);
+                log.last_fault = Some((*ts_ns, *ip));
+            }
+            Event::PyStack {
+                ts_ns,
+                task,
+                frames,
+                ..
+            } => {
+                self.py_pending.insert(task.tid, (*ts_ns, frames.clone()));
+            }
+            Event::CallStack {
+                ts_ns,
+                task,
+                ustack,
+            } => {
+                let id = self.intern(*task, *ts_ns, &[], ustack);
+                self.log(task.tid, task.tgid).call_stacks.push((*ts_ns, id));
+            }
+            Event::FaultTime {
+                ts_ns,
+                task,
+                start_ns,
+                ..
+            } => {
+                self.faults_timed = true;
+                let cut_ns = self.cut_ns;
+                let log = self.log(task.tid, task.tgid);
+                // From the exception's entry (the page_fault_user tracepoint, just before
+                // it) rather than the handler's: the entry path is the fault's cost too,
+                // ~30% of it in an emulated guest.
+                let entered = log
+                    .last_fault
+                    .map(|(at, _)| at)
+                    .filter(|at| *at <= *start_ns && *at >= log.last_fault_end);
+                log.last_fault_end = *ts_ns;
+                let start = entered.unwrap_or(*start_ns).max(cut_ns);
+                log.changes.push((start, Change::FaultStart));
+                log.changes.push((*ts_ns, Change::FaultEnd));
+            }
+            Event::Sample {
+                ts_ns,
+                task,
+                kstack,
+                ustack,
+            } => {
+                let in_handler = kstack
+                    .iter()
+                    .any(|ip| self.fault_ranges.iter().any(|(a, b)| (*a..*b).contains(ip)));
+                let period = self.sample_period_ns;
+                let window = 2 * period.max(1);
+                let stack = self.intern(*task, *ts_ns, kstack, ustack);
+                let log = self.log(task.tid, task.tgid);
+                // In user mode on the instruction that just faulted, or right after it:
+                // the return from the fault (a pending timer interrupt is delivered
+                // there) and the retried access with its TLB refill are the fault's cost.
+                let retrying = kstack.is_empty()
+                    && log.last_fault.is_some_and(|(at, ip)| {
+                        ustack
+                            .first()
+                            .is_some_and(|u| (ip..ip + RETRY_BYTES).contains(u))
+                            && ts_ns.saturating_sub(at) < window
+                    });
+                let in_fault = in_handler || retrying;
+                if in_fault {
+                    log.fault_samples.push((*ts_ns, log.last_sample));
+                }
+                log.stack_samples.push((*ts_ns, stack, in_fault));
+                log.last_sample = Some(*ts_ns);
+            }
+            Event::PageMigration {
+                ts_ns,
+                task,
+                succeeded,
+                ..
+            } => {
+                self.page_migrations.push((task.tid, *ts_ns, *succeeded));
+            }
+            Event::NumaTask { ts_ns, task, .. } => self.numa_moves.push((task.tid, *ts_ns)),
+            Event::NumaHint {
+                ts_ns,
+                task,
+                cpu,
+                mem_node,
+                pages,
+                local,
+                ..
+            } => {
+                let hint = remote::Hint::new(
+                    *ts_ns,
+                    *pages,
+                    *local,
+                    *cpu,
+                    *mem_node,
+                    &self.cpu_nodes,
+                    &self.node_distances,
+                );
+                self.numa_hints_seen += 1;
+                self.log(task.tid, task.tgid).numa_hints.push(hint);
+            }
+            Event::NumaPages { ts_ns, task, kib } => {
+                self.resident_seen += 1;
+                let distances = &self.node_distances;
+                for log in self.threads.values_mut().filter(|l| l.pid == task.tgid) {
+                    let Some(&(_, node)) = log.nodes.last() else {
+                        continue;
+                    };
+                    if let Some(r) = remote::Resident::new(*ts_ns, kib, node, distances) {
+                        log.resident.push(r);
+                    }
+                }
+            }
+            Event::MemSample {
+                ts_ns,
+                task,
+                weight,
+                data_src,
+            } => {
+                let sample = crate::pmu::MemSample {
+                    pid: task.tgid,
+                    tid: task.tid,
+                    time_ns: *ts_ns,
+                    weight: *weight,
+                    data_src: *data_src,
+                };
+                self.log(task.tid, task.tgid).mem_samples.push(sample);
+            }
+            Event::Fork { .. } | Event::Exit { .. } => {}
+        }
+    }
+}
