@@ -42,7 +42,6 @@ pub use categories::{Cat, Categories, NAMES, Unmeasured};
 use std::collections::BTreeMap;
 
 use crate::event::{Call, Event, Library, PyFrame, Task};
-use crate::record::Header;
 use detail::StackIds;
 use steps::Collective;
 
@@ -230,52 +229,93 @@ pub struct Timeline {
     emit: bool,
 }
 
-/// Whether `t` had a CUDA sync function probed.
-fn syncs_probed(t: &crate::record::TargetInfo) -> bool {
-    t.probes.iter().any(|p| {
-        crate::event::Func::from_name(&p.func).is_some_and(|f| f.library() == Library::Cuda)
-    })
+/// A traced process as the attribution knows it before its events.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Target {
+    pub pid: u32,
+    /// Thread ids and names at attach.
+    pub threads: Vec<(u32, String)>,
+    /// The rank from the environment at attach: (variable, value).
+    pub env_rank: Option<(String, i32)>,
+    /// Whether its CUDA syncs are probed (where a host waits for the GPU is seen).
+    pub syncs_probed: bool,
+}
+
+/// What the attribution is told of the run before its first event: when tracing began,
+/// the host's shape, what the probes measure and what they could not, the targets. The
+/// pipeline makes it from a recording's header; the attribution never reads the
+/// recording.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Setup {
+    /// When tracing began (CLOCK_MONOTONIC).
+    pub start_ns: u64,
+    /// NUMA node of each CPU, indexed by CPU number (-1: unknown).
+    pub cpu_nodes: Vec<i32>,
+    /// SLIT distances between NUMA nodes (`[a][b]`, 10 = local); empty: unknown.
+    pub node_distances: Vec<Vec<u32>>,
+    /// Kernel address ranges of the page-fault handler, to tell samples taken while
+    /// handling a fault.
+    pub fault_handler_ranges: Vec<(u64, u64)>,
+    /// On-CPU sampling period (0: no sampling).
+    pub sample_period_ns: u64,
+    /// Off-CPU stretches shorter than this have no stack by design.
+    pub offcpu_min_ns: u64,
+    pub targets: Vec<Target>,
+    /// Whether page faults were timed by fentry/fexit (else by samples).
+    pub faults_timed: bool,
+    /// Why fentry/fexit fault timing was not used.
+    pub fault_timing_refused: Option<String>,
+    /// `kernel.numa_balancing` at attach (None: unreadable).
+    pub numa_balancing: Option<u32>,
+    /// Why NUMA hinting faults were not traced (`None`: they were).
+    pub numa_hints_refused: Option<String>,
+    /// The PMU memory sampler opened on the targets' threads, described.
+    pub mem_sampler: Option<String>,
+    /// Why no memory sampler was opened (`None`: one was).
+    pub mem_sampling_refused: Option<String>,
+    /// The CPU's base frequency in kHz, which turns sampled latencies into time.
+    pub cpu_khz: Option<u64>,
 }
 
 impl Timeline {
     #[must_use]
-    pub fn new(header: &Header) -> Timeline {
+    pub fn new(setup: &Setup) -> Timeline {
         Timeline {
             threads: BTreeMap::new(),
             page_migrations: Vec::new(),
             numa_moves: Vec::new(),
-            cpu_nodes: header.cpu_nodes.clone(),
-            fault_ranges: header.fault_handler_ranges.clone(),
-            sample_period_ns: header.sample_period_ns,
-            offcpu_min_ns: header.offcpu_min_ns,
-            thread_names: header
+            cpu_nodes: setup.cpu_nodes.clone(),
+            fault_ranges: setup.fault_handler_ranges.clone(),
+            sample_period_ns: setup.sample_period_ns,
+            offcpu_min_ns: setup.offcpu_min_ns,
+            thread_names: setup
                 .targets
                 .iter()
                 .flat_map(|t| t.threads.iter().cloned())
                 .collect(),
-            first_ns: header.clock.monotonic_ns,
-            last_ns: header.clock.monotonic_ns,
+            first_ns: setup.start_ns,
+            last_ns: setup.start_ns,
             stacks: Vec::new(),
             stack_ids: StackIds::default(),
             py_pending: std::collections::HashMap::new(),
             calls: Vec::new(),
-            target_pids: header.targets.iter().map(|t| t.pid).collect(),
-            env_ranks: header
+            target_pids: setup.targets.iter().map(|t| t.pid).collect(),
+            env_ranks: setup
                 .targets
                 .iter()
                 .filter_map(|t| t.env_rank.clone().map(|r| (t.pid, r)))
                 .collect(),
-            faults_timed: header.fault_timing.is_some(),
-            fault_timing_refused: header.fault_timing_refused.clone(),
-            node_distances: header.node_distances.clone(),
-            numa_balancing: header.numa_balancing,
-            numa_hints_refused: header.numa_hints_refused.clone(),
+            faults_timed: setup.faults_timed,
+            fault_timing_refused: setup.fault_timing_refused.clone(),
+            node_distances: setup.node_distances.clone(),
+            numa_balancing: setup.numa_balancing,
+            numa_hints_refused: setup.numa_hints_refused.clone(),
             numa_hints_seen: 0,
             resident_seen: 0,
-            mem_sampler: header.mem_sampler.clone(),
-            mem_sampling_refused: header.mem_sampling_refused.clone(),
-            mem_khz: header.mem_sampler.as_ref().and(header.cpu_khz),
-            sync_probed: header.targets.iter().any(syncs_probed),
+            mem_sampler: setup.mem_sampler.clone(),
+            mem_sampling_refused: setup.mem_sampling_refused.clone(),
+            mem_khz: setup.mem_sampler.as_ref().and(setup.cpu_khz),
+            sync_probed: setup.targets.iter().any(|t| t.syncs_probed),
             entry_only_seen: false,
             init_ranks: BTreeMap::new(),
             rule: StepRule::Auto,
@@ -317,8 +357,8 @@ impl Timeline {
     }
 
     /// A target that joined during the run (`--follow`).
-    pub fn add_target(&mut self, t: &crate::record::TargetInfo) {
-        self.sync_probed |= syncs_probed(t);
+    pub fn add_target(&mut self, t: &Target) {
+        self.sync_probed |= t.syncs_probed;
         self.thread_names.extend(t.threads.iter().cloned());
         self.target_pids.push(t.pid);
         if let Some(r) = t.env_rank.clone() {

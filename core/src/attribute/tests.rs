@@ -91,7 +91,7 @@ fn header() -> Header {
 /// out of time order, of the rank thread and another, land in the right steps.
 #[test]
 fn numa_events_counted_per_step() {
-    let mut tl = Timeline::new(&header());
+    let mut tl = Timeline::new(&Setup::from(&header()));
     tl.push(&call(Func::AllReduce, 100, 200));
     let migration = |ts_ns, tid| Event::PageMigration {
         ts_ns,
@@ -139,7 +139,7 @@ fn remote_memory_measured_from_pmu_samples() {
     h.mem_sampler = Some("Intel PEBS load latency (cpu/mem-loads, ldlat=30)".into());
     h.mem_sampling_refused = None;
     h.cpu_khz = Some(2_000_000);
-    let mut tl = Timeline::new(&h);
+    let mut tl = Timeline::new(&Setup::from(&h));
     tl.push(&call(Func::AllReduce, 100, 200));
     // perf_mem_data_src: a load served by DRAM, remote or local (level number + bit).
     let dram = |remote: u64| 2 | (13 << 33) | (remote << 37);
@@ -182,7 +182,7 @@ fn remote_memory_measured_from_pmu_samples() {
     // No sampler: not measured, and the reason the host gave.
     let mut h = header();
     h.mem_sampling_refused = Some("no PMU memory sampling: only software".into());
-    let mut tl = Timeline::new(&h);
+    let mut tl = Timeline::new(&Setup::from(&h));
     tl.push(&call(Func::AllReduce, 100, 200));
     tl.push(&sample(3_000_000, 1, 500));
     let (report, _) = tl.finish(20_000_000, StepRule::Window(10_000_000));
@@ -206,7 +206,7 @@ fn remote_memory_estimated_from_resident_pages() {
     let mut h = header();
     h.node_distances = vec![vec![10, 20], vec![20, 10]];
     h.numa_balancing = Some(0);
-    let mut tl = Timeline::new(&h);
+    let mut tl = Timeline::new(&Setup::from(&h));
     // The rank thread runs on CPU 0 (node 0) from the start.
     tl.push(&switch(50, false, 0));
     tl.push(&call(Func::AllReduce, 100, 200));
@@ -262,7 +262,7 @@ fn unmeasured_categories_are_null() {
     let mut bare = header();
     bare.targets[0].probes.clear();
     bare.sample_period_ns = 0;
-    let mut tl = Timeline::new(&bare);
+    let mut tl = Timeline::new(&Setup::from(&bare));
     tl.push(&call(Func::AllReduce, 3_000, 3_100));
     let (report, _) = tl.finish(10_000, StepRule::Window(10_000));
     let json = serde_json::to_value(&report).unwrap();
@@ -280,7 +280,7 @@ fn unmeasured_categories_are_null() {
     // fault time was silently 0 while the method said "samples".
     let mut no_kallsyms = header();
     no_kallsyms.fault_handler_ranges.clear();
-    let mut tl = Timeline::new(&no_kallsyms);
+    let mut tl = Timeline::new(&Setup::from(&no_kallsyms));
     tl.push(&call(Func::AllReduce, 3_000, 3_100));
     let (report, _) = tl.finish(10_000, StepRule::Window(10_000));
     let json = serde_json::to_value(&report).unwrap();
@@ -291,7 +291,7 @@ fn unmeasured_categories_are_null() {
         report.methods.page_fault
     );
     // Measured (the sync probed, sampling on): numbers, not null.
-    let mut tl = Timeline::new(&header());
+    let mut tl = Timeline::new(&Setup::from(&header()));
     tl.push(&call(Func::AllReduce, 3_000, 3_100));
     let (report, _) = tl.finish(10_000, StepRule::Window(10_000));
     let json = serde_json::to_value(&report).unwrap();
@@ -336,7 +336,7 @@ fn switch(ts: u64, out: bool, state: i64) -> Event {
 /// its stack; late records of any other kind stay left out and counted.
 #[test]
 fn stack_taken_at_the_switch_in_finds_its_stretch_across_epochs() {
-    let mut tl = Timeline::new(&header());
+    let mut tl = Timeline::new(&Setup::from(&header()));
     tl.stream(StepRule::Window(1_000_000), 8);
     let other = Task {
         tgid: 10,
@@ -396,7 +396,7 @@ fn stack_taken_at_the_switch_in_finds_its_stretch_across_epochs() {
 /// nanosecond lands in its category.
 #[test]
 fn one_step_partitioned() {
-    let mut tl = Timeline::new(&header());
+    let mut tl = Timeline::new(&Setup::from(&header()));
     let mut events = vec![];
     for step in 0..3u64 {
         let t = step * 10_000_000;
@@ -480,7 +480,7 @@ fn one_step_partitioned() {
 /// not `nccl_wait`; a spinning sync with NCCL outstanding is, although on-CPU.
 #[test]
 fn only_syncs_after_collectives_are_nccl_waits() {
-    let mut tl = Timeline::new(&header());
+    let mut tl = Timeline::new(&Setup::from(&header()));
     for e in [
         call(Func::CuStreamSynchronize, 1_000, 2_000),
         call(Func::AllReduce, 3_000, 3_100),
@@ -503,7 +503,7 @@ fn only_syncs_after_collectives_are_nccl_waits() {
 fn timed_faults_replace_samples() {
     let mut h = header();
     h.fault_timing = Some("fentry/fexit on handle_mm_fault".into());
-    let mut tl = Timeline::new(&h);
+    let mut tl = Timeline::new(&Setup::from(&h));
     let fault = |start: u64, end: u64| Event::FaultTime {
         ts_ns: end,
         task: task(10),

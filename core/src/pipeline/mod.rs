@@ -3,6 +3,7 @@
 //! (`replay`); `write` puts the outputs into their folder as the run is attributed.
 
 mod replay;
+mod setup;
 mod write;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -77,7 +78,7 @@ impl Aggregator {
         let pmu_samples = header.mem_sampler.as_ref().map(|_| 0);
         let readings = header.numa_maps_every_s.map(|_| 0);
         Aggregator {
-            timeline: Timeline::new(&header),
+            timeline: Timeline::new(&(&header).into()),
             header,
             events: 0,
             undecodable: 0,
@@ -303,7 +304,7 @@ impl Aggregator {
                 .python_codes
                 .extend(codes.into_iter().map(|(code, info)| ((pid, code), info))),
             Meta::Target { target } => {
-                self.timeline.add_target(&target);
+                self.timeline.add_target(&(&*target).into());
                 for sink in &mut self.sinks {
                     sink.target(&target);
                 }

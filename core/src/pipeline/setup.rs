@@ -1,0 +1,43 @@
+//! Where the record stage meets the attribution: what a recording's header tells the
+//! attribution before the first event ([`crate::attribute::Setup`]), and a process the
+//! recording adds while the run goes.
+
+use crate::attribute::{Setup, Target};
+use crate::event::{Func, Library};
+use crate::record::{Header, TargetInfo};
+
+impl From<&TargetInfo> for Target {
+    fn from(t: &TargetInfo) -> Target {
+        Target {
+            pid: t.pid,
+            threads: t.threads.clone(),
+            env_rank: t.env_rank.clone(),
+            // Whether a CUDA sync function was probed.
+            syncs_probed: t
+                .probes
+                .iter()
+                .any(|p| Func::from_name(&p.func).is_some_and(|f| f.library() == Library::Cuda)),
+        }
+    }
+}
+
+impl From<&Header> for Setup {
+    fn from(h: &Header) -> Setup {
+        Setup {
+            start_ns: h.clock.monotonic_ns,
+            cpu_nodes: h.cpu_nodes.clone(),
+            node_distances: h.node_distances.clone(),
+            fault_handler_ranges: h.fault_handler_ranges.clone(),
+            sample_period_ns: h.sample_period_ns,
+            offcpu_min_ns: h.offcpu_min_ns,
+            targets: h.targets.iter().map(Target::from).collect(),
+            faults_timed: h.fault_timing.is_some(),
+            fault_timing_refused: h.fault_timing_refused.clone(),
+            numa_balancing: h.numa_balancing,
+            numa_hints_refused: h.numa_hints_refused.clone(),
+            mem_sampler: h.mem_sampler.clone(),
+            mem_sampling_refused: h.mem_sampling_refused.clone(),
+            cpu_khz: h.cpu_khz,
+        }
+    }
+}
