@@ -1,10 +1,12 @@
 //! Where the record stage meets the attribution: what a recording's header tells the
 //! attribution before the first event ([`crate::attribute::Setup`]), and a process the
-//! recording adds while the run goes.
+//! recording adds while the run goes, and what trace.json says of the run
+//! ([`crate::render::trace::RunInfo`]).
 
 use crate::attribute::{Setup, Target};
 use crate::event::{Func, Library};
 use crate::record::{Header, TargetInfo};
+use crate::render::trace::RunInfo;
 
 impl From<&TargetInfo> for Target {
     fn from(t: &TargetInfo) -> Target {
@@ -38,6 +40,18 @@ impl From<&Header> for Setup {
             mem_sampler: h.mem_sampler.clone(),
             mem_sampling_refused: h.mem_sampling_refused.clone(),
             cpu_khz: h.cpu_khz,
+        }
+    }
+}
+
+impl From<&Header> for RunInfo {
+    fn from(h: &Header) -> RunInfo {
+        RunInfo {
+            realtime_ns: h.clock.realtime_ns,
+            kernel: h.kernel_release.clone(),
+            host: h.hostname.clone(),
+            agent_version: h.agent_version.clone(),
+            processes: h.targets.iter().map(|t| (t.pid, t.comm.clone())).collect(),
         }
     }
 }

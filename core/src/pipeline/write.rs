@@ -5,7 +5,6 @@ use std::io;
 use std::path::Path;
 
 use super::{Outputs, Summary};
-use crate::record::Header;
 
 /// Creates `dir/name` and fills it with `write`; the failure names the file.
 fn write_file(
@@ -86,7 +85,9 @@ pub struct Streamer {
 enum ToTrace {
     Epoch(std::sync::Arc<crate::attribute::Epoch>),
     End {
-        header: Box<Header>,
+        run: Box<crate::render::trace::RunInfo>,
+        /// When tracing began: ts 0 of a trace that had no epoch.
+        start_ns: u64,
         ranks: Vec<crate::attribute::ranks::RankReport>,
         end_ns: u64,
     },
@@ -126,7 +127,8 @@ impl TraceThread {
                             }
                         }
                         ToTrace::End {
-                            header,
+                            run,
+                            start_ns,
                             ranks,
                             end_ns,
                         } => {
@@ -135,10 +137,10 @@ impl TraceThread {
                                 None => crate::render::trace::TraceStream::new(
                                     out.take()
                                         .ok_or_else(|| io::Error::other("trace ended twice"))?,
-                                    header.clock.monotonic_ns,
+                                    start_ns,
                                 )?,
                             };
-                            return t.finish(&header, &ranks, end_ns);
+                            return t.finish(&run, &ranks, end_ns);
                         }
                     }
                 }
@@ -239,7 +241,8 @@ impl Streamer {
         {
             // The thread stopped on an error: it says which.
             if let Err(e) = trace.end(ToTrace::End {
-                header: Box::default(),
+                run: Box::default(),
+                start_ns: 0,
                 ranks: Vec::new(),
                 end_ns: 0,
             }) {
@@ -256,7 +259,8 @@ impl Streamer {
     ) -> Result<(), (std::path::PathBuf, io::Error)> {
         use crate::render;
         let end = ToTrace::End {
-            header: Box::new(outputs.header.clone()),
+            run: Box::new((&outputs.header).into()),
+            start_ns: outputs.header.clock.monotonic_ns,
             ranks: outputs.steps.ranks.clone(),
             end_ns: outputs.detail.end_ns,
         };

@@ -14,7 +14,6 @@ use super::json::Obj;
 
 use crate::attribute::{Detail, Step, StepsReport};
 use crate::event::{Library, datatype_name, redop_name};
-use crate::record::Header;
 
 mod event;
 use event::{Args, Burst, CallArgs, Count, Ev, Moved, Runnable, StepArgs, Woken};
@@ -110,16 +109,29 @@ fn dur(a: u64, b: u64) -> u64 {
     b.saturating_sub(a)
 }
 
+/// What trace.json says of the run besides its events: the wall clock at ts 0, where it
+/// ran, and the traced processes.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RunInfo {
+    /// CLOCK_REALTIME when the trace's ts 0 was taken.
+    pub realtime_ns: u64,
+    pub kernel: String,
+    pub host: String,
+    pub agent_version: String,
+    /// The traced processes: (pid, command name).
+    pub processes: Vec<(u32, String)>,
+}
+
 /// Writes the trace of one `detail` (the whole run at once).
 pub fn write(
-    header: &Header,
+    run: &RunInfo,
     detail: &Detail,
     steps: &StepsReport,
     out: impl Write,
 ) -> io::Result<()> {
     let mut trace = TraceStream::new(out, detail.first_ns)?;
     trace.epoch(detail, &steps.steps, steps.rank_pid)?;
-    trace.finish(header, &steps.ranks, detail.end_ns)
+    trace.finish(run, &steps.ranks, detail.end_ns)
 }
 
 /// A fault burst still open: (first fault, last fault, faults).
@@ -388,7 +400,7 @@ impl<W: Write> TraceStream<W> {
     /// threads, the counters per 100 ms, the clock.
     pub fn finish(
         mut self,
-        header: &Header,
+        run: &RunInfo,
         ranks: &[crate::attribute::ranks::RankReport],
         end_ns: u64,
     ) -> io::Result<()> {
@@ -397,15 +409,15 @@ impl<W: Write> TraceStream<W> {
         for (tid, (pid, burst)) in std::mem::take(&mut self.bursts) {
             self.burst(pid, tid, burst)?;
         }
-        self.names(header, ranks)?;
+        self.names(run, ranks)?;
         self.counters(end_ns)?;
         let other = json!({
             "clock": "CLOCK_MONOTONIC; ts 0 is monotonic_ns_at_0",
             "monotonic_ns_at_0": self.w.base_ns,
-            "realtime_ns_at_0": header.clock.realtime_ns,
-            "kernel": header.kernel_release,
-            "host": header.hostname,
-            "nccltrace": header.agent_version,
+            "realtime_ns_at_0": run.realtime_ns,
+            "kernel": run.kernel,
+            "host": run.host,
+            "nccltrace": run.agent_version,
         });
         write!(self.w.out, "\n],\"otherData\":")?;
         serde_json::to_writer(&mut self.w.out, &other)?;
@@ -415,25 +427,25 @@ impl<W: Write> TraceStream<W> {
 
     fn names(
         &mut self,
-        header: &Header,
+        run: &RunInfo,
         ranks: &[crate::attribute::ranks::RankReport],
     ) -> io::Result<()> {
         let w = &mut self.w;
-        for t in &header.targets {
+        for (pid, comm) in &run.processes {
             // The rank summary.json and steps.json give it (NCCL's, the environment's, or
             // pid order), not the target's position.
             let rank = ranks
                 .iter()
-                .find(|r| r.pid == t.pid)
+                .find(|r| r.pid == *pid)
                 .map_or_else(|| "?".to_owned(), |r| r.rank.to_string());
-            w.raw(&json!({"ph": "M", "name": "process_name", "pid": t.pid,
-                "args": {"name": format!("rank {rank} (pid {}) {}", t.pid, t.comm)}}))?;
+            w.raw(&json!({"ph": "M", "name": "process_name", "pid": *pid,
+                "args": {"name": format!("rank {rank} (pid {pid}) {comm}")}}))?;
             w.raw(
-                &json!({"ph": "M", "name": "thread_name", "pid": t.pid, "tid": STEPS_TID,
+                &json!({"ph": "M", "name": "thread_name", "pid": *pid, "tid": STEPS_TID,
                 "args": {"name": "steps"}}),
             )?;
             w.raw(
-                &json!({"ph": "M", "name": "thread_sort_index", "pid": t.pid, "tid": STEPS_TID,
+                &json!({"ph": "M", "name": "thread_sort_index", "pid": *pid, "tid": STEPS_TID,
                 "args": {"sort_index": -2}}),
             )?;
         }

@@ -59,13 +59,9 @@ fn call_args_with_every_field() {
 #[test]
 fn trace_golden() {
     let (detail, _) = crate::render::fixture::detail();
-    let header = Header {
-        targets: vec![crate::record::TargetInfo {
-            pid: 10,
-            comm: "trainer".into(),
-            ..Default::default()
-        }],
-        kernel_release: "6.18".into(),
+    let run = RunInfo {
+        processes: vec![(10, "trainer".into())],
+        kernel: "6.18".into(),
         ..Default::default()
     };
     let step = Step {
@@ -129,7 +125,7 @@ fn trace_golden() {
         straggler: None,
     };
     let mut out = Vec::new();
-    write(&header, &detail, &steps, &mut out).unwrap();
+    write(&run, &detail, &steps, &mut out).unwrap();
     let text = String::from_utf8(out).unwrap();
     let parsed: Value = serde_json::from_str(&text).unwrap();
     assert_eq!(
