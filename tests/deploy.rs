@@ -198,6 +198,7 @@ fn one_step_of_every_kind(
         numa_task_moves: 0,
         remote_access: None,
         remote_loads: None,
+        infiniband: None,
         slowest_rank: None,
         ranks: Vec::new(),
     };

@@ -367,3 +367,115 @@ fn outputs_match_the_golden_files() {
         }
     }
 }
+
+/// Issue 19: each step's InfiniBand traffic, from the ports' counters the agent reads
+/// while tracing. The H200 all-reduce recording with `infiniband_counters` records added
+/// as the session writes them, but five times as often (data counters every 20 ms, all
+/// every 100 ms, one more at the end: the recording is 2 s long): port 0 sends one 4-byte word a microsecond and receives one every two, and
+/// has a symbol error a second; port 1 moves nothing. Each step must get its own wall
+/// time's worth, whether the run is attributed whole or in epochs (which then wait for
+/// the next reading), and summary.json the run's totals.
+#[test]
+fn infiniband_counters_give_each_step_its_traffic() {
+    use nccltrace::record::{Reader, Record, Writer};
+    use nccltrace_common::{IB_COUNTER_NAMES, IB_FAST_COUNTERS, IbCountersEvent, kind};
+    let dir = tempfile::tempdir().unwrap();
+    let rec = unpacked("allreduce", dir.path());
+    let mut reader = Reader::open(&rec).unwrap();
+    let mut header = reader.header.clone();
+    header.infiniband_ports = vec!["mlx5_0/1".into(), "mlx5_1/1".into()];
+    header.infiniband_every_ms = Some(20);
+    header.infiniband_refused = None;
+    let t0 = header.clock.monotonic_ns;
+    let with_ib = dir.path().join("ib.nctr");
+    let mut writer = Writer::create(&with_ib, &header).unwrap();
+    let reading = |writer: &mut Writer, at: u64, full: bool| {
+        let n = if full {
+            IB_COUNTER_NAMES.len()
+        } else {
+            IB_FAST_COUNTERS
+        };
+        for port in 0..2u32 {
+            let mut r = IbCountersEvent {
+                port,
+                present: (1 << n) - 1,
+                ..Default::default()
+            };
+            r.hdr.ts_ns = at;
+            r.hdr.kind = kind::IB_COUNTERS;
+            r.hdr.cpu = u16::MAX;
+            if port == 0 {
+                r.values[0] = (at - t0) / 1000;
+                r.values[1] = (at - t0) / 2000;
+                r.values[7] = (at - t0) / 1_000_000_000;
+            } else {
+                r.values[0] = 5;
+            }
+            writer.kernel(&nccltrace::decode::as_bytes(&r)).unwrap();
+        }
+    };
+    reading(&mut writer, t0, true);
+    let (mut next, mut readings, mut end) = (t0 + 20_000_000, 1u64, t0);
+    while let Some(record) = reader.next_record().unwrap() {
+        match record {
+            Record::Kernel(bytes) => {
+                let ts = u64::from_le_bytes(bytes[..8].try_into().unwrap());
+                while ts > next {
+                    reading(&mut writer, next, readings % 5 == 0);
+                    (next, readings) = (next + 20_000_000, readings + 1);
+                }
+                end = end.max(ts);
+                writer.kernel(&bytes).unwrap();
+            }
+            Record::Meta(meta) => writer.meta(&meta).unwrap(),
+        }
+    }
+    reading(&mut writer, end, true);
+    writer.finish().unwrap();
+    assert!(readings > 50, "{readings} readings: the run is long enough");
+
+    let read = |out: &Path, f: &str| -> Value {
+        serde_json::from_str(&std::fs::read_to_string(out.join(f)).unwrap()).unwrap()
+    };
+    let mut all = Vec::new();
+    for epoch_events in ["0", "2000"] {
+        let out = dir.path().join(format!("out-{epoch_events}"));
+        report(&with_ib, &out, &["--epoch-events", epoch_events]);
+        let steps = read(&out, "steps.json");
+        let method = steps["methods"]["infiniband"].as_str().unwrap();
+        assert!(
+            method.starts_with("estimated") && method.contains("mlx5_0/1, mlx5_1/1"),
+            "{method}"
+        );
+        let list = steps["steps"].as_array().unwrap();
+        assert!(list.len() > 100, "{}", list.len());
+        for s in list {
+            let wall = s["wall_ns"].as_u64().unwrap();
+            let ib = &s["infiniband"];
+            let port = &ib["mlx5_0/1"];
+            let near = |v: &Value, bytes: u64| v.as_u64().is_some_and(|v| v.abs_diff(bytes) <= 8);
+            assert!(near(&port["transmit_bytes"], wall / 1000 * 4), "{s}");
+            assert!(near(&port["receive_bytes"], wall / 2000 * 4), "{s}");
+            assert!(port["symbol_error"].as_u64().unwrap() <= 1, "{s}");
+            assert_eq!(ib["mlx5_1/1"]["transmit_bytes"], 0, "{s}");
+        }
+        let summary = read(&out, "summary.json");
+        let total = &summary["infiniband"]["mlx5_0/1"];
+        assert_eq!(total["transmit_bytes"], (end - t0) / 1000 * 4, "{summary}");
+        assert_eq!(total["symbol_error"], (end - t0) / 1_000_000_000);
+        all.push(list.clone());
+    }
+    assert!(
+        all[0] == all[1],
+        "epochs attribute the counters as the whole run does"
+    );
+
+    // A recording made without InfiniBand ports says why, and has no per-step field.
+    let out = dir.path().join("plain");
+    report(&rec, &out, &[]);
+    let steps = read(&out, "steps.json");
+    assert!(steps["steps"][0].get("infiniband").is_none());
+    assert!(read(&out, "summary.json").get("infiniband").is_none());
+    let method = steps["methods"]["infiniband"].as_str().unwrap();
+    assert!(method.starts_with("not read: "), "{method}");
+}

@@ -7,6 +7,9 @@ pub use nccltrace_core::procfs::{
 };
 use std::path::{Path, PathBuf};
 
+/// Where the InfiniBand devices are.
+const IB: &str = "sys/class/infiniband";
+
 /// A place to read `proc/` and `sys/` from.
 #[derive(Clone, Debug)]
 pub struct Host {
@@ -60,6 +63,37 @@ impl Host {
             .collect();
         names.sort();
         names
+    }
+
+    /// Every port of every InfiniBand device (`sys/class/infiniband`) as `device/port`, in
+    /// order.
+    #[must_use]
+    pub fn ib_ports(&self) -> Vec<String> {
+        self.list(IB)
+            .into_iter()
+            .flat_map(|d| {
+                self.list(&format!("{IB}/{d}/ports"))
+                    .into_iter()
+                    .map(move |p| format!("{d}/{p}"))
+            })
+            .collect()
+    }
+
+    /// The folder of an InfiniBand port (`device/port`, from [`Host::ib_ports`]).
+    #[must_use]
+    pub fn ib_port_dir(port: &str) -> String {
+        let (device, port) = port.split_once('/').unwrap_or((port, ""));
+        format!("{IB}/{device}/ports/{port}")
+    }
+
+    /// Counter `name` of an InfiniBand port (`device/port`), where it reads as a number.
+    #[must_use]
+    pub fn ib_counter(&self, port: &str, name: &str) -> Option<u64> {
+        let dir = Self::ib_port_dir(port);
+        self.read(&format!("{dir}/counters/{name}"))?
+            .trim()
+            .parse()
+            .ok()
     }
 
     /// The NUMA nodes the kernel has (`sys/devices/system/node/nodeN`), in order.

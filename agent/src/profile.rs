@@ -59,6 +59,11 @@ pub struct Probes {
     /// inside them are not seen.
     #[serde(default)]
     pub call_returns: CallReturns,
+    /// Read the InfiniBand ports' counters (`/sys/class/infiniband`) while tracing, for
+    /// each step's traffic and errors: the data and packet counters every 100 ms, all of
+    /// them every second. The agent's work, not the target's. On when not given.
+    #[serde(default = "yes")]
+    pub infiniband: bool,
 }
 
 /// Which traced calls get a return probe.

@@ -2,10 +2,10 @@
 //! the event model. Pure; the only place that knows the record layouts and the NCCL ABI.
 
 use nccltrace_common::{
-    CallEvent, FaultEvent, FaultTimeEvent, Header, KSTACK_DEPTH, MemSampleEvent, MigrateEvent,
-    NOT_READ, NumaHintEvent, NumaPagesEvent, NumaTaskEvent, PY_DEPTH, PageMigrationEvent,
-    PyStackEvent, SampleEvent, SwitchEvent, TaskEvent, USTACK_DEPTH, WakeupEvent, kind, numa_hint,
-    numa_task, switch_flags,
+    CallEvent, FaultEvent, FaultTimeEvent, Header, IbCountersEvent, KSTACK_DEPTH, MemSampleEvent,
+    MigrateEvent, NOT_READ, NumaHintEvent, NumaPagesEvent, NumaTaskEvent, PY_DEPTH,
+    PageMigrationEvent, PyStackEvent, SampleEvent, SwitchEvent, TaskEvent, USTACK_DEPTH,
+    WakeupEvent, kind, numa_hint, numa_task, switch_flags,
 };
 
 use crate::event::{Call, Event, Func, NumaTaskKind, PyFrame, Task, datatype_size};
@@ -280,6 +280,18 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
                 ts_ns: h.ts_ns,
                 task: t,
                 kib: e.kib[..nodes].to_vec(),
+            }
+        }
+        kind::IB_COUNTERS => {
+            let e = read::<IbCountersEvent>(bytes, "InfiniBand counters record")?;
+            Event::IbCounters {
+                ts_ns: h.ts_ns,
+                task: t,
+                port: e.port,
+                counters: (0..e.values.len())
+                    .filter(|&i| e.present & (1 << i) != 0)
+                    .map(|i| (i as u8, e.values[i]))
+                    .collect(),
             }
         }
         kind::SAMPLE | kind::OFFCPU | kind::CALL_STACK => {

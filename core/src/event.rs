@@ -479,6 +479,15 @@ pub enum Event {
         task: Task,
         kib: Vec<u64>,
     },
+    /// A reading of an InfiniBand port's counters: (index in
+    /// [`nccltrace_common::IB_COUNTER_NAMES`], value) of those the port has.
+    IbCounters {
+        ts_ns: u64,
+        task: Task,
+        /// Index in the recording header's `infiniband_ports`.
+        port: u32,
+        counters: Vec<(u8, u64)>,
+    },
     /// An on-CPU sample; stacks innermost frame first (kernel empty when the thread was in
     /// user mode).
     Sample {
@@ -537,6 +546,7 @@ impl Event {
             | Event::NumaHint { task, .. }
             | Event::MemSample { task, .. }
             | Event::NumaPages { task, .. }
+            | Event::IbCounters { task, .. }
             | Event::Sample { task, .. }
             | Event::OffCpu { task, .. }
             | Event::CallStack { task, .. }
@@ -561,6 +571,7 @@ impl Event {
             | Event::NumaHint { ts_ns, .. }
             | Event::MemSample { ts_ns, .. }
             | Event::NumaPages { ts_ns, .. }
+            | Event::IbCounters { ts_ns, .. }
             | Event::Sample { ts_ns, .. }
             | Event::OffCpu { ts_ns, .. }
             | Event::CallStack { ts_ns, .. }
@@ -590,6 +601,7 @@ impl Event {
             k::NUMA_HINT => "numa_hint_fault",
             k::MEM_SAMPLE => "mem_sample",
             k::NUMA_PAGES => "numa_pages",
+            k::IB_COUNTERS => "infiniband_counters",
             _ => "unknown",
         }
     }

@@ -334,6 +334,10 @@ pub struct Summary {
     pub cuda_sync: CudaSyncStats,
     pub sched: SchedStats,
     pub memory: MemoryStats,
+    /// Each InfiniBand port's traffic and errors from its first reading to its last
+    /// (absent where none was read; steps.json's `methods.infiniband` says why).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub infiniband: Option<crate::attribute::IbStep>,
     pub events: u64,
     /// On-CPU samples of target threads.
     pub cpu_samples: u64,

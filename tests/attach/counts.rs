@@ -156,6 +156,17 @@ fn programs_accounted(summary: &Value) {
     );
 }
 
+/// The default profile with `call_returns = "needed"`, and InfiniBand off.
+fn entries_profile(dir: &Path) -> PathBuf {
+    let profile = dir.join("entries.toml");
+    let default = std::fs::read_to_string(workspace().join("profiles/default.toml")).unwrap();
+    let entries = default
+        .replace("call_returns = \"all\"", "call_returns = \"needed\"")
+        .replace("infiniband = true", "infiniband = false");
+    std::fs::write(&profile, entries).unwrap();
+    profile
+}
+
 /// `call_returns = "needed"` (issue 22): collectives, group starts and markers are traced
 /// at entry only, one trap a call. Every call is still counted with its bytes, the CUDA
 /// syncs still measure the wait, steps are still found; what is not seen (the calls' time
@@ -166,13 +177,7 @@ fn programs_accounted(summary: &Value) {
 fn collectives_traced_at_entry_only() {
     let _serial = privileged();
     let dir = tempfile::tempdir().unwrap();
-    let profile = dir.path().join("entries.toml");
-    let default = std::fs::read_to_string(workspace().join("profiles/default.toml")).unwrap();
-    std::fs::write(
-        &profile,
-        default.replace("call_returns = \"all\"", "call_returns = \"needed\""),
-    )
-    .unwrap();
+    let profile = entries_profile(dir.path());
     let steps = 20;
     let (truth, summary, out, _dir, _) = traced_trainer_with(
         steps,
@@ -246,6 +251,11 @@ fn collectives_traced_at_entry_only() {
     );
     let method = steps_json["methods"]["nccl_wait"].as_str().unwrap();
     assert!(method.contains("entry only"), "{method}");
+    // The profile's other switch taken too: no InfiniBand counters, and why.
+    assert_eq!(
+        steps_json["methods"]["infiniband"],
+        "not read: the profile has infiniband off"
+    );
     // trace.json: the collectives without a return value, the syncs with theirs.
     let trace: Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("trace.json")).unwrap()).unwrap();

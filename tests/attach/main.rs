@@ -549,6 +549,23 @@ fn category_sum(step: &Value) -> u64 {
         .sum()
 }
 
+/// InfiniBand counters per step where the host has ports (issue 19), else why not.
+fn infiniband_as_the_host_has(steps: &Value, summary: &Value) {
+    let ib = steps["methods"]["infiniband"].as_str().unwrap();
+    let first = &steps["steps"][0];
+    if nccltrace::host::Host::live().ib_ports().is_empty() {
+        assert_eq!(
+            ib,
+            "not read: no InfiniBand port under /sys/class/infiniband"
+        );
+        assert!(first.get("infiniband").is_none(), "{first}");
+        assert!(summary.get("infiniband").is_none());
+    } else {
+        assert!(ib.starts_with("estimated"), "{ib}");
+        assert!(first["infiniband"].is_object(), "{first}");
+    }
+}
+
 /// One traced run of the comparison; `Err` names the first category outside 5%.
 fn breakdown_run(env: &[(&str, &str)], extra: &[&str], accuracy: &Accuracy) -> Result<(), String> {
     let steps = accuracy.steps;
@@ -591,6 +608,7 @@ fn breakdown_run(env: &[(&str, &str)], extra: &[&str], accuracy: &Accuracy) -> R
             assert!(pmu_samples.is_null(), "{pmu_samples}");
         }
     }
+    infiniband_as_the_host_has(&report, &summary);
     // The training loop's thread (the process's main thread), whichever thread issues the
     // collectives.
     assert_eq!(report["rank_tid"], report["rank_pid"]);

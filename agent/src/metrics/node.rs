@@ -82,42 +82,38 @@ pub(super) struct IbPorts {
 /// Every port of every InfiniBand device under `sys/class/infiniband`.
 pub(super) fn infiniband(host: &Host) -> IbPorts {
     let mut out = IbPorts::default();
-    for device in host.list("sys/class/infiniband") {
-        for port in host.list(&format!("sys/class/infiniband/{device}/ports")) {
-            let dir = format!("sys/class/infiniband/{device}/ports/{port}");
-            let labels = vec![("device", device.clone()), ("port", port.clone())];
-            if let Some(state) = host.read(&format!("{dir}/state")) {
-                // "4: ACTIVE"
-                let active = state.split(':').nth(1).map(str::trim) == Some("ACTIVE");
-                out.up.push((labels.clone(), f64::from(u8::from(active))));
-            }
-            // "200 Gb/sec (4X HDR)"
-            if let Some(gbits) = host
-                .read(&format!("{dir}/rate"))
-                .and_then(|r| r.split_whitespace().next()?.parse::<f64>().ok())
-            {
-                out.rate_bytes.push((labels.clone(), gbits * 1e9 / 8.0));
-            }
-            for counter in host.list(&format!("{dir}/counters")) {
-                let Some(value) = host
-                    .read(&format!("{dir}/counters/{counter}"))
-                    .and_then(|v| v.trim().parse::<u64>().ok())
-                else {
-                    continue;
-                };
-                let direction = match counter.as_str() {
-                    "port_xmit_data" => Some("transmit"),
-                    "port_rcv_data" => Some("receive"),
-                    _ => None,
-                };
-                let mut l = labels.clone();
-                if let Some(d) = direction {
-                    l.push(("direction", d.to_owned()));
-                    out.data_bytes.push((l, value as f64 * 4.0));
-                } else {
-                    l.push(("counter", counter));
-                    out.counters.push((l, value as f64));
-                }
+    for name in host.ib_ports() {
+        let dir = Host::ib_port_dir(&name);
+        let (device, port) = name.split_once('/').unwrap_or((&name, ""));
+        let labels = vec![("device", device.to_owned()), ("port", port.to_owned())];
+        if let Some(state) = host.read(&format!("{dir}/state")) {
+            // "4: ACTIVE"
+            let active = state.split(':').nth(1).map(str::trim) == Some("ACTIVE");
+            out.up.push((labels.clone(), f64::from(u8::from(active))));
+        }
+        // "200 Gb/sec (4X HDR)"
+        if let Some(gbits) = host
+            .read(&format!("{dir}/rate"))
+            .and_then(|r| r.split_whitespace().next()?.parse::<f64>().ok())
+        {
+            out.rate_bytes.push((labels.clone(), gbits * 1e9 / 8.0));
+        }
+        for counter in host.list(&format!("{dir}/counters")) {
+            let Some(value) = host.ib_counter(&name, &counter) else {
+                continue;
+            };
+            let direction = match counter.as_str() {
+                "port_xmit_data" => Some("transmit"),
+                "port_rcv_data" => Some("receive"),
+                _ => None,
+            };
+            let mut l = labels.clone();
+            if let Some(d) = direction {
+                l.push(("direction", d.to_owned()));
+                out.data_bytes.push((l, value as f64 * 4.0));
+            } else {
+                l.push(("counter", counter));
+                out.counters.push((l, value as f64));
             }
         }
     }

@@ -212,6 +212,11 @@ enum Link {
     KProbe(KProbeLink),
 }
 
+/// Every how long the InfiniBand ports' data and packet counters are read, and all of
+/// their counters.
+pub const IB_FAST_EVERY: Duration = Duration::from_millis(100);
+pub const IB_FULL_EVERY: Duration = Duration::from_secs(1);
+
 /// The header of a record the agent makes itself (PMU samples, resident pages) in the
 /// programs' layout: no CPU ran a program for it.
 fn agent_record(ts_ns: u64, pid: u32, thread: u32, kind: u16) -> nccltrace_common::Header {

@@ -172,6 +172,7 @@ impl Attached {
             Some(reading) => sink.program_stats(reading),
             None => self.read_program_stats(sink),
         }
+        self.read_infiniband(sink, &host, true)?;
         let reason = loop {
             if more {
                 let mut naming = python::Naming {
@@ -201,6 +202,10 @@ impl Attached {
                     if sink.rotate_due() {
                         break StopReason::Rotate;
                     }
+                    // The data counters every 100 ms; all of them at the second below.
+                    if last_tick.elapsed() < IB_FULL_EVERY {
+                        self.read_infiniband(sink, &host, false)?;
+                    }
                     if let Some(logger) = self.logger.as_mut() {
                         logger.flush();
                     }
@@ -218,6 +223,7 @@ impl Attached {
                             python::refresh(ebpf, &mut self.python);
                         }
                         self.read_resident(sink, &host)?;
+                        self.read_infiniband(sink, &host, true)?;
                         // Threads the targets started since: their loads sampled too.
                         if let Some(mem) = self.mem.as_mut() {
                             mem.follow(self.pids.iter().flat_map(|p| host.threads(*p)));
@@ -248,6 +254,8 @@ impl Attached {
         };
         self.rings.drain(&mut naming, usize::MAX)?;
         self.drain_mem(sink)?;
+        // The steps up to the end are interpolated from it.
+        self.read_infiniband(sink, &host, true)?;
         // A run shorter than a second has its traps measured now.
         self.measure_traps();
         self.read_program_stats(sink);
@@ -364,6 +372,45 @@ impl Attached {
                 record.kib[node.min(room - 1)] += k;
             }
             record.nodes = u32::try_from(kib.len().min(room)).unwrap_or(0);
+            sink.record(&crate::decode::as_bytes(&record))?;
+        }
+        Ok(())
+    }
+
+    /// The InfiniBand ports' counters as `IB_COUNTERS` records: the data and packet
+    /// counters, or all of them (`full`).
+    fn read_infiniband(
+        &self,
+        sink: &mut impl Sink,
+        host: &Host,
+        full: bool,
+    ) -> Result<(), crate::Error> {
+        use nccltrace_common::{IB_COUNTER_NAMES, IB_FAST_COUNTERS};
+        let names = if full {
+            &IB_COUNTER_NAMES[..]
+        } else {
+            &IB_COUNTER_NAMES[..IB_FAST_COUNTERS]
+        };
+        for (index, port) in self.header.infiniband_ports.iter().enumerate() {
+            let before = host::clock_ns(libc::CLOCK_MONOTONIC);
+            let mut record = nccltrace_common::IbCountersEvent {
+                port: u32::try_from(index).unwrap_or(u32::MAX),
+                ..Default::default()
+            };
+            for (i, name) in names.iter().enumerate() {
+                if let Some(v) = host.ib_counter(port, name) {
+                    record.values[i] = v;
+                    record.present |= 1 << i;
+                }
+            }
+            if record.present == 0 {
+                continue;
+            }
+            // Reading a port's counters may take a while (each file is a query of the
+            // adapter): the reading is dated at its middle.
+            let after = host::clock_ns(libc::CLOCK_MONOTONIC);
+            let at = before + (after.saturating_sub(before)) / 2;
+            record.hdr = agent_record(at, 0, 0, kind::IB_COUNTERS);
             sink.record(&crate::decode::as_bytes(&record))?;
         }
         Ok(())

@@ -259,6 +259,17 @@ pub(super) fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attach
     let resident = profile.probes.numa
         && node_distances.len() > 1
         && (numa_balancing == Some(0) || numa_hints_refused.is_some());
+    // The InfiniBand ports, whose counters the session reads.
+    let (infiniband_ports, infiniband_refused) = if profile.probes.infiniband {
+        let ports = host.ib_ports();
+        let why = ports
+            .is_empty()
+            .then(|| "no InfiniBand port under /sys/class/infiniband".to_owned());
+        (ports, why)
+    } else {
+        let why = "the profile has infiniband off".to_owned();
+        (Vec::new(), Some(why))
+    };
     let (kernel_release, hostname) = host::uname();
     let mut header = Header {
         format_version: FORMAT_VERSION,
@@ -294,6 +305,10 @@ pub(super) fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attach
         offcpu_stacks,
         offcpu_min_ns,
         attach_phases_us: Vec::new(),
+        infiniband_every_ms: (!infiniband_ports.is_empty())
+            .then(|| u64::try_from(IB_FAST_EVERY.as_millis()).unwrap_or(u64::MAX)),
+        infiniband_ports,
+        infiniband_refused,
     };
     phases.mark("maps and header");
     header.attach_phases_us = phases.done;

@@ -27,6 +27,9 @@ use build::{OFFCPU_STACK_SLACK, mark_unmeasured};
 /// order but for what was written while a drain pass ran (sub-millisecond, see
 /// `source::rings`).
 const REORDER_NS: u64 = 10_000_000;
+/// InfiniBand readings older than this behind the newest record no longer hold the
+/// epochs back: the ports stopped being read.
+const IB_STALE_NS: u64 = 2_000_000_000;
 /// Steps held back at an epoch's end: finding where the last ones end needs what follows.
 const LOOKAHEAD: usize = 2;
 /// Closed steps an epoch needs before it is attributed (else it waits for more events).
@@ -145,7 +148,14 @@ impl Timeline {
         let until = if end.is_some() {
             last
         } else {
-            let horizon = last.saturating_sub(REORDER_NS);
+            let mut horizon = last.saturating_sub(REORDER_NS);
+            // A step's InfiniBand counters are interpolated from the readings around its
+            // end: wait for the next reading (unless the readings stopped).
+            if let Some(read) = self.infiniband.horizon()
+                && read.saturating_add(IB_STALE_NS) >= last
+            {
+                horizon = horizon.min(read);
+            }
             bounds.retain(|(_, b)| *b <= horizon);
             bounds.truncate(bounds.len().saturating_sub(LOOKAHEAD));
             if !force && (!found || bounds.len() < MIN_STEPS) {
@@ -198,6 +208,7 @@ impl Timeline {
         let period = self.sample_period_ns;
         self.page_migrations.sort_unstable_by_key(|m| m.1);
         self.numa_moves.sort_unstable_by_key(|m| m.1);
+        self.infiniband.sort();
         for log in self.threads.values_mut() {
             log.numa_hints.sort_unstable_by_key(|h| h.ts_ns);
             log.mem_samples.sort_unstable_by_key(|s| s.time_ns);
@@ -273,6 +284,7 @@ impl Timeline {
         let keep = |ts: u64| ts >= until;
         self.page_migrations.retain(|m| keep(m.1));
         self.numa_moves.retain(|m| keep(m.1));
+        self.infiniband.trim(until);
         for log in self.threads.values_mut() {
             let block = log
                 .pending_block

@@ -248,6 +248,12 @@ impl Timeline {
                 };
                 self.log(task.tid, task.tgid).mem_samples.push(sample);
             }
+            Event::IbCounters {
+                ts_ns,
+                port,
+                counters,
+                ..
+            } => self.infiniband.add(*ts_ns, *port, counters),
             Event::Fork { .. } | Event::Exit { .. } => {}
         }
     }

@@ -1,5 +1,7 @@
 //! How each category was measured, or why not, in words (steps.json `methods`).
 
+use std::fmt::Write as _;
+
 use super::{Methods, Timeline, Unmeasured};
 
 impl Timeline {
@@ -39,7 +41,40 @@ impl Timeline {
             remote_memory_estimated: self.mem_khz.is_none()
                 && nodes.len() > 1
                 && self.numa_hints_seen + self.resident_seen > 0,
+            infiniband: self.infiniband_method(),
         }
+    }
+
+    /// How the steps' InfiniBand deltas were obtained, or why there are none.
+    fn infiniband_method(&self) -> String {
+        let ports = &self.infiniband.ports;
+        if ports.is_empty() {
+            return format!(
+                "not read: {}",
+                self.infiniband_refused
+                    .as_deref()
+                    .unwrap_or("no InfiniBand port was found")
+            );
+        }
+        let every = self
+            .infiniband_every_ms
+            .map_or_else(|| "periodically".to_owned(), |ms| format!("every {ms} ms"));
+        let mut text = format!(
+            "estimated: the counters of port{} {} (node-wide: every process's traffic) read \
+             {every}, each interpolated linearly at the step's start and end; traffic within \
+             a reading interval is taken as even. port_xmit_data and port_rcv_data (4-byte \
+             words) are given in bytes",
+            if ports.len() == 1 { "" } else { "s" },
+            ports.join(", "),
+        );
+        if self.infiniband.unknown_port > 0 {
+            let _ = write!(
+                text,
+                "; {} readings named a port the recording does not list and were left out",
+                self.infiniband.unknown_port
+            );
+        }
+        text
     }
 
     /// How `remote_memory` was estimated, or why not.

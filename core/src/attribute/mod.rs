@@ -23,6 +23,7 @@ mod cut;
 mod detail;
 mod detect;
 mod epoch;
+mod infiniband;
 mod ingest;
 mod methods;
 pub mod ranks;
@@ -32,6 +33,8 @@ pub mod steps;
 
 pub use detail::{Detail, OffCpu, StackKey, ThreadDetail};
 pub use epoch::Epoch;
+pub use infiniband::IbStep;
+pub(crate) use infiniband::Readings as IbReadings;
 pub use report::{
     BlockingStack, Methods, NcclCount, NvtxPattern, Step, StepRank, StepRule, StepsReport,
     ThreadReport,
@@ -206,6 +209,11 @@ pub struct Timeline {
     mem_khz: Option<u64>,
     /// A CUDA sync function was probed in some target: `nccl_wait` is measured.
     sync_probed: bool,
+    /// The InfiniBand ports' counter readings, every how many ms they were taken, or why
+    /// there were none.
+    infiniband: infiniband::Readings,
+    infiniband_every_ms: Option<u64>,
+    infiniband_refused: Option<String>,
     /// An NCCL call was traced at entry only (`call_returns = "needed"`): blocking inside
     /// it cannot be seen.
     entry_only_seen: bool,
@@ -275,6 +283,13 @@ pub struct Setup {
     pub mem_sampling_refused: Option<String>,
     /// The CPU's base frequency in kHz, which turns sampled latencies into time.
     pub cpu_khz: Option<u64>,
+    /// The InfiniBand ports whose counters were read (`device/port`), indexed by the
+    /// readings' port.
+    pub infiniband_ports: Vec<String>,
+    /// Every how many milliseconds they were read.
+    pub infiniband_every_ms: Option<u64>,
+    /// Why they were not read.
+    pub infiniband_refused: Option<String>,
 }
 
 impl Timeline {
@@ -316,6 +331,9 @@ impl Timeline {
             mem_sampling_refused: setup.mem_sampling_refused.clone(),
             mem_khz: setup.mem_sampler.as_ref().and(setup.cpu_khz),
             sync_probed: setup.targets.iter().any(|t| t.syncs_probed),
+            infiniband: infiniband::Readings::new(setup.infiniband_ports.clone()),
+            infiniband_every_ms: setup.infiniband_every_ms,
+            infiniband_refused: setup.infiniband_refused.clone(),
             entry_only_seen: false,
             init_ranks: BTreeMap::new(),
             rule: StepRule::Auto,

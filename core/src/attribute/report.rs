@@ -39,6 +39,10 @@ pub struct Step {
     /// thread's sampled DRAM loads in the step and those a remote node served.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub remote_loads: Option<crate::pmu::MeasuredStep>,
+    /// Where InfiniBand ports were read: each port's traffic and errors in the step (an
+    /// estimate, `methods.infiniband` says how).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub infiniband: Option<super::IbStep>,
     /// With several ranks: the rank whose late arrivals made the others wait most in this
     /// step.
     pub slowest_rank: Option<i32>,
@@ -77,6 +81,8 @@ pub struct Methods {
     pub page_fault: String,
     pub remote_memory: String,
     pub remote_memory_estimated: bool,
+    /// How the steps' `infiniband` were obtained, or why there are none.
+    pub infiniband: String,
 }
 
 /// `steps.json`.

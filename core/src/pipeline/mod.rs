@@ -48,6 +48,8 @@ pub struct Aggregator {
     offcpu_stacks: u64,
     call_stacks: u64,
     python_stacks_by_pid: BTreeMap<u32, u64>,
+    /// Each InfiniBand port's first and last readings: the run's totals.
+    infiniband: crate::attribute::IbReadings,
     timeline: Timeline,
     kernel_symbols: BTreeMap<u64, String>,
     jit_symbols: BTreeMap<u32, Vec<(u64, u64, String)>>,
@@ -77,6 +79,7 @@ impl Aggregator {
         let hints = header.numa_hints_refused.is_none().then_some(0);
         let pmu_samples = header.mem_sampler.as_ref().map(|_| 0);
         let readings = header.numa_maps_every_s.map(|_| 0);
+        let infiniband = crate::attribute::IbReadings::new(header.infiniband_ports.clone());
         Aggregator {
             timeline: Timeline::new(&(&header).into()),
             header,
@@ -98,6 +101,7 @@ impl Aggregator {
             offcpu_stacks: 0,
             call_stacks: 0,
             python_stacks_by_pid: BTreeMap::new(),
+            infiniband,
             kernel_symbols: BTreeMap::new(),
             jit_symbols: BTreeMap::new(),
             python_codes: BTreeMap::new(),
@@ -290,6 +294,15 @@ impl Aggregator {
             Event::PyStack { task, .. } => {
                 *self.python_stacks_by_pid.entry(task.tgid).or_default() += 1;
             }
+            Event::IbCounters {
+                ts_ns,
+                port,
+                counters,
+                ..
+            } => {
+                self.infiniband.add(*ts_ns, *port, counters);
+                self.infiniband.keep_ends();
+            }
         }
     }
 
@@ -412,6 +425,8 @@ impl Aggregator {
         }
         let mut sched = self.sched;
         sched.threads_seen = self.threads.len() as u64;
+        self.infiniband.sort();
+        self.infiniband.keep_ends();
         let summary = Summary {
             duration_ns: end_ns.saturating_sub(start),
             start_unix_ns: self.header.clock.realtime_ns,
@@ -421,6 +436,7 @@ impl Aggregator {
             cuda_sync,
             sched,
             memory: self.memory,
+            infiniband: self.infiniband.totals(),
             events: self.events,
             cpu_samples: self.samples,
             offcpu_stacks: self.offcpu_stacks,

@@ -191,6 +191,16 @@ pub struct Header {
     /// Where attaching went: each phase and its microseconds, in order.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub attach_phases_us: Vec<(String, u64)>,
+    /// The InfiniBand ports whose counters were read while tracing (`device/port`), in
+    /// the order the `infiniband_counters` records index them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub infiniband_ports: Vec<String>,
+    /// Every how many milliseconds they were read (`None`: they were not).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub infiniband_every_ms: Option<u64>,
+    /// Why no InfiniBand counters were read (`None`, written as null: they were).
+    #[serde(default = "ib_not_recorded")]
+    pub infiniband_refused: Option<String>,
 }
 
 #[expect(
@@ -217,6 +227,15 @@ fn hints_not_recorded() -> Option<String> {
 )]
 fn mem_not_recorded() -> Option<String> {
     Some("the recording was made by an nccltrace that did not sample memory loads".to_owned())
+}
+
+/// A recording without the field was made before nccltrace read InfiniBand counters.
+#[expect(
+    clippy::unnecessary_wraps,
+    reason = "serde's default takes the field's type"
+)]
+fn ib_not_recorded() -> Option<String> {
+    Some("the recording was made by an nccltrace that did not read InfiniBand counters".to_owned())
 }
 
 /// A recording without the field was made before nccltrace accounted its programs.

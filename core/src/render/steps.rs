@@ -98,6 +98,9 @@ fn write_step(out: &mut impl Write, s: &Step) -> io::Result<()> {
     if let Some(loads) = &s.remote_loads {
         o.value("remote_loads", loads)?;
     }
+    if let Some(ib) = &s.infiniband {
+        o.value("infiniband", ib)?;
+    }
     o.opt_i64("slowest_rank", s.slowest_rank.map(i64::from))?;
     let out = o.key("ranks")?;
     out.write_all(b"[")?;

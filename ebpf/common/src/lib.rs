@@ -55,6 +55,9 @@ pub mod kind {
     /// Where a target's resident memory is, per NUMA node (`NumaPagesEvent`): made by the
     /// agent from `/proc/PID/numa_maps` while NUMA balancing is off, beyond [`COUNT`] too.
     pub const NUMA_PAGES: u16 = 17;
+    /// An InfiniBand port's counters (`IbCountersEvent`): read by the agent from
+    /// `/sys/class/infiniband/*/ports/*/counters` while tracing, beyond [`COUNT`] too.
+    pub const IB_COUNTERS: u16 = 18;
     /// One past the largest kind: the size of per-kind tables.
     pub const COUNT: usize = 16;
 }
@@ -193,6 +196,7 @@ unsafe impl Record for NumaTaskEvent {}
 unsafe impl Record for NumaHintEvent {}
 unsafe impl Record for MemSampleEvent {}
 unsafe impl Record for NumaPagesEvent {}
+unsafe impl Record for IbCountersEvent {}
 unsafe impl Record for SampleEvent {}
 unsafe impl Record for PyStackEvent {}
 
@@ -421,6 +425,46 @@ pub struct NumaPagesEvent {
     pub kib: [u64; NUMA_PAGES_NODES],
 }
 const _: () = assert!(core::mem::size_of::<NumaPagesEvent>() == 160);
+
+/// The counters of an InfiniBand port's `counters/` folder an [`IbCountersEvent`] carries,
+/// in its order (the IBA's PortCounters and PortCountersExtended as Linux names them).
+/// The two data counters count 4-byte words.
+pub const IB_COUNTER_NAMES: [&str; 17] = [
+    "port_xmit_data",
+    "port_rcv_data",
+    "port_xmit_packets",
+    "port_rcv_packets",
+    "port_xmit_discards",
+    "port_xmit_wait",
+    "port_rcv_errors",
+    "symbol_error",
+    "link_downed",
+    "link_error_recovery",
+    "port_rcv_remote_physical_errors",
+    "port_rcv_switch_relay_errors",
+    "port_xmit_constraint_errors",
+    "port_rcv_constraint_errors",
+    "local_link_integrity_errors",
+    "excessive_buffer_overrun_errors",
+    "VL15_dropped",
+];
+
+/// The first this many of [`IB_COUNTER_NAMES`] (data and packets) are read more often
+/// than the rest.
+pub const IB_FAST_COUNTERS: usize = 4;
+
+/// One reading of an InfiniBand port's counters (the header's tgid and tid 0, its CPU
+/// `u16::MAX`): `port` indexes the recording header's port list.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct IbCountersEvent {
+    pub hdr: Header,
+    pub port: u32,
+    /// Bit `i` set: `values[i]` was read (the port has [`IB_COUNTER_NAMES`]`[i]`).
+    pub present: u32,
+    pub values: [u64; IB_COUNTER_NAMES.len()],
+}
+const _: () = assert!(core::mem::size_of::<IbCountersEvent>() == 168);
 
 /// `TNF_*` flags of `task_numa_fault` (include/linux/sched/numa_balancing.h).
 pub mod numa_hint {

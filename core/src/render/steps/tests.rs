@@ -32,6 +32,7 @@ fn step(index: usize, compute: u64, nccl_wait: u64) -> Step {
         numa_task_moves: 0,
         remote_access: None,
         remote_loads: None,
+        infiniband: None,
         slowest_rank: None,
         ranks: vec![],
     }
@@ -66,6 +67,10 @@ fn step_rows_as_serde_writes_them() {
         remote_samples: 2,
         remote_cycles: 900,
     });
+    full.infiniband = Some(crate::attribute::IbStep(vec![(
+        "mlx5_0/1".into(),
+        vec![("transmit_bytes", 4096), ("symbol_error", 1)],
+    )]));
     full.slowest_rank = Some(-1);
     full.ranks = vec![
         crate::attribute::StepRank {
@@ -192,6 +197,7 @@ fn csv_columns_match_rows() {
             page_fault: String::new(),
             remote_memory: String::new(),
             remote_memory_estimated: false,
+            infiniband: String::new(),
         },
         steps: vec![one],
         threads: vec![],

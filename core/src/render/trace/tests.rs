@@ -87,6 +87,7 @@ fn trace_golden() {
         numa_task_moves: 0,
         remote_access: None,
         remote_loads: None,
+        infiniband: None,
         slowest_rank: None,
         ranks: vec![],
     };
@@ -105,6 +106,7 @@ fn trace_golden() {
             page_fault: String::new(),
             remote_memory: String::new(),
             remote_memory_estimated: false,
+            infiniband: String::new(),
         },
         steps: vec![step],
         threads: vec![],
