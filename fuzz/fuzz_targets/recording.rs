@@ -26,5 +26,5 @@ fuzz_target!(|data: &[u8]| {
     let _ = nccltrace_core::render::steps::write_csv(&outputs.steps, sink);
     let table = nccltrace_core::render::steps::StepTable::of(&outputs.steps.steps);
     let _ = nccltrace_core::render::steps::write_table(&outputs.steps, &table, sink);
-    let _ = nccltrace_core::render::trace::write(&outputs.header, &outputs.detail, &outputs.steps, sink);
+    let _ = nccltrace_core::render::trace::write(&(&outputs.header).into(), &outputs.detail, &outputs.steps, sink);
 });
