@@ -362,10 +362,22 @@ impl serde::Serialize for MeasuredStep {
 /// The samples (sorted by time) of `[a, b)`, each standing for `period` loads.
 #[must_use]
 pub fn measure(samples: &[MemSample], a: u64, b: u64, period: u64) -> MeasuredStep {
+    measure_where(samples, a, b, period, |_| true)
+}
+
+/// [`measure`] over the samples `keep` chooses.
+#[must_use]
+pub fn measure_where(
+    samples: &[MemSample],
+    a: u64,
+    b: u64,
+    period: u64,
+    keep: impl Fn(&MemSample) -> bool,
+) -> MeasuredStep {
     let lo = samples.partition_point(|s| s.time_ns < a);
     let hi = samples.partition_point(|s| s.time_ns < b).max(lo);
     let mut step = MeasuredStep::default();
-    for s in &samples[lo..hi] {
+    for s in samples[lo..hi].iter().filter(|s| keep(s)) {
         match served(s.data_src) {
             Some(Served::LocalDram) => step.dram_samples += 1,
             Some(Served::RemoteDram) => {

@@ -6,7 +6,8 @@ use std::collections::BTreeSet;
 use super::{Cat, Categories, Change, ThreadLog};
 
 /// `[a, b)` of one thread by category: its pieces clipped to the interval, page faults
-/// (on-CPU samples in the fault handler, outside NCCL waits) carved out of compute.
+/// (on-CPU samples in the fault handler, outside NCCL waits) and remote-memory stalls
+/// carved out of compute (measured ones taken while spinning for NCCL out of nccl_wait).
 pub(super) fn categories(log: &ThreadLog, a: u64, b: u64) -> Categories {
     let mut cat = Categories::default();
     let segs = &log.segments;
@@ -29,19 +30,33 @@ pub(super) fn categories(log: &ThreadLog, a: u64, b: u64) -> Categories {
     cat.compute -= fault_ns;
     // Remote-memory stalls, measured from PMU load samples or estimated from hinting
     // faults, are carved out of what is left of compute (never added on top: the
-    // categories keep summing to wall time).
-    let stall = match log.mem_khz {
+    // categories keep summing to wall time). Measured loads the thread stalled on while
+    // it spun waiting for NCCL (polling memory the GPU writes, which may lie on the far
+    // node) are carved out of nccl_wait instead: the sample's time says which.
+    let (stall, wait_stall) = match log.mem_khz {
         Some(khz) => {
-            crate::pmu::measure(&log.mem_samples, a, b, crate::pmu::SAMPLE_PERIOD).stall_ns(khz)
+            let period = crate::pmu::SAMPLE_PERIOD;
+            let waiting =
+                |s: &crate::pmu::MemSample| category_at(segs, s.time_ns) == Some(Cat::NcclWait);
+            let samples = &log.mem_samples;
+            let measured = |waited: bool| {
+                crate::pmu::measure_where(samples, a, b, period, |s| waiting(s) == waited)
+                    .stall_ns(khz)
+            };
+            (measured(false), measured(true))
         }
-        None => log
-            .remote_access(a, b)
-            .and_then(|r| r.stall_ns(cat.compute)),
+        None => (
+            log.remote_access(a, b)
+                .and_then(|r| r.stall_ns(cat.compute)),
+            None,
+        ),
     };
     if let Some(stall) = stall {
         let stall = stall.min(cat.compute);
+        let waited = wait_stall.unwrap_or(0).min(cat.nccl_wait);
         cat.compute -= stall;
-        cat.remote_memory = Some(stall);
+        cat.nccl_wait -= waited;
+        cat.remote_memory = Some(stall + waited);
     }
     cat
 }

@@ -83,8 +83,9 @@ impl Timeline {
             return format!(
                 "measured by {sampler}: the rank thread's user loads sampled one in {} with \
                  their latency and data source; per step, Σ latency × {} of the samples a \
-                 remote node's DRAM served, at {} MHz. An upper end: loads that overlap are \
-                 each counted whole",
+                 remote node's DRAM served, at {} MHz, out of nccl_wait for the samples taken \
+                 while the thread spun waiting for NCCL and out of compute for the rest. An \
+                 upper end: loads that overlap are each counted whole",
                 crate::pmu::SAMPLE_PERIOD,
                 crate::pmu::SAMPLE_PERIOD,
                 khz / 1000

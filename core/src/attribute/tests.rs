@@ -198,6 +198,42 @@ fn remote_memory_measured_from_pmu_samples() {
     );
 }
 
+/// Issue 23: a measured remote load the rank thread stalled on while it spun in a CUDA
+/// sync waiting for NCCL is carved out of `nccl_wait`, not out of compute; the step's
+/// categories still sum to its wall time.
+#[test]
+fn remote_loads_while_waiting_for_nccl_come_out_of_nccl_wait() {
+    let mut h = header();
+    h.mem_sampler = Some("Intel PEBS load latency (cpu/mem-loads, ldlat=30)".into());
+    h.mem_sampling_refused = None;
+    h.cpu_khz = Some(2_000_000);
+    let mut tl = Timeline::new(&Setup::from(&h));
+    let remote_dram = 2 | (13 << 33) | (1 << 37);
+    let sample = |ts_ns| Event::MemSample {
+        ts_ns,
+        task: task(10),
+        weight: 50,
+        data_src: remote_dram,
+    };
+    // The all-reduce issued at 1 ms, the sync spinning 2..8 ms: nccl_wait 6 ms.
+    for e in [
+        call(Func::AllReduce, 1_000_000, 1_100_000),
+        sample(500_000),
+        sample(4_000_000),
+        sample(5_000_000),
+        call(Func::CuStreamSynchronize, 2_000_000, 8_000_000),
+    ] {
+        tl.push(&e);
+    }
+    let (report, _) = tl.finish(10_000_000, StepRule::Window(10_000_000));
+    let c = &report.steps[0].categories;
+    // Each sample: 50 cycles × 20,000 loads at 2 GHz = 0.5 ms.
+    assert_eq!(c.remote_memory, Some(1_500_000));
+    assert_eq!(c.nccl_wait, 6_000_000 - 1_000_000);
+    assert_eq!(c.compute, 4_000_000 - 500_000);
+    assert_eq!(c.total(), 10_000_000);
+}
+
 /// With NUMA balancing off, the share comes from where the process's memory is
 /// (numa_maps readings) seen from the node the rank thread runs on, the latest reading
 /// before each step's end; labelled an estimate with that method.
