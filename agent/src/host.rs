@@ -65,6 +65,26 @@ impl Host {
         names
     }
 
+    /// Each NUMA node's allocation counters (`sys/devices/system/node/nodeN/numastat`,
+    /// pages): (node, (counter, value)), nodes whose file reads.
+    #[must_use]
+    pub fn numastat(&self) -> Vec<(u32, Vec<(String, u64)>)> {
+        self.numa_nodes()
+            .into_iter()
+            .filter_map(|node| {
+                let text = self.read(&format!("sys/devices/system/node/node{node}/numastat"))?;
+                let counters = text
+                    .lines()
+                    .filter_map(|line| {
+                        let mut words = line.split_whitespace();
+                        Some((words.next()?.to_owned(), words.next()?.parse().ok()?))
+                    })
+                    .collect();
+                Some((node, counters))
+            })
+            .collect()
+    }
+
     /// Every port of every InfiniBand device (`sys/class/infiniband`) as `device/port`, in
     /// order.
     #[must_use]

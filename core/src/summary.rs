@@ -91,6 +91,12 @@ pub struct MemoryStats {
     pub timed_faults: u64,
     /// Their time inside the handler.
     pub fault_handler_ns: u64,
+    /// Each NUMA node's allocation counters (numastat: `numa_hit`, `numa_miss`,
+    /// `numa_foreign`, `local_node`, `other_node`, …) from when tracing started to when it
+    /// stopped, in pages, node-wide (every process's allocations); null without both
+    /// readings (a recording made before they were taken, or no
+    /// /sys/devices/system/node).
+    pub numastat_pages: Option<BTreeMap<String, BTreeMap<String, u64>>>,
 }
 
 /// A target as the summary lists it.

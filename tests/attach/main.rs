@@ -609,6 +609,9 @@ fn breakdown_run(env: &[(&str, &str)], extra: &[&str], accuracy: &Accuracy) -> R
         }
     }
     infiniband_as_the_host_has(&report, &summary);
+    // numastat over the run (issue 23): the pages the trainer faults in are allocations.
+    let node0 = &summary["memory"]["numastat_pages"]["node0"];
+    assert!(node0["numa_hit"].as_u64().unwrap() > 0, "{node0}");
     // The training loop's thread (the process's main thread), whichever thread issues the
     // collectives.
     assert_eq!(report["rank_tid"], report["rank_pid"]);

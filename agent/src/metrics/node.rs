@@ -47,24 +47,17 @@ fn family(
 
 /// The node's NUMA allocation counters (`numa_hit`, `numa_miss`, …), in pages, per node.
 pub(super) fn numastat(host: &Host) -> Vec<(Labels, f64)> {
-    let mut out = Vec::new();
-    for node in host.numa_nodes() {
-        let Some(text) = host.read(&format!("sys/devices/system/node/node{node}/numastat")) else {
-            continue;
-        };
-        for line in text.lines() {
-            let mut words = line.split_whitespace();
-            let (Some(stat), Some(Ok(value))) = (words.next(), words.next().map(str::parse::<u64>))
-            else {
-                continue;
-            };
-            out.push((
-                vec![("node", node.to_string()), ("stat", stat.to_owned())],
-                value as f64,
-            ));
-        }
-    }
-    out
+    host.numastat()
+        .into_iter()
+        .flat_map(|(node, counters)| {
+            counters.into_iter().map(move |(stat, value)| {
+                (
+                    vec![("node", node.to_string()), ("stat", stat)],
+                    value as f64,
+                )
+            })
+        })
+        .collect()
 }
 
 /// An InfiniBand port's readings.

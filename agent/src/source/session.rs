@@ -44,6 +44,9 @@ pub trait Sink {
     /// The programs' run time so far, as the kernel accounts it: when tracing starts,
     /// about once a second, and when it stops.
     fn program_stats(&mut self, _reading: crate::record::ProgramReading) {}
+    /// Each NUMA node's allocation counters (numastat): when tracing starts and when it
+    /// stops.
+    fn numastat(&mut self, _at_ns: u64, _nodes: Vec<(u32, Vec<(String, u64)>)>) {}
 }
 
 impl Attached {
@@ -173,6 +176,7 @@ impl Attached {
             None => self.read_program_stats(sink),
         }
         self.read_infiniband(sink, &host, true)?;
+        sink.numastat(host::clock_ns(libc::CLOCK_MONOTONIC), host.numastat());
         let reason = loop {
             if more {
                 let mut naming = python::Naming {
@@ -256,6 +260,7 @@ impl Attached {
         self.drain_mem(sink)?;
         // The steps up to the end are interpolated from it.
         self.read_infiniband(sink, &host, true)?;
+        sink.numastat(host::clock_ns(libc::CLOCK_MONOTONIC), host.numastat());
         // A run shorter than a second has its traps measured now.
         self.measure_traps();
         self.read_program_stats(sink);

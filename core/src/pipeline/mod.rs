@@ -48,6 +48,8 @@ pub struct Aggregator {
     offcpu_stacks: u64,
     call_stacks: u64,
     python_stacks_by_pid: BTreeMap<u32, u64>,
+    /// The first numastat reading and the last after it.
+    numastat: Option<(NodeCounters, Option<NodeCounters>)>,
     /// Each InfiniBand port's first and last readings: the run's totals.
     infiniband: crate::attribute::IbReadings,
     timeline: Timeline,
@@ -102,6 +104,7 @@ impl Aggregator {
             call_stacks: 0,
             python_stacks_by_pid: BTreeMap::new(),
             infiniband,
+            numastat: None,
             kernel_symbols: BTreeMap::new(),
             jit_symbols: BTreeMap::new(),
             python_codes: BTreeMap::new(),
@@ -326,6 +329,10 @@ impl Aggregator {
             end @ Meta::End { .. } => self.end = Some(end),
             Meta::Doctor { report } => self.doctor = Some(report),
             Meta::AgentPeak { peak_rss_kb } => self.agent_peak_rss_kb = Some(peak_rss_kb),
+            Meta::Numastat { nodes, .. } => match &mut self.numastat {
+                Some((_, last)) => *last = Some(nodes),
+                None => self.numastat = Some((nodes, None)),
+            },
             Meta::ProgramStats(reading) => match &mut self.program_stats {
                 Some((_, last)) => *last = reading,
                 None => self.program_stats = Some((reading.clone(), reading)),
@@ -339,6 +346,17 @@ impl Aggregator {
                 .build_ids
                 .extend(files.into_iter().map(|(path, id)| ((pid, path), id))),
         }
+    }
+
+    /// The node's counters over the run: numastat per node, InfiniBand per port.
+    fn node_totals(&mut self) -> (Option<NodeDeltas>, Option<crate::attribute::IbStep>) {
+        self.infiniband.sort();
+        self.infiniband.keep_ends();
+        let numastat = self
+            .numastat
+            .as_ref()
+            .and_then(|(first, last)| numastat_delta(first, last.as_ref()?));
+        (numastat, self.infiniband.totals())
     }
 
     /// Marks the input as cut short (a damaged recording), with the reason.
@@ -366,6 +384,7 @@ impl Aggregator {
     /// The summary and the per-step report of everything pushed.
     #[must_use]
     pub fn finish(mut self, rule: StepRule) -> Outputs {
+        let (numastat_pages, infiniband) = self.node_totals();
         let start = self.header.clock.monotonic_ns;
         let streamer = self.end_epochs(&rule);
         let (bpf, bpf_unmeasured) = self.bpf_cost();
@@ -425,8 +444,6 @@ impl Aggregator {
         }
         let mut sched = self.sched;
         sched.threads_seen = self.threads.len() as u64;
-        self.infiniband.sort();
-        self.infiniband.keep_ends();
         let summary = Summary {
             duration_ns: end_ns.saturating_sub(start),
             start_unix_ns: self.header.clock.realtime_ns,
@@ -435,8 +452,11 @@ impl Aggregator {
             nccl,
             cuda_sync,
             sched,
-            memory: self.memory,
-            infiniband: self.infiniband.totals(),
+            memory: MemoryStats {
+                numastat_pages,
+                ..self.memory
+            },
+            infiniband,
             events: self.events,
             cpu_samples: self.samples,
             offcpu_stacks: self.offcpu_stacks,
@@ -466,6 +486,31 @@ impl Aggregator {
             streamer,
         }
     }
+}
+
+/// Readings of each NUMA node's counters: (node, (counter, value)).
+type NodeCounters = Vec<(u32, Vec<(String, u64)>)>;
+/// Each node's counters over a stretch: `node0` → counter → pages.
+type NodeDeltas = BTreeMap<String, BTreeMap<String, u64>>;
+
+/// Each node's counters from `first` to `last` (`node0` → counter → pages); a counter
+/// that went back is left out.
+fn numastat_delta(first: &NodeCounters, last: &NodeCounters) -> Option<NodeDeltas> {
+    let out: NodeDeltas = last
+        .iter()
+        .filter_map(|(node, counters)| {
+            let (_, then) = first.iter().find(|(n, _)| n == node)?;
+            let deltas = counters
+                .iter()
+                .filter_map(|(name, v)| {
+                    let (_, v0) = then.iter().find(|(n, _)| n == name)?;
+                    Some((name.clone(), v.checked_sub(*v0)?))
+                })
+                .collect();
+            Some((format!("node{node}"), deltas))
+        })
+        .collect();
+    (!out.is_empty()).then_some(out)
 }
 
 /// Everything the pipeline produces.
@@ -523,5 +568,35 @@ mod tests {
             out.summary.nccl.by_op["AllReduce"].enqueue_ns,
             Some(u64::MAX)
         );
+    }
+
+    /// summary.json `memory.numastat_pages`: each node's counters from the first reading
+    /// to the last; null with a single reading or none, never zeros made up.
+    #[test]
+    fn numastat_from_first_to_last_reading() {
+        let reading = |hit: u64, other: u64| Meta::Numastat {
+            at_ns: 0,
+            nodes: vec![
+                (
+                    0,
+                    vec![("numa_hit".into(), hit), ("other_node".into(), other)],
+                ),
+                (1, vec![("numa_hit".into(), 7)]),
+            ],
+        };
+        let numastat = |readings: Vec<Meta>| {
+            let mut agg = Aggregator::new(Header::default());
+            for r in readings {
+                agg.meta(r);
+            }
+            agg.finish(StepRule::Auto).summary.memory.numastat_pages
+        };
+        assert_eq!(numastat(vec![]), None);
+        assert_eq!(numastat(vec![reading(100, 5)]), None);
+        let both = numastat(vec![reading(100, 5), reading(150, 9), reading(400, 2)]).unwrap();
+        assert_eq!(both["node0"]["numa_hit"], 300);
+        // A counter that went back (5 → 2) is left out, not made 0.
+        assert!(!both["node0"].contains_key("other_node"));
+        assert_eq!(both["node1"]["numa_hit"], 0);
     }
 }

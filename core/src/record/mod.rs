@@ -328,6 +328,13 @@ pub enum Meta {
     /// The kernel's accounting of the programs' run time (BPF_ENABLE_STATS), cumulative
     /// since they were loaded. Written when tracing starts, every second, and when it stops.
     ProgramStats(ProgramReading),
+    /// The NUMA nodes' allocation counters (`/sys/devices/system/node/nodeN/numastat`, in
+    /// pages, node-wide), read when tracing starts and when it stops.
+    Numastat {
+        at_ns: u64,
+        /// (node, (counter, pages)).
+        nodes: Vec<(u32, Vec<(String, u64)>)>,
+    },
 }
 
 impl Meta {
@@ -345,6 +352,7 @@ impl Meta {
             Meta::Maps { .. } => "maps",
             Meta::PythonCodes { .. } => "python_codes",
             Meta::ProgramStats(_) => "program_stats",
+            Meta::Numastat { .. } => "numastat",
         }
     }
 }

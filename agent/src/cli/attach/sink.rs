@@ -262,6 +262,12 @@ impl Sink for LiveSink {
         self.meta(Meta::ProgramStats(reading));
     }
 
+    fn numastat(&mut self, at_ns: u64, nodes: Vec<(u32, Vec<(String, u64)>)>) {
+        if !nodes.is_empty() {
+            self.meta(Meta::Numastat { at_ns, nodes });
+        }
+    }
+
     fn tick(&mut self, lost_by_kind: &std::collections::BTreeMap<String, u64>, alive: usize) {
         let lost: u64 = lost_by_kind.values().sum();
         if let Some(m) = &self.metrics {
