@@ -192,7 +192,18 @@ pub struct BpfCost {
     pub traps_per_step_ns: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub traps_unmeasured: Option<String>,
-    /// Programs and traps in the traced threads, per step and over the steps' wall time.
+    /// The sampling clock's interrupts in the traced threads, not in the sampling
+    /// program's run time: what one interrupt costs the thread it lands on here (the timer
+    /// and the perf overflow path, measured once while tracing), times the traced
+    /// threads' samples (the sampling program's traced runs). 0 without samples; null with
+    /// the reason when not measured.
+    pub sample_interrupt_ns: Option<u64>,
+    pub sampling_ns: Option<u64>,
+    pub sampling_per_step_ns: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sampling_unmeasured: Option<String>,
+    /// Programs, traps and sampling interrupts in the traced threads, per step and over
+    /// the steps' wall time.
     pub traced_total_per_step_ns: Option<u64>,
     pub traced_total_step_share: Option<f64>,
     /// Heaviest first; programs that never ran are left out.
@@ -284,6 +295,19 @@ impl BpfCost {
                 .saturating_mul(pair)
                 .saturating_add(entry_only.saturating_mul(entry))
         });
+        let samples = traced_runs(nccltrace_common::names::PERF_EVENT_CPU_CLOCK);
+        let sample_interrupt_ns = last.sample_interrupt_ns.or(first.sample_interrupt_ns);
+        let sampling_ns = if samples == 0 {
+            Some(0)
+        } else {
+            sample_interrupt_ns.map(|ns| samples.saturating_mul(ns))
+        };
+        let sampling_unmeasured = sampling_ns.is_none().then(|| {
+            last.sample_interrupt_refused
+                .clone()
+                .or_else(|| first.sample_interrupt_refused.clone())
+                .unwrap_or_else(|| "not measured by the agent that made the recording".to_owned())
+        });
         Some(BpfCost {
             method: BPF_COST_METHOD,
             cpu_ns,
@@ -302,6 +326,10 @@ impl BpfCost {
                     "not measured by the agent that made the recording".to_owned()
                 })
             }),
+            sample_interrupt_ns,
+            sampling_ns,
+            sampling_per_step_ns: None,
+            sampling_unmeasured,
             traced_total_per_step_ns: None,
             traced_total_step_share: None,
             programs,
@@ -319,7 +347,11 @@ impl BpfCost {
         self.traced_per_step_ns = Some(per(self.traced_ns));
         self.traced_step_share = Some(self.traced_ns as f64 / wall_ns as f64);
         self.traps_per_step_ns = self.traps_ns.map(per);
-        let total = self.traced_ns.saturating_add(self.traps_ns.unwrap_or(0));
+        self.sampling_per_step_ns = self.sampling_ns.map(per);
+        let total = self
+            .traced_ns
+            .saturating_add(self.traps_ns.unwrap_or(0))
+            .saturating_add(self.sampling_ns.unwrap_or(0));
         self.traced_total_per_step_ns = Some(per(total));
         self.traced_total_step_share = Some(total as f64 / wall_ns as f64);
         for p in &mut self.programs {
@@ -424,19 +456,6 @@ mod tests {
     /// the per-step figures divide by the steps and their wall time.
     #[test]
     fn program_cost_between_two_readings() {
-        let reading = |at_ns, programs: &[(&str, u64, u64)], traced: &[(&str, u64, u64)]| {
-            let own = |v: &[(&str, u64, u64)]| -> Vec<(String, u64, u64)> {
-                v.iter()
-                    .map(|(n, r, t)| ((*n).to_owned(), *r, *t))
-                    .collect()
-            };
-            Reading {
-                at_ns,
-                programs: own(programs),
-                traced: own(traced),
-                ..Reading::default()
-            }
-        };
         let first = reading(
             1_000_000_000,
             &[
@@ -511,7 +530,7 @@ mod tests {
                 "agent cost: 13.5 µs a step in the traced threads (0.14% of step time, \
                  estimated: programs 12.0 µs, uprobe traps 1.5 µs), 21.0 µs of programs on all \
                  CPUs (1.05 ms of CPU a second) — programs in the traced threads: b 11.0 µs, \
-                 uprobe_lib_call 1.0 µs, new 0.0 µs;"
+                 uprobe_lib_call 1.0 µs, new 0.0 µs\n"
             ),
             "{text}"
         );
@@ -525,5 +544,78 @@ mod tests {
             String::from_utf8(text).unwrap(),
             "agent cost: not measured (refused)\n"
         );
+    }
+
+    /// A reading of (program, runs, ns) on all CPUs and in traced threads.
+    fn reading(at_ns: u64, programs: &[(&str, u64, u64)], traced: &[(&str, u64, u64)]) -> Reading {
+        let own = |v: &[(&str, u64, u64)]| -> Vec<(String, u64, u64)> {
+            v.iter()
+                .map(|(n, r, t)| ((*n).to_owned(), *r, *t))
+                .collect()
+        };
+        Reading {
+            at_ns,
+            programs: own(programs),
+            traced: own(traced),
+            ..Reading::default()
+        }
+    }
+
+    /// Issue 22: the sampling clock's interrupts in the traced threads, charged at what
+    /// one costs here: the traced samples (the sampling program's traced runs) × that;
+    /// counted in the traced total and the stdout line; unmeasured, null with the reason.
+    #[test]
+    fn sampling_interrupts_counted() {
+        let clock = nccltrace_common::names::PERF_EVENT_CPU_CLOCK;
+        let first = reading(0, &[(clock, 0, 0)], &[(clock, 0, 0)]);
+        // 1,000 samples on all CPUs, 200 of them in traced threads.
+        let mut last = reading(
+            1_000_000_000,
+            &[(clock, 1_000, 500_000)],
+            &[(clock, 200, 150_000)],
+        );
+        last.trap_ns = Some(1_000);
+        last.sample_interrupt_refused = Some("the clock's interrupts were not seen".into());
+        let cost = BpfCost::between(&first, &last).unwrap();
+        assert_eq!(cost.sampling_ns, None);
+        let mut text = Vec::new();
+        let agent = AgentStats {
+            bpf: Some(cost),
+            ..AgentStats::default()
+        };
+        crate::render::summary::write_cost(&agent, &mut text).unwrap();
+        let text = String::from_utf8(text).unwrap();
+        assert!(
+            text.ends_with(
+                "; the sampling interrupt is not counted (the clock's interrupts were not \
+                 seen)\n"
+            ),
+            "{text}"
+        );
+        last.sample_interrupt_ns = Some(2_500);
+        let mut cost = BpfCost::between(&first, &last).unwrap();
+        assert_eq!(cost.sampling_ns, Some(200 * 2_500));
+        assert_eq!(cost.sampling_unmeasured, None);
+        cost.per_step(10, 100_000_000);
+        assert_eq!(cost.sampling_per_step_ns, Some(50_000));
+        // Programs in the traced threads: 150,000 timed + 200 × 350 before the check (the
+        // untimed 350,000 ns over 1,000 runs); no traps without calls.
+        assert_eq!(cost.traced_ns, 220_000);
+        assert_eq!(
+            cost.traced_total_per_step_ns,
+            Some((220_000 + 500_000) / 10)
+        );
+        let mut text = Vec::new();
+        let agent = AgentStats {
+            bpf: Some(cost),
+            ..AgentStats::default()
+        };
+        crate::render::summary::write_cost(&agent, &mut text).unwrap();
+        let text = String::from_utf8(text).unwrap();
+        assert!(
+            text.contains("uprobe traps 0.0 µs, sampling interrupts 50.0 µs)"),
+            "{text}"
+        );
+        assert!(!text.contains("not counted"), "{text}");
     }
 }

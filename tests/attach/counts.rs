@@ -154,6 +154,20 @@ fn programs_accounted(summary: &Value) {
         bpf["traps_ns"].as_u64(),
         Some(trap * paired + entry_trap * (entries - paired))
     );
+    sampling_accounted(bpf, traced_runs("perf_event_cpu_clock"));
+}
+
+/// The sampling clock's interrupts (issue 22): where the traced threads were sampled,
+/// what one costs, measured on the agent's own thread, × their samples.
+fn sampling_accounted(bpf: &Value, samples: u64) {
+    if samples == 0 {
+        assert_eq!(bpf["sampling_ns"], 0, "{bpf}");
+        return;
+    }
+    let per = bpf["sample_interrupt_ns"].as_u64().unwrap_or(0);
+    assert!(per > 0 && per < 200_000, "{per} ns an interrupt: {bpf}");
+    assert_eq!(bpf["sampling_ns"].as_u64(), Some(per * samples));
+    assert!(bpf.get("sampling_unmeasured").is_none(), "{bpf}");
 }
 
 /// The default profile with `call_returns = "needed"`, and InfiniBand off.

@@ -260,6 +260,9 @@ pub struct Attached {
     target_costs: PerCpuArray<MapData, u64>,
     /// What a traced call's traps cost here (ns), measured at the first tick, or why not.
     traps: Option<Result<traps::Traps, String>>,
+    /// What a sampling clock's interrupt costs here (ns), measured with the traps where
+    /// the profile samples, or why not.
+    sampling_cost: Option<Result<u64, String>>,
     /// The programs' run time before any probe was attached (the first window's start).
     baseline: Option<crate::record::ProgramReading>,
     /// The runs the trap calibration caused, left out of every reading.

@@ -276,6 +276,9 @@ impl Attached {
         {
             let before = raw_program_runs(ebpf);
             self.traps = Some(traps::calibrate(ebpf, &mut self.links));
+            if self.header.sample_period_ns > 0 {
+                self.sampling_cost = Some(traps::calibrate_sampling());
+            }
             // The calibration's own runs of the call programs (rejected at once: the agent is
             // no target) are not the job's: exactly `traps::CALLS_MADE` each, and their share
             // of the time the program ran meanwhile (the job's calls ran it too).
@@ -331,6 +334,15 @@ impl Attached {
                 Some("tracing stopped before it was measured".to_owned()),
             ),
         };
+        let (sample_interrupt_ns, sample_interrupt_refused) = match &self.sampling_cost {
+            Some(Ok(ns)) => (Some(*ns), None),
+            Some(Err(why)) => (None, Some(why.clone())),
+            None if self.header.sample_period_ns == 0 => (None, None),
+            None => (
+                None,
+                Some("tracing stopped before it was measured".to_owned()),
+            ),
+        };
         Some(crate::record::ProgramReading {
             at_ns: host::clock_ns(libc::CLOCK_MONOTONIC),
             programs,
@@ -338,6 +350,8 @@ impl Attached {
             trap_ns,
             entry_trap_ns,
             trap_refused,
+            sample_interrupt_ns,
+            sample_interrupt_refused,
         })
     }
 

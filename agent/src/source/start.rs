@@ -316,6 +316,7 @@ pub(super) fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attach
         bpf_stats,
         target_costs,
         traps: None,
+        sampling_cost: None,
         baseline,
         calibration_runs: BTreeMap::new(),
         mem,

@@ -106,3 +106,77 @@ pub(super) fn calibrate(ebpf: &mut Ebpf, links: &mut Vec<Link>) -> Result<Traps,
         entry_ns,
     })
 }
+
+/// The calibration's sampling clock: a period short enough that its interrupts slow a busy
+/// loop by a few percent, at 20,000 a second, under the kernel's default sample-rate
+/// limit (`kernel.perf_event_max_sample_rate`, 100,000).
+const SAMPLING_PERIOD_NS: u64 = 50_000;
+/// Busy-loop rounds without and with the clock, interleaved; the fastest of each counts.
+const SAMPLING_ROUNDS: usize = 8;
+/// Iterations of a round (about 5 ms here).
+const SAMPLING_WORK: u64 = 2_000_000;
+
+/// A fixed amount of CPU work; ns it took.
+fn busy_round() -> u64 {
+    let started = Instant::now();
+    let mut x = 0u64;
+    for i in 0..SAMPLING_WORK {
+        x = std::hint::black_box(x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(i));
+    }
+    std::hint::black_box(x);
+    started.elapsed().as_nanos() as u64
+}
+
+/// What one interrupt of a sampling clock costs the thread it lands on here (the timer,
+/// the perf overflow path; not the sampling program, whose run time the kernel accounts),
+/// ns: a cpu-clock event of this thread with no program and no ring, enabled for every
+/// other round of a busy loop; the added time over the interrupts the clock made.
+pub(super) fn calibrate_sampling() -> Result<u64, String> {
+    use perf_event_open_sys::bindings as sys;
+    use std::os::fd::{AsRawFd as _, FromRawFd as _};
+    let mut attr = sys::perf_event_attr {
+        type_: sys::PERF_TYPE_SOFTWARE,
+        size: u32::try_from(std::mem::size_of::<sys::perf_event_attr>()).unwrap_or(0),
+        config: u64::from(sys::PERF_COUNT_SW_CPU_CLOCK),
+        ..sys::perf_event_attr::default()
+    };
+    attr.__bindgen_anon_1.sample_period = SAMPLING_PERIOD_NS;
+    attr.set_disabled(1);
+    attr.set_exclude_hv(1);
+    // SAFETY: `attr` is a valid, fully initialised perf_event_attr of its own size; pid 0
+    // and cpu -1 are this thread on any CPU.
+    let fd = unsafe {
+        perf_event_open_sys::perf_event_open(
+            &raw mut attr,
+            0,
+            -1,
+            -1,
+            libc::c_ulong::from(sys::PERF_FLAG_FD_CLOEXEC),
+        )
+    };
+    if fd < 0 {
+        return Err(format!(
+            "a cpu-clock sampling event could not be opened ({})",
+            std::io::Error::last_os_error()
+        ));
+    }
+    // SAFETY: a new descriptor the kernel just gave us, owned from here.
+    let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+    let (mut bare, mut sampled) = (u64::MAX, u64::MAX);
+    for _ in 0..SAMPLING_ROUNDS {
+        bare = bare.min(busy_round());
+        // SAFETY: enabling and disabling an event this process owns.
+        unsafe { perf_event_open_sys::ioctls::ENABLE(fd.as_raw_fd(), 0) };
+        sampled = sampled.min(busy_round());
+        // SAFETY: as above.
+        unsafe { perf_event_open_sys::ioctls::DISABLE(fd.as_raw_fd(), 0) };
+    }
+    let interrupts = sampled / SAMPLING_PERIOD_NS;
+    if sampled <= bare || interrupts == 0 {
+        return Err(format!(
+            "the sampled rounds were no slower ({sampled} ns against {bare} ns): the clock's \
+             interrupts were not seen"
+        ));
+    }
+    Ok((sampled - bare) / interrupts)
+}

@@ -272,6 +272,12 @@ pub struct ProgramReading {
     pub entry_trap_ns: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub trap_refused: Option<String>,
+    /// What one interrupt of a sampling clock costs the thread it lands on (ns), measured
+    /// once while tracing where the profile samples, or why not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sample_interrupt_ns: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sample_interrupt_refused: Option<String>,
 }
 
 /// Agent metadata records.

@@ -122,13 +122,25 @@ pub fn write_cost(agent: &crate::summary::AgentStats, out: &mut impl Write) -> i
         || "uprobe traps not measured".to_owned(),
         |t| format!("uprobe traps {:.1} µs", us(t)),
     );
+    // Sampling interrupts: measured, none (no samples), or not measured and why.
+    let (sampling, not_counted) = match (bpf.sampling_per_step_ns, &bpf.sampling_unmeasured) {
+        (Some(ns), _) if bpf.sampling_ns.unwrap_or(0) > 0 => (
+            format!(", sampling interrupts {:.1} µs", us(ns)),
+            String::new(),
+        ),
+        (_, Some(why)) => (
+            String::new(),
+            format!("; the sampling interrupt is not counted ({why})"),
+        ),
+        _ => (String::new(), String::new()),
+    };
     let steps = bpf
         .traced_total_per_step_ns
         .zip(bpf.traced_total_step_share);
     let head = match (steps, bpf.traced_per_step_ns, bpf.per_step_ns) {
         (Some((total, share)), Some(programs), Some(all)) => format!(
             "{:.1} µs a step in the traced threads ({:.2}% of step time, estimated: programs \
-             {:.1} µs, {traps}), {:.1} µs of programs on all CPUs ({per_second})",
+             {:.1} µs, {traps}{sampling}), {:.1} µs of programs on all CPUs ({per_second})",
             us(total),
             share * 100.0,
             us(programs),
@@ -151,8 +163,7 @@ pub fn write_cost(agent: &crate::summary::AgentStats, out: &mut impl Write) -> i
         .collect();
     writeln!(
         out,
-        "agent cost: {head} — programs in the traced threads: {}; the sampling interrupt is \
-         not counted",
+        "agent cost: {head} — programs in the traced threads: {}{not_counted}",
         top.join(", ")
     )
 }
