@@ -518,13 +518,7 @@ mod tests {
         let cost_mixed = BpfCost::between(&first, &mixed).unwrap();
         assert_eq!(cost_mixed.traps_ns, Some(60 * 1_500 + 40 * 600));
         assert_eq!(cost_mixed.entry_trap_ns, Some(600));
-        let mut text = Vec::new();
-        let agent = AgentStats {
-            bpf: Some(cost),
-            ..AgentStats::default()
-        };
-        crate::render::summary::write_cost(&agent, &mut text).unwrap();
-        let text = String::from_utf8(text).unwrap();
+        let text = cost_line(cost);
         assert!(
             text.starts_with(
                 "agent cost: 13.5 µs a step in the traced threads (0.14% of step time, \
@@ -544,6 +538,17 @@ mod tests {
             String::from_utf8(text).unwrap(),
             "agent cost: not measured (refused)\n"
         );
+    }
+
+    /// The stdout line of `cost`.
+    fn cost_line(cost: BpfCost) -> String {
+        let mut text = Vec::new();
+        let agent = AgentStats {
+            bpf: Some(cost),
+            ..AgentStats::default()
+        };
+        crate::render::summary::write_cost(&agent, &mut text).unwrap();
+        String::from_utf8(text).unwrap()
     }
 
     /// A reading of (program, runs, ns) on all CPUs and in traced threads.
@@ -578,13 +583,7 @@ mod tests {
         last.sample_interrupt_refused = Some("the clock's interrupts were not seen".into());
         let cost = BpfCost::between(&first, &last).unwrap();
         assert_eq!(cost.sampling_ns, None);
-        let mut text = Vec::new();
-        let agent = AgentStats {
-            bpf: Some(cost),
-            ..AgentStats::default()
-        };
-        crate::render::summary::write_cost(&agent, &mut text).unwrap();
-        let text = String::from_utf8(text).unwrap();
+        let text = cost_line(cost);
         assert!(
             text.ends_with(
                 "; the sampling interrupt is not counted (the clock's interrupts were not \
@@ -605,13 +604,7 @@ mod tests {
             cost.traced_total_per_step_ns,
             Some((220_000 + 500_000) / 10)
         );
-        let mut text = Vec::new();
-        let agent = AgentStats {
-            bpf: Some(cost),
-            ..AgentStats::default()
-        };
-        crate::render::summary::write_cost(&agent, &mut text).unwrap();
-        let text = String::from_utf8(text).unwrap();
+        let text = cost_line(cost);
         assert!(
             text.contains("uprobe traps 0.0 µs, sampling interrupts 50.0 µs)"),
             "{text}"
