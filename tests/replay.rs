@@ -368,60 +368,57 @@ fn outputs_match_the_golden_files() {
     }
 }
 
-/// Issue 19: each step's InfiniBand traffic, from the ports' counters the agent reads
-/// while tracing. The H200 all-reduce recording with `infiniband_counters` records added
-/// as the session writes them, but five times as often (data counters every 20 ms, all
-/// every 100 ms, one more at the end: the recording is 2 s long): port 0 sends one 4-byte word a microsecond and receives one every two, and
-/// has a symbol error a second; port 1 moves nothing. Each step must get its own wall
-/// time's worth, whether the run is attributed whole or in epochs (which then wait for
-/// the next reading), and summary.json the run's totals.
-#[test]
-fn infiniband_counters_give_each_step_its_traffic() {
-    use nccltrace::record::{Reader, Record, Writer};
+/// One InfiniBand reading of two ports at `at` (ns after `t0`), all counters or the data
+/// and packet ones: port 0 sends one 4-byte word a microsecond and receives one every two,
+/// with a symbol error a second; port 1 moves nothing.
+fn ib_reading(writer: &mut nccltrace::record::Writer, t0: u64, at: u64, full: bool) {
     use nccltrace_common::{IB_COUNTER_NAMES, IB_FAST_COUNTERS, IbCountersEvent, kind};
-    let dir = tempfile::tempdir().unwrap();
-    let rec = unpacked("allreduce", dir.path());
-    let mut reader = Reader::open(&rec).unwrap();
+    let n = if full {
+        IB_COUNTER_NAMES.len()
+    } else {
+        IB_FAST_COUNTERS
+    };
+    for port in 0..2u32 {
+        let mut r = IbCountersEvent {
+            port,
+            present: (1 << n) - 1,
+            ..Default::default()
+        };
+        r.hdr.ts_ns = at;
+        r.hdr.kind = kind::IB_COUNTERS;
+        r.hdr.cpu = u16::MAX;
+        if port == 0 {
+            r.values[0] = (at - t0) / 1000;
+            r.values[1] = (at - t0) / 2000;
+            r.values[7] = (at - t0) / 1_000_000_000;
+        } else {
+            r.values[0] = 5;
+        }
+        writer.kernel(&nccltrace::decode::as_bytes(&r)).unwrap();
+    }
+}
+
+/// `rec` with InfiniBand readings added as the session writes them, but five times as
+/// often (data counters every 20 ms, all every 100 ms, one more at the end); returns the
+/// new recording, when tracing started and the last record's time.
+fn with_ib_readings(rec: &Path, dir: &Path) -> (PathBuf, u64, u64) {
+    use nccltrace::record::{Reader, Record, Writer};
+    let mut reader = Reader::open(rec).unwrap();
     let mut header = reader.header.clone();
     header.infiniband_ports = vec!["mlx5_0/1".into(), "mlx5_1/1".into()];
     header.infiniband_every_ms = Some(20);
     header.infiniband_refused = None;
     let t0 = header.clock.monotonic_ns;
-    let with_ib = dir.path().join("ib.nctr");
+    let with_ib = dir.join("ib.nctr");
     let mut writer = Writer::create(&with_ib, &header).unwrap();
-    let reading = |writer: &mut Writer, at: u64, full: bool| {
-        let n = if full {
-            IB_COUNTER_NAMES.len()
-        } else {
-            IB_FAST_COUNTERS
-        };
-        for port in 0..2u32 {
-            let mut r = IbCountersEvent {
-                port,
-                present: (1 << n) - 1,
-                ..Default::default()
-            };
-            r.hdr.ts_ns = at;
-            r.hdr.kind = kind::IB_COUNTERS;
-            r.hdr.cpu = u16::MAX;
-            if port == 0 {
-                r.values[0] = (at - t0) / 1000;
-                r.values[1] = (at - t0) / 2000;
-                r.values[7] = (at - t0) / 1_000_000_000;
-            } else {
-                r.values[0] = 5;
-            }
-            writer.kernel(&nccltrace::decode::as_bytes(&r)).unwrap();
-        }
-    };
-    reading(&mut writer, t0, true);
+    ib_reading(&mut writer, t0, t0, true);
     let (mut next, mut readings, mut end) = (t0 + 20_000_000, 1u64, t0);
     while let Some(record) = reader.next_record().unwrap() {
         match record {
             Record::Kernel(bytes) => {
                 let ts = u64::from_le_bytes(bytes[..8].try_into().unwrap());
                 while ts > next {
-                    reading(&mut writer, next, readings % 5 == 0);
+                    ib_reading(&mut writer, t0, next, readings % 5 == 0);
                     (next, readings) = (next + 20_000_000, readings + 1);
                 }
                 end = end.max(ts);
@@ -430,9 +427,22 @@ fn infiniband_counters_give_each_step_its_traffic() {
             Record::Meta(meta) => writer.meta(&meta).unwrap(),
         }
     }
-    reading(&mut writer, end, true);
+    ib_reading(&mut writer, t0, end, true);
     writer.finish().unwrap();
     assert!(readings > 50, "{readings} readings: the run is long enough");
+    (with_ib, t0, end)
+}
+
+/// Issue 19: each step's InfiniBand traffic, from the ports' counters the agent reads
+/// while tracing: the H200 all-reduce recording (2 s) with readings added
+/// ([`with_ib_readings`]). Each step must get its own wall time's worth, whether the run
+/// is attributed whole or in epochs (which then wait for the next full reading), and
+/// summary.json and stdout the run's totals.
+#[test]
+fn infiniband_counters_give_each_step_its_traffic() {
+    let dir = tempfile::tempdir().unwrap();
+    let rec = unpacked("allreduce", dir.path());
+    let (with_ib, t0, end) = with_ib_readings(&rec, dir.path());
 
     let read = |out: &Path, f: &str| -> Value {
         serde_json::from_str(&std::fs::read_to_string(out.join(f)).unwrap()).unwrap()
@@ -440,7 +450,17 @@ fn infiniband_counters_give_each_step_its_traffic() {
     let mut all = Vec::new();
     for epoch_events in ["0", "2000"] {
         let out = dir.path().join(format!("out-{epoch_events}"));
-        report(&with_ib, &out, &["--epoch-events", epoch_events]);
+        let said = report(&with_ib, &out, &["--epoch-events", epoch_events]);
+        // The run's totals on stdout, with the errors the ports counted.
+        let line = said
+            .lines()
+            .find(|l| l.starts_with("InfiniBand mlx5_0/1: "))
+            .unwrap_or_else(|| panic!("{said}"));
+        assert!(line.ends_with(" received, symbol_error 1"), "{line}");
+        assert!(
+            said.contains("InfiniBand mlx5_1/1: 0.0 MB sent, "),
+            "{said}"
+        );
         let steps = read(&out, "steps.json");
         let method = steps["methods"]["infiniband"].as_str().unwrap();
         assert!(

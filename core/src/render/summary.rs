@@ -10,6 +10,15 @@ pub fn write_json(summary: &Summary, out: &mut impl Write) -> io::Result<()> {
     writeln!(out)
 }
 
+/// Bytes in GB (10^9) with two decimals, or MB with one below a GB.
+fn gigabytes(bytes: u64) -> String {
+    if bytes >= 1_000_000_000 {
+        format!("{:.2} GB", bytes as f64 / 1e9)
+    } else {
+        format!("{:.1} MB", bytes as f64 / 1e6)
+    }
+}
+
 fn ms(ns: u64) -> String {
     format!("{:.3} ms", ns as f64 / 1e6)
 }
@@ -93,6 +102,7 @@ pub fn write_text(s: &Summary, out: &mut impl Write) -> io::Result<()> {
         "Memory: {} page faults, {} pages migrated",
         s.memory.page_faults, s.memory.pages_migrated
     )?;
+    write_infiniband(s, out)?;
     writeln!(out, "Events: {} recorded, {} lost", s.events, s.lost_events)?;
     for (kind, n) in s.lost_by_kind.iter().filter(|(_, n)| **n > 0) {
         writeln!(out, "  lost {kind}: {n}")?;
@@ -105,6 +115,35 @@ pub fn write_text(s: &Summary, out: &mut impl Write) -> io::Result<()> {
     }
     if let Some(what) = &s.damaged {
         writeln!(out, "Damaged: {what}")?;
+    }
+    Ok(())
+}
+
+/// Each InfiniBand port's traffic and errors over the run, a line each.
+fn write_infiniband(s: &Summary, out: &mut impl Write) -> io::Result<()> {
+    let Some(ib) = &s.infiniband else {
+        return Ok(());
+    };
+    for (port, counters) in &ib.0 {
+        let get = |name: &str| counters.iter().find(|(n, _)| *n == name).map(|c| c.1);
+        let bytes = |name: &str| get(name).map_or_else(|| "?".to_owned(), gigabytes);
+        let errors: Vec<String> = counters
+            .iter()
+            .filter(|(n, v)| *v > 0 && !n.starts_with("transmit") && !n.starts_with("receive"))
+            .filter(|(n, _)| !n.ends_with("_packets") && *n != "port_xmit_wait")
+            .map(|(n, v)| format!("{n} {v}"))
+            .collect();
+        writeln!(
+            out,
+            "InfiniBand {port}: {} sent, {} received, {}",
+            bytes("transmit_bytes"),
+            bytes("receive_bytes"),
+            if errors.is_empty() {
+                "no errors".to_owned()
+            } else {
+                errors.join(", ")
+            }
+        )?;
     }
     Ok(())
 }
