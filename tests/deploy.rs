@@ -181,27 +181,11 @@ fn one_step_of_every_kind(
     };
     feed.event(&call(Func::AllReduce));
     feed.event(&call(Func::CuStreamSynchronize));
-    let step = nccltrace::attribute::Step {
-        index: 0,
-        start_ns: 0,
-        end_ns: 5_000,
-        wall_ns: 5_000,
-        categories: nccltrace::attribute::Categories {
-            compute: 5_000,
-            ..Default::default()
-        },
-        nccl: nccltrace::attribute::NcclCount::default(),
-        faults: 0,
-        migrations: 0,
-        cross_node_migrations: 0,
-        numa_page_migrations: 0,
-        numa_task_moves: 0,
-        remote_access: None,
-        remote_loads: None,
-        infiniband: None,
-        slowest_rank: None,
-        ranks: Vec::new(),
+    let compute = nccltrace::attribute::Categories {
+        compute: 5_000,
+        ..Default::default()
     };
+    let step = nccltrace::attribute::Step::new(0, 0, 5_000, compute);
     feed.epoch(&nccltrace::attribute::Epoch {
         steps: vec![step],
         detail: nccltrace::attribute::Detail {

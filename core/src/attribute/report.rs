@@ -50,6 +50,31 @@ pub struct Step {
     pub ranks: Vec<StepRank>,
 }
 
+impl Step {
+    /// A step of `[start_ns, end_ns)` with `categories` and nothing else counted in it.
+    #[must_use]
+    pub fn new(index: usize, start_ns: u64, end_ns: u64, categories: Categories) -> Step {
+        Step {
+            index,
+            start_ns,
+            end_ns,
+            wall_ns: end_ns.saturating_sub(start_ns),
+            categories,
+            nccl: NcclCount::default(),
+            faults: 0,
+            migrations: 0,
+            cross_node_migrations: 0,
+            numa_page_migrations: 0,
+            numa_task_moves: 0,
+            remote_access: None,
+            remote_loads: None,
+            infiniband: None,
+            slowest_rank: None,
+            ranks: Vec::new(),
+        }
+    }
+}
+
 /// One rank's categories in a step.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct StepRank {

@@ -14,28 +14,12 @@ fn quantiles() {
 }
 
 fn step(index: usize, compute: u64, nccl_wait: u64) -> Step {
-    Step {
-        index,
-        start_ns: 0,
-        end_ns: compute + nccl_wait,
-        wall_ns: compute + nccl_wait,
-        categories: Categories {
-            compute,
-            nccl_wait,
-            ..Categories::default()
-        },
-        nccl: crate::attribute::NcclCount::default(),
-        faults: 0,
-        migrations: 0,
-        cross_node_migrations: 0,
-        numa_page_migrations: 0,
-        numa_task_moves: 0,
-        remote_access: None,
-        remote_loads: None,
-        infiniband: None,
-        slowest_rank: None,
-        ranks: vec![],
-    }
+    let categories = Categories {
+        compute,
+        nccl_wait,
+        ..Categories::default()
+    };
+    Step::new(index, 0, compute + nccl_wait, categories)
 }
 
 /// steps.json's rows are written by hand for speed: byte for byte what `Step`'s

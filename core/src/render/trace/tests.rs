@@ -64,18 +64,14 @@ fn trace_golden() {
         kernel: "6.18".into(),
         ..Default::default()
     };
+    let categories = Categories {
+        compute: 3_000_000,
+        nccl_wait: 3_000_000,
+        page_fault: 1_000_000,
+        runqueue: 1_000_000,
+        ..Categories::default()
+    };
     let step = Step {
-        index: 0,
-        start_ns: 0,
-        end_ns: 8_000_000,
-        wall_ns: 8_000_000,
-        categories: Categories {
-            compute: 3_000_000,
-            nccl_wait: 3_000_000,
-            page_fault: 1_000_000,
-            runqueue: 1_000_000,
-            ..Categories::default()
-        },
         nccl: NcclCount {
             collectives: 1,
             bytes: 4096,
@@ -83,13 +79,7 @@ fn trace_golden() {
         faults: 3,
         migrations: 1,
         cross_node_migrations: 1,
-        numa_page_migrations: 0,
-        numa_task_moves: 0,
-        remote_access: None,
-        remote_loads: None,
-        infiniband: None,
-        slowest_rank: None,
-        ranks: vec![],
+        ..Step::new(0, 0, 8_000_000, categories)
     };
     let steps = StepsReport {
         clock: "",
