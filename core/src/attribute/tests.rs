@@ -129,17 +129,23 @@ fn numa_events_counted_per_step() {
     assert_eq!(counts, [(4, 2), (4, 1)]);
 }
 
+/// [`header`] of a host whose PMU sampled loads (PEBS), at 2 GHz.
+fn pebs_header() -> Header {
+    Header {
+        mem_sampler: Some("Intel PEBS load latency (cpu/mem-loads, ldlat=30)".into()),
+        mem_sampling_refused: None,
+        cpu_khz: Some(2_000_000),
+        ..header()
+    }
+}
+
 /// Where the PMU sampled loads, `remote_memory` is measured from the rank thread's
 /// remote-DRAM samples (latency × period at the CPU's frequency), carved out of
 /// compute, and labelled measured; samples pushed out of time order land in their step.
 #[test]
 fn remote_memory_measured_from_pmu_samples() {
     use nccltrace_common::kind;
-    let mut h = header();
-    h.mem_sampler = Some("Intel PEBS load latency (cpu/mem-loads, ldlat=30)".into());
-    h.mem_sampling_refused = None;
-    h.cpu_khz = Some(2_000_000);
-    let mut tl = Timeline::new(&Setup::from(&h));
+    let mut tl = Timeline::new(&Setup::from(&pebs_header()));
     tl.push(&call(Func::AllReduce, 100, 200));
     // perf_mem_data_src: a load served by DRAM, remote or local (level number + bit).
     let dram = |remote: u64| 2 | (13 << 33) | (remote << 37);
@@ -203,11 +209,7 @@ fn remote_memory_measured_from_pmu_samples() {
 /// categories still sum to its wall time.
 #[test]
 fn remote_loads_while_waiting_for_nccl_come_out_of_nccl_wait() {
-    let mut h = header();
-    h.mem_sampler = Some("Intel PEBS load latency (cpu/mem-loads, ldlat=30)".into());
-    h.mem_sampling_refused = None;
-    h.cpu_khz = Some(2_000_000);
-    let mut tl = Timeline::new(&Setup::from(&h));
+    let mut tl = Timeline::new(&Setup::from(&pebs_header()));
     let remote_dram = 2 | (13 << 33) | (1 << 37);
     let sample = |ts_ns| Event::MemSample {
         ts_ns,
