@@ -185,19 +185,22 @@ impl Readings {
         })
     }
 
-    /// Keeps each port's first and last full readings only.
+    /// Keeps each port's earliest and latest full readings only (by time: readings of
+    /// windows joined out of order keep the right ends).
     pub fn keep_ends(&mut self) {
         for p in &mut self.by_port {
             let r = &mut p.readings;
-            let Some(first) = r.iter().position(|r| r.full) else {
+            let full = || r.iter().filter(|r| r.full);
+            let (Some(&first), Some(&last)) = (
+                full().min_by_key(|r| r.ts_ns),
+                full().max_by_key(|r| r.ts_ns),
+            ) else {
                 continue;
             };
-            let last = r.iter().rposition(|r| r.full).unwrap_or(first);
-            let ends = [r[first], r[last]];
             r.clear();
-            r.push(ends[0]);
-            if last != first {
-                r.push(ends[1]);
+            r.push(first);
+            if last.ts_ns != first.ts_ns {
+                r.push(last);
             }
         }
     }
@@ -327,6 +330,14 @@ mod tests {
             Some(7 * 200 * 4)
         );
         assert_eq!(Readings::new(vec!["d/1".into()]).totals(), None);
+        // Out of time order, trimmed after each as the summary does: the same ends.
+        let mut late = Readings::new(vec!["d/1".into()]);
+        for ms in [200u64, 0, 300, 100] {
+            late.add(ms * 1_000_000, 0, &[(0, ms)]);
+            late.keep_ends();
+        }
+        let totals = late.totals().unwrap();
+        assert_eq!(get(&totals, "d/1", "transmit_bytes"), Some(300 * 4));
     }
 
     #[test]

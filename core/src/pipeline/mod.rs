@@ -349,9 +349,7 @@ impl Aggregator {
     }
 
     /// The node's counters over the run: numastat per node, InfiniBand per port.
-    fn node_totals(&mut self) -> (Option<NodeDeltas>, Option<crate::attribute::IbStep>) {
-        self.infiniband.sort();
-        self.infiniband.keep_ends();
+    fn node_totals(&self) -> (Option<NodeDeltas>, Option<crate::attribute::IbStep>) {
         let numastat = self
             .numastat
             .as_ref()
