@@ -3,7 +3,7 @@
 
 pub use nccltrace_core::procfs::{
     NUMA_MAPS_EVERY, kallsyms_ranges, missing_capabilities, numa_maps_fields, parse_cpu_list,
-    parse_kallsyms,
+    parse_kallsyms, parse_numastat,
 };
 use std::path::{Path, PathBuf};
 
@@ -73,14 +73,7 @@ impl Host {
             .into_iter()
             .filter_map(|node| {
                 let text = self.read(&format!("sys/devices/system/node/node{node}/numastat"))?;
-                let counters = text
-                    .lines()
-                    .filter_map(|line| {
-                        let mut words = line.split_whitespace();
-                        Some((words.next()?.to_owned(), words.next()?.parse().ok()?))
-                    })
-                    .collect();
-                Some((node, counters))
+                Some((node, parse_numastat(&text)))
             })
             .collect()
     }

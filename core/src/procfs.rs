@@ -76,6 +76,18 @@ pub fn mapped_files(maps: &[MapEntry]) -> Vec<String> {
         .collect()
 }
 
+/// Parses a node's `numastat` (`numa_hit 76305701` a line): (counter, pages), the lines
+/// that read as numbers.
+#[must_use]
+pub fn parse_numastat(text: &str) -> Vec<(String, u64)> {
+    text.lines()
+        .filter_map(|line| {
+            let mut words = line.split_whitespace();
+            Some((words.next()?.to_owned(), words.next()?.parse().ok()?))
+        })
+        .collect()
+}
+
 /// Parses a kernel CPU list such as `0-3,8,10-11`.
 #[must_use]
 pub fn parse_cpu_list(text: &str) -> Vec<u32> {

@@ -253,14 +253,7 @@ fn read_nodes(r: &mut Reader<'_>) -> Vec<Node> {
             .map_or_else(Vec::new, |t| parse_cpu_list(&t));
         let numastat = r
             .read_opt(&format!("sys/devices/system/node/{name}/numastat"))
-            .map(|t| {
-                t.lines()
-                    .filter_map(|l| {
-                        let (k, v) = l.split_once(' ')?;
-                        Some((k.to_owned(), v.trim().parse().ok()?))
-                    })
-                    .collect()
-            })
+            .map(|t| crate::host::parse_numastat(&t).into_iter().collect())
             .unwrap_or_default();
         nodes.push(Node { id, cpus, numastat });
     }
