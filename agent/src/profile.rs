@@ -52,6 +52,13 @@ pub struct Probes {
     /// given.
     #[serde(default)]
     pub python_frames: bool,
+    /// Off-CPU stacks without kernel frames and call-entry stacks: where a thread's native
+    /// stack is where it was at its previous stack of that kind (same instruction, stack
+    /// and frame pointers, and the innermost frame link, under a second ago), reuse those
+    /// native frames instead of unwinding them again. Python frames are walked every
+    /// time. Off when not given.
+    #[serde(default)]
+    pub reuse_stacks: bool,
     /// Which traced calls get a return probe: "all" (when not given), or "needed": only
     /// CUDA syncs, communicator creation and destruction and ncclGroupEnd
     /// (`nccltrace_common::func::return_needed`). The others are recorded at entry, one

@@ -4,8 +4,8 @@
 use nccltrace_common::{
     CallEvent, FaultEvent, FaultTimeEvent, Header, IbCountersEvent, KSTACK_DEPTH, MemSampleEvent,
     MigrateEvent, NOT_READ, NumaHintEvent, NumaPagesEvent, NumaTaskEvent, PY_DEPTH,
-    PageMigrationEvent, PyStackEvent, SampleEvent, SwitchEvent, TaskEvent, USTACK_DEPTH,
-    WakeupEvent, kind, numa_hint, numa_task, switch_flags,
+    PageMigrationEvent, PyStackEvent, SampleEvent, StackSameEvent, SwitchEvent, TaskEvent,
+    USTACK_DEPTH, WakeupEvent, kind, numa_hint, numa_task, switch_flags,
 };
 
 use crate::event::{Call, Event, Func, NumaTaskKind, PyFrame, Task, datatype_size};
@@ -23,6 +23,8 @@ pub enum DecodeError {
     UnknownKind { kind: u16 },
     #[error("unknown traced function id {id}")]
     UnknownFunc { id: u32 },
+    #[error("stack-same record for kind {of}, which is not a stack record")]
+    NotAStack { of: u32 },
 }
 
 /// Fails unless `bytes` hold a whole `T`.
@@ -294,6 +296,18 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
                     .collect(),
             }
         }
+        kind::STACK_SAME => {
+            let e = read::<StackSameEvent>(bytes, "stack-same record")?;
+            let of = u16::try_from(e.of)
+                .ok()
+                .filter(|of| matches!(*of, kind::OFFCPU | kind::CALL_STACK))
+                .ok_or(DecodeError::NotAStack { of: e.of })?;
+            Event::StackSame {
+                ts_ns: h.ts_ns,
+                task: t,
+                of,
+            }
+        }
         kind::SAMPLE | kind::OFFCPU | kind::CALL_STACK => {
             // The frames in use, straight from the record (not copying its 800 bytes).
             let (k, u, kstack_at, ustack_at) = stack_layout(bytes)?;
@@ -515,6 +529,39 @@ mod tests {
         assert_eq!((ts_ns, task.tid, task.tgid), (9_000, 12, 10));
         assert_eq!((weight, data_src), (420, 0x2_0000_0042));
         assert!(decode(&bytes[..32]).is_err());
+    }
+
+    /// A stack-same record names the kind of stack it stands for; any other kind is
+    /// refused, as is a short record.
+    #[test]
+    fn stack_same_names_a_stack_kind() {
+        let mut rec = StackSameEvent {
+            hdr: Header {
+                ts_ns: 5_000,
+                tgid: 10,
+                tid: 11,
+                kind: kind::STACK_SAME,
+                cpu: 3,
+                _pad: 0,
+            },
+            of: u32::from(kind::CALL_STACK),
+            _pad: 0,
+        };
+        let Event::StackSame { ts_ns, task, of } = decode(&as_bytes(&rec)).unwrap() else {
+            panic!("not a stack-same record")
+        };
+        assert_eq!(
+            (ts_ns, task.tid, task.tgid, of),
+            (5_000, 11, 10, kind::CALL_STACK)
+        );
+        rec.of = u32::from(kind::SWITCH);
+        assert_eq!(
+            decode(&as_bytes(&rec)),
+            Err(DecodeError::NotAStack {
+                of: u32::from(kind::SWITCH)
+            })
+        );
+        assert!(decode(&as_bytes(&rec)[..24]).is_err());
     }
 
     /// ncclReduce has eight arguments: root 6th, comm 7th, stream 8th.

@@ -503,6 +503,15 @@ pub enum Event {
         kstack: Vec<u64>,
         ustack: Vec<u64>,
     },
+    /// An off-CPU or call-entry stack record whose native frames are the thread's
+    /// previous ones of that kind (`kind::STACK_SAME`); its Python frames came before it as
+    /// for any stack record.
+    StackSame {
+        ts_ns: u64,
+        task: Task,
+        /// `kind::OFFCPU` or `kind::CALL_STACK`.
+        of: u16,
+    },
     /// The user stack at the entry of a traced call (made just after the call's start).
     CallStack {
         ts_ns: u64,
@@ -550,6 +559,7 @@ impl Event {
             | Event::Sample { task, .. }
             | Event::OffCpu { task, .. }
             | Event::CallStack { task, .. }
+            | Event::StackSame { task, .. }
             | Event::PyStack { task, .. } => *task,
         }
     }
@@ -575,6 +585,7 @@ impl Event {
             | Event::Sample { ts_ns, .. }
             | Event::OffCpu { ts_ns, .. }
             | Event::CallStack { ts_ns, .. }
+            | Event::StackSame { ts_ns, .. }
             | Event::PyStack { ts_ns, .. } => *ts_ns,
         }
     }
@@ -602,6 +613,7 @@ impl Event {
             k::MEM_SAMPLE => "mem_sample",
             k::NUMA_PAGES => "numa_pages",
             k::IB_COUNTERS => "infiniband_counters",
+            k::STACK_SAME => "stack_same",
             _ => "unknown",
         }
     }

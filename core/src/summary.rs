@@ -388,6 +388,14 @@ pub struct Summary {
     pub offcpu_stacks_taken: Option<String>,
     /// Stacks captured at the entry of traced calls (profile `call_stacks`).
     pub call_stacks: u64,
+    /// Of `offcpu_stacks` and `call_stacks` (user frames only), those whose native frames
+    /// were not unwound again: the thread was where it had been at its previous stack of
+    /// that kind (same instruction, stack and frame pointers, innermost frame link),
+    /// taken under a second before. Their Python frames are walked every time.
+    pub stacks_reused: u64,
+    /// Of those, the ones whose earlier stack is not in the recording (lost, or in an
+    /// earlier window of a rotated recording): drawn without a stack.
+    pub stacks_reused_unresolved: u64,
     pub undecodable_records: u64,
     pub lost_events: u64,
     pub lost_by_kind: BTreeMap<String, u64>,
@@ -429,6 +437,17 @@ pub(crate) fn target_summaries(
                 .map(|_| python_stacks.get(&t.pid).copied().unwrap_or(0)),
         })
         .collect()
+}
+
+/// The CUDA sync totals of each function's.
+pub(crate) fn cuda_totals(by_func: BTreeMap<Func, SyncStats>) -> CudaSyncStats {
+    let mut cuda_sync = CudaSyncStats::default();
+    for (func, s) in by_func {
+        cuda_sync.calls += s.calls;
+        cuda_sync.wait_ns = cuda_sync.wait_ns.saturating_add(s.wait_ns);
+        cuda_sync.by_func.insert(func.name().to_owned(), s);
+    }
+    cuda_sync
 }
 
 /// NCCL totals from the per-function ones.

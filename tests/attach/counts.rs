@@ -9,7 +9,7 @@ use super::*;
 #[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
 fn counts_every_call_of_the_trainer() {
     let _serial = privileged();
-    // 999 Hz (the default is 199): enough samples that some land in the faults.
+    // 999 Hz (the default is 99): enough samples that some land in the faults.
     let (truth, summary, out, _dir, _) = traced_trainer_with(
         25,
         &[("FAKE_NCCL_US", "300")],

@@ -707,6 +707,17 @@ fn offcpu_stacks_as_taken(out: &Path, summary: &Value) {
         taken.starts_with("user and Python frames, no kernel frames"),
         "{taken}"
     );
+    // It reuses native frames (`reuse_stacks`): the trainer blocks in the same sync from
+    // the same call site every step, so most stacks after the first are reused, and each
+    // has its earlier stack in the recording (the graphs above are drawn from them).
+    let stacks =
+        summary["offcpu_stacks"].as_u64().unwrap() + summary["call_stacks"].as_u64().unwrap();
+    let reused = summary["stacks_reused"].as_u64().unwrap();
+    assert!(
+        reused > 0 && reused < stacks,
+        "{reused} of {stacks} stacks reused"
+    );
+    assert_eq!(summary["stacks_reused_unresolved"], 0);
     if taken.contains("taken as threads come back to the CPU") {
         assert!(folded.lines().any(|l| !l.contains(short_frame)), "{folded}");
         assert!(

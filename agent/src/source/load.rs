@@ -38,6 +38,8 @@ pub(super) fn load(
         shards,
         // Woken early at an eighth full; otherwise drained every `DRAIN_EVERY`.
         wakeup_bytes: u64::from(profile.ring_buffer_bytes() / shards / 8),
+        reuse_stacks: u32::from(profile.probes.reuse_stacks),
+        _pad: 0,
     };
     loader.override_global(names::CONFIG, &config, true);
     rings::size(&mut loader, shards, profile.ring_buffer_bytes());

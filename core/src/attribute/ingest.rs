@@ -101,9 +101,32 @@ impl Timeline {
                 ustack,
             } => {
                 let id = self.intern(*task, *ts_ns, kstack, ustack);
-                self.log(task.tid, task.tgid)
-                    .offcpu_stacks
-                    .push((*ts_ns, id));
+                let log = self.log(task.tid, task.tgid);
+                log.offcpu_stacks.push((*ts_ns, id));
+                let last = log.last_offcpu.get_or_insert_default();
+                last.0.clone_from(kstack);
+                last.1.clone_from(ustack);
+            }
+            Event::StackSame { ts_ns, task, of } => {
+                // The native frames of the thread's previous record of that kind; none
+                // when that record was lost or is in an earlier recording window.
+                let log = self.log(task.tid, task.tgid);
+                let last = if *of == nccltrace_common::kind::CALL_STACK {
+                    log.last_call.take().map(|u| (Vec::new(), u))
+                } else {
+                    log.last_offcpu.take()
+                };
+                if let Some((kstack, ustack)) = last {
+                    let id = self.intern(*task, *ts_ns, &kstack, &ustack);
+                    let log = self.log(task.tid, task.tgid);
+                    if *of == nccltrace_common::kind::CALL_STACK {
+                        log.call_stacks.push((*ts_ns, id));
+                        log.last_call = Some(ustack);
+                    } else {
+                        log.offcpu_stacks.push((*ts_ns, id));
+                        log.last_offcpu = Some((kstack, ustack));
+                    }
+                }
             }
             Event::Migrate {
                 ts_ns,
@@ -138,7 +161,9 @@ impl Timeline {
                 ustack,
             } => {
                 let id = self.intern(*task, *ts_ns, &[], ustack);
-                self.log(task.tid, task.tgid).call_stacks.push((*ts_ns, id));
+                let log = self.log(task.tid, task.tgid);
+                log.call_stacks.push((*ts_ns, id));
+                log.last_call.get_or_insert_default().clone_from(ustack);
             }
             Event::FaultTime {
                 ts_ns,

@@ -105,6 +105,10 @@ struct ThreadLog {
     offcpu_stacks: Vec<(u64, u32)>,
     /// Stacks at the entry of traced calls: (time, stack id).
     call_stacks: Vec<(u64, u32)>,
+    /// The native frames (kernel, user) of the thread's last off-CPU stack and the user
+    /// frames of its last call-entry stack: what a `StackSame` record stands for.
+    last_offcpu: Option<(Vec<u64>, Vec<u64>)>,
+    last_call: Option<Vec<u64>>,
     /// Wakeups: (time, waker tid, waker tgid).
     wakeups: Vec<(u64, u32, u32)>,
     /// Migrations: (time, from CPU, to CPU).
@@ -419,7 +423,12 @@ impl Timeline {
     /// Adds one event.
     pub fn push(&mut self, event: &Event) {
         let ts = event.ts_ns();
-        if ts < self.cut_ns && matches!(event, Event::OffCpu { .. } | Event::PyStack { .. }) {
+        if ts < self.cut_ns
+            && matches!(
+                event,
+                Event::OffCpu { .. } | Event::PyStack { .. } | Event::StackSame { .. }
+            )
+        {
             // Stacks taken as a thread came back after a long stretch off the CPU
             // (`Header::offcpu_min_ns`) are timed at its switch-out, possibly epochs ago:
             // the stretch is still open (its switch-in arrives with them) and finds them.

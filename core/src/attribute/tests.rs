@@ -576,3 +576,66 @@ fn timed_faults_replace_samples() {
     // The sample inside the fault is drawn as fault time in the flamegraphs.
     assert_eq!(detail.threads[0].samples[0].2, Cat::PageFault);
 }
+
+/// `StackSame` records (`reuse_stacks`) stand for the native frames of the thread's
+/// previous stack of that kind, with the Python frames walked for them; one with no
+/// earlier stack of its thread leaves its stretch without a stack.
+#[test]
+fn reused_stacks_take_the_threads_previous_native_frames() {
+    let mut tl = Timeline::new(&Setup::from(&header()));
+    let py = |code: u64, ts: u64, tid: u32| Event::PyStack {
+        ts_ns: ts,
+        task: task(tid),
+        frames: vec![PyFrame { code, offset: 4 }],
+        truncated: false,
+    };
+    let same = |ts: u64, tid: u32| Event::StackSame {
+        ts_ns: ts,
+        task: task(tid),
+        of: nccltrace_common::kind::OFFCPU,
+    };
+    let mut events = vec![];
+    for k in 0..4u64 {
+        let out = 1_000_000 + k * 2_000_000;
+        events.push(switch(out, true, 1));
+        // The Python frames change at the third stretch: the native ones are reused.
+        events.push(py(if k < 2 { 0x100 } else { 0x200 }, out, 10));
+        events.push(if k == 0 {
+            Event::OffCpu {
+                ts_ns: out,
+                task: task(10),
+                kstack: vec![],
+                ustack: vec![7, 8],
+            }
+        } else {
+            same(out, 10)
+        });
+        events.push(switch(out + 1_000_000, false, 0));
+    }
+    // Another thread's reused stack with nothing before it.
+    events.push(same(2_500_000, 11));
+    events.sort_by_key(Event::ts_ns);
+    for e in &events {
+        tl.push(e);
+    }
+    let (_, detail) = tl.finish(10_000_000, StepRule::Window(1_000_000));
+    let thread = detail.threads.iter().find(|t| t.tid == 10).unwrap();
+    let stacks: Vec<&detail::StackKey> = thread
+        .offcpu
+        .iter()
+        .map(|o| &detail.stacks[o.stack.expect("every stretch has its stack") as usize])
+        .collect();
+    assert_eq!(stacks.len(), 4, "{:?}", thread.offcpu);
+    for (k, s) in stacks.iter().enumerate() {
+        assert_eq!(s.ustack, vec![7, 8], "stretch {k}");
+        let code = if k < 2 { 0x100 } else { 0x200 };
+        assert_eq!(s.py, vec![PyFrame { code, offset: 4 }], "stretch {k}");
+    }
+    assert!(
+        detail
+            .threads
+            .iter()
+            .filter(|t| t.tid == 11)
+            .all(|t| t.offcpu.iter().all(|o| o.stack.is_none()))
+    );
+}

@@ -18,7 +18,8 @@ pub use crate::summary::{
     AgentStats, CudaSyncStats, MemoryStats, NcclStats, OpStats, SchedStats, Summary, SyncStats,
     TargetSummary,
 };
-use crate::summary::{nccl_totals, target_summaries};
+use crate::summary::{cuda_totals, nccl_totals, target_summaries};
+use nccltrace_common::kind;
 pub use replay::{EPOCH_EVENTS, ReplayError, replay, replay_from, replay_into};
 pub use write::{Streamer, write_outputs, write_summary};
 
@@ -45,8 +46,7 @@ pub struct Aggregator {
     memory: MemoryStats,
     threads: BTreeSet<u32>,
     samples: u64,
-    offcpu_stacks: u64,
-    call_stacks: u64,
+    stacks: StackCounts,
     python_stacks_by_pid: BTreeMap<u32, u64>,
     /// The first numastat reading and the last after it.
     numastat: Option<(NodeCounters, Option<NodeCounters>)>,
@@ -100,8 +100,7 @@ impl Aggregator {
             },
             threads: BTreeSet::new(),
             samples: 0,
-            offcpu_stacks: 0,
-            call_stacks: 0,
+            stacks: StackCounts::default(),
             python_stacks_by_pid: BTreeMap::new(),
             infiniband,
             numastat: None,
@@ -292,8 +291,9 @@ impl Aggregator {
                 );
             }
             Event::Sample { .. } => self.samples += 1,
-            Event::OffCpu { .. } => self.offcpu_stacks += 1,
-            Event::CallStack { .. } => self.call_stacks += 1,
+            Event::OffCpu { task, .. } => self.stacks.whole(task.tid, kind::OFFCPU),
+            Event::CallStack { task, .. } => self.stacks.whole(task.tid, kind::CALL_STACK),
+            Event::StackSame { task, of, .. } => self.stacks.reused(task.tid, *of),
             Event::PyStack { task, .. } => {
                 *self.python_stacks_by_pid.entry(task.tgid).or_default() += 1;
             }
@@ -434,12 +434,7 @@ impl Aggregator {
         }
         let targets = target_summaries(&self.header.targets, &self.python_stacks_by_pid);
         let nccl = nccl_totals(self.nccl);
-        let mut cuda_sync = CudaSyncStats::default();
-        for (func, s) in self.cuda {
-            cuda_sync.calls += s.calls;
-            cuda_sync.wait_ns = cuda_sync.wait_ns.saturating_add(s.wait_ns);
-            cuda_sync.by_func.insert(func.name().to_owned(), s);
-        }
+        let cuda_sync = cuda_totals(self.cuda);
         let mut sched = self.sched;
         sched.threads_seen = self.threads.len() as u64;
         let summary = Summary {
@@ -457,9 +452,11 @@ impl Aggregator {
             infiniband,
             events: self.events,
             cpu_samples: self.samples,
-            offcpu_stacks: self.offcpu_stacks,
+            offcpu_stacks: self.stacks.offcpu,
             offcpu_stacks_taken: self.header.offcpu_stacks.clone(),
-            call_stacks: self.call_stacks,
+            call_stacks: self.stacks.call,
+            stacks_reused: self.stacks.reused,
+            stacks_reused_unresolved: self.stacks.unresolved,
             undecodable_records: self.undecodable,
             lost_events: lost_by_kind.values().sum(),
             lost_by_kind,
@@ -532,6 +529,41 @@ pub struct Outputs {
     /// What was written as the run was attributed; `steps.steps` and `detail` are then
     /// empty.
     pub streamer: Option<Streamer>,
+}
+
+/// Off-CPU and call-entry stack records counted, reused ones included.
+#[derive(Default)]
+struct StackCounts {
+    offcpu: u64,
+    call: u64,
+    reused: u64,
+    /// Reused with no whole stack of their thread and kind before them.
+    unresolved: u64,
+    /// Threads (and stack kinds) with a whole stack record so far.
+    bases: std::collections::HashSet<(u32, u16)>,
+}
+
+impl StackCounts {
+    fn add(&mut self, of: u16) {
+        if of == kind::CALL_STACK {
+            self.call += 1;
+        } else {
+            self.offcpu += 1;
+        }
+    }
+
+    fn whole(&mut self, tid: u32, of: u16) {
+        self.add(of);
+        self.bases.insert((tid, of));
+    }
+
+    fn reused(&mut self, tid: u32, of: u16) {
+        self.add(of);
+        self.reused += 1;
+        if !self.bases.contains(&(tid, of)) {
+            self.unresolved += 1;
+        }
+    }
 }
 
 #[cfg(test)]

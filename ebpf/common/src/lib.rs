@@ -58,6 +58,13 @@ pub mod kind {
     /// An InfiniBand port's counters (`IbCountersEvent`): read by the agent from
     /// `/sys/class/infiniband/*/ports/*/counters` while tracing, beyond [`COUNT`] too.
     pub const IB_COUNTERS: u16 = 18;
+    /// The native stack a target thread was written with last time (`StackSameEvent`),
+    /// for an `OFFCPU` or `CALL_STACK` record: the thread is at the same instruction,
+    /// stack pointer and frame pointer, with the same two words at its frame pointer
+    /// (the innermost frame link and return address), and that stack was taken less than
+    /// [`crate::STACK_REUSE_NS`] ago. Its Python frames are walked as always
+    /// (a `PY_STACK` record before it). A lost one counts under the kind it stands for.
+    pub const STACK_SAME: u16 = 19;
     /// One past the largest kind: the size of per-kind tables.
     pub const COUNT: usize = 16;
 }
@@ -197,6 +204,7 @@ unsafe impl Record for NumaHintEvent {}
 unsafe impl Record for MemSampleEvent {}
 unsafe impl Record for NumaPagesEvent {}
 unsafe impl Record for IbCountersEvent {}
+unsafe impl Record for StackSameEvent {}
 unsafe impl Record for SampleEvent {}
 unsafe impl Record for PyStackEvent {}
 
@@ -494,6 +502,44 @@ pub struct SampleEvent {
 }
 const _: () = assert!(core::mem::size_of::<SampleEvent>() == 800);
 
+/// A stack record whose native frames are the thread's previous ones of the same kind
+/// ([`kind::STACK_SAME`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StackSameEvent {
+    pub hdr: Header,
+    /// The kind of stack record it stands for: [`kind::OFFCPU`] or [`kind::CALL_STACK`].
+    pub of: u32,
+    pub _pad: u32,
+}
+const _: () = assert!(core::mem::size_of::<StackSameEvent>() == 32);
+
+/// How long a thread's native stack is reused by [`kind::STACK_SAME`] records before it
+/// is taken whole again (ns): bounds how long a recording window (or a reader that lost
+/// the whole record) goes without it.
+pub const STACK_REUSE_NS: u64 = 1_000_000_000;
+
+/// The key a thread's native stack is reused under (per thread, by kind): where the
+/// thread is and the innermost frame link (`STACK_SAME`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StackKey {
+    /// The thread the slot holds (slots are indexed by tid modulo their count).
+    pub tid: u32,
+    pub _pad: u32,
+    /// When the whole stack was taken.
+    pub taken_ns: u64,
+    pub ip: u64,
+    pub sp: u64,
+    pub bp: u64,
+    /// The two words at `bp` (the caller's frame pointer and its return address), and
+    /// at a call's entry the return address on top of the stack.
+    pub words: [u64; 3],
+}
+
+/// Slots of the per-thread stack keys (a power of two).
+pub const STACK_KEY_SLOTS: u32 = 4096;
+
 /// Python frames kept per stack (innermost first, entry markers included).
 pub const PY_DEPTH: usize = 40;
 
@@ -569,8 +615,12 @@ pub struct Config {
     /// Records are submitted without waking the reader (which polls on a timer) until this
     /// many bytes wait in the ring buffer; then the submit wakes it. 0: wake on every record.
     pub wakeup_bytes: u64,
+    /// Nonzero: off-CPU stacks without kernel frames and call-entry stacks are written as
+    /// [`kind::STACK_SAME`] where the thread's native stack is where it was last time.
+    pub reuse_stacks: u32,
+    pub _pad: u32,
 }
-const _: () = assert!(core::mem::size_of::<Config>() == 24);
+const _: () = assert!(core::mem::size_of::<Config>() == 32);
 
 /// Values of `Config::offcpu_stacks`.
 pub mod offcpu {

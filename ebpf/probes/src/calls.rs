@@ -28,7 +28,7 @@ pub fn uprobe_lib_call(ctx: ProbeContext) -> u32 {
     let stacks = unsafe { core::ptr::read_volatile(&raw const CONFIG.call_stacks) };
     if call_stacks::wanted(stacks, func_id) {
         // Where the call was made from: the wait inside it is drawn at this call site.
-        emit_entry_stack(ctx.as_ptr(), regs.rsp, tgid, tid);
+        emit_entry_stack(ctx.as_ptr(), regs, tgid, tid);
     }
     if func_id == func::NVTX_RANGE_PUSH_A {
         // The range's name, into the argument slots the function does not use.

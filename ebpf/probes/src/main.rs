@@ -22,11 +22,13 @@ compile_error!(
 
 use aya_ebpf::{
     EbpfContext,
-    bindings::{BPF_F_USER_STACK, BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP},
+    bindings::{
+        BPF_F_USER_STACK, BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP, pt_regs,
+    },
     helpers::{
-        bpf_get_attach_cookie, bpf_get_current_pid_tgid, bpf_get_smp_processor_id, bpf_get_stack,
-        bpf_ktime_get_ns, bpf_probe_read_kernel, bpf_probe_read_user,
-        bpf_probe_read_user_str_bytes,
+        bpf_get_attach_cookie, bpf_get_current_pid_tgid, bpf_get_current_task_btf,
+        bpf_get_smp_processor_id, bpf_get_stack, bpf_ktime_get_ns, bpf_probe_read_kernel,
+        bpf_probe_read_user, bpf_probe_read_user_str_bytes, bpf_task_pt_regs,
     },
     macros::{
         fentry, fexit, kprobe, map, perf_event, raw_tracepoint, tracepoint, uprobe, uretprobe,
@@ -42,8 +44,9 @@ use nccltrace_common::{
     CALL_SLOTS, CallEvent, CallSlot, Config, FAULT_FLAG_USER, FIELD_ABSENT, FaultEvent,
     FaultTimeEvent, Header, KSTACK_DEPTH, MAX_ARGS, MigrateEvent, NOT_READ, NumaHintEvent,
     NumaTaskEvent, PY_DEPTH, PY_ENTRY, PY_FRAME_WINDOW, PageMigrationEvent, PendingCall, PyLayout,
-    PyStackEvent, RING_SHARDS, SampleEvent, SwitchEvent, TaskEvent, TpOffsets, USTACK_DEPTH,
-    WakeupEvent, call_stacks, counter, func, kind, numa_task, offcpu, switch_flags, timed,
+    PyStackEvent, RING_SHARDS, STACK_KEY_SLOTS, STACK_REUSE_NS, SampleEvent, StackKey,
+    StackSameEvent, SwitchEvent, TaskEvent, TpOffsets, USTACK_DEPTH, WakeupEvent, call_stacks,
+    counter, func, kind, numa_task, offcpu, switch_flags, timed,
 };
 
 /// Every record, in ring buffers shared by groups of CPUs (`CONFIG.shards` of them in use,
@@ -179,6 +182,8 @@ pub(crate) static CONFIG: Config = Config {
     streams: 0,
     shards: 1,
     wakeup_bytes: 0,
+    reuse_stacks: 0,
+    _pad: 0,
 };
 
 macro_rules! offset {

@@ -57,6 +57,7 @@ pub fn tracepoint_sched_switch(ctx: TracePointContext) -> u32 {
                     ..hdr
                 },
                 offcpu_kernel(),
+                true,
             );
         } else if OFF_SINCE.insert(&prev_tid, &hdr.ts_ns, 0).is_err() {
             bump(u32::from(kind::OFFCPU));
@@ -98,7 +99,7 @@ pub fn kprobe_finish_task_switch(ctx: ProbeContext) -> u32 {
     }
     let mut hdr = header(kind::OFFCPU, tgid, tid);
     hdr.ts_ns = since;
-    emit_stacks(ctx.as_ptr(), hdr, offcpu_kernel());
+    emit_stacks(ctx.as_ptr(), hdr, offcpu_kernel(), true);
     0
 }
 

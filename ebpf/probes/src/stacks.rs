@@ -13,19 +13,40 @@ pub fn perf_event_cpu_clock(ctx: PerfEventContext) -> u32 {
         return 0;
     }
     let _timed = TargetRun::start(timed::PERF_EVENT_CPU_CLOCK);
-    emit_stacks(ctx.as_ptr(), header(kind::SAMPLE, tgid, tid), true);
+    emit_stacks(ctx.as_ptr(), header(kind::SAMPLE, tgid, tid), true, false);
     0
 }
 
 /// The user stack at the first instruction of a traced function. Frame-pointer unwinding
 /// there skips the caller (the callee has not pushed its frame yet, so the frame pointer
 /// is still the caller's): the caller's return address is read from the top of the stack
-/// and put second, after the function itself.
+/// and put second, after the function itself. Where the thread enters the function as it
+/// did last time (`kind::STACK_SAME`), the native frames are not unwound again.
 #[inline(always)]
-pub(crate) fn emit_entry_stack(ctx: *mut core::ffi::c_void, rsp: u64, tgid: u32, tid: u32) {
+pub(crate) fn emit_entry_stack(ctx: *mut core::ffi::c_void, regs: &pt_regs, tgid: u32, tid: u32) {
     // The Python frames first: the record they belong to comes next in the buffer.
     let hdr = header(kind::CALL_STACK, tgid, tid);
     emit_py_stack(&hdr);
+    // SAFETY: bpf_probe_read_user checks the addresses.
+    let caller = unsafe { bpf_probe_read_user(regs.rsp as *const u64) }.unwrap_or(0);
+    let reuse = reuse_stacks();
+    let link = if reuse {
+        unsafe { bpf_probe_read_user(regs.rbp as *const [u64; 2]) }.unwrap_or([0, 0])
+    } else {
+        [0, 0]
+    };
+    let key = StackKey {
+        tid,
+        _pad: 0,
+        taken_ns: hdr.ts_ns,
+        ip: regs.rip,
+        sp: regs.rsp,
+        bp: regs.rbp,
+        words: [caller, link[0], link[1]],
+    };
+    if reuse && same_stack(&CALL_KEYS, &key, &hdr) {
+        return;
+    }
     let ring = ring();
     let Some(mut entry) = ring.reserve::<SampleEvent>(0) else {
         bump(u32::from(kind::CALL_STACK));
@@ -45,7 +66,6 @@ pub(crate) fn emit_entry_stack(ctx: *mut core::ffi::c_void, rsp: u64, tgid: u32,
             u64::from(BPF_F_USER_STACK),
         );
         let frames = if u > 0 { (u / 8) as usize } else { 0 };
-        let caller = bpf_probe_read_user(rsp as *const u64).unwrap_or(0);
         if frames > 0 && caller != 0 {
             // [function, caller, the caller's callers...]
             (*stack)[0] = (*stack)[1];
@@ -56,6 +76,90 @@ pub(crate) fn emit_entry_stack(ctx: *mut core::ffi::c_void, rsp: u64, tgid: u32,
         }
     }
     entry.submit(wake_flags(ring));
+    if reuse {
+        remember_stack(&CALL_KEYS, &key);
+    }
+}
+
+/// Whether stacks are reused (`Config::reuse_stacks`).
+#[inline(always)]
+pub(crate) fn reuse_stacks() -> bool {
+    // SAFETY: a plain read of a read-only global.
+    unsafe { core::ptr::read_volatile(&raw const CONFIG.reuse_stacks) != 0 }
+}
+
+/// Per-thread keys of the last native stack written at a call's entry.
+#[map]
+pub(crate) static CALL_KEYS: Array<StackKey> = Array::with_max_entries(STACK_KEY_SLOTS, 0);
+
+/// Per-thread keys of the last native stack written as a thread left the CPU.
+#[map]
+pub(crate) static OFFCPU_KEYS: Array<StackKey> = Array::with_max_entries(STACK_KEY_SLOTS, 0);
+
+/// Whether the thread's native stack is the one last written for it under `keys` (same
+/// place, same innermost frame link, taken less than `STACK_REUSE_NS` ago): then a
+/// `STACK_SAME` record stands for it (written here) and true is returned.
+#[inline(always)]
+pub(crate) fn same_stack(keys: &Array<StackKey>, key: &StackKey, hdr: &Header) -> bool {
+    let Some(slot) = keys.get(key.tid & (STACK_KEY_SLOTS - 1)) else {
+        return false;
+    };
+    let same = slot.tid == key.tid
+        && key.taken_ns.wrapping_sub(slot.taken_ns) < STACK_REUSE_NS
+        && slot.ip == key.ip
+        && slot.sp == key.sp
+        && slot.bp == key.bp
+        && slot.words == key.words;
+    if !same {
+        return false;
+    }
+    let ring = ring();
+    match ring.reserve::<StackSameEvent>(0) {
+        Some(mut entry) => {
+            entry.write(StackSameEvent {
+                hdr: Header {
+                    kind: kind::STACK_SAME,
+                    ..*hdr
+                },
+                of: u32::from(hdr.kind),
+                _pad: 0,
+            });
+            entry.submit(wake_flags(ring));
+        }
+        None => bump(u32::from(hdr.kind)),
+    }
+    true
+}
+
+/// Keeps `key` as the thread's last written native stack (after its record was written).
+#[inline(always)]
+pub(crate) fn remember_stack(keys: &Array<StackKey>, key: &StackKey) {
+    if let Some(slot) = keys.get_ptr_mut(key.tid & (STACK_KEY_SLOTS - 1)) {
+        // SAFETY: a live map value; a thread sharing the slot only makes the next
+        // comparison fail.
+        unsafe { *slot = *key };
+    }
+}
+
+/// The current task's user registers (where it entered the kernel) as a stack key.
+#[inline(always)]
+pub(crate) fn user_key(tid: u32, ts_ns: u64) -> Option<StackKey> {
+    // SAFETY: helpers without preconditions; the registers are read with the checked
+    // kernel read (pt_regs from `bp` at 32 to `sp` at 152).
+    let regs = unsafe { bpf_task_pt_regs(bpf_get_current_task_btf()) } as u64;
+    let words = unsafe { bpf_probe_read_kernel((regs + 4 * 8) as *const [u64; 16]) }.ok()?;
+    // x86-64 pt_regs: bp is word 4, ip word 16 (`PT_REGS_IP`), sp word 19.
+    let (bp, ip, sp) = (words[0], words[12], words[15]);
+    let link = unsafe { bpf_probe_read_user(bp as *const [u64; 2]) }.unwrap_or([0, 0]);
+    Some(StackKey {
+        tid,
+        _pad: 0,
+        taken_ns: ts_ns,
+        ip,
+        sp,
+        bp,
+        words: [link[0], link[1], 0],
+    })
 }
 
 /// Whether off-CPU stacks have kernel frames (`offcpu::KERNEL`).
@@ -67,11 +171,22 @@ pub(crate) fn offcpu_kernel() -> bool {
 }
 
 /// Submits the current task's user stack, and its kernel stack if `kernel`, as a
-/// `SampleEvent` under `hdr`.
+/// `SampleEvent` under `hdr`. Off-CPU stacks without kernel frames (`reuse`) are written
+/// as `STACK_SAME` where the thread leaves as it did last time.
 #[inline(always)]
-pub(crate) fn emit_stacks(ctx: *mut core::ffi::c_void, hdr: Header, kernel: bool) {
+pub(crate) fn emit_stacks(ctx: *mut core::ffi::c_void, hdr: Header, kernel: bool, reuse: bool) {
     // The Python frames first: the record they belong to comes next in the buffer.
     emit_py_stack(&hdr);
+    let key = if reuse && !kernel && reuse_stacks() {
+        user_key(hdr.tid, hdr.ts_ns)
+    } else {
+        None
+    };
+    if let Some(key) = &key
+        && same_stack(&OFFCPU_KEYS, key, &hdr)
+    {
+        return;
+    }
     let ring = ring();
     let Some(mut entry) = ring.reserve::<SampleEvent>(0) else {
         bump(u32::from(hdr.kind));
@@ -102,6 +217,9 @@ pub(crate) fn emit_stacks(ctx: *mut core::ffi::c_void, hdr: Header, kernel: bool
         (*event).ustack_len = if u > 0 { (u / 8) as u32 } else { 0 };
     }
     entry.submit(wake_flags(ring));
+    if let Some(key) = &key {
+        remember_stack(&OFFCPU_KEYS, key);
+    }
 }
 
 /// Appends one frame to a Python stack record; false when it is full.
