@@ -323,7 +323,6 @@ impl Attached {
                 let name = timed::PROGRAMS[id as usize].to_owned();
                 (name, sum(2 * id), sum(2 * id + 1))
             })
-            .filter(|(_, runs, _)| *runs > 0)
             .collect();
         let (trap_ns, entry_trap_ns, trap_refused) = match &self.traps {
             Some(Ok(t)) => (Some(t.pair_ns), Some(t.entry_ns), None),
