@@ -164,8 +164,14 @@ fn sampling_accounted(bpf: &Value, samples: u64) {
         assert_eq!(bpf["sampling_ns"], 0, "{bpf}");
         return;
     }
+    if bpf["sample_interrupt_ns"].is_null() && in_a_guest() {
+        // Under emulation the busy rounds' noise can hide the interrupts: not counted,
+        // and said why.
+        assert!(bpf["sampling_unmeasured"].is_string(), "{bpf}");
+        return;
+    }
     let per = bpf["sample_interrupt_ns"].as_u64().unwrap_or(0);
-    assert!(per > 0 && per < 200_000, "{per} ns an interrupt: {bpf}");
+    assert!((100..200_000).contains(&per), "{per} ns an interrupt: {bpf}");
     assert_eq!(bpf["sampling_ns"].as_u64(), Some(per * samples));
     assert!(bpf.get("sampling_unmeasured").is_none(), "{bpf}");
 }
