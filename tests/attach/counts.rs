@@ -171,7 +171,10 @@ fn sampling_accounted(bpf: &Value, samples: u64) {
         return;
     }
     let per = bpf["sample_interrupt_ns"].as_u64().unwrap_or(0);
-    assert!((100..200_000).contains(&per), "{per} ns an interrupt: {bpf}");
+    assert!(
+        (100..200_000).contains(&per),
+        "{per} ns an interrupt: {bpf}"
+    );
     assert_eq!(bpf["sampling_ns"].as_u64(), Some(per * samples));
     assert!(bpf.get("sampling_unmeasured").is_none(), "{bpf}");
 }
