@@ -4,8 +4,8 @@
 use nccltrace_common::{
     CallEvent, FaultEvent, FaultTimeEvent, Header, IbCountersEvent, KSTACK_DEPTH, MemSampleEvent,
     MigrateEvent, NOT_READ, NumaHintEvent, NumaPagesEvent, NumaTaskEvent, PY_DEPTH,
-    PageMigrationEvent, PyStackEvent, SampleEvent, StackSameEvent, SwitchEvent, TaskEvent,
-    USTACK_DEPTH, WakeupEvent, kind, numa_hint, numa_task, switch_flags,
+    PageMigrationEvent, PyFramesEvent, PyStackEvent, SampleEvent, StackSameEvent, SwitchEvent,
+    TaskEvent, USTACK_DEPTH, WakeupEvent, kind, numa_hint, numa_task, switch_flags,
 };
 
 use crate::event::{Call, Event, Func, NumaTaskKind, PyFrame, Task, datatype_size};
@@ -74,8 +74,27 @@ pub fn unique_id(a: u64, b: u64) -> u64 {
 
 /// Bytes before the frames of a stack record, in both layouts.
 const STACK_HEAD: usize = std::mem::offset_of!(SampleEvent, kstack);
-/// Bytes before the code objects of a Python stack record, in both layouts.
-const PY_HEAD: usize = std::mem::offset_of!(PyStackEvent, codes);
+/// Where the parts of a Python stack record lie ([`PyStackEvent`] or [`PyFramesEvent`]).
+#[derive(Clone, Copy)]
+struct PyShape {
+    /// Bytes before the code objects, in both layouts.
+    head: usize,
+    /// Where the offsets begin in the ring buffer's layout, and its size.
+    offsets: usize,
+    size: usize,
+}
+
+const PY_STACK_SHAPE: PyShape = PyShape {
+    head: std::mem::offset_of!(PyStackEvent, codes),
+    offsets: std::mem::offset_of!(PyStackEvent, offsets),
+    size: size_of::<PyStackEvent>(),
+};
+
+const PY_FRAMES_SHAPE: PyShape = PyShape {
+    head: std::mem::offset_of!(PyFramesEvent, codes),
+    offsets: std::mem::offset_of!(PyFramesEvent, offsets),
+    size: size_of::<PyFramesEvent>(),
+};
 
 /// A little-endian `u32` of `bytes` at `at` (in range).
 fn u32_at(bytes: &[u8], at: usize) -> u32 {
@@ -107,13 +126,19 @@ fn stack_layout(bytes: &[u8]) -> Result<(usize, usize, usize, usize), DecodeErro
 
 /// (frames, where the code objects and the offsets begin) of a Python stack record, in
 /// the ring buffer's layout or the recording's compact one (as [`stack_layout`]).
-fn py_layout(bytes: &[u8]) -> Result<(usize, usize, usize), DecodeError> {
-    long_enough::<[u8; PY_HEAD]>(bytes, "python stack record's header")?;
-    let n = (u32_at(bytes, std::mem::offset_of!(PyStackEvent, len)) as usize).min(PY_DEPTH);
-    if bytes.len() >= size_of::<PyStackEvent>() {
-        return Ok((n, PY_HEAD, std::mem::offset_of!(PyStackEvent, offsets)));
+fn py_layout(bytes: &[u8], shape: PyShape) -> Result<(usize, usize, usize), DecodeError> {
+    if bytes.len() < shape.head {
+        return Err(DecodeError::TooShort {
+            what: "python stack record's header",
+            len: bytes.len(),
+            expected: shape.head,
+        });
     }
-    let expected = PY_HEAD + 12 * n;
+    let n = (u32_at(bytes, std::mem::offset_of!(PyStackEvent, len)) as usize).min(PY_DEPTH);
+    if bytes.len() >= shape.size {
+        return Ok((n, shape.head, shape.offsets));
+    }
+    let expected = shape.head + 12 * n;
     if bytes.len() < expected {
         return Err(DecodeError::TooShort {
             what: "compact python stack record",
@@ -121,7 +146,16 @@ fn py_layout(bytes: &[u8]) -> Result<(usize, usize, usize), DecodeError> {
             expected,
         });
     }
-    Ok((n, PY_HEAD, PY_HEAD + 8 * n))
+    Ok((n, shape.head, shape.head + 8 * n))
+}
+
+/// The shape of a Python stack record of kind `kind`.
+fn py_shape(kind: u16) -> PyShape {
+    if kind == kind::PY_FRAMES {
+        PY_FRAMES_SHAPE
+    } else {
+        PY_STACK_SHAPE
+    }
 }
 
 /// What the recording keeps of a kernel record, in order: a stack or Python stack record
@@ -141,8 +175,8 @@ pub fn compact(bytes: &[u8]) -> Option<[&[u8]; 2]> {
                 &bytes[ustack_at..ustack_at + 8 * u],
             ])
         }
-        kind::PY_STACK if bytes.len() == size_of::<PyStackEvent>() => {
-            let (n, codes_at, offsets_at) = py_layout(bytes).ok()?;
+        kind::PY_STACK | kind::PY_FRAMES if bytes.len() == py_shape(kind).size => {
+            let (n, codes_at, offsets_at) = py_layout(bytes, py_shape(kind)).ok()?;
             Some([
                 &bytes[..codes_at + 8 * n],
                 &bytes[offsets_at..offsets_at + 4 * n],
@@ -340,22 +374,36 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
                 }
             }
         }
-        kind::PY_STACK => {
-            let (n, codes_at, offsets_at) = py_layout(bytes)?;
+        kind::PY_STACK | kind::PY_FRAMES => {
+            let (n, codes_at, offsets_at) = py_layout(bytes, py_shape(h.kind))?;
             let word = |at: usize, n: usize| -> u64 {
                 let mut b = [0u8; 8];
                 b[..n].copy_from_slice(&bytes[at..at + n]);
                 u64::from_le_bytes(b)
             };
+            // PY_FRAMES: the entry markers as a mask beside the frames, made entries here.
+            let entries = if h.kind == kind::PY_FRAMES {
+                word(std::mem::offset_of!(PyFramesEvent, entries), 8)
+            } else {
+                0
+            };
+            let mut frames = Vec::with_capacity(n + entries.count_ones() as usize);
+            for i in 0..n {
+                frames.push(PyFrame {
+                    code: word(codes_at + 8 * i, 8),
+                    offset: word(offsets_at + 4 * i, 4) as u32,
+                });
+                if entries >> i & 1 != 0 {
+                    frames.push(PyFrame {
+                        code: nccltrace_common::PY_ENTRY,
+                        offset: 0,
+                    });
+                }
+            }
             Event::PyStack {
                 ts_ns: h.ts_ns,
                 task: t,
-                frames: (0..n)
-                    .map(|i| PyFrame {
-                        code: word(codes_at + 8 * i, 8),
-                        offset: word(offsets_at + 4 * i, 4) as u32,
-                    })
-                    .collect(),
+                frames,
                 truncated: word(std::mem::offset_of!(PyStackEvent, truncated), 4) != 0,
             }
         }

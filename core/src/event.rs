@@ -608,7 +608,7 @@ impl Event {
             k::OFFCPU => "offcpu_stack",
             k::FAULT_TIME => "fault_time",
             k::CALL_STACK => "call_stack",
-            k::PY_STACK => "python_stack",
+            k::PY_STACK | k::PY_FRAMES => "python_stack",
             k::NUMA_HINT => "numa_hint_fault",
             k::MEM_SAMPLE => "mem_sample",
             k::NUMA_PAGES => "numa_pages",

@@ -472,7 +472,7 @@ fn recording_in_time_order(out: &Path) {
         if taken_at_switch_in
             && matches!(
                 record_kind,
-                kind::OFFCPU | kind::PY_STACK | kind::STACK_SAME
+                kind::OFFCPU | kind::PY_STACK | kind::PY_FRAMES | kind::STACK_SAME
             )
         {
             continue;

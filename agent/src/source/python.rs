@@ -116,7 +116,10 @@ pub struct Naming<'a, S: Sink> {
 impl<S: Sink> Sink for Naming<'_, S> {
     fn record(&mut self, bytes: &[u8]) -> Result<(), crate::Error> {
         if !self.targets.is_empty()
-            && crate::decode::record_kind(bytes) == Ok(kind::PY_STACK)
+            && matches!(
+                crate::decode::record_kind(bytes),
+                Ok(kind::PY_STACK | kind::PY_FRAMES)
+            )
             && let Ok(crate::event::Event::PyStack { task, frames, .. }) =
                 crate::decode::decode(bytes)
             && let Some(target) = self.targets.get_mut(&task.tgid)

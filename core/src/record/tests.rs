@@ -239,7 +239,10 @@ fn large_symbol_tables_are_split() {
 #[test]
 fn stack_records_kept_compact() {
     use crate::decode::{as_bytes, decode};
-    use nccltrace_common::{KSTACK_DEPTH, PY_DEPTH, PyStackEvent, SampleEvent, USTACK_DEPTH, kind};
+    use nccltrace_common::{
+        KSTACK_DEPTH, PY_DEPTH, PY_ENTRY, PyFramesEvent, PyStackEvent, SampleEvent, USTACK_DEPTH,
+        kind,
+    };
     let hdr = |kind| nccltrace_common::Header {
         ts_ns: 9,
         tgid: 7,
@@ -273,6 +276,17 @@ fn stack_records_kept_compact() {
     };
     py.codes[..2].copy_from_slice(&[0x1000, 0x2000]);
     py.offsets[..2].copy_from_slice(&[10, 20]);
+    // The same frames with an entry marker after the first, as a bit (PY_FRAMES).
+    let mut frames = PyFramesEvent {
+        hdr: hdr(kind::PY_FRAMES),
+        len: 2,
+        truncated: 1,
+        entries: 0b1,
+        codes: [0x77; PY_DEPTH],
+        offsets: [5; PY_DEPTH],
+    };
+    frames.codes[..2].copy_from_slice(&[0x1000, 0x2000]);
+    frames.offsets[..2].copy_from_slice(&[10, 20]);
     let records = [
         (stack(kind::OFFCPU, 2, 3), 32 + 8 * 5),
         (stack(kind::SAMPLE, 0, 6), 32 + 8 * 6),
@@ -280,6 +294,7 @@ fn stack_records_kept_compact() {
         (stack(kind::SAMPLE, KSTACK_DEPTH, USTACK_DEPTH), 800),
         (as_bytes(&py), 32 + 12 * 2),
         (vec![4; 100], 100),
+        (as_bytes(&frames), 40 + 12 * 2),
     ];
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("r.nctr");
@@ -307,6 +322,16 @@ fn stack_records_kept_compact() {
             if kstack == &[0xffff_0000, 0xffff_0001] && ustack == &[0x4000, 0x4001, 0x4002]
     ));
     assert_eq!(back[5], vec![4; 100]);
+    let crate::event::Event::PyStack {
+        frames, truncated, ..
+    } = decode(&back[6]).unwrap()
+    else {
+        panic!("not a Python stack")
+    };
+    let codes: Vec<u64> = frames.iter().map(|f| f.code).collect();
+    assert_eq!(codes, vec![0x1000, PY_ENTRY, 0x2000]);
+    assert!(truncated);
+    assert!(decode(&back[6][..back[6].len() - 4]).is_err());
     // Cut short of the frames its lengths promise.
     assert!(decode(&back[0][..back[0].len() - 8]).is_err());
     assert!(decode(&back[4][..back[4].len() - 4]).is_err());

@@ -65,6 +65,11 @@ pub mod kind {
     /// [`crate::STACK_REUSE_NS`] ago. Its Python frames are walked as always
     /// (a `PY_STACK` record before it). A lost one counts under the kind it stands for.
     pub const STACK_SAME: u16 = 19;
+    /// The Python frames a target thread was executing (`PyFramesEvent`), as `PY_STACK`
+    /// with the interpreter-entry markers as a bit mask beside the frames instead of
+    /// entries among them (one write a frame: the walk's loop verifies in about three
+    /// quarters of the instructions). Lost ones count under `PY_STACK`.
+    pub const PY_FRAMES: u16 = 20;
     /// One past the largest kind: the size of per-kind tables.
     pub const COUNT: usize = 16;
 }
@@ -207,6 +212,7 @@ unsafe impl Record for IbCountersEvent {}
 unsafe impl Record for StackSameEvent {}
 unsafe impl Record for SampleEvent {}
 unsafe impl Record for PyStackEvent {}
+unsafe impl Record for PyFramesEvent {}
 
 /// The start of every record.
 #[repr(C)]
@@ -563,6 +569,24 @@ pub struct PyStackEvent {
     pub offsets: [u32; PY_DEPTH],
 }
 const _: () = assert!(core::mem::size_of::<PyStackEvent>() == 512);
+
+/// The Python frames of one stack, innermost first, as [`PyStackEvent`] but every entry a
+/// frame: bit `i` of `entries` says an interpreter entry (a `PY_ENTRY` marker) follows
+/// frame `i` ([`kind::PY_FRAMES`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PyFramesEvent {
+    pub hdr: Header,
+    /// Frames in use.
+    pub len: u32,
+    /// Nonzero: the walk stopped at [`PY_DEPTH`] with frames left (the outermost are
+    /// missing).
+    pub truncated: u32,
+    pub entries: u64,
+    pub codes: [u64; PY_DEPTH],
+    pub offsets: [u32; PY_DEPTH],
+}
+const _: () = assert!(core::mem::size_of::<PyFramesEvent>() == 520);
 
 /// Where a CPython interpreter keeps what the frame walk reads (per target process,
 /// `PY_LAYOUTS`; byte offsets, [`FIELD_ABSENT`] for a field the version lacks).

@@ -43,8 +43,8 @@ use aya_log_ebpf::warn;
 use nccltrace_common::{
     CALL_SLOTS, CallEvent, CallSlot, Config, FAULT_FLAG_USER, FIELD_ABSENT, FaultEvent,
     FaultTimeEvent, Header, KSTACK_DEPTH, MAX_ARGS, MigrateEvent, NOT_READ, NumaHintEvent,
-    NumaTaskEvent, PY_DEPTH, PY_ENTRY, PY_FRAME_WINDOW, PageMigrationEvent, PendingCall, PyLayout,
-    PyStackEvent, RING_SHARDS, STACK_KEY_SLOTS, STACK_REUSE_NS, SampleEvent, StackKey,
+    NumaTaskEvent, PY_DEPTH, PY_ENTRY, PY_FRAME_WINDOW, PageMigrationEvent, PendingCall,
+    PyFramesEvent, PyLayout, RING_SHARDS, STACK_KEY_SLOTS, STACK_REUSE_NS, SampleEvent, StackKey,
     StackSameEvent, SwitchEvent, TaskEvent, TpOffsets, USTACK_DEPTH, WakeupEvent, call_stacks,
     counter, func, kind, numa_task, offcpu, switch_flags, timed,
 };

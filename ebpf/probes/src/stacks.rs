@@ -222,9 +222,11 @@ pub(crate) fn emit_stacks(ctx: *mut core::ffi::c_void, hdr: Header, kernel: bool
     }
 }
 
-/// Appends one frame to a Python stack record; false when it is full.
+/// Appends one frame to a Python stack record, with an interpreter-entry marker after it
+/// when `marker` is 1 (a bit, not an entry: no branch depends on it, and each one
+/// multiplies the verifier's work over the walk's loop); false when it is full.
 #[inline(always)]
-pub(crate) fn push_py(event: &mut PyStackEvent, code: u64, offset: u32) -> bool {
+pub(crate) fn push_py(event: &mut PyFramesEvent, code: u64, offset: u32, marker: u64) -> bool {
     // Each array indexed by a load of `len` of its own, checked on its own: where one
     // check served both, the 6.1 verifier lost the bound of the second index ("invalid
     // access to memory, mem_size=512 off=512").
@@ -240,11 +242,12 @@ pub(crate) fn push_py(event: &mut PyStackEvent, code: u64, offset: u32) -> bool 
         return false;
     };
     *o = offset;
+    event.entries |= marker << (n & 63);
     event.len += 1;
     true
 }
 
-/// Writes the Python frames the current thread is executing as a `PY_STACK` record with
+/// Writes the Python frames the current thread is executing as a `PY_FRAMES` record with
 /// `stack`'s time, before the stack record itself: nothing when the thread is not a known
 /// Python thread or runs no Python code. Walks the interpreter frame chain from the
 /// thread state (`tstate->cframe->current_frame`, then `previous`), one user read per
@@ -279,19 +282,22 @@ pub(crate) fn emit_py_stack(stack: &Header) {
         return;
     }
     let ring = ring();
-    let Some(mut entry) = ring.reserve::<PyStackEvent>(0) else {
+    let Some(mut entry) = ring.reserve::<PyFramesEvent>(0) else {
         bump(u32::from(kind::PY_STACK));
         return;
     };
     // SAFETY: reserved ring-buffer memory of the right size, written before it is read.
     let event = unsafe { &mut *entry.as_mut_ptr() };
     event.hdr = Header {
-        kind: kind::PY_STACK,
+        kind: kind::PY_FRAMES,
         ..*stack
     };
     event.len = 0;
     event.truncated = 0;
+    event.entries = 0;
     let mut window = [0u64; 16];
+    // Whether frames say they entered the interpreter (3.11; 3.12 pushes shim frames).
+    let entry_flag = u64::from(layout.frame_is_entry != FIELD_ABSENT);
     for _ in 0..PY_DEPTH {
         if frame == 0 {
             break;
@@ -309,14 +315,14 @@ pub(crate) fn emit_py_stack(stack: &Header) {
         let code = word(layout.frame_code);
         let full = if u32::from(byte(layout.frame_owner)) == layout.owner_cstack {
             // The shim frame an interpreter entry pushes (3.12): a boundary, no code.
-            !push_py(event, PY_ENTRY, 0)
+            !push_py(event, PY_ENTRY, 0, 0)
         } else {
             // 3.10 keeps an index there, not a pointer: user space undoes the subtraction
             // (no branch here: each one multiplies the verifier's work over the loop).
             let offset = word(layout.frame_instr).wrapping_sub(code) as u32;
-            let entry_frame =
-                layout.frame_is_entry != FIELD_ABSENT && byte(layout.frame_is_entry) != 0;
-            !push_py(event, code, offset) || (entry_frame && !push_py(event, PY_ENTRY, 0))
+            // 3.11's `is_entry` is a C bool (0 or 1): masked, not compared.
+            let marker = u64::from(byte(layout.frame_is_entry)) & entry_flag & 1;
+            !push_py(event, code, offset, marker)
         };
         frame = word(layout.frame_previous);
         if full {
