@@ -177,11 +177,28 @@ pub fn symbolize(
     let mut stale = Vec::new();
     let maps = file_maps(header);
     let by_file = frames_by_file(&maps, stacks, jit, &mut user);
-    let symbolizer = Symbolizer::builder()
-        .enable_code_info(false)
-        .enable_inlined_fns(false)
-        .build();
-    for ((pid, path), addrs) in by_file {
+    // One file at a time, every process mapping it in turn, each with a symbolizer of its
+    // own dropped after it: blazesym maps the files it reads, and the pages it touches
+    // (symbol tables of libraries of hundreds of MB) count in the agent's resident memory
+    // while they stay mapped; one symbolizer for the run kept every file's mapped at once.
+    let mut by_path: Vec<_> = by_file.into_iter().collect();
+    by_path.sort_by(|a, b| (&a.0.1, a.0.0).cmp(&(&b.0.1, b.0.0)));
+    let mut symbolizer: Option<(String, Symbolizer)> = None;
+    for ((pid, path), addrs) in by_path {
+        if symbolizer.as_ref().is_none_or(|(p, _)| *p != path) {
+            // The previous file's symbolizer is dropped before the next one is made.
+            drop(symbolizer.take());
+            symbolizer = Some((
+                path.clone(),
+                Symbolizer::builder()
+                    .enable_code_info(false)
+                    .enable_inlined_fns(false)
+                    .build(),
+            ));
+        }
+        let Some((_, symbolizer)) = &symbolizer else {
+            continue;
+        };
         let offsets: Vec<u64> = addrs.iter().map(|(_, off)| *off).collect();
         let names = match (build_ids.get(&(pid, path.clone())), build_id(pid, &path)) {
             (Some(then), now) if now.as_ref() != Some(then) => {
@@ -192,7 +209,7 @@ pub fn symbolize(
                 ));
                 vec![None; offsets.len()]
             }
-            _ => file_names(&symbolizer, pid, &path, &offsets, &mut stale),
+            _ => file_names(symbolizer, pid, &path, &offsets, &mut stale),
         };
         let base = Path::new(&path).file_name().map_or(path.clone(), |n| {
             n.to_string_lossy()
