@@ -336,3 +336,33 @@ fn stack_records_kept_compact() {
     assert!(decode(&back[0][..back[0].len() - 8]).is_err());
     assert!(decode(&back[4][..back[4].len() - 4]).is_err());
 }
+
+/// A recording of a newer format than this reader knows is refused by its version, with
+/// the fix; every older version from the oldest is read.
+#[test]
+fn format_versions_read_and_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_sample(dir.path());
+    let bytes = std::fs::read(&path).unwrap();
+    let with_version = |v: u32| {
+        let mut b = bytes.clone();
+        b[8..12].copy_from_slice(&v.to_le_bytes());
+        let p = dir.path().join(format!("v{v}.nctr"));
+        std::fs::write(&p, b).unwrap();
+        p
+    };
+    for v in OLDEST_FORMAT_VERSION..=FORMAT_VERSION {
+        assert!(Reader::open(&with_version(v)).is_ok(), "version {v}");
+    }
+    let newer = FORMAT_VERSION + 1;
+    let Err(e) = Reader::open(&with_version(newer)) else {
+        panic!("version {newer} read")
+    };
+    let text = e.to_string();
+    assert!(
+        text.contains(&format!("format version {newer}"))
+            && text.contains("use the nccltrace that made it"),
+        "{text}"
+    );
+    assert!(e.is_bad_input());
+}
