@@ -426,7 +426,12 @@ impl Timeline {
         if ts < self.cut_ns
             && matches!(
                 event,
-                Event::OffCpu { .. } | Event::PyStack { .. } | Event::StackSame { .. }
+                Event::OffCpu { .. }
+                    | Event::PyStack { .. }
+                    | Event::StackSame {
+                        of: nccltrace_common::kind::OFFCPU,
+                        ..
+                    }
             )
         {
             // Stacks taken as a thread came back after a long stretch off the CPU
@@ -437,7 +442,14 @@ impl Timeline {
         }
         if ts < self.cut_ns {
             // Its epoch is attributed already (records of different CPUs arrive a little
-            // out of order; epochs end a reorder margin before the newest record).
+            // out of order; epochs end a reorder margin before the newest record). A late
+            // call-entry stack is still what the thread's next reused one stands for.
+            if let Event::CallStack { task, ustack, .. } = event {
+                self.log(task.tid, task.tgid)
+                    .last_call
+                    .get_or_insert_default()
+                    .clone_from(ustack);
+            }
             self.late_events += 1;
             return;
         }
