@@ -183,43 +183,34 @@ pub fn symbolize(
     // while they stay mapped; one symbolizer for the run kept every file's mapped at once.
     let mut by_path: Vec<_> = by_file.into_iter().collect();
     by_path.sort_by(|a, b| (&a.0.1, a.0.0).cmp(&(&b.0.1, b.0.0)));
-    let mut symbolizer: Option<(String, Symbolizer)> = None;
-    for ((pid, path), addrs) in by_path {
-        if symbolizer.as_ref().is_none_or(|(p, _)| *p != path) {
-            // The previous file's symbolizer is dropped before the next one is made.
-            drop(symbolizer.take());
-            symbolizer = Some((
-                path.clone(),
-                Symbolizer::builder()
-                    .enable_code_info(false)
-                    .enable_inlined_fns(false)
-                    .build(),
-            ));
-        }
-        let Some((_, symbolizer)) = &symbolizer else {
-            continue;
-        };
-        let offsets: Vec<u64> = addrs.iter().map(|(_, off)| *off).collect();
-        let names = match (build_ids.get(&(pid, path.clone())), build_id(pid, &path)) {
-            (Some(then), now) if now.as_ref() != Some(then) => {
-                stale.push(format!(
-                    "{path} (pid {pid}) is not the file the recording was made with (build id \
-                     {then}, now {}): its frames are left unnamed",
-                    now.as_deref().unwrap_or("unreadable")
-                ));
-                vec![None; offsets.len()]
+    for file in by_path.chunk_by(|a, b| a.0.1 == b.0.1) {
+        let symbolizer = Symbolizer::builder()
+            .enable_code_info(false)
+            .enable_inlined_fns(false)
+            .build();
+        for ((pid, path), addrs) in file {
+            let offsets: Vec<u64> = addrs.iter().map(|(_, off)| *off).collect();
+            let names = match (build_ids.get(&(*pid, path.clone())), build_id(*pid, path)) {
+                (Some(then), now) if now.as_ref() != Some(then) => {
+                    stale.push(format!(
+                        "{path} (pid {pid}) is not the file the recording was made with \
+                         (build id {then}, now {}): its frames are left unnamed",
+                        now.as_deref().unwrap_or("unreadable")
+                    ));
+                    vec![None; offsets.len()]
+                }
+                _ => file_names(&symbolizer, *pid, path, &offsets, &mut stale),
+            };
+            let base = Path::new(path).file_name().map_or(path.clone(), |n| {
+                n.to_string_lossy()
+                    .trim_start_matches('[')
+                    .trim_end_matches(']')
+                    .to_owned()
+            });
+            for ((addr, offset), name) in addrs.iter().zip(names) {
+                let name = name.unwrap_or_else(|| format!("[{base}+{offset:#x}]"));
+                user.insert((*pid, *addr), name);
             }
-            _ => file_names(symbolizer, pid, &path, &offsets, &mut stale),
-        };
-        let base = Path::new(&path).file_name().map_or(path.clone(), |n| {
-            n.to_string_lossy()
-                .trim_start_matches('[')
-                .trim_end_matches(']')
-                .to_owned()
-        });
-        for ((addr, offset), name) in addrs.iter().zip(names) {
-            let name = name.unwrap_or_else(|| format!("[{base}+{offset:#x}]"));
-            user.insert((pid, *addr), name);
         }
     }
     Symbols {
