@@ -113,21 +113,18 @@ pub(crate) fn same_stack(keys: &Array<StackKey>, key: &StackKey, hdr: &Header) -
     if !same {
         return false;
     }
-    let ring = ring();
-    match ring.reserve::<StackSameEvent>(0) {
-        Some(mut entry) => {
-            entry.write(StackSameEvent {
-                hdr: Header {
-                    kind: kind::STACK_SAME,
-                    ..*hdr
-                },
-                of: u32::from(hdr.kind),
-                _pad: 0,
-            });
-            entry.submit(wake_flags(ring));
-        }
-        None => bump(u32::from(hdr.kind)),
-    }
+    // Lost, it counts under the kind it stands for.
+    emit(
+        hdr.kind,
+        StackSameEvent {
+            hdr: Header {
+                kind: kind::STACK_SAME,
+                ..*hdr
+            },
+            of: u32::from(hdr.kind),
+            _pad: 0,
+        },
+    );
     true
 }
 
