@@ -66,6 +66,13 @@ pub struct Probes {
     /// inside them are not seen.
     #[serde(default)]
     pub call_returns: CallReturns,
+    /// Attach the uprobes as one uprobe-multi link per file and program (Linux 6.6+)
+    /// rather than one perf-event uprobe per function: registered at once, and released
+    /// at the stop with one RCU grace period per link instead of one per function (each
+    /// ~0.1 s, one after another). Kernels without them get one per function. On when not
+    /// given.
+    #[serde(default = "yes")]
+    pub uprobe_multi: bool,
     /// Read the InfiniBand ports' counters (`/sys/class/infiniband`) while tracing, for
     /// each step's traffic and errors: the data and packet counters every 100 ms, all of
     /// them every second. The agent's work, not the target's. On when not given.

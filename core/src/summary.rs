@@ -124,6 +124,11 @@ pub struct AgentStats {
     /// Where that went, phase by phase, in order (empty for older recordings).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub attach_phases_ms: Vec<AttachPhase>,
+    /// How the uprobes were attached: "uprobe-multi links, one per file and program" (one
+    /// grace period per link to release at the stop) or "one perf-event uprobe per
+    /// function" (one each); absent for older recordings.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub uprobes: Option<String>,
     /// Peak resident memory (VmHWM) of the whole agent process over the whole run, its
     /// end (reading back, attributing, writing every other output) included.
     pub peak_rss_kb: u64,

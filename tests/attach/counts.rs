@@ -41,6 +41,7 @@ fn counts_every_call_of_the_trainer() {
     assert_eq!(summary["lost_events"], 0);
     assert_eq!(summary["stop_reason"], "every target exited");
     assert_eq!(summary["nccl"]["errors"], 0);
+    uprobes_attached_as(&summary, true);
     programs_accounted(&summary);
     // 512 fresh pages a step, each a fault (enough fault time, over 10 ms, that the
     // 999 Hz sampling surely lands in some: the attributed graph's page_fault).
@@ -185,13 +186,15 @@ fn entries_profile(dir: &Path) -> PathBuf {
     let default = std::fs::read_to_string(workspace().join("profiles/default.toml")).unwrap();
     let entries = default
         .replace("call_returns = \"all\"", "call_returns = \"needed\"")
+        .replace("uprobe_multi = true", "uprobe_multi = false")
         .replace("infiniband = true", "infiniband = false");
     std::fs::write(&profile, entries).unwrap();
     profile
 }
 
 /// `call_returns = "needed"` (issue 22): collectives, group starts and markers are traced
-/// at entry only, one trap a call. Every call is still counted with its bytes, the CUDA
+/// at entry only, one trap a call. With one perf-event uprobe per function
+/// (`uprobe_multi = false`), as on kernels before 6.6. Every call is still counted with its bytes, the CUDA
 /// syncs still measure the wait, steps are still found; what is not seen (the calls' time
 /// and result) is null and said, and the return program runs only for the calls that
 /// need it.
@@ -208,6 +211,7 @@ fn collectives_traced_at_entry_only() {
         &["--compute-us", "500"],
         &["--profile", profile.to_str().unwrap()],
     );
+    uprobes_attached_as(&summary, false);
     let nccl = &summary["nccl"];
     for (op, calls) in truth["calls"].as_object().unwrap() {
         assert_eq!(nccl["by_op"][op]["calls"], *calls, "{op} calls");

@@ -309,22 +309,32 @@ fn report(out: &Path, dir: &Path) -> PathBuf {
     again
 }
 
+/// No program of the agent is left once it has exited. The kernel frees a program whose
+/// last link was a uprobe-multi one after an RCU grace period, after the process is gone:
+/// up to two seconds are allowed for that.
 fn no_programs_left() {
-    let out = Command::new("bpftool")
-        .args(["prog", "show"])
-        .output()
-        .expect("bpftool");
-    let text = String::from_utf8_lossy(&out.stdout);
-    for name in [
+    let names = [
         "uprobe_lib_call",
         "uretprobe_lib_c",
         "tracepoint_sche",
         "tracepoint_page",
-    ] {
+    ];
+    let deadline = std::time::Instant::now() + Duration::from_secs(2);
+    loop {
+        let out = Command::new("bpftool")
+            .args(["prog", "show"])
+            .output()
+            .expect("bpftool");
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let left: Vec<&str> = names.into_iter().filter(|n| text.contains(n)).collect();
+        if left.is_empty() {
+            return;
+        }
         assert!(
-            !text.contains(name),
-            "program {name} still loaded after exit:\n{text}"
+            std::time::Instant::now() < deadline,
+            "programs {left:?} still loaded 2 s after exit:\n{text}"
         );
+        std::thread::sleep(Duration::from_millis(50));
     }
 }
 
@@ -828,6 +838,22 @@ fn flamegraphs_and_trace_are_valid(out: &Path, summary: &Value) {
 /// Running inside a QEMU guest of `cargo xtask vm-test` (emulated, ~17× slower).
 fn in_a_guest() -> bool {
     std::env::var_os("NCCLTRACE_GUEST").is_some()
+}
+
+/// How the agent must have attached the uprobes on this kernel with `multi` asked for
+/// (profile `uprobe_multi`): uprobe-multi links from Linux 6.6 on, one per function before.
+fn uprobes_attached_as(summary: &Value, multi: bool) {
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
+    let mut numbers = release
+        .split(|c: char| !c.is_ascii_digit())
+        .map(|n| n.parse::<u32>().unwrap_or(0));
+    let version = (numbers.next().unwrap_or(0), numbers.next().unwrap_or(0));
+    let expected = if multi && version >= (6, 6) {
+        "uprobe-multi links, one per file and program"
+    } else {
+        "one perf-event uprobe per function"
+    };
+    assert_eq!(summary["agent"]["uprobes"], expected, "kernel {release}");
 }
 
 /// An importer written by others reads trace.json: speedscope's web app (from npm, path in

@@ -157,11 +157,23 @@ pub(super) fn wanted_programs(
 /// them side by side (on the H200 those with stacks and the Python walk took 20–30 ms each,
 /// one after another). A program that fails here is loaded again where it is attached,
 /// which reports the verifier's refusal by name.
-pub(super) fn preload(ebpf: &mut Ebpf, wanted: &[&str]) {
+///
+/// The uprobe programs are loaded here for uprobe-multi links where `maps` (the maps'
+/// descriptors) were taken for that (`multi`), beside the others.
+pub(super) fn preload(
+    ebpf: &mut Ebpf,
+    wanted: &[&str],
+    maps: Option<&BTreeMap<String, std::os::fd::OwnedFd>>,
+) -> super::UprobePrograms {
     use aya::programs::Program;
     std::thread::scope(|scope| {
+        let uprobes = scope.spawn(|| super::UprobePrograms::load(maps));
         for (name, program) in ebpf.programs_mut() {
             if !wanted.contains(&name) || program.fd().is_ok() {
+                continue;
+            }
+            if maps.is_some() && [names::UPROBE_LIB_CALL, names::URETPROBE_LIB_CALL].contains(&name)
+            {
                 continue;
             }
             scope.spawn(move || {
@@ -178,18 +190,23 @@ pub(super) fn preload(ebpf: &mut Ebpf, wanted: &[&str]) {
                 }
             });
         }
-    });
+        uprobes.join().unwrap_or(super::UprobePrograms::PerFunction)
+    })
 }
 
-/// Each loaded program's runs and run time as the kernel counts them.
-pub(super) fn raw_program_runs(ebpf: &Ebpf) -> BTreeMap<String, (u64, u64)> {
-    ebpf.programs()
-        .filter_map(|(name, p)| {
-            let info = p.info().ok()?;
-            let ns = u64::try_from(info.run_time().as_nanos()).unwrap_or(u64::MAX);
-            Some((name.to_owned(), (info.run_count(), ns)))
-        })
-        .collect()
+/// Each loaded program's runs and run time as the kernel counts them (the uprobe programs
+/// loaded for uprobe-multi links among them).
+pub(super) fn raw_program_runs(
+    ebpf: &Ebpf,
+    uprobes: &super::UprobePrograms,
+) -> BTreeMap<String, (u64, u64)> {
+    let mut runs = uprobes.runs();
+    runs.extend(ebpf.programs().filter_map(|(name, p)| {
+        let info = p.info().ok()?;
+        let ns = u64::try_from(info.run_time().as_nanos()).unwrap_or(u64::MAX);
+        Some((name.to_owned(), (info.run_count(), ns)))
+    }));
+    runs
 }
 
 /// The program `name` of the object, as its type.

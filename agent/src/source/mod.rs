@@ -12,6 +12,7 @@ mod traps;
 mod error;
 mod kernel;
 mod load;
+mod multi;
 mod probes;
 mod session;
 mod start;
@@ -40,7 +41,6 @@ use aya::programs::perf_event::{
 use aya::programs::raw_trace_point::RawTracePointLink;
 use aya::programs::trace_point::TracePointLink;
 use aya::programs::uprobe::UProbeLink;
-use aya::programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope};
 use aya::programs::{
     FEntry, FExit, KProbe, PerfEvent, ProgramError, RawTracePoint, TracePoint, UProbe,
 };
@@ -52,6 +52,7 @@ use crate::host::{self, Host};
 use crate::profile::{CallReturns, Profile, SampleScope};
 use crate::record::{ClockRef, FORMAT_VERSION, Header, ProbeInfo, TargetInfo};
 use discover::FoundLibrary;
+use multi::{Site, UprobePrograms};
 
 /// The compiled kernel programs, embedded at build time.
 static PROGRAMS: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/nccltrace"));
@@ -210,6 +211,9 @@ enum Link {
     FExit(FExitLink),
     #[allow(dead_code)]
     KProbe(KProbeLink),
+    /// A uprobe-multi link (`multi`).
+    #[allow(dead_code)]
+    Multi(std::os::fd::OwnedFd),
 }
 
 /// Every how long the InfiniBand ports' data and packet counters are read, and all of
@@ -233,6 +237,8 @@ fn agent_record(ts_ns: u64, pid: u32, thread: u32, kind: u16) -> nccltrace_commo
 /// Loaded and attached programs, with the maps user space reads.
 pub struct Attached {
     ebpf: Option<Ebpf>,
+    /// The entry and return programs of the uprobes, and how they attach.
+    uprobes: UprobePrograms,
     links: Vec<Link>,
     /// Rare diagnostics from the programs (aya-log), flushed to the `log` crate.
     logger: Option<aya_log::EbpfLogger<&'static dyn log::Log>>,

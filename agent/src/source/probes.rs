@@ -43,6 +43,7 @@ pub(super) fn inode(path: &Path) -> (u64, u64) {
 /// every process mapping it.
 pub(super) fn probe_library(
     ebpf: &mut Ebpf,
+    uprobes: &UprobePrograms,
     lib: &FoundLibrary,
     returns: CallReturns,
     probed: &mut Vec<(u64, u64)>,
@@ -53,34 +54,25 @@ pub(super) fn probe_library(
         return Ok(());
     }
     probed.push(id);
-    for program in [names::UPROBE_LIB_CALL, names::URETPROBE_LIB_CALL] {
-        let prog: &mut UProbe = typed_program(ebpf, program)?;
-        for site in &lib.sites {
+    let sites: Vec<Site> = lib
+        .sites
+        .iter()
+        .map(|site| {
             let func = site.func.id();
             let returned = returns.traced(func);
-            if program == names::URETPROBE_LIB_CALL && !returned {
-                continue;
-            }
             let entry_only = if returned {
                 0
             } else {
                 nccltrace_common::func::ENTRY_ONLY
             };
-            let point = UProbeAttachPoint {
-                location: UProbeAttachLocation::AbsoluteOffset(site.file_offset),
-                cookie: Some(u64::from(func | entry_only)),
-            };
-            let place = format!("{}:{}", lib.path, site.symbol);
-            let id = prog
-                .attach(point, &lib.host_path, UProbeScope::AllProcesses)
-                .map_err(|e| program_error(program, &place, e))?;
-            let link = prog
-                .take_link(id)
-                .map_err(|e| program_error(program, &place, e))?;
-            links.push(Link::Uprobe(link));
-        }
-    }
-    Ok(())
+            Site {
+                offset: site.file_offset,
+                cookie: u64::from(func | entry_only),
+                returned,
+            }
+        })
+        .collect();
+    uprobes.attach(ebpf, &lib.host_path, &lib.path, &sites, None, links)
 }
 
 /// One software cpu-clock event per online CPU (`SampleScope::Cpu`); the program keeps the

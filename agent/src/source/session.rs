@@ -61,7 +61,14 @@ impl Attached {
         let (libs, probes) = target_libs(t, &self.profile);
         for lib in libs {
             let returns = self.profile.probes.call_returns;
-            probe_library(ebpf, lib, returns, &mut self.probed, &mut self.links)?;
+            probe_library(
+                ebpf,
+                &self.uprobes,
+                lib,
+                returns,
+                &mut self.probed,
+                &mut self.links,
+            )?;
         }
         if self.header.sample_period_ns > 0 && self.profile.sampling.scope == SampleScope::Thread {
             let period = self.header.sample_period_ns;
@@ -274,15 +281,15 @@ impl Attached {
             && self.bpf_stats.is_some()
             && let Some(ebpf) = self.ebpf.as_mut()
         {
-            let before = raw_program_runs(ebpf);
-            self.traps = Some(traps::calibrate(ebpf, &mut self.links));
+            let before = raw_program_runs(ebpf, &self.uprobes);
+            self.traps = Some(traps::calibrate(ebpf, &self.uprobes, &mut self.links));
             if self.header.sample_period_ns > 0 {
                 self.sampling_cost = Some(traps::calibrate_sampling());
             }
             // The calibration's own runs of the call programs (rejected at once: the agent is
             // no target) are not the job's: exactly `traps::CALLS_MADE` each, and their share
             // of the time the program ran meanwhile (the job's calls ran it too).
-            let after = raw_program_runs(ebpf);
+            let after = raw_program_runs(ebpf, &self.uprobes);
             for name in [names::UPROBE_LIB_CALL, names::URETPROBE_LIB_CALL] {
                 let (r0, t0) = before.get(name).copied().unwrap_or((0, 0));
                 let (r1, t1) = after.get(name).copied().unwrap_or((0, 0));
@@ -306,7 +313,7 @@ impl Attached {
         let (Some(ebpf), Some(_)) = (self.ebpf.as_ref(), self.bpf_stats.as_ref()) else {
             return None;
         };
-        let programs = raw_program_runs(ebpf)
+        let programs = raw_program_runs(ebpf, &self.uprobes)
             .into_iter()
             .map(|(name, (runs, ns))| {
                 let (r, t) = self.calibration_runs.get(&name).copied().unwrap_or((0, 0));
@@ -484,7 +491,9 @@ impl Attached {
     pub fn detach_in_background(&mut self) -> (Option<std::thread::JoinHandle<()>>, usize) {
         let links = std::mem::take(&mut self.links);
         let count = links.len();
-        let owned = (links, self.ebpf.take());
+        // The uprobe programs loaded for uprobe-multi links go with their links.
+        let uprobes = std::mem::replace(&mut self.uprobes, UprobePrograms::PerFunction);
+        let owned = (links, self.ebpf.take(), uprobes);
         // When no thread can be had, the closure (and what it owns) is dropped here.
         let thread = std::thread::Builder::new()
             .name("nccltrace-detach".into())

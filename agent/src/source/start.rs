@@ -41,6 +41,10 @@ pub(super) fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attach
     });
     phases.mark("tracefs");
     let mut ebpf = load(&offsets, profile, shards)?;
+    // Before any map is taken out of `ebpf`: the uprobe programs loaded for uprobe-multi
+    // links refer to them all.
+    let map_fds =
+        (profile.probes.uprobe_multi && multi::supported()).then(|| multi::map_fds(&ebpf));
     phases.mark("maps and object");
     // The kernel accounts each program's run time while this descriptor is open (the
     // programs' own cost, `summary.json` agent.bpf).
@@ -92,10 +96,12 @@ pub(super) fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attach
     }
 
     phases.mark("python");
-    preload(
+    let uprobes = preload(
         &mut ebpf,
         &wanted_programs(profile, &available, &tracefs_root),
+        map_fds.as_ref(),
     );
+    drop(map_fds);
     phases.mark("programs verified (in parallel)");
     let mut links = Vec::new();
     let infos: Vec<(&Target, Vec<&FoundLibrary>, Vec<ProbeInfo>)> = targets
@@ -105,9 +111,6 @@ pub(super) fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attach
             (t, libs, probes)
         })
         .collect();
-    for program in [names::UPROBE_LIB_CALL, names::URETPROBE_LIB_CALL] {
-        load_program::<UProbe>(&mut ebpf, program)?;
-    }
     // One probe per file, whatever the number of targets: ranks share their libraries,
     // the kernel filters by TARGETS, and every uprobe costs a grace period to detach.
     let mut probed: Vec<(u64, u64)> = Vec::new();
@@ -115,6 +118,7 @@ pub(super) fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attach
         for lib in libs {
             probe_library(
                 &mut ebpf,
+                &uprobes,
                 lib,
                 profile.probes.call_returns,
                 &mut probed,
@@ -305,6 +309,7 @@ pub(super) fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attach
         offcpu_stacks,
         offcpu_min_ns,
         attach_phases_us: Vec::new(),
+        uprobes: Some(uprobes.describe().to_owned()),
         infiniband_every_ms: (!infiniband_ports.is_empty())
             .then(|| u64::try_from(IB_FAST_EVERY.as_millis()).unwrap_or(u64::MAX)),
         infiniband_ports,
@@ -323,6 +328,7 @@ pub(super) fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attach
         resident,
         resident_read: None,
         ebpf: Some(ebpf),
+        uprobes,
         links,
         logger,
         targets: map_targets,

@@ -9,10 +9,9 @@ use std::path::Path;
 use std::time::Instant;
 
 use aya::Ebpf;
-use aya::programs::UProbe;
-use aya::programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope};
 
-use super::{Link, names, typed_program};
+use super::multi::{Probed, Site, UprobePrograms};
+use super::{Link, names};
 
 /// The function probed. It opens with `push rbp`, as NCCL's and the CUDA driver's
 /// functions do (docs/design.md): the kernel emulates that instruction under the uprobe,
@@ -73,23 +72,30 @@ fn file_offset(address: u64) -> Option<(String, u64)> {
 /// The added time of one call with the entry program alone, then with the entry and
 /// return programs attached; the probes stay attached (in `links`, released with the
 /// others).
-pub(super) fn calibrate(ebpf: &mut Ebpf, links: &mut Vec<Link>) -> Result<Traps, String> {
+pub(super) fn calibrate(
+    ebpf: &mut Ebpf,
+    uprobes: &UprobePrograms,
+    links: &mut Vec<Link>,
+) -> Result<Traps, String> {
     let (file, offset) = file_offset(nccltrace_trap_calibration as *const () as usize as u64)
         .ok_or("the agent's own code is not in /proc/self/maps")?;
     let bare = fastest_round();
     let pid = std::num::NonZeroU32::new(std::process::id()).ok_or("no pid")?;
     let mut added = Vec::new();
+    let site = Site {
+        offset,
+        cookie: 0,
+        returned: true,
+    };
+    let to = Probed {
+        path: Path::new(&file),
+        place: &file,
+        pid: Some(pid),
+    };
     for program in [names::UPROBE_LIB_CALL, names::URETPROBE_LIB_CALL] {
-        let prog: &mut UProbe = typed_program(ebpf, program).map_err(|e| e.to_string())?;
-        let point = UProbeAttachPoint {
-            location: UProbeAttachLocation::AbsoluteOffset(offset),
-            cookie: Some(0),
-        };
-        let id = prog
-            .attach(point, Path::new(&file), UProbeScope::OneProcess(pid))
-            .map_err(|e| format!("{program} on {file}: {e}"))?;
-        let link = prog.take_link(id).map_err(|e| e.to_string())?;
-        links.push(Link::Uprobe(link));
+        uprobes
+            .attach_one(ebpf, program, &to, &[&site], links)
+            .map_err(|e| e.to_string())?;
         let probed = fastest_round();
         if probed <= bare {
             return Err(format!(

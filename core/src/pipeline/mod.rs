@@ -403,6 +403,7 @@ impl Aggregator {
                 agent.attach_ms = attach_ns as f64 / 1e6;
                 agent.attach_phases_ms =
                     crate::summary::AttachPhase::all(&self.header.attach_phases_us);
+                agent.uprobes.clone_from(&self.header.uprobes);
                 agent.peak_rss_kb = self.agent_peak_rss_kb.unwrap_or(agent_peak_rss_kb);
                 (end_monotonic_ns, Some(reason), lost_by_kind, counters)
             }

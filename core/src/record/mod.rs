@@ -193,6 +193,10 @@ pub struct Header {
     /// Where attaching went: each phase and its microseconds, in order.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub attach_phases_us: Vec<(String, u64)>,
+    /// How the uprobes were attached (uprobe-multi links or one per function); `None` in
+    /// older recordings.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uprobes: Option<String>,
     /// The InfiniBand ports whose counters were read while tracing (`device/port`), in
     /// the order the `infiniband_counters` records index them.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

@@ -479,7 +479,7 @@ async fn trace(
         if !thread.is_finished() {
             crate::note!(
                 "nccltrace: outputs complete in {}; the kernel is still releasing the probes \
-                 (about 0.1 s each)",
+                 (each waits for an RCU grace period)",
                 out.display()
             );
         }

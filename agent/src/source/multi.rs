@@ -1,0 +1,496 @@
+//! Uprobes as one link per file and program (`BPF_TRACE_UPROBE_MULTI`, Linux 6.6+).
+//!
+//! One perf-event uprobe per probed function costs an RCU grace period under a kernel-wide
+//! mutex to detach: ~70–130 ms each, one after another (measured here; 74 probes kept a
+//! 3-s trace of the H200's DDP rank running ~7 s past its outputs). A uprobe-multi link
+//! registers all of a file's probes in one call and unregisters them with one grace
+//! period, outside that mutex.
+//!
+//! aya 0.14 cannot load a uprobe program for such links (the kernel wants the program
+//! loaded with `expected_attach_type = BPF_TRACE_UPROBE_MULTI`), and the aya release that
+//! can needs a newer Rust than this project's. So the two uprobe programs are loaded here:
+//! the embedded object is parsed again with aya-obj, its map references are pointed at the
+//! maps aya already created (by name, so both copies of the programs share every map), and
+//! the instructions go to `BPF_PROG_LOAD` with that attach type. Where the kernel has no
+//! uprobe-multi links (before 6.6), the agent attaches one perf-event uprobe per function
+//! with aya, as before.
+
+use std::collections::{BTreeMap, HashSet};
+use std::ffi::CString;
+use std::os::fd::{AsFd as _, AsRawFd as _, BorrowedFd, FromRawFd as _, OwnedFd, RawFd};
+use std::sync::OnceLock;
+
+use std::num::NonZeroU32;
+use std::path::Path;
+
+use aya::Ebpf;
+use aya::maps::Map;
+use aya::programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope};
+use aya::programs::{ProgramError, UProbe};
+
+use super::{Link, SourceError, load_program, names, program_error};
+
+const BPF_PROG_LOAD: libc::c_long = 5;
+const BPF_LINK_CREATE: libc::c_long = 28;
+const BPF_PROG_TYPE_KPROBE: u32 = 2;
+const BPF_TRACE_UPROBE_MULTI: u32 = 48;
+const BPF_F_UPROBE_MULTI_RETURN: u32 = 1;
+
+/// `union bpf_attr` for `BPF_PROG_LOAD`, as far as `expected_attach_type` (the kernel
+/// takes a shorter attribute and reads the rest as zero).
+#[repr(C)]
+#[derive(Default)]
+struct ProgLoad {
+    prog_type: u32,
+    insn_cnt: u32,
+    insns: u64,
+    license: u64,
+    log_level: u32,
+    log_size: u32,
+    log_buf: u64,
+    kern_version: u32,
+    prog_flags: u32,
+    prog_name: [u8; 16],
+    prog_ifindex: u32,
+    expected_attach_type: u32,
+}
+
+/// `union bpf_attr` for `BPF_LINK_CREATE` of a uprobe-multi link.
+#[repr(C)]
+#[derive(Default)]
+struct LinkCreate {
+    prog_fd: u32,
+    target_fd: u32,
+    attach_type: u32,
+    flags: u32,
+    path: u64,
+    offsets: u64,
+    ref_ctr_offsets: u64,
+    cookies: u64,
+    cnt: u32,
+    multi_flags: u32,
+    pid: u32,
+    _pad: u32,
+}
+
+fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> std::io::Result<OwnedFd> {
+    let size = std::mem::size_of::<T>();
+    // SAFETY: `attr` is a valid, fully initialised attribute of `size` bytes for `cmd`;
+    // the pointers in it are valid for the call.
+    let fd = unsafe { libc::syscall(libc::SYS_bpf, cmd, std::ptr::from_mut(attr), size) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let fd = RawFd::try_from(fd).map_err(|_| std::io::Error::from_raw_os_error(libc::EBADF))?;
+    // SAFETY: a new descriptor the kernel just gave us, owned from here.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Whether this kernel makes uprobe-multi links (checked once): a two-instruction program
+/// loaded for them, linked to a path that is not a regular file, is refused with `EBADF`
+/// by a kernel that has them and with `EINVAL` by one that does not.
+pub(super) fn supported() -> bool {
+    static SUPPORTED: OnceLock<bool> = OnceLock::new();
+    *SUPPORTED.get_or_init(|| {
+        // r0 = 0; exit
+        let insns: [u64; 2] = [0x0000_0000_0000_00b7, 0x0000_0000_0000_0095];
+        let Ok(prog) = load_insns(
+            insns.as_ptr() as u64,
+            insns.len(),
+            c"GPL",
+            0,
+            "probe_multi",
+            None,
+        ) else {
+            return false;
+        };
+        let offsets = [0u64];
+        let root = c"/";
+        match link(prog.as_fd(), root, &offsets, None, false, 0) {
+            Err(e) => e.raw_os_error() == Some(libc::EBADF),
+            Ok(_) => false,
+        }
+    })
+}
+
+fn load_insns(
+    insns: u64,
+    count: usize,
+    license: &std::ffi::CStr,
+    kern_version: u32,
+    name: &str,
+    log: Option<&mut Vec<u8>>,
+) -> std::io::Result<OwnedFd> {
+    let mut attr = ProgLoad {
+        prog_type: BPF_PROG_TYPE_KPROBE,
+        insn_cnt: u32::try_from(count).unwrap_or(u32::MAX),
+        insns,
+        license: license.as_ptr() as u64,
+        kern_version,
+        expected_attach_type: BPF_TRACE_UPROBE_MULTI,
+        ..ProgLoad::default()
+    };
+    for (slot, byte) in attr.prog_name.iter_mut().zip(name.bytes().take(15)) {
+        *slot = byte;
+    }
+    if let Some(log) = log {
+        attr.log_level = 1;
+        attr.log_size = u32::try_from(log.len()).unwrap_or(u32::MAX);
+        attr.log_buf = log.as_mut_ptr() as u64;
+    }
+    bpf(BPF_PROG_LOAD, &mut attr)
+}
+
+/// A uprobe-multi link of `prog` to `offsets` of the file `path`, each with its cookie,
+/// in the process `pid` (0: every process); on return from the functions with `returns`.
+pub(super) fn link(
+    prog: BorrowedFd<'_>,
+    path: &std::ffi::CStr,
+    offsets: &[u64],
+    cookies: Option<&[u64]>,
+    returns: bool,
+    pid: u32,
+) -> std::io::Result<OwnedFd> {
+    let mut attr = LinkCreate {
+        prog_fd: u32::try_from(prog.as_raw_fd()).unwrap_or(u32::MAX),
+        attach_type: BPF_TRACE_UPROBE_MULTI,
+        path: path.as_ptr() as u64,
+        offsets: offsets.as_ptr() as u64,
+        cookies: cookies.map_or(0, |c| c.as_ptr() as u64),
+        cnt: u32::try_from(offsets.len()).unwrap_or(u32::MAX),
+        multi_flags: if returns {
+            BPF_F_UPROBE_MULTI_RETURN
+        } else {
+            0
+        },
+        pid,
+        ..LinkCreate::default()
+    };
+    bpf(BPF_LINK_CREATE, &mut attr)
+}
+
+/// The descriptors of every map of `ebpf` by name, taken before any is moved out of it.
+pub(super) fn map_fds(ebpf: &Ebpf) -> BTreeMap<String, OwnedFd> {
+    ebpf.maps()
+        .filter_map(|(name, map)| {
+            let fd = map_data(map).fd().as_fd().try_clone_to_owned().ok()?;
+            Some((name.to_owned(), fd))
+        })
+        .collect()
+}
+
+fn map_data(map: &Map) -> &aya::maps::MapData {
+    match map {
+        Map::Array(m)
+        | Map::ArrayOfMaps(m)
+        | Map::BloomFilter(m)
+        | Map::CgroupArray(m)
+        | Map::CgroupStorage(m)
+        | Map::CgrpStorage(m)
+        | Map::CpuMap(m)
+        | Map::DevMap(m)
+        | Map::DevMapHash(m)
+        | Map::HashMap(m)
+        | Map::HashOfMaps(m)
+        | Map::InodeStorage(m)
+        | Map::LpmTrie(m)
+        | Map::LruHashMap(m)
+        | Map::PerCpuArray(m)
+        | Map::PerCpuCgroupStorage(m)
+        | Map::PerCpuHashMap(m)
+        | Map::PerCpuLruHashMap(m)
+        | Map::PerfEventArray(m)
+        | Map::ProgramArray(m)
+        | Map::Queue(m)
+        | Map::ReusePortSockArray(m)
+        | Map::RingBuf(m)
+        | Map::SockHash(m)
+        | Map::SockMap(m)
+        | Map::SkStorage(m)
+        | Map::Stack(m)
+        | Map::StackTraceMap(m)
+        | Map::Unsupported(m)
+        | Map::XskMap(m) => m,
+    }
+}
+
+/// The programs `names` of the embedded `object`, their map references pointed at
+/// `maps`, ready to load (instructions, license, kernel version).
+pub(super) struct Relocated {
+    programs: BTreeMap<String, (Vec<aya_obj::generated::bpf_insn>, CString, u32)>,
+}
+
+impl Relocated {
+    pub(super) fn new(
+        object: &[u8],
+        maps: &BTreeMap<String, OwnedFd>,
+        names: &[&str],
+    ) -> Result<Relocated, String> {
+        let mut obj = aya_obj::Object::parse(object).map_err(|e| format!("object: {e}"))?;
+        if obj.has_btf_relocations() {
+            return Err("the object has BTF relocations, which this loader does not do".into());
+        }
+        let defs = std::mem::take(&mut obj.maps);
+        let mut with_fds = Vec::new();
+        for (name, def) in &defs {
+            let fd = maps
+                .get(name)
+                .ok_or_else(|| format!("map {name} was not created"))?;
+            with_fds.push((name.as_str(), fd.as_raw_fd(), def));
+        }
+        let text: HashSet<usize> = obj.functions.keys().map(|(section, _)| *section).collect();
+        obj.relocate_maps(with_fds.into_iter(), &text)
+            .map_err(|e| format!("map relocation: {e}"))?;
+        obj.relocate_calls(&text)
+            .map_err(|e| format!("call relocation: {e}"))?;
+        let mut programs = BTreeMap::new();
+        for name in names {
+            let prog = obj
+                .programs
+                .get(*name)
+                .ok_or_else(|| format!("no program {name} in the object"))?;
+            let function = obj
+                .functions
+                .get(&prog.function_key())
+                .ok_or_else(|| format!("no code for {name}"))?;
+            programs.insert(
+                (*name).to_owned(),
+                (
+                    function.instructions.clone(),
+                    prog.license.clone(),
+                    prog.kernel_version.unwrap_or(0),
+                ),
+            );
+        }
+        Ok(Relocated { programs })
+    }
+
+    /// Loads the program `name` for uprobe-multi links; a refusal carries the verifier's
+    /// log.
+    pub(super) fn load(&self, name: &str) -> Result<OwnedFd, String> {
+        let (insns, license, version) = self
+            .programs
+            .get(name)
+            .ok_or_else(|| format!("{name} not relocated"))?;
+        let ptr = insns.as_ptr() as u64;
+        load_insns(ptr, insns.len(), license, *version, name, None).map_err(|e| {
+            let mut log = vec![0u8; 1 << 20];
+            let _ = load_insns(ptr, insns.len(), license, *version, name, Some(&mut log));
+            let end = log.iter().position(|b| *b == 0).unwrap_or(log.len());
+            let log = String::from_utf8_lossy(&log[..end]);
+            let tail: Vec<&str> = log.lines().rev().take(20).collect();
+            let tail: Vec<&str> = tail.into_iter().rev().collect();
+            format!("{e}; verifier:\n{}", tail.join("\n"))
+        })
+    }
+}
+
+/// A function to probe: its file offset, the cookie its programs read, and whether its
+/// return is traced too.
+pub(super) struct Site {
+    pub offset: u64,
+    pub cookie: u64,
+    pub returned: bool,
+}
+
+/// The file probed: its path, how errors name it, and the process probed (`None`: every
+/// process mapping it).
+pub(super) struct Probed<'a> {
+    pub path: &'a Path,
+    pub place: &'a str,
+    pub pid: Option<NonZeroU32>,
+}
+
+/// The two uprobe programs (entry and return), and how they attach on this kernel.
+pub(super) enum UprobePrograms {
+    /// Loaded here, for a uprobe-multi link per file and program (Linux 6.6+).
+    Multi { entry: OwnedFd, ret: OwnedFd },
+    /// aya's, one perf-event uprobe per function (older kernels, or where loading them
+    /// here failed).
+    PerFunction,
+}
+
+impl UprobePrograms {
+    /// Loads the two programs for uprobe-multi links where the kernel makes them and their
+    /// maps' descriptors were taken (`maps`); otherwise, or where that fails (said in the
+    /// log), they are aya's, one uprobe per function.
+    pub(super) fn load(maps: Option<&BTreeMap<String, OwnedFd>>) -> UprobePrograms {
+        let Some(maps) = maps else {
+            return UprobePrograms::PerFunction;
+        };
+        let names = [names::UPROBE_LIB_CALL, names::URETPROBE_LIB_CALL];
+        let loaded = Relocated::new(super::PROGRAMS, maps, &names).and_then(|r| {
+            // Each verified on a thread of its own, as `preload` does with the others.
+            let (entry, ret) = std::thread::scope(|scope| {
+                let ret = scope.spawn(|| r.load(names[1]));
+                (r.load(names[0]), ret.join())
+            });
+            Ok((
+                entry?,
+                ret.map_err(|_| "verification thread panicked".to_owned())??,
+            ))
+        });
+        match loaded {
+            Ok((entry, ret)) => UprobePrograms::Multi { entry, ret },
+            Err(e) => {
+                log::warn!("uprobes attached one by one (uprobe-multi programs not loaded: {e})");
+                UprobePrograms::PerFunction
+            }
+        }
+    }
+
+    /// How the uprobes are attached, in words (summary.json).
+    pub(super) fn describe(&self) -> &'static str {
+        match self {
+            UprobePrograms::Multi { .. } => "uprobe-multi links, one per file and program",
+            UprobePrograms::PerFunction => "one perf-event uprobe per function",
+        }
+    }
+
+    /// Attaches the entry program to every site of the file `path` (`place` names it in
+    /// errors) and the return program to those whose return is traced; in the process
+    /// `pid` only, or in every process.
+    pub(super) fn attach(
+        &self,
+        ebpf: &mut Ebpf,
+        path: &Path,
+        place: &str,
+        sites: &[Site],
+        pid: Option<NonZeroU32>,
+        links: &mut Vec<Link>,
+    ) -> Result<(), SourceError> {
+        let returned: Vec<&Site> = sites.iter().filter(|s| s.returned).collect();
+        let every: Vec<&Site> = sites.iter().collect();
+        let to = Probed { path, place, pid };
+        self.attach_one(ebpf, names::UPROBE_LIB_CALL, &to, &every, links)?;
+        self.attach_one(ebpf, names::URETPROBE_LIB_CALL, &to, &returned, links)
+    }
+
+    /// Attaches `program` (the entry or the return one) to `sites` of a file.
+    pub(super) fn attach_one(
+        &self,
+        ebpf: &mut Ebpf,
+        program: &str,
+        to: &Probed<'_>,
+        sites: &[&Site],
+        links: &mut Vec<Link>,
+    ) -> Result<(), SourceError> {
+        if sites.is_empty() {
+            return Ok(());
+        }
+        let returns = program == names::URETPROBE_LIB_CALL;
+        match self {
+            UprobePrograms::Multi { entry, ret } => {
+                let failed = |io_error| {
+                    program_error(
+                        program,
+                        to.place,
+                        ProgramError::SyscallError(aya::sys::SyscallError {
+                            call: "bpf_link_create (uprobe-multi)",
+                            io_error,
+                        }),
+                    )
+                };
+                let c_path = CString::new(to.path.as_os_str().as_encoded_bytes())
+                    .map_err(|_| failed(std::io::ErrorKind::InvalidInput.into()))?;
+                let offsets: Vec<u64> = sites.iter().map(|s| s.offset).collect();
+                let cookies: Vec<u64> = sites.iter().map(|s| s.cookie).collect();
+                let pid = to.pid.map_or(0, NonZeroU32::get);
+                let prog = if returns { ret } else { entry };
+                let link = link(
+                    prog.as_fd(),
+                    &c_path,
+                    &offsets,
+                    Some(&cookies),
+                    returns,
+                    pid,
+                )
+                .map_err(failed)?;
+                links.push(Link::Multi(link));
+            }
+            UprobePrograms::PerFunction => {
+                let prog: &mut UProbe = load_program(ebpf, program)?;
+                let scope = to
+                    .pid
+                    .map_or(UProbeScope::AllProcesses, UProbeScope::OneProcess);
+                for site in sites {
+                    let point = UProbeAttachPoint {
+                        location: UProbeAttachLocation::AbsoluteOffset(site.offset),
+                        cookie: Some(site.cookie),
+                    };
+                    let id = prog
+                        .attach(point, to.path, scope)
+                        .map_err(|e| program_error(program, to.place, e))?;
+                    let link = prog
+                        .take_link(id)
+                        .map_err(|e| program_error(program, to.place, e))?;
+                    links.push(Link::Uprobe(link));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The runs and run time (ns) of the programs loaded here, as the kernel counts them.
+    pub(super) fn runs(&self) -> BTreeMap<String, (u64, u64)> {
+        let UprobePrograms::Multi { entry, ret } = self else {
+            return BTreeMap::new();
+        };
+        [
+            (names::UPROBE_LIB_CALL, entry),
+            (names::URETPROBE_LIB_CALL, ret),
+        ]
+        .into_iter()
+        .filter_map(|(name, fd)| Some((name.to_owned(), run_counts(fd.as_fd()).ok()?)))
+        .collect()
+    }
+}
+
+/// `bpf_prog_info`'s run count and run time of the program `fd`.
+fn run_counts(fd: BorrowedFd<'_>) -> std::io::Result<(u64, u64)> {
+    const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
+    #[repr(C)]
+    struct InfoByFd {
+        bpf_fd: u32,
+        info_len: u32,
+        info: u64,
+    }
+    // SAFETY: a plain C struct of integers and pointers, for which zero is valid.
+    let mut info: aya_obj::generated::bpf_prog_info = unsafe { std::mem::zeroed() };
+    let mut attr = InfoByFd {
+        bpf_fd: u32::try_from(fd.as_raw_fd()).unwrap_or(u32::MAX),
+        info_len: u32::try_from(std::mem::size_of_val(&info)).unwrap_or(0),
+        info: std::ptr::from_mut(&mut info) as u64,
+    };
+    let size = std::mem::size_of::<InfoByFd>();
+    // SAFETY: a valid attribute for the command, pointing at `info` of `info_len` bytes.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_OBJ_GET_INFO_BY_FD,
+            std::ptr::from_mut(&mut attr),
+            size,
+        )
+    };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok((info.run_cnt, info.run_time_ns))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn attributes_have_the_kernels_layout() {
+        // uapi/linux/bpf.h: expected_attach_type ends at byte 72 of the load attribute;
+        // the uprobe_multi members start at 16 and pid ends at 60 of the link one.
+        assert_eq!(std::mem::size_of::<ProgLoad>(), 72);
+        assert_eq!(std::mem::offset_of!(ProgLoad, prog_name), 48);
+        assert_eq!(std::mem::offset_of!(ProgLoad, expected_attach_type), 68);
+        assert_eq!(std::mem::offset_of!(LinkCreate, path), 16);
+        assert_eq!(std::mem::offset_of!(LinkCreate, cookies), 40);
+        assert_eq!(std::mem::offset_of!(LinkCreate, pid), 56);
+    }
+}
