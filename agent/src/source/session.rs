@@ -493,11 +493,24 @@ impl Attached {
         let count = links.len();
         // The uprobe programs loaded for uprobe-multi links go with their links.
         let uprobes = std::mem::replace(&mut self.uprobes, UprobePrograms::PerFunction);
-        let owned = (links, self.ebpf.take(), uprobes);
+        let (ebpf, uprobes) = (self.ebpf.take(), uprobes);
         // When no thread can be had, the closure (and what it owns) is dropped here.
         let thread = std::thread::Builder::new()
             .name("nccltrace-detach".into())
-            .spawn(move || drop(owned))
+            .spawn(move || {
+                // Uprobe-multi links wait for their grace period outside the mutex the
+                // perf events take turns on: each on a thread of its own, beside the rest.
+                let (multi, rest): (Vec<Link>, Vec<Link>) = links
+                    .into_iter()
+                    .partition(|l| matches!(l, Link::Multi(_)));
+                std::thread::scope(|scope| {
+                    for link in multi {
+                        scope.spawn(move || drop(link));
+                    }
+                    drop(rest);
+                });
+                drop((ebpf, uprobes));
+            })
             .ok();
         (thread, count)
     }
