@@ -119,7 +119,9 @@ pub struct TargetSummary {
 /// What the agent itself cost.
 #[derive(Clone, Debug, Default, Serialize, PartialEq)]
 pub struct AgentStats {
-    /// Loading the programs and attaching every probe.
+    /// From the attach command's start to every probe attached: finding the targets and
+    /// the doctor's report, beside loading and verifying the programs, then attaching
+    /// (recordings before session 19: from the loading only, after the targets were found).
     pub attach_ms: f64,
     /// Where that went, phase by phase, in order (empty for older recordings).
     #[serde(skip_serializing_if = "Vec::is_empty")]

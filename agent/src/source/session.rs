@@ -500,9 +500,8 @@ impl Attached {
             .spawn(move || {
                 // Uprobe-multi links wait for their grace period outside the mutex the
                 // perf events take turns on: each on a thread of its own, beside the rest.
-                let (multi, rest): (Vec<Link>, Vec<Link>) = links
-                    .into_iter()
-                    .partition(|l| matches!(l, Link::Multi(_)));
+                let (multi, rest): (Vec<Link>, Vec<Link>) =
+                    links.into_iter().partition(|l| matches!(l, Link::Multi(_)));
                 std::thread::scope(|scope| {
                     for link in multi {
                         scope.spawn(move || drop(link));

@@ -2,27 +2,45 @@
 
 use super::*;
 
-/// Loads the programs and attaches everything `profile` asks for to `targets`.
-/// Must run inside a tokio runtime (the ring buffer is registered with it). A target that
-/// exits meanwhile makes whatever failed (its files vanish from /proc/PID/root) a
-/// [`SourceError::ExitedDuringAttach`].
-pub fn attach(targets: &[Target], profile: &Profile) -> Result<Attached, SourceError> {
-    attach_all(targets, profile).map_err(|e| {
-        let host = Host::live();
-        match targets.iter().find(|t| !host.process_alive(t.pid)) {
-            Some(t) => SourceError::ExitedDuringAttach { pid: t.pid },
-            None => e,
-        }
-    })
+/// What attaching needs before it knows its targets — tracefs, the object loaded with this
+/// kernel's offsets and the profile's switches, every program the profile wants verified —
+/// made on a thread of its own from the command's start, beside finding the targets and
+/// the doctor's report (on the H200 those took 37–67 ms, the loading and verification
+/// 110–145 ms).
+pub struct Prepared {
+    started: Instant,
+    thread: std::thread::JoinHandle<Result<Ready, SourceError>>,
 }
 
-#[allow(clippy::too_many_lines)] // one straight sequence: load, fill maps, attach, take maps
-pub(super) fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attached, SourceError> {
-    let started = Instant::now();
-    let host = Host::live();
+impl Prepared {
+    /// Starts preparing for `profile`.
+    #[must_use]
+    pub fn start(profile: &Profile) -> Prepared {
+        let started = Instant::now();
+        let profile = profile.clone();
+        let thread = std::thread::spawn(move || prepare(&profile, started));
+        Prepared { started, thread }
+    }
+}
+
+/// The fault handlers' address ranges and the switch-in kprobe's symbol, from kallsyms.
+type KernelSymbols = (Vec<(u64, u64)>, Option<String>);
+
+/// What [`Prepared`] made.
+struct Ready {
+    tracefs_root: std::path::PathBuf,
+    available: Vec<&'static str>,
+    shards: u32,
+    kallsyms: std::thread::JoinHandle<KernelSymbols>,
+    btf: Option<std::thread::JoinHandle<Result<Btf, String>>>,
+    ebpf: Ebpf,
+    uprobes: UprobePrograms,
+    phases: Phases,
+}
+
+fn prepare(profile: &Profile, started: Instant) -> Result<Ready, SourceError> {
     let tracefs_root = tracefs::ensure_mounted()?;
     let (offsets, available) = tracefs::offsets(&tracefs_root)?;
-
     let shards = ring_shards();
     let mut phases = Phases::new(started);
     // Read and parsed beside the loading (tens of ms each): /proc/kallsyms (~10 MB) for the
@@ -46,6 +64,72 @@ pub(super) fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attach
     let map_fds =
         (profile.probes.uprobe_multi && multi::supported()).then(|| multi::map_fds(&ebpf));
     phases.mark("maps and object");
+    let uprobes = preload(
+        &mut ebpf,
+        &wanted_programs(profile, &available, &tracefs_root),
+        map_fds.as_ref(),
+    );
+    drop(map_fds);
+    phases.mark("programs verified (in parallel)");
+    Ok(Ready {
+        tracefs_root,
+        available,
+        shards,
+        kallsyms,
+        btf,
+        ebpf,
+        uprobes,
+        phases,
+    })
+}
+
+/// Loads the programs and attaches everything `profile` asks for to `targets`.
+/// Must run inside a tokio runtime (the ring buffer is registered with it). A target that
+/// exits meanwhile makes whatever failed (its files vanish from /proc/PID/root) a
+/// [`SourceError::ExitedDuringAttach`].
+pub fn attach(targets: &[Target], profile: &Profile) -> Result<Attached, SourceError> {
+    attach_prepared(Prepared::start(profile), targets, profile)
+}
+
+/// As [`attach`], with what `prepared` (started for the same `profile`) made meanwhile.
+/// The attach time is counted from `prepared`'s start.
+pub fn attach_prepared(
+    prepared: Prepared,
+    targets: &[Target],
+    profile: &Profile,
+) -> Result<Attached, SourceError> {
+    attach_all(prepared, targets, profile).map_err(|e| {
+        let host = Host::live();
+        match targets.iter().find(|t| !host.process_alive(t.pid)) {
+            Some(t) => SourceError::ExitedDuringAttach { pid: t.pid },
+            None => e,
+        }
+    })
+}
+
+#[allow(clippy::too_many_lines)] // one straight sequence: load, fill maps, attach, take maps
+fn attach_all(
+    prepared: Prepared,
+    targets: &[Target],
+    profile: &Profile,
+) -> Result<Attached, SourceError> {
+    let started = prepared.started;
+    let host = Host::live();
+    let Ready {
+        tracefs_root,
+        available,
+        shards,
+        kallsyms,
+        btf,
+        mut ebpf,
+        uprobes,
+        mut phases,
+    } = prepared
+        .thread
+        .join()
+        .unwrap_or_else(|panic| std::panic::resume_unwind(panic))?;
+    // What of discovery and the doctor's report was left once the programs were ready.
+    phases.mark("discovery and doctor (beside the loading)");
     // The kernel accounts each program's run time while this descriptor is open (the
     // programs' own cost, `summary.json` agent.bpf).
     let (bpf_stats, bpf_stats_refused) = match aya::sys::enable_stats(aya::sys::Stats::RunTime) {
@@ -96,13 +180,6 @@ pub(super) fn attach_all(targets: &[Target], profile: &Profile) -> Result<Attach
     }
 
     phases.mark("python");
-    let uprobes = preload(
-        &mut ebpf,
-        &wanted_programs(profile, &available, &tracefs_root),
-        map_fds.as_ref(),
-    );
-    drop(map_fds);
-    phases.mark("programs verified (in parallel)");
     let mut links = Vec::new();
     let infos: Vec<(&Target, Vec<&FoundLibrary>, Vec<ProbeInfo>)> = targets
         .iter()

@@ -146,6 +146,9 @@ pub fn run(args: AttachArgs) -> Result<(), Error> {
         });
     }
     let settings = args.validate()?;
+    // Loading and verifying the programs needs no target: it goes on beside discovery and
+    // the doctor's report.
+    let prepared = source::Prepared::start(&settings.profile);
     let stop = crate::stop::Stop::install().map_err(Error::Runtime)?;
     let host = host::Host::live();
     let targets = settings
@@ -157,7 +160,7 @@ pub fn run(args: AttachArgs) -> Result<(), Error> {
         .enable_all()
         .build()
         .map_err(Error::Runtime)?;
-    runtime.block_on(trace(settings, &targets, stop))
+    runtime.block_on(trace(settings, &targets, stop, prepared))
 }
 
 /// The health report at attach: `OUT/doctor.json` and the warnings on stderr.
@@ -375,8 +378,12 @@ fn serve_metrics(
 }
 
 /// Attaches to `targets` (and, with --follow, to later ones) and says so.
-fn attach_all(settings: &Settings, targets: &[source::Target]) -> Result<source::Attached, Error> {
-    let mut attached = source::attach(targets, &settings.profile)?;
+fn attach_all(
+    settings: &Settings,
+    targets: &[source::Target],
+    prepared: source::Prepared,
+) -> Result<source::Attached, Error> {
+    let mut attached = source::attach_prepared(prepared, targets, &settings.profile)?;
     for t in &attached.header.targets {
         let ms = attached.attach_time.as_millis();
         crate::note!("{}", attached_line(t, ms, &settings.profile.name));
@@ -396,13 +403,14 @@ async fn trace(
     mut settings: Settings,
     targets: &[source::Target],
     mut stop: crate::stop::Stop,
+    prepared: source::Prepared,
 ) -> Result<(), Error> {
     let doctor = match targets.first() {
         Some(first) => Some(health_report(&settings.out.path, first.pid)?),
         None => None,
     };
     let (metrics, server) = serve_metrics(settings.metrics.take(), doctor.as_ref())?;
-    let mut attached = attach_all(&settings, targets)?;
+    let mut attached = attach_all(&settings, targets, prepared)?;
     let last_step = std::sync::Arc::default();
     let mut out_dir = settings.out.take();
     let plan = WindowPlan {
