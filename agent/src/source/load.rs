@@ -16,13 +16,15 @@ pub(super) fn ring_shards() -> u32 {
 }
 
 /// Loads the programs with this kernel's tracepoint offsets, the profile's switches and `shards`
-/// ring buffers in use.
+/// ring buffers in use. The loader reads the kernel BTF first (a phase of its own).
 pub(super) fn load(
     offsets: &nccltrace_common::TpOffsets,
     profile: &Profile,
     shards: u32,
+    phases: &mut Phases,
 ) -> Result<Ebpf, SourceError> {
     let mut loader = EbpfLoader::new();
+    phases.mark("kernel BTF (aya's loader)");
     loader.override_global(names::OFFSETS, offsets, true);
     let config = nccltrace_common::Config {
         offcpu_stacks: match (

@@ -58,7 +58,7 @@ fn prepare(profile: &Profile, started: Instant) -> Result<Ready, SourceError> {
         })
     });
     phases.mark("tracefs");
-    let mut ebpf = load(&offsets, profile, shards)?;
+    let mut ebpf = load(&offsets, profile, shards, &mut phases)?;
     // Before any map is taken out of `ebpf`: the uprobe programs loaded for uprobe-multi
     // links refer to them all.
     let map_fds =
