@@ -92,11 +92,9 @@ fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> std::io::Result<OwnedFd> {
 pub(super) fn supported() -> bool {
     static SUPPORTED: OnceLock<bool> = OnceLock::new();
     *SUPPORTED.get_or_init(|| {
-        // r0 = 0; exit
-        let insns: [u64; 2] = [0x0000_0000_0000_00b7, 0x0000_0000_0000_0095];
         let Ok(prog) = load_insns(
-            insns.as_ptr() as u64,
-            insns.len(),
+            RETURN_ZERO.as_ptr() as u64,
+            RETURN_ZERO.len(),
             c"GPL",
             0,
             "probe_multi",
@@ -284,6 +282,132 @@ impl Relocated {
         })
     }
 }
+
+/// Uprobe registration kept from waiting while the programs verify. The first uprobe
+/// registered after a quiet spell waits for an RCU grace period (registering takes a
+/// per-CPU rw-semaphore for writing, `dup_mmap_sem`; a writer that finds it idle waits for
+/// every reader to see it), later ones within a grace period of the previous do not:
+/// measured here, 5–21 ms for the first `perf_event_open` of a uprobe, 10–90 µs for the
+/// next ones. That wait came after verification, in the "uprobes" phase. From before
+/// verification until the real uprobes are attached, a thread links a two-instruction
+/// program to offset 0 of a one-page memfd every [`WARM_EVERY`]: nothing maps the memfd,
+/// so no breakpoint is written anywhere, and the wait is paid beside the verification.
+/// The throwaway links are released together on threads of their own (each release waits
+/// for a grace period, outside any mutex the rest of attaching needs).
+pub(super) struct Warm {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// `None` once stopped.
+    thread: Option<std::thread::JoinHandle<Vec<OwnedFd>>>,
+}
+
+/// How often a throwaway uprobe is registered: under a grace period (several ms).
+pub(super) const WARM_EVERY: std::time::Duration = std::time::Duration::from_millis(2);
+/// At most this many (a quarter of a second of verification).
+const WARM_MOST: usize = 128;
+
+impl Warm {
+    /// Starts keeping registration warm, where the kernel makes uprobe-multi links (whose
+    /// release does not wait under the perf events' mutex).
+    pub(super) fn start() -> Option<Warm> {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        if !supported() {
+            return None;
+        }
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let flag = std::sync::Arc::clone(&stop);
+        let thread = std::thread::Builder::new()
+            .name("nccltrace-warm".into())
+            .spawn(move || {
+                let mut held = Vec::new();
+                let Ok(file) = page_file() else {
+                    return held;
+                };
+                let path = format!("/proc/self/fd/{}", file.as_raw_fd());
+                let Ok(path) = CString::new(path) else {
+                    return held;
+                };
+                let Ok(prog) = load_insns(
+                    RETURN_ZERO.as_ptr() as u64,
+                    RETURN_ZERO.len(),
+                    c"GPL",
+                    0,
+                    "nccltrace_warm",
+                    None,
+                ) else {
+                    return held;
+                };
+                while !flag.load(Ordering::Relaxed) && held.len() < WARM_MOST {
+                    match link(prog.as_fd(), &path, &[0], None, false, 0) {
+                        Ok(link) => held.push(link),
+                        Err(e) => {
+                            log::debug!("uprobe registration not kept warm: {e}");
+                            break;
+                        }
+                    }
+                    std::thread::sleep(WARM_EVERY);
+                }
+                held.push(prog);
+                held.push(file);
+                held
+            })
+            .ok()?;
+        Some(Warm {
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// Stops registering (within a period) and releases the throwaway links in the
+    /// background, each on a thread of its own (also when dropped: an attach that fails
+    /// half-way). Returns how many there were.
+    pub(super) fn stop(mut self) -> usize {
+        self.finish()
+    }
+
+    fn finish(&mut self) -> usize {
+        let Some(thread) = self.thread.take() else {
+            return 0;
+        };
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let held = thread.join().unwrap_or_default();
+        let links = held.len().saturating_sub(2);
+        let _ = std::thread::Builder::new()
+            .name("nccltrace-warm-release".into())
+            .spawn(move || {
+                std::thread::scope(|scope| {
+                    for fd in held {
+                        scope.spawn(move || drop(fd));
+                    }
+                });
+            });
+        links
+    }
+}
+
+impl Drop for Warm {
+    fn drop(&mut self) {
+        self.finish();
+    }
+}
+
+/// A one-page anonymous file: something a uprobe can name that no process maps.
+fn page_file() -> std::io::Result<OwnedFd> {
+    // SAFETY: a NUL-terminated name and valid flags.
+    let fd = unsafe { libc::memfd_create(c"nccltrace-warm".as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a new descriptor the kernel just gave us, owned from here.
+    let file = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: an open descriptor of ours.
+    if unsafe { libc::ftruncate(file.as_raw_fd(), 4096) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(file)
+}
+
+/// `r0 = 0; exit`.
+const RETURN_ZERO: [u64; 2] = [0x0000_0000_0000_00b7, 0x0000_0000_0000_0095];
 
 /// A function to probe: its file offset, the cookie its programs read, and whether its
 /// return is traced too.
@@ -492,5 +616,32 @@ mod tests {
         assert_eq!(std::mem::offset_of!(LinkCreate, path), 16);
         assert_eq!(std::mem::offset_of!(LinkCreate, cookies), 40);
         assert_eq!(std::mem::offset_of!(LinkCreate, pid), 56);
+    }
+}
+
+#[cfg(test)]
+mod live {
+    use super::*;
+
+    /// On the real kernel (root, Linux 6.6+): the thread registers throwaway uprobes until
+    /// stopped, one a period after the first (which may wait for a grace period), and
+    /// stops within about a period.
+    #[test]
+    #[ignore = "needs root: cargo xtask test"]
+    fn registration_kept_warm_until_stopped() {
+        assert!(supported(), "this kernel makes uprobe-multi links");
+        let warm = Warm::start().expect("the warming thread starts");
+        std::thread::sleep(std::time::Duration::from_millis(80));
+        let asked = std::time::Instant::now();
+        let registered = warm.stop();
+        assert!(
+            asked.elapsed() < std::time::Duration::from_millis(40),
+            "stopped in {:?}",
+            asked.elapsed()
+        );
+        assert!(
+            (5..=41).contains(&registered),
+            "{registered} registered in 80 ms"
+        );
     }
 }

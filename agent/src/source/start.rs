@@ -35,6 +35,7 @@ struct Ready {
     btf: Option<std::thread::JoinHandle<Result<Btf, String>>>,
     ebpf: Ebpf,
     uprobes: UprobePrograms,
+    warm: Option<multi::Warm>,
     phases: Phases,
 }
 
@@ -64,6 +65,8 @@ fn prepare(profile: &Profile, started: Instant) -> Result<Ready, SourceError> {
     let map_fds =
         (profile.probes.uprobe_multi && multi::supported()).then(|| multi::map_fds(&ebpf));
     phases.mark("maps and object");
+    // The first uprobe registration's grace period, paid beside the verification.
+    let warm = map_fds.as_ref().and_then(|_| multi::Warm::start());
     let uprobes = preload(
         &mut ebpf,
         &wanted_programs(profile, &available, &tracefs_root),
@@ -79,6 +82,7 @@ fn prepare(profile: &Profile, started: Instant) -> Result<Ready, SourceError> {
         btf,
         ebpf,
         uprobes,
+        warm,
         phases,
     })
 }
@@ -123,6 +127,7 @@ fn attach_all(
         btf,
         mut ebpf,
         uprobes,
+        warm,
         mut phases,
     } = prepared
         .thread
@@ -204,6 +209,9 @@ fn attach_all(
         }
     }
 
+    if let Some(warm) = warm {
+        log::debug!("{} throwaway uprobes kept registration warm", warm.stop());
+    }
     phases.mark("uprobes");
     for tp in names::TRACEPOINTS {
         if !tracepoint_wanted(&tp, profile) || !available.contains(&tp.event) {
