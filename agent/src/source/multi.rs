@@ -92,14 +92,7 @@ fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> std::io::Result<OwnedFd> {
 pub(super) fn supported() -> bool {
     static SUPPORTED: OnceLock<bool> = OnceLock::new();
     *SUPPORTED.get_or_init(|| {
-        let Ok(prog) = load_insns(
-            RETURN_ZERO.as_ptr() as u64,
-            RETURN_ZERO.len(),
-            c"GPL",
-            0,
-            "probe_multi",
-            None,
-        ) else {
+        let Ok(prog) = return_zero("probe_multi") else {
             return false;
         };
         let offsets = [0u64];
@@ -326,14 +319,7 @@ impl Warm {
                 let Ok(path) = CString::new(path) else {
                     return held;
                 };
-                let Ok(prog) = load_insns(
-                    RETURN_ZERO.as_ptr() as u64,
-                    RETURN_ZERO.len(),
-                    c"GPL",
-                    0,
-                    "nccltrace_warm",
-                    None,
-                ) else {
+                let Ok(prog) = return_zero("nccltrace_warm") else {
                     return held;
                 };
                 while !flag.load(Ordering::Relaxed) && held.len() < WARM_MOST {
@@ -406,8 +392,18 @@ fn page_file() -> std::io::Result<OwnedFd> {
     Ok(file)
 }
 
-/// `r0 = 0; exit`.
-const RETURN_ZERO: [u64; 2] = [0x0000_0000_0000_00b7, 0x0000_0000_0000_0095];
+/// A program of two instructions (`r0 = 0; exit`) loaded for uprobe-multi links.
+fn return_zero(name: &str) -> std::io::Result<OwnedFd> {
+    const RETURN_ZERO: [u64; 2] = [0x0000_0000_0000_00b7, 0x0000_0000_0000_0095];
+    load_insns(
+        RETURN_ZERO.as_ptr() as u64,
+        RETURN_ZERO.len(),
+        c"GPL",
+        0,
+        name,
+        None,
+    )
+}
 
 /// A function to probe: its file offset, the cookie its programs read, and whether its
 /// return is traced too.
