@@ -9,6 +9,7 @@ use super::*;
 /// 110–145 ms).
 pub struct Prepared {
     started: Instant,
+    profile: Profile,
     thread: std::thread::JoinHandle<Result<Ready, SourceError>>,
 }
 
@@ -17,9 +18,13 @@ impl Prepared {
     #[must_use]
     pub fn start(profile: &Profile) -> Prepared {
         let started = Instant::now();
-        let profile = profile.clone();
-        let thread = std::thread::spawn(move || prepare(&profile, started));
-        Prepared { started, thread }
+        let for_thread = profile.clone();
+        let thread = std::thread::spawn(move || prepare(&for_thread, started));
+        Prepared {
+            started,
+            profile: profile.clone(),
+            thread,
+        }
     }
 }
 
@@ -92,17 +97,13 @@ fn prepare(profile: &Profile, started: Instant) -> Result<Ready, SourceError> {
 /// exits meanwhile makes whatever failed (its files vanish from /proc/PID/root) a
 /// [`SourceError::ExitedDuringAttach`].
 pub fn attach(targets: &[Target], profile: &Profile) -> Result<Attached, SourceError> {
-    attach_prepared(Prepared::start(profile), targets, profile)
+    attach_prepared(Prepared::start(profile), targets)
 }
 
-/// As [`attach`], with what `prepared` (started for the same `profile`) made meanwhile.
-/// The attach time is counted from `prepared`'s start.
-pub fn attach_prepared(
-    prepared: Prepared,
-    targets: &[Target],
-    profile: &Profile,
-) -> Result<Attached, SourceError> {
-    attach_all(prepared, targets, profile).map_err(|e| {
+/// As [`attach`], with what `prepared` made meanwhile, under the profile it was started
+/// for. The attach time is counted from `prepared`'s start.
+pub fn attach_prepared(prepared: Prepared, targets: &[Target]) -> Result<Attached, SourceError> {
+    attach_all(prepared, targets).map_err(|e| {
         let host = Host::live();
         match targets.iter().find(|t| !host.process_alive(t.pid)) {
             Some(t) => SourceError::ExitedDuringAttach { pid: t.pid },
@@ -112,12 +113,8 @@ pub fn attach_prepared(
 }
 
 #[allow(clippy::too_many_lines)] // one straight sequence: load, fill maps, attach, take maps
-fn attach_all(
-    prepared: Prepared,
-    targets: &[Target],
-    profile: &Profile,
-) -> Result<Attached, SourceError> {
-    let started = prepared.started;
+fn attach_all(prepared: Prepared, targets: &[Target]) -> Result<Attached, SourceError> {
+    let (started, profile) = (prepared.started, &prepared.profile);
     let host = Host::live();
     let Ready {
         tracefs_root,

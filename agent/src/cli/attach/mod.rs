@@ -383,7 +383,7 @@ fn attach_all(
     targets: &[source::Target],
     prepared: source::Prepared,
 ) -> Result<source::Attached, Error> {
-    let mut attached = source::attach_prepared(prepared, targets, &settings.profile)?;
+    let mut attached = source::attach_prepared(prepared, targets)?;
     for t in &attached.header.targets {
         let ms = attached.attach_time.as_millis();
         crate::note!("{}", attached_line(t, ms, &settings.profile.name));
