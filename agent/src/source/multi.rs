@@ -620,24 +620,25 @@ mod live {
     use super::*;
 
     /// On the real kernel (root, Linux 6.6+): the thread registers throwaway uprobes until
-    /// stopped, one a period after the first (which may wait for a grace period), and
-    /// stops within about a period.
+    /// stopped, one a period after the first (which may wait for a grace period: bounds
+    /// wide enough for a loaded 2-CPU machine), and stops within a registration or so.
     #[test]
     #[ignore = "needs root: cargo xtask test"]
     fn registration_kept_warm_until_stopped() {
         assert!(supported(), "this kernel makes uprobe-multi links");
         let warm = Warm::start().expect("the warming thread starts");
-        std::thread::sleep(std::time::Duration::from_millis(80));
+        std::thread::sleep(std::time::Duration::from_millis(150));
         let asked = std::time::Instant::now();
         let registered = warm.stop();
         assert!(
-            asked.elapsed() < std::time::Duration::from_millis(40),
+            asked.elapsed() < std::time::Duration::from_millis(100),
             "stopped in {:?}",
             asked.elapsed()
         );
+        // At most one a period; at least a few after a first wait of up to ~100 ms.
         assert!(
-            (5..=41).contains(&registered),
-            "{registered} registered in 80 ms"
+            (3..=76).contains(&registered),
+            "{registered} registered in 150 ms"
         );
     }
 }
