@@ -73,14 +73,21 @@ struct LinkCreate {
     _pad: u32,
 }
 
-fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> std::io::Result<OwnedFd> {
+/// The `bpf` system call `cmd` with `attr` (a valid, fully initialised attribute for
+/// `cmd` whose pointers are valid for the call); what it returned.
+fn sys_bpf<T>(cmd: libc::c_long, attr: &mut T) -> std::io::Result<libc::c_long> {
     let size = std::mem::size_of::<T>();
-    // SAFETY: `attr` is a valid, fully initialised attribute of `size` bytes for `cmd`;
-    // the pointers in it are valid for the call.
-    let fd = unsafe { libc::syscall(libc::SYS_bpf, cmd, std::ptr::from_mut(attr), size) };
-    if fd < 0 {
+    // SAFETY: `attr` is `size` bytes, an attribute for `cmd` as the caller made it.
+    let r = unsafe { libc::syscall(libc::SYS_bpf, cmd, std::ptr::from_mut(attr), size) };
+    if r < 0 {
         return Err(std::io::Error::last_os_error());
     }
+    Ok(r)
+}
+
+/// [`sys_bpf`] for a command that returns a new descriptor.
+fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> std::io::Result<OwnedFd> {
+    let fd = sys_bpf(cmd, attr)?;
     let fd = RawFd::try_from(fd).map_err(|_| std::io::Error::from_raw_os_error(libc::EBADF))?;
     // SAFETY: a new descriptor the kernel just gave us, owned from here.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
@@ -359,13 +366,7 @@ impl Warm {
         let links = held.len().saturating_sub(2);
         let _ = std::thread::Builder::new()
             .name("nccltrace-warm-release".into())
-            .spawn(move || {
-                std::thread::scope(|scope| {
-                    for fd in held {
-                        scope.spawn(move || drop(fd));
-                    }
-                });
-            });
+            .spawn(move || release_each(held, || ()));
         links
     }
 }
@@ -374,6 +375,18 @@ impl Drop for Warm {
     fn drop(&mut self) {
         self.finish();
     }
+}
+
+/// Drops each of `links` on a thread of its own, while this thread runs `meanwhile`, and
+/// waits for all: uprobe-multi links wait for their grace periods side by side, outside
+/// the mutex perf events take turns on.
+pub(super) fn release_each<T: Send>(links: Vec<T>, meanwhile: impl FnOnce()) {
+    std::thread::scope(|scope| {
+        for link in links {
+            scope.spawn(move || drop(link));
+        }
+        meanwhile();
+    });
 }
 
 /// A one-page anonymous file: something a uprobe can name that no process maps.
@@ -582,19 +595,8 @@ fn run_counts(fd: BorrowedFd<'_>) -> std::io::Result<(u64, u64)> {
         info_len: u32::try_from(std::mem::size_of_val(&info)).unwrap_or(0),
         info: std::ptr::from_mut(&mut info) as u64,
     };
-    let size = std::mem::size_of::<InfoByFd>();
-    // SAFETY: a valid attribute for the command, pointing at `info` of `info_len` bytes.
-    let r = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_OBJ_GET_INFO_BY_FD,
-            std::ptr::from_mut(&mut attr),
-            size,
-        )
-    };
-    if r < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
+    // The attribute points at `info`, of `info_len` bytes.
+    sys_bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr)?;
     Ok((info.run_cnt, info.run_time_ns))
 }
 

@@ -498,16 +498,10 @@ impl Attached {
         let thread = std::thread::Builder::new()
             .name("nccltrace-detach".into())
             .spawn(move || {
-                // Uprobe-multi links wait for their grace period outside the mutex the
-                // perf events take turns on: each on a thread of its own, beside the rest.
+                // Uprobe-multi links each on a thread of its own, beside the rest.
                 let (multi, rest): (Vec<Link>, Vec<Link>) =
                     links.into_iter().partition(|l| matches!(l, Link::Multi(_)));
-                std::thread::scope(|scope| {
-                    for link in multi {
-                        scope.spawn(move || drop(link));
-                    }
-                    drop(rest);
-                });
+                multi::release_each(multi, || drop(rest));
                 drop((ebpf, uprobes));
             })
             .ok();
