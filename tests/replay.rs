@@ -499,3 +499,58 @@ fn infiniband_counters_give_each_step_its_traffic() {
     let method = steps["methods"]["infiniband"].as_str().unwrap();
     assert!(method.starts_with("not read: "), "{method}");
 }
+
+/// An output that cannot be written (here a full disk: the file is a link to /dev/full)
+/// is named in the error, and the outputs written on the other threads are complete:
+/// steps.json and steps.csv on one, trace.json on another, the rest on the main thread.
+#[test]
+fn a_full_output_is_named_and_the_others_are_complete() {
+    let dir = tempfile::tempdir().unwrap();
+    let rec = unpacked("allreduce", dir.path());
+    let complete = |out: &Path, name: &str| -> Value {
+        serde_json::from_str(&std::fs::read_to_string(out.join(name)).unwrap())
+            .unwrap_or_else(|e| panic!("{name}: {e}"))
+    };
+    for full in ["trace.json", "steps.json"] {
+        let out = dir.path().join(format!("out-{full}"));
+        std::fs::create_dir(&out).unwrap();
+        std::os::unix::fs::symlink("/dev/full", out.join(full)).unwrap();
+        let run = Command::new(env!("CARGO_BIN_EXE_nccltrace"))
+            .arg("report")
+            .arg(&rec)
+            .arg("--out")
+            .arg(&out)
+            .arg("--force")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&run.stderr);
+        assert_eq!(run.status.code(), Some(1), "{stderr}");
+        assert!(
+            stderr.contains(&format!("cannot write output {}", out.join(full).display()))
+                && stderr.contains("No space left on device"),
+            "{stderr}"
+        );
+        let summary = complete(&out, "summary.json");
+        assert!(summary["nccl"]["calls"].as_u64().unwrap() > 0);
+        // steps.csv is written beside steps.json: one failing does not stop the other.
+        let csv = std::fs::read_to_string(out.join("steps.csv")).unwrap();
+        let steps = csv.lines().count() as u64 - 1;
+        assert!(steps > 100, "{steps} steps");
+        if full == "trace.json" {
+            let rows = complete(&out, "steps.json")["steps"]
+                .as_array()
+                .unwrap()
+                .len();
+            assert_eq!(rows as u64, steps);
+        } else {
+            let trace = complete(&out, "trace.json");
+            let step_slices = trace["traceEvents"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|e| e["cat"] == "step")
+                .count();
+            assert_eq!(step_slices as u64, steps);
+        }
+    }
+}

@@ -290,10 +290,7 @@ impl Timeline {
                 .pending_block
                 .map(|(since, _)| (since, Change::SwitchOut { runnable: false }));
             log.changes.retain(|c| keep(c.0) || Some(*c) == block);
-            let (old, new): (Vec<_>, Vec<_>) = std::mem::take(&mut log.syncs)
-                .into_iter()
-                .partition(|s| s.1 <= until);
-            log.syncs = new;
+            let old = take_where(&mut log.syncs, |s| s.1 <= until);
             tail(&mut log.history.syncs, old, HISTORY_SYNCS);
             let moved = log.collectives.partition_point(|c| c.start_ns < until);
             let old: Vec<Collective> = log.collectives.drain(..moved).collect();
@@ -428,6 +425,16 @@ impl Timeline {
 }
 
 /// Appends `old` to a tail kept at most `max` long.
+/// Moves the items of `v` that `pred` picks into a vector of their own, in order; `v`
+/// keeps the others and its capacity (it fills again each epoch: regrowing it from
+/// nothing cost a copy of every item a few times over).
+fn take_where<T>(v: &mut Vec<T>, mut pred: impl FnMut(&T) -> bool) -> Vec<T> {
+    let n = v.iter().filter(|x| pred(x)).count();
+    let mut taken = Vec::with_capacity(n);
+    taken.extend(v.extract_if(.., |x| pred(x)));
+    taken
+}
+
 fn tail<T>(kept: &mut Vec<T>, old: Vec<T>, max: usize) {
     kept.extend(old);
     if kept.len() > max {

@@ -67,96 +67,206 @@ pub fn write_outputs(
 }
 
 /// Writes the outputs as the run is attributed: each epoch's steps go to steps.json and
-/// steps.csv as they close, its timeline to trace.json (on a thread of its own), its
-/// stacks' weights into the flamegraphs; what needs the whole run (names, symbols, the
-/// rest of steps.json, the table) is written at [`Streamer::finish`].
+/// steps.csv, its timeline to trace.json (each on a thread of its own), its stacks'
+/// weights into the flamegraphs; what needs the whole run (names, symbols, the rest of
+/// steps.json, the table) is written at [`Streamer::finish`].
 pub struct Streamer {
     dir: std::path::PathBuf,
-    json: Option<crate::render::steps::StepsJson<io::BufWriter<std::fs::File>>>,
-    csv: Option<io::BufWriter<std::fs::File>>,
-    trace: Option<TraceThread>,
+    steps: Option<Worker<StepFiles>>,
+    trace: Option<Worker<TraceFile>>,
     weights: [crate::render::flamegraph::Weights; 4],
     samples: BTreeMap<u32, u64>,
     table: crate::render::steps::StepTable,
     failed: Option<(std::path::PathBuf, io::Error)>,
 }
 
-/// What the trace thread is handed.
-enum ToTrace {
+/// A failure to write, with the file it concerns.
+type Failure = (std::path::PathBuf, io::Error);
+
+/// An output written from the epochs, on a thread of its own ([`Worker`]).
+trait Output: Send + 'static {
+    /// What completes it, once the run is over.
+    type End: Send + 'static;
+    fn epoch(&mut self, epoch: &crate::attribute::Epoch) -> Result<(), Failure>;
+    fn end(self, end: Self::End) -> Result<(), Failure>;
+}
+
+/// What a worker is handed.
+enum Msg<E> {
     Epoch(std::sync::Arc<crate::attribute::Epoch>),
-    End {
-        run: Box<crate::render::trace::RunInfo>,
-        /// When tracing began: ts 0 of a trace that had no epoch.
-        start_ns: u64,
-        ranks: Vec<crate::attribute::ranks::RankReport>,
-        end_ns: u64,
-    },
+    End(E),
 }
 
-/// trace.json, written on a thread of its own while the run is attributed (the largest
-/// output: it took as long as all the others together).
-struct TraceThread {
-    to: std::sync::mpsc::SyncSender<ToTrace>,
-    done: std::thread::JoinHandle<io::Result<()>>,
+/// A thread writing one [`Output`] while the run is attributed: the outputs took as long
+/// as the attribution, and trace.json as long as all the others together.
+struct Worker<O: Output> {
+    to: std::sync::mpsc::SyncSender<Msg<O::End>>,
+    done: std::thread::JoinHandle<Result<(), Failure>>,
 }
 
-impl TraceThread {
-    fn start(path: &Path) -> io::Result<TraceThread> {
-        let file = std::fs::File::create(path)?;
+impl<O: Output> Worker<O> {
+    fn start(name: &str, mut output: O) -> io::Result<Worker<O>> {
         // Two epochs in flight at most: memory stays bounded when the disk is slow.
-        let (to, from) = std::sync::mpsc::sync_channel::<ToTrace>(2);
+        let (to, from) = std::sync::mpsc::sync_channel::<Msg<O::End>>(2);
         let done = std::thread::Builder::new()
-            .name("nccltrace-trace".into())
+            .name(format!("nccltrace-{name}"))
             .spawn(move || {
-                let out = io::BufWriter::with_capacity(1 << 20, file);
-                let mut trace: Option<crate::render::trace::TraceStream<_>> = None;
-                let mut out = Some(out);
                 for msg in from {
                     match msg {
-                        ToTrace::Epoch(e) => {
-                            if trace.is_none()
-                                && let Some(out) = out.take()
-                            {
-                                trace = Some(crate::render::trace::TraceStream::new(
-                                    out,
-                                    e.detail.first_ns,
-                                )?);
-                            }
-                            if let Some(t) = &mut trace {
-                                t.epoch(&e.detail, &e.steps, e.detail.rank_pid)?;
-                            }
-                        }
-                        ToTrace::End {
-                            run,
-                            start_ns,
-                            ranks,
-                            end_ns,
-                        } => {
-                            let t = match trace.take() {
-                                Some(t) => t,
-                                None => crate::render::trace::TraceStream::new(
-                                    out.take()
-                                        .ok_or_else(|| io::Error::other("trace ended twice"))?,
-                                    start_ns,
-                                )?,
-                            };
-                            return t.finish(&run, &ranks, end_ns);
-                        }
+                        Msg::Epoch(e) => output.epoch(&e)?,
+                        Msg::End(end) => return output.end(end),
                     }
                 }
-                Err(io::Error::other("the trace was not ended"))
+                Err((
+                    std::path::PathBuf::new(),
+                    io::Error::other("the output was not ended"),
+                ))
             })?;
-        Ok(TraceThread { to, done })
+        Ok(Worker { to, done })
     }
 
-    /// Ends the trace; how writing it went.
-    fn end(self, end: ToTrace) -> io::Result<()> {
-        // A send fails only when the thread stopped on an error: join gives it.
-        let _ = self.to.send(end);
+    /// Hands on an epoch; an error is the thread's, which stopped on it.
+    fn epoch(self, epoch: std::sync::Arc<crate::attribute::Epoch>) -> Result<Self, Failure> {
+        match self.to.send(Msg::Epoch(epoch)) {
+            Ok(()) => Ok(self),
+            Err(_) => Err(self.join()),
+        }
+    }
+
+    /// Asks the thread to end the output ([`Worker::finished`] says how it went).
+    fn end(&self, end: O::End) {
+        // A send fails only when the thread stopped on an error: joining gives it.
+        let _ = self.to.send(Msg::End(end));
+    }
+
+    /// Waits for the thread; how writing went.
+    fn finished(self) -> Result<(), Failure> {
         drop(self.to);
-        self.done
-            .join()
-            .unwrap_or_else(|_| Err(io::Error::other("writing trace.json panicked")))
+        self.done.join().unwrap_or_else(|_| {
+            Err((
+                std::path::PathBuf::new(),
+                io::Error::other("an output's thread panicked"),
+            ))
+        })
+    }
+
+    /// The error the thread stopped on.
+    fn join(self) -> Failure {
+        self.finished().err().unwrap_or_else(|| {
+            (
+                std::path::PathBuf::new(),
+                io::Error::other("an output's thread stopped"),
+            )
+        })
+    }
+}
+
+/// steps.json and steps.csv, a row per step; one failing does not stop the other.
+struct StepFiles {
+    dir: std::path::PathBuf,
+    json: Option<crate::render::steps::StepsJson<io::BufWriter<std::fs::File>>>,
+    csv: Option<io::BufWriter<std::fs::File>>,
+    failed: Option<Failure>,
+}
+
+impl StepFiles {
+    fn fail(&mut self, name: &str, e: io::Error) {
+        self.failed.get_or_insert((self.dir.join(name), e));
+    }
+}
+
+impl Output for StepFiles {
+    /// The rest of steps.json: the report but its steps.
+    type End = Box<crate::attribute::StepsReport>;
+
+    fn epoch(&mut self, epoch: &crate::attribute::Epoch) -> Result<(), Failure> {
+        let steps = &epoch.steps;
+        // Flushed each epoch: a run can be followed in the files as it goes.
+        if let Some(json) = &mut self.json
+            && let Err(e) = steps
+                .iter()
+                .try_for_each(|s| json.step(s))
+                .and_then(|()| json.flush())
+        {
+            self.json = None;
+            self.fail("steps.json", e);
+        }
+        if let Some(out) = &mut self.csv
+            && let Err(e) = crate::render::steps::write_csv_rows(steps, out)
+                .and_then(|()| io::Write::flush(out))
+        {
+            self.csv = None;
+            self.fail("steps.csv", e);
+        }
+        Ok(())
+    }
+
+    fn end(mut self, report: Self::End) -> Result<(), Failure> {
+        if let Some(mut out) = self.csv.take()
+            && let Err(e) = io::Write::flush(&mut out)
+        {
+            self.fail("steps.csv", e);
+        }
+        if let Some(json) = self.json.take()
+            && let Err(e) = json.finish(&report)
+        {
+            self.fail("steps.json", e);
+        }
+        self.failed.map_or(Ok(()), Err)
+    }
+}
+
+/// trace.json, begun at the first epoch (its ts 0 is that epoch's first event).
+struct TraceFile {
+    path: std::path::PathBuf,
+    out: Option<io::BufWriter<std::fs::File>>,
+    trace: Option<crate::render::trace::TraceStream<io::BufWriter<std::fs::File>>>,
+}
+
+/// What ends trace.json.
+struct TraceEnd {
+    run: Box<crate::render::trace::RunInfo>,
+    /// When tracing began: ts 0 of a trace that had no epoch.
+    start_ns: u64,
+    ranks: Vec<crate::attribute::ranks::RankReport>,
+    end_ns: u64,
+}
+
+impl Output for TraceFile {
+    type End = TraceEnd;
+
+    fn epoch(&mut self, e: &crate::attribute::Epoch) -> Result<(), Failure> {
+        let written = (|| {
+            if self.trace.is_none()
+                && let Some(out) = self.out.take()
+            {
+                self.trace = Some(crate::render::trace::TraceStream::new(
+                    out,
+                    e.detail.first_ns,
+                )?);
+            }
+            match &mut self.trace {
+                Some(t) => t.epoch(&e.detail, &e.steps, e.detail.rank_pid),
+                None => Ok(()),
+            }
+        })();
+        written.map_err(|err| (self.path.clone(), err))
+    }
+
+    fn end(mut self, end: TraceEnd) -> Result<(), Failure> {
+        let written = (|| {
+            let t = match self.trace.take() {
+                Some(t) => t,
+                None => crate::render::trace::TraceStream::new(
+                    self.out
+                        .take()
+                        .ok_or_else(|| io::Error::other("trace ended twice"))?,
+                    end.start_ns,
+                )?,
+            };
+            t.finish(&end.run, &end.ranks, end.end_ns)
+        })();
+        written.map_err(|err| (self.path, err))
     }
 }
 
@@ -171,7 +281,7 @@ impl std::fmt::Debug for Streamer {
 
 impl Streamer {
     /// Starts steps.json, steps.csv and trace.json in `dir`.
-    pub fn create(dir: &Path) -> Result<Streamer, (std::path::PathBuf, io::Error)> {
+    pub fn create(dir: &Path) -> Result<Streamer, Failure> {
         let open = |name: &str| {
             let path = dir.join(name);
             std::fs::File::create(&path)
@@ -186,13 +296,21 @@ impl Streamer {
             format!("{}\n", crate::render::steps::csv_columns().join(",")).as_bytes(),
         )
         .map_err(|e| (dir.join("steps.csv"), e))?;
-        let trace_path = dir.join("trace.json");
-        let trace = TraceThread::start(&trace_path).map_err(|e| (trace_path, e))?;
-        Ok(Streamer {
+        let steps = StepFiles {
             dir: dir.to_owned(),
             json: Some(json),
             csv: Some(csv),
-            trace: Some(trace),
+            failed: None,
+        };
+        let trace = TraceFile {
+            out: Some(open("trace.json")?),
+            path: dir.join("trace.json"),
+            trace: None,
+        };
+        Ok(Streamer {
+            dir: dir.to_owned(),
+            steps: Some(Worker::start("steps", steps).map_err(|e| (dir.join("steps.json"), e))?),
+            trace: Some(Worker::start("trace", trace).map_err(|e| (dir.join("trace.json"), e))?),
             weights: Default::default(),
             samples: BTreeMap::new(),
             table: crate::render::steps::StepTable::default(),
@@ -200,8 +318,20 @@ impl Streamer {
         })
     }
 
-    fn fail(&mut self, name: &str, e: io::Error) {
-        self.failed.get_or_insert((self.dir.join(name), e));
+    /// Hands `epoch` to an output's thread; a thread that stopped says why, once.
+    fn hand<O: Output>(
+        worker: &mut Option<Worker<O>>,
+        epoch: std::sync::Arc<crate::attribute::Epoch>,
+        failed: &mut Option<Failure>,
+    ) {
+        if let Some(w) = worker.take() {
+            match w.epoch(epoch) {
+                Ok(w) => *worker = Some(w),
+                Err(e) => {
+                    failed.get_or_insert(e);
+                }
+            }
+        }
     }
 
     /// One epoch: its steps, final, and its part of the timeline.
@@ -211,67 +341,25 @@ impl Streamer {
         for s in steps {
             self.table.push(s);
         }
-        // Flushed each epoch: a run can be followed in the files as it goes.
-        if let Some(json) = &mut self.json
-            && let Err(e) = steps
-                .iter()
-                .try_for_each(|s| json.step(s))
-                .and_then(|()| json.flush())
-        {
-            self.json = None;
-            self.fail("steps.json", e);
-        }
-        if let Some(out) = &mut self.csv
-            && let Err(e) =
-                render::steps::write_csv_rows(steps, out).and_then(|()| io::Write::flush(out))
-        {
-            self.csv = None;
-            self.fail("steps.csv", e);
-        }
         for (kind, w) in render::flamegraph::Kind::ALL.iter().zip(&mut self.weights) {
             w.weigh(detail, *kind);
         }
         render::flamegraph::count_samples(detail, &mut self.samples);
-        if let Some(trace) = &self.trace
-            && trace
-                .to
-                .send(ToTrace::Epoch(std::sync::Arc::new(epoch)))
-                .is_err()
-            && let Some(trace) = self.trace.take()
-        {
-            // The thread stopped on an error: it says which.
-            if let Err(e) = trace.end(ToTrace::End {
-                run: Box::default(),
-                start_ns: 0,
-                ranks: Vec::new(),
-                end_ns: 0,
-            }) {
-                self.fail("trace.json", e);
-            }
-        }
+        let epoch = std::sync::Arc::new(epoch);
+        Self::hand(&mut self.steps, epoch.clone(), &mut self.failed);
+        Self::hand(&mut self.trace, epoch, &mut self.failed);
     }
 
     /// Completes every output but `summary.json` and prints the summary in words.
-    pub fn finish(
-        mut self,
-        outputs: &Outputs,
-        text: &mut impl io::Write,
-    ) -> Result<(), (std::path::PathBuf, io::Error)> {
+    pub fn finish(mut self, outputs: &Outputs, text: &mut impl io::Write) -> Result<(), Failure> {
         use crate::render;
-        let end = ToTrace::End {
-            run: Box::new((&outputs.header).into()),
-            start_ns: outputs.header.clock.monotonic_ns,
-            ranks: outputs.steps.ranks.clone(),
-            end_ns: outputs.detail.end_ns,
-        };
-        let trace = self
-            .trace
-            .take()
-            .map(|t| std::thread::spawn(move || t.end(end)));
-        if let Some(mut out) = self.csv.take()
-            && let Err(e) = io::Write::flush(&mut out)
-        {
-            self.fail("steps.csv", e);
+        if let Some(trace) = &self.trace {
+            trace.end(TraceEnd {
+                run: Box::new((&outputs.header).into()),
+                start_ns: outputs.header.clock.monotonic_ns,
+                ranks: outputs.steps.ranks.clone(),
+                end_ns: outputs.detail.end_ns,
+            });
         }
         let mut file = |name: &str,
                         write: &mut dyn FnMut(
@@ -317,10 +405,8 @@ impl Streamer {
                 render::flamegraph::write_svg(*kind, &lines, out)
             });
         }
-        if let Some(json) = self.json.take()
-            && let Err(e) = json.finish(&report)
-        {
-            self.fail("steps.json", e);
+        if let Some(steps) = &self.steps {
+            steps.end(Box::new(report.clone()));
         }
         let stdout = Path::new("(standard output)");
         let share = render::flamegraph::short_stack_share(stacks, &self.samples);
@@ -349,12 +435,15 @@ impl Streamer {
         {
             self.failed.get_or_insert((stdout.to_owned(), e));
         }
-        if let Some(trace) = trace {
-            let result = trace
-                .join()
-                .unwrap_or_else(|_| Err(io::Error::other("writing trace.json panicked")));
-            if let Err(e) = result {
-                self.fail("trace.json", e);
+        for done in [
+            self.steps.take().map(Worker::finished),
+            self.trace.take().map(Worker::finished),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            if let Err(e) = done {
+                self.failed.get_or_insert(e);
             }
         }
         self.failed.map_or(Ok(()), Err)

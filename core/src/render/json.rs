@@ -16,12 +16,14 @@ pub(crate) struct Obj<'w, W: Write> {
 
 impl<'w, W: Write> Obj<'w, W> {
     /// Starts an object.
+    #[inline]
     pub(crate) fn new(out: &'w mut W) -> io::Result<Self> {
         out.write_all(b"{")?;
         Ok(Obj { out, first: true })
     }
 
     /// Writes `"key":` (with the comma before it but for the first field).
+    #[inline]
     pub(crate) fn key(&mut self, key: &str) -> io::Result<&mut W> {
         debug_assert!(plain(key), "{key:?} needs escaping");
         if !self.first {
@@ -34,17 +36,20 @@ impl<'w, W: Write> Obj<'w, W> {
         Ok(self.out)
     }
 
+    #[inline]
     pub(crate) fn u64(&mut self, key: &str, v: u64) -> io::Result<()> {
         let out = self.key(key)?;
         out.write_all(itoa::Buffer::new().format(v).as_bytes())
     }
 
+    #[inline]
     pub(crate) fn i64(&mut self, key: &str, v: i64) -> io::Result<()> {
         let out = self.key(key)?;
         out.write_all(itoa::Buffer::new().format(v).as_bytes())
     }
 
     /// An integer, or `null`.
+    #[inline]
     pub(crate) fn opt_u64(&mut self, key: &str, v: Option<u64>) -> io::Result<()> {
         match v {
             Some(v) => self.u64(key, v),
@@ -53,6 +58,7 @@ impl<'w, W: Write> Obj<'w, W> {
     }
 
     /// An integer, or `null`.
+    #[inline]
     pub(crate) fn opt_i64(&mut self, key: &str, v: Option<i64>) -> io::Result<()> {
         match v {
             Some(v) => self.i64(key, v),
@@ -61,6 +67,7 @@ impl<'w, W: Write> Obj<'w, W> {
     }
 
     /// A fixed string that needs no escaping (a phase, a category), quoted as it is.
+    #[inline]
     pub(crate) fn plain(&mut self, key: &str, v: &str) -> io::Result<()> {
         debug_assert!(plain(v), "{v:?} needs escaping");
         let out = self.key(key)?;
@@ -70,18 +77,21 @@ impl<'w, W: Write> Obj<'w, W> {
     }
 
     /// A string, escaped.
+    #[inline]
     pub(crate) fn str(&mut self, key: &str, v: &str) -> io::Result<()> {
         let out = self.key(key)?;
         serde_json::to_writer(out, v).map_err(io::Error::from)
     }
 
     /// Any value, through serde_json (floats, and what is rare enough not to matter).
+    #[inline]
     pub(crate) fn value(&mut self, key: &str, v: &impl Serialize) -> io::Result<()> {
         let out = self.key(key)?;
         serde_json::to_writer(out, v).map_err(io::Error::from)
     }
 
     /// Ends the object.
+    #[inline]
     pub(crate) fn end(self) -> io::Result<()> {
         self.out.write_all(b"}")
     }
