@@ -426,9 +426,18 @@ impl Timeline {
 
 /// Appends `old` to a tail kept at most `max` long.
 /// Moves the items of `v` that `pred` picks into a vector of their own, in order; `v`
-/// keeps the others and its capacity (it fills again each epoch: regrowing it from
-/// nothing cost a copy of every item a few times over).
+/// keeps the others, with room for as many as it gave (it fills again each epoch:
+/// regrowing it from nothing cost a copy of every item a few times over).
 fn take_where<T>(v: &mut Vec<T>, mut pred: impl FnMut(&T) -> bool) -> Vec<T> {
+    let k = v.iter().position(|x| !pred(x)).unwrap_or(v.len());
+    if v[k..].iter().all(|x| !pred(x)) {
+        // The usual case, those picked first: the buffer goes with them, the few kept
+        // are copied into a new one.
+        let kept: Vec<T> = v.drain(k..).collect();
+        let taken = std::mem::replace(v, kept);
+        v.reserve(taken.len());
+        return taken;
+    }
     let n = v.iter().filter(|x| pred(x)).count();
     let mut taken = Vec::with_capacity(n);
     taken.extend(v.extract_if(.., |x| pred(x)));
@@ -439,5 +448,24 @@ fn tail<T>(kept: &mut Vec<T>, old: Vec<T>, max: usize) {
     kept.extend(old);
     if kept.len() > max {
         kept.drain(..kept.len() - max);
+    }
+}
+
+#[cfg(test)]
+mod take_tests {
+    #[test]
+    fn take_where_keeps_order_and_room() {
+        // Picked first (the usual case), interleaved, none, all.
+        for (v, picked, kept) in [
+            (vec![1, 2, 3, 10, 11], vec![1, 2, 3], vec![10, 11]),
+            (vec![1, 10, 2, 11, 3], vec![1, 2, 3], vec![10, 11]),
+            (vec![10, 11], vec![], vec![10, 11]),
+            (vec![1, 2], vec![1, 2], vec![]),
+        ] {
+            let mut v = v;
+            let taken = super::take_where(&mut v, |x| *x < 10);
+            assert_eq!((taken.clone(), v.clone()), (picked, kept));
+            assert!(v.capacity() >= taken.len() + v.len());
+        }
     }
 }

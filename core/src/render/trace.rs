@@ -4,7 +4,6 @@
 //! the thread, migrations and fault bursts as instants, and faults/migrations per second
 //! as counters. Written event by event.
 
-use std::fmt::Write as _;
 use std::io::{self, Write};
 
 use serde::Serialize;
@@ -193,7 +192,8 @@ impl<W: Write> TraceStream<W> {
             let mut name = String::new();
             for s in steps {
                 name.clear();
-                write!(name, "step {}", s.index).expect("writing to a String");
+                name.push_str("step ");
+                name.push_str(itoa::Buffer::new().format(s.index));
                 let (ts, d) = (self.w.ts(s.start_ns), dur(s.start_ns, s.end_ns));
                 self.w.event(&Ev::slice(
                     "step",

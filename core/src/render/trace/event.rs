@@ -1,6 +1,6 @@
 //! One trace event and the arguments each kind carries, written field by field.
 
-use super::*;
+use super::{Obj, Step, Write, io};
 
 /// One trace event, written as it is (no intermediate JSON tree: traces run to millions
 /// of events).
@@ -93,7 +93,7 @@ impl Args for StepArgs<'_> {
             std::sync::LazyLock::new(|| crate::attribute::NAMES.map(|name| format!("{name}_ms")));
         let s = self.0;
         for (key, (_, value)) in KEYS.iter().zip(s.categories.named()) {
-            o.value(key, &value.map(|v| v as f64 / 1e6))?;
+            o.ms(key, value)?;
         }
         o.u64("nccl_collectives", s.nccl.collectives)?;
         o.u64("nccl_bytes", s.nccl.bytes)?;
