@@ -126,12 +126,21 @@ fn programs_accounted(summary: &Value) {
     );
     assert!(bpf["per_step_ns"].as_u64().unwrap() > 0);
     // The entry program runs only for traced processes: all its runs are the traced
-    // threads', and it timed each of them itself.
+    // threads'. On links made per target (uprobe-multi) it runs for nothing else and
+    // does not time itself (counted whole); on per-function uprobes it times each run.
     let entry = programs
         .iter()
         .find(|p| p["name"] == "uprobe_lib_call")
         .unwrap();
-    assert_eq!(entry["traced_runs"], entry["runs"]);
+    if summary["agent"]["uprobes"]
+        .as_str()
+        .is_some_and(|u| u.starts_with("uprobe-multi"))
+    {
+        assert_eq!(entry["traced_runs"], Value::Null, "{entry}");
+        assert_eq!(entries, calls, "entry runs beyond the traced calls");
+    } else {
+        assert_eq!(entry["traced_runs"], entry["runs"]);
+    }
     let traced = bpf["traced_ns"].as_u64().unwrap();
     assert!(traced > 0 && traced <= sum, "traced {traced} of {sum} ns");
     assert!(bpf["traced_per_step_ns"].as_u64().unwrap() <= bpf["per_step_ns"].as_u64().unwrap());
@@ -145,10 +154,11 @@ fn programs_accounted(summary: &Value) {
         "entry trap {entry_trap}: {bpf}"
     );
     let traced_runs = |name: &str| {
-        programs
-            .iter()
-            .find(|p| p["name"] == name)
-            .map_or(0, |p| p["traced_runs"].as_u64().unwrap())
+        programs.iter().find(|p| p["name"] == name).map_or(0, |p| {
+            p["traced_runs"]
+                .as_u64()
+                .unwrap_or_else(|| p["runs"].as_u64().unwrap())
+        })
     };
     let paired = traced_runs("uretprobe_lib_call");
     assert_eq!(
@@ -539,6 +549,70 @@ fn three_ranks_one_straggler() {
     assert!(wait0 > 2_000_000, "rank 0 waited {wait0} ns a step");
     recording_in_time_order(&out);
     super::metrics::straggler_in_metrics(&out, &summary);
+}
+
+/// Tracing one process (`--pid`) does not probe the others that map the same libraries
+/// (the untraced ranks of a node): on links made per target (uprobe-multi, Linux 6.6+)
+/// the entry program runs exactly once per call of the target, while an untraced
+/// trainer beside it makes as many calls. Before, every process mapping libnccl trapped
+/// on each call (~0.8 µs here) and the program checked whether it was a target.
+#[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
+fn other_processes_of_the_library_are_not_probed() {
+    let _serial = privileged();
+    let dir = tempfile::tempdir().unwrap();
+    let other_dir = dir.path().join("other");
+    std::fs::create_dir(&other_dir).unwrap();
+    let traced = waiting_trainer(dir.path(), 20, 300);
+    let other = waiting_trainer(&other_dir, 20, 300);
+    let out = dir.path().join("out");
+    let agent = Agent::attach(traced.child.id(), &out, &["--profile", "minimal"]);
+    other.release();
+    traced.release();
+    let (other_truth, truth) = (other.finish(), traced.finish());
+    let (code, summary, stderr) = agent.wait(Duration::from_secs(60));
+    assert_eq!(code, 0, "{stderr}");
+    uprobes_attached_as(&summary, true);
+    let made = |truth: &Value| -> u64 {
+        truth["total"]["calls"]
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|v| v.as_u64().unwrap())
+            .sum()
+    };
+    let calls = summary["nccl"]["calls"].as_u64().unwrap()
+        + summary["cuda_sync"]["calls"].as_u64().unwrap();
+    assert!(
+        calls >= made(&truth),
+        "{calls} calls traced: {}",
+        summary["nccl"]
+    );
+    let others = made(&other_truth);
+    assert!(
+        others >= made(&truth),
+        "the untraced trainer made {others} calls"
+    );
+    let entry_runs = summary["agent"]["bpf"]["programs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "uprobe_lib_call")
+        .map(|p| p["runs"].as_u64().unwrap())
+        .unwrap();
+    if summary["agent"]["uprobes"]
+        .as_str()
+        .is_some_and(|u| u.starts_with("uprobe-multi"))
+    {
+        assert_eq!(
+            entry_runs, calls,
+            "the untraced trainer's calls ran the program"
+        );
+    } else {
+        // One uprobe per function for every process (older kernels): the program ran
+        // for both and kept the target's calls.
+        assert!(entry_runs >= calls + others, "{entry_runs} runs");
+    }
 }
 
 /// `--all --follow`: a trainer that starts after the agent is attached too, its calls all

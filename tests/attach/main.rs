@@ -849,7 +849,7 @@ fn uprobes_attached_as(summary: &Value, multi: bool) {
         .map(|n| n.parse::<u32>().unwrap_or(0));
     let version = (numbers.next().unwrap_or(0), numbers.next().unwrap_or(0));
     let expected = if multi && version >= (6, 6) {
-        "uprobe-multi links, one per file and program"
+        "uprobe-multi links, one per target process, file and program"
     } else {
         "one perf-event uprobe per function"
     };

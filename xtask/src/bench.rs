@@ -114,6 +114,7 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
     let mut traced = Vec::new();
     let mut entries_only = Vec::new();
     let mut bpftrace = Vec::new();
+    let mut entry_floor = Vec::new();
     // The minimal profile with collectives traced at entry only (issue 22).
     let entries_profile = work.join("minimal-entries.toml");
     std::fs::write(
@@ -182,23 +183,23 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
             bail!("nccltrace (collectives at entry only) failed");
         }
         // bpftrace: entry/exit latency histogram of the same function.
-        let (child, lines) = caller(&fixtures, &lib, &go)?;
         let l = lib.display();
-        let script = format!(
-            "uprobe:{l}:ncclAllReduce {{ @s[tid] = nsecs; }} \
-             uretprobe:{l}:ncclAllReduce /@s[tid]/ {{ @lat = hist(nsecs - @s[tid]); delete(@s[tid]); }}"
-        );
-        let mut b = Command::new("bpftrace")
-            .args(["-p", &child.id().to_string(), "-e", &script])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()?;
-        let mut out_lines = BufReader::new(b.stdout.take().context("stdout")?).lines();
-        wait_for(&mut out_lines, "Attaching")?;
-        std::thread::sleep(Duration::from_millis(500));
-        bpftrace.push(finish(&go, child, lines)?);
-        libc_kill(b.id(), 2);
-        let _ = b.wait();
+        bpftrace.push(bpftrace_cost(
+            &fixtures,
+            &lib,
+            &go,
+            &format!(
+                "uprobe:{l}:ncclAllReduce {{ @s[tid] = nsecs; }} \
+                 uretprobe:{l}:ncclAllReduce /@s[tid]/ {{ @lat = hist(nsecs - @s[tid]); delete(@s[tid]); }}"
+            ),
+        )?);
+        // The floor of any uprobe tracer: an entry probe that only counts.
+        entry_floor.push(bpftrace_cost(
+            &fixtures,
+            &lib,
+            &go,
+            &format!("uprobe:{l}:ncclAllReduce {{ @n = count(); }}"),
+        )?);
     }
     // Attach alone, every probe of the default profile, on the idle caller.
     let (attach_ms, attach_rss_kb, attach_wall_s) =
@@ -270,6 +271,11 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
     println!(
         "| added cost per traced call, minimal profile (entry and return) | {:.2}× bpftrace | | |",
         added / (bpftrace - bare)
+    );
+    let floor = median(entry_floor) - bare;
+    println!(
+        "| an entry uprobe that only counts (bpftrace `count()`): the floor of a traced entry | | {floor:.0} ns ({:.2}× bpftrace's histogram) | |",
+        floor / (bpftrace - bare)
     );
     println!("| attach, all probes, 473 MB library | {attach_ms:.0} ms | | ≤ 250 ms |");
     println!(
@@ -634,18 +640,40 @@ fn trainer_step_ns(
 
 /// `nccltrace report` on `recording`: (events, seconds).
 fn report_speed(agent: &Path, recording: &Path, out: &Path) -> anyhow::Result<(f64, f64)> {
-    let started = Instant::now();
-    super::run(
-        Command::new(agent)
-            .arg("report")
-            .arg(recording)
-            .arg("--out")
-            .arg(out)
-            .stdout(Stdio::null()),
-    )?;
-    let seconds = started.elapsed().as_secs_f64();
+    // The median of 5 reports, each into a fresh folder (one run moved by ±30% here).
+    let mut times = Vec::new();
+    for _ in 0..5 {
+        let _ = std::fs::remove_dir_all(out);
+        let started = Instant::now();
+        super::run(
+            Command::new(agent)
+                .arg("report")
+                .arg(recording)
+                .arg("--out")
+                .arg(out)
+                .stdout(Stdio::null()),
+        )?;
+        times.push(started.elapsed().as_secs_f64());
+    }
     let summary = std::fs::read_to_string(out.join("summary.json"))?;
-    Ok((json(&summary, "events").unwrap_or(0.0), seconds))
+    Ok((json(&summary, "events").unwrap_or(0.0), median(times)))
+}
+
+/// ns per call of the caller while bpftrace runs `script` on it.
+fn bpftrace_cost(fixtures: &Path, lib: &Path, go: &Path, script: &str) -> anyhow::Result<f64> {
+    let (child, lines) = caller(fixtures, lib, go)?;
+    let mut b = Command::new("bpftrace")
+        .args(["-p", &child.id().to_string(), "-e", script])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let mut out_lines = BufReader::new(b.stdout.take().context("stdout")?).lines();
+    wait_for(&mut out_lines, "Attaching")?;
+    std::thread::sleep(Duration::from_millis(500));
+    let ns = finish(go, child, lines)?;
+    libc_kill(b.id(), 2);
+    let _ = b.wait();
+    Ok(ns)
 }
 
 fn libc_kill(pid: u32, sig: i32) {

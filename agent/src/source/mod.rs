@@ -27,6 +27,7 @@ pub use session::*;
 pub use start::*;
 
 use std::collections::BTreeMap;
+use std::num::NonZeroU32;
 use std::os::unix::fs::MetadataExt as _;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -252,8 +253,8 @@ pub struct Attached {
     /// How long loading and attaching took.
     pub attach_time: Duration,
     profile: Profile,
-    /// Files already probed (device, inode).
-    probed: Vec<(u64, u64)>,
+    /// Files already probed: device, inode, and the process (0: every process).
+    probed: Vec<(u64, u64, u32)>,
     /// `--follow`: also attach to processes that map NCCL later, until stopped.
     pub follow: Option<Follow>,
     /// Python targets whose frames are walked (profile `python_frames`).

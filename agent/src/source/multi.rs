@@ -472,10 +472,17 @@ impl UprobePrograms {
         }
     }
 
+    /// Whether the links are made for each target process ([`super::probe_library`]).
+    pub(super) fn per_target(&self) -> bool {
+        matches!(self, UprobePrograms::Multi { .. })
+    }
+
     /// How the uprobes are attached, in words (summary.json).
     pub(super) fn describe(&self) -> &'static str {
         match self {
-            UprobePrograms::Multi { .. } => "uprobe-multi links, one per file and program",
+            UprobePrograms::Multi { .. } => {
+                "uprobe-multi links, one per target process, file and program"
+            }
             UprobePrograms::PerFunction => "one perf-event uprobe per function",
         }
     }

@@ -37,23 +37,37 @@ pub(super) fn inode(path: &Path) -> (u64, u64) {
     std::fs::metadata(path).map_or((0, 0), |m| (m.dev(), m.ino()))
 }
 
-/// Attaches the entry and return programs (loaded) to every site of `lib`, the return
-/// program only where `returns` wants it (the entry program then writes the record, told
-/// by its cookie), unless a file in `probed` (device, inode) is the same: probes fire for
-/// every process mapping it.
+/// Attaches the entry and return programs (loaded) to every site of `lib` for the target
+/// `pid`, the return program only where `returns` wants it (the entry program then writes
+/// the record, told by its cookie), unless that is done already (`probed`: device, inode
+/// and the process probed, 0 for every process).
+///
+/// Uprobe-multi links are made for the one target: the kernel writes the breakpoints
+/// into that process only, so the other processes mapping the file (the untraced ranks
+/// of a node) never trap, and the programs, told by the cookie, skip the target check.
+/// Per-function uprobes are made once per file for every process (the programs keep
+/// the target's calls): each costs a grace period under a kernel-wide mutex to release.
 pub(super) fn probe_library(
     ebpf: &mut Ebpf,
     uprobes: &UprobePrograms,
     lib: &FoundLibrary,
+    pid: u32,
     returns: CallReturns,
-    probed: &mut Vec<(u64, u64)>,
+    probed: &mut Vec<(u64, u64, u32)>,
     links: &mut Vec<Link>,
 ) -> Result<(), SourceError> {
-    let id = inode(&lib.host_path);
-    if id != (0, 0) && probed.contains(&id) {
+    let scope = NonZeroU32::new(pid).filter(|_| uprobes.per_target());
+    let (dev, ino) = inode(&lib.host_path);
+    let key = (dev, ino, scope.map_or(0, NonZeroU32::get));
+    if (dev, ino) != (0, 0) && probed.contains(&key) {
         return Ok(());
     }
-    probed.push(id);
+    probed.push(key);
+    let in_target = if scope.is_some() {
+        nccltrace_common::func::IN_TARGET
+    } else {
+        0
+    };
     let sites: Vec<Site> = lib
         .sites
         .iter()
@@ -67,12 +81,12 @@ pub(super) fn probe_library(
             };
             Site {
                 offset: site.file_offset,
-                cookie: u64::from(func | entry_only),
+                cookie: u64::from(func | entry_only | in_target),
                 returned,
             }
         })
         .collect();
-    uprobes.attach(ebpf, &lib.host_path, &lib.path, &sites, None, links)
+    uprobes.attach(ebpf, &lib.host_path, &lib.path, &sites, scope, links)
 }
 
 /// One software cpu-clock event per online CPU (`SampleScope::Cpu`); the program keeps the

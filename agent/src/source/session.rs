@@ -65,6 +65,7 @@ impl Attached {
                 ebpf,
                 &self.uprobes,
                 lib,
+                t.pid,
                 returns,
                 &mut self.probed,
                 &mut self.links,
@@ -325,10 +326,16 @@ impl Attached {
                 .get(&index, 0)
                 .map_or(0, |values| values.iter().sum())
         };
+        // Uprobe programs on links made per target run only for targets: counted whole
+        // (they do not time themselves).
+        let per_target = |name: &str| {
+            self.uprobes.per_target()
+                && [names::UPROBE_LIB_CALL, names::URETPROBE_LIB_CALL].contains(&name)
+        };
         let traced = (0..timed::COUNT)
-            .map(|id| {
-                let name = timed::PROGRAMS[id as usize].to_owned();
-                (name, sum(2 * id), sum(2 * id + 1))
+            .filter_map(|id| {
+                let name = timed::PROGRAMS[id as usize];
+                (!per_target(name)).then(|| (name.to_owned(), sum(2 * id), sum(2 * id + 1)))
             })
             .collect();
         let (trap_ns, entry_trap_ns, trap_refused) = match &self.traps {

@@ -190,15 +190,16 @@ fn attach_all(prepared: Prepared, targets: &[Target]) -> Result<Attached, Source
             (t, libs, probes)
         })
         .collect();
-    // One probe per file, whatever the number of targets: ranks share their libraries,
-    // the kernel filters by TARGETS, and every uprobe costs a grace period to detach.
-    let mut probed: Vec<(u64, u64)> = Vec::new();
-    for (_, libs, _) in &infos {
+    // Links per target where the kernel makes them; otherwise one probe per file,
+    // whatever the number of targets (`probe_library` says why).
+    let mut probed: Vec<(u64, u64, u32)> = Vec::new();
+    for (t, libs, _) in &infos {
         for lib in libs {
             probe_library(
                 &mut ebpf,
                 &uprobes,
                 lib,
+                t.pid,
                 profile.probes.call_returns,
                 &mut probed,
                 &mut links,

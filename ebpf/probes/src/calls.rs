@@ -9,12 +9,16 @@ use crate::*;
 #[uprobe]
 pub fn uprobe_lib_call(ctx: ProbeContext) -> u32 {
     let (tgid, tid) = current();
-    if !is_target(tgid) {
+    // SAFETY: the cookie is the function id user space attached with (and its flags).
+    let cookie = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } as u32;
+    // A link made for one target fires only there: the check and the self-timing (for
+    // the cost of the runs in traced threads) are for links on every process.
+    let in_target = cookie & func::IN_TARGET != 0;
+    if !in_target && !is_target(tgid) {
         return 0;
     }
-    let _timed = TargetRun::start(timed::UPROBE_LIB_CALL);
-    // SAFETY: the cookie is the function id user space attached with (and ENTRY_ONLY).
-    let cookie = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } as u32;
+    let _timed = (!in_target).then(|| TargetRun::start(timed::UPROBE_LIB_CALL));
+    let cookie = cookie & !func::IN_TARGET;
     let func_id = cookie & !func::ENTRY_ONLY;
     // SAFETY: regs is the probe's own register snapshot.
     let regs = unsafe { &*ctx.regs };
@@ -69,7 +73,7 @@ pub fn uprobe_lib_call(ctx: ProbeContext) -> u32 {
         emit(
             kind::CALL,
             CallEvent {
-                hdr: header(kind::CALL, tgid, tid),
+                hdr: header_at(kind::CALL, tgid, tid, pending.start_ns),
                 start_ns: pending.start_ns,
                 func: cookie,
                 ret: 0,
@@ -154,16 +158,18 @@ pub(crate) fn unpark(tid: u32, func_id: u32) -> Option<PendingCall> {
 pub fn uretprobe_lib_call(ctx: RetProbeContext) -> u32 {
     let (tgid, tid) = current();
     // SAFETY: as in the entry program.
-    let func_id = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } as u32;
+    let cookie = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } as u32;
+    let in_target = cookie & func::IN_TARGET != 0;
+    let func_id = cookie & !func::IN_TARGET;
     // Only target threads' entries are kept, so a found entry means a target: the target
     // lookup is needed only when none is found.
     let Some(pending) = unpark(tid, func_id) else {
-        if is_target(tgid) {
+        if in_target || is_target(tgid) {
             bump(counter::UNPAIRED_RETURN);
         }
         return 0;
     };
-    let _timed = TargetRun::start(timed::URETPROBE_LIB_CALL);
+    let _timed = (!in_target).then(|| TargetRun::start(timed::URETPROBE_LIB_CALL));
     let ret: i64 = ctx.ret();
     let mut out = 0u64;
     if let Some(index) = func::out_comm_arg(func_id) {

@@ -253,9 +253,15 @@ pub(crate) fn target_of_thread(tid: u32) -> Option<u32> {
 
 #[inline(always)]
 pub(crate) fn header(kind: u16, tgid: u32, tid: u32) -> Header {
+    // SAFETY: helper without preconditions.
+    header_at(kind, tgid, tid, unsafe { bpf_ktime_get_ns() })
+}
+
+/// [`header`] with the time already taken.
+#[inline(always)]
+pub(crate) fn header_at(kind: u16, tgid: u32, tid: u32, ts_ns: u64) -> Header {
     Header {
-        // SAFETY: helpers without preconditions.
-        ts_ns: unsafe { bpf_ktime_get_ns() },
+        ts_ns,
         tgid,
         tid,
         kind,
