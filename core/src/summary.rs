@@ -126,9 +126,10 @@ pub struct AgentStats {
     /// Where that went, phase by phase, in order (empty for older recordings).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub attach_phases_ms: Vec<AttachPhase>,
-    /// How the uprobes were attached: "uprobe-multi links, one per target process, file and program" (one
-    /// grace period per link to release at the stop) or "one perf-event uprobe per
-    /// function" (one each); absent for older recordings.
+    /// How the uprobes were attached: "uprobe-multi links, one per target process, file
+    /// and program" (one grace period per link to release at the stop) or "one
+    /// perf-event uprobe per function, for the target process" / ", for every process"
+    /// (one each); absent for older recordings.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub uprobes: Option<String>,
     /// Peak resident memory (VmHWM) of the whole agent process over the whole run, its

@@ -126,20 +126,20 @@ fn programs_accounted(summary: &Value) {
     );
     assert!(bpf["per_step_ns"].as_u64().unwrap() > 0);
     // The entry program runs only for traced processes: all its runs are the traced
-    // threads'. On links made per target (uprobe-multi) it runs for nothing else and
-    // does not time itself (counted whole); on per-function uprobes it times each run.
+    // threads'. On probes made per target it runs for nothing else and does not time
+    // itself (counted whole); on probes for every process it times each traced run.
     let entry = programs
         .iter()
         .find(|p| p["name"] == "uprobe_lib_call")
         .unwrap();
     if summary["agent"]["uprobes"]
         .as_str()
-        .is_some_and(|u| u.starts_with("uprobe-multi"))
+        .is_some_and(|u| u.ends_with("for every process"))
     {
+        assert_eq!(entry["traced_runs"], entry["runs"]);
+    } else {
         assert_eq!(entry["traced_runs"], Value::Null, "{entry}");
         assert_eq!(entries, calls, "entry runs beyond the traced calls");
-    } else {
-        assert_eq!(entry["traced_runs"], entry["runs"]);
     }
     let traced = bpf["traced_ns"].as_u64().unwrap();
     assert!(traced > 0 && traced <= sum, "traced {traced} of {sum} ns");
@@ -552,8 +552,9 @@ fn three_ranks_one_straggler() {
 }
 
 /// Tracing one process (`--pid`) does not probe the others that map the same libraries
-/// (the untraced ranks of a node): on links made per target (uprobe-multi, Linux 6.6+)
-/// the entry program runs exactly once per call of the target, while an untraced
+/// (the untraced ranks of a node): the uprobes are made for the target (uprobe-multi
+/// links with its pid, Linux 6.6+; per-function uprobes for the one target otherwise),
+/// so the entry program runs exactly once per call of the target, while an untraced
 /// trainer beside it makes as many calls. Before, every process mapping libnccl trapped
 /// on each call (~0.8 µs here) and the program checked whether it was a target.
 #[test]
@@ -561,57 +562,68 @@ fn three_ranks_one_straggler() {
 fn other_processes_of_the_library_are_not_probed() {
     let _serial = privileged();
     let dir = tempfile::tempdir().unwrap();
-    let other_dir = dir.path().join("other");
-    std::fs::create_dir(&other_dir).unwrap();
-    let traced = waiting_trainer(dir.path(), 20, 300);
-    let other = waiting_trainer(&other_dir, 20, 300);
-    let out = dir.path().join("out");
-    let agent = Agent::attach(traced.child.id(), &out, &["--profile", "minimal"]);
-    other.release();
-    traced.release();
-    let (other_truth, truth) = (other.finish(), traced.finish());
-    let (code, summary, stderr) = agent.wait(Duration::from_secs(60));
-    assert_eq!(code, 0, "{stderr}");
-    uprobes_attached_as(&summary, true);
-    let made = |truth: &Value| -> u64 {
-        truth["total"]["calls"]
-            .as_object()
-            .unwrap()
-            .values()
-            .map(|v| v.as_u64().unwrap())
-            .sum()
-    };
-    let calls = summary["nccl"]["calls"].as_u64().unwrap()
-        + summary["cuda_sync"]["calls"].as_u64().unwrap();
-    assert!(
-        calls >= made(&truth),
-        "{calls} calls traced: {}",
-        summary["nccl"]
-    );
-    let others = made(&other_truth);
-    assert!(
-        others >= made(&truth),
-        "the untraced trainer made {others} calls"
-    );
-    let entry_runs = summary["agent"]["bpf"]["programs"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|p| p["name"] == "uprobe_lib_call")
-        .map(|p| p["runs"].as_u64().unwrap())
-        .unwrap();
-    if summary["agent"]["uprobes"]
-        .as_str()
-        .is_some_and(|u| u.starts_with("uprobe-multi"))
-    {
-        assert_eq!(
-            entry_runs, calls,
-            "the untraced trainer's calls ran the program"
+    let per_function = dir.path().join("per-function.toml");
+    let minimal = std::fs::read_to_string(workspace().join("profiles/minimal.toml")).unwrap();
+    std::fs::write(
+        &per_function,
+        minimal.replace(
+            "call_returns = \"all\"",
+            "call_returns = \"all\"\nuprobe_multi = false",
+        ),
+    )
+    .unwrap();
+    for (profile, multi) in [(Path::new("minimal"), true), (&*per_function, false)] {
+        let run = dir.path().join(format!("run-{multi}"));
+        let other_dir = run.join("other");
+        std::fs::create_dir_all(&other_dir).unwrap();
+        let traced = waiting_trainer(&run, 20, 300);
+        let other = waiting_trainer(&other_dir, 20, 300);
+        let out = run.join("out");
+        let agent = Agent::attach(
+            traced.child.id(),
+            &out,
+            &["--profile", profile.to_str().unwrap()],
         );
-    } else {
-        // One uprobe per function for every process (older kernels): the program ran
-        // for both and kept the target's calls.
-        assert!(entry_runs >= calls + others, "{entry_runs} runs");
+        other.release();
+        traced.release();
+        let (other_truth, truth) = (other.finish(), traced.finish());
+        let (code, summary, stderr) = agent.wait(Duration::from_secs(60));
+        assert_eq!(code, 0, "{stderr}");
+        uprobes_attached_as(&summary, multi);
+        let made = |truth: &Value| -> u64 {
+            truth["total"]["calls"]
+                .as_object()
+                .unwrap()
+                .values()
+                .map(|v| v.as_u64().unwrap())
+                .sum()
+        };
+        let calls = summary["nccl"]["calls"].as_u64().unwrap()
+            + summary["cuda_sync"]["calls"].as_u64().unwrap();
+        assert!(
+            calls >= made(&truth),
+            "{calls} calls traced: {}",
+            summary["nccl"]
+        );
+        let others = made(&other_truth);
+        assert!(
+            others >= made(&truth),
+            "the untraced trainer made {others} calls"
+        );
+        let entry = summary["agent"]["bpf"]["programs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["name"] == "uprobe_lib_call")
+            .cloned()
+            .unwrap();
+        assert_eq!(
+            entry["runs"].as_u64(),
+            Some(calls),
+            "the untraced trainer's calls ran the program ({multi}): {entry}"
+        );
+        // Made for the target, the program does not time itself: counted whole.
+        assert_eq!(entry["traced_runs"], Value::Null, "{entry}");
     }
 }
 

@@ -841,17 +841,21 @@ fn in_a_guest() -> bool {
 }
 
 /// How the agent must have attached the uprobes on this kernel with `multi` asked for
-/// (profile `uprobe_multi`): uprobe-multi links from Linux 6.6 on, one per function before.
+/// (profile `uprobe_multi`): uprobe-multi links from Linux 6.6 on, one per function before
+/// (for the target when there is one, else for every process).
 fn uprobes_attached_as(summary: &Value, multi: bool) {
     let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
     let mut numbers = release
         .split(|c: char| !c.is_ascii_digit())
         .map(|n| n.parse::<u32>().unwrap_or(0));
     let version = (numbers.next().unwrap_or(0), numbers.next().unwrap_or(0));
+    let targets = summary["targets"].as_array().map_or(0, Vec::len);
     let expected = if multi && version >= (6, 6) {
         "uprobe-multi links, one per target process, file and program"
+    } else if targets == 1 {
+        "one perf-event uprobe per function, for the target process"
     } else {
-        "one perf-event uprobe per function"
+        "one perf-event uprobe per function, for every process"
     };
     assert_eq!(summary["agent"]["uprobes"], expected, "kernel {release}");
 }

@@ -192,7 +192,9 @@ pub(super) fn preload(
                 }
             });
         }
-        uprobes.join().unwrap_or(super::UprobePrograms::PerFunction)
+        uprobes
+            .join()
+            .unwrap_or(super::UprobePrograms::PerFunction { per_target: false })
     })
 }
 

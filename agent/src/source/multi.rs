@@ -439,8 +439,10 @@ pub(super) enum UprobePrograms {
     /// Loaded here, for a uprobe-multi link per file and program (Linux 6.6+).
     Multi { entry: OwnedFd, ret: OwnedFd },
     /// aya's, one perf-event uprobe per function (older kernels, or where loading them
-    /// here failed).
-    PerFunction,
+    /// here failed): made for the target process when there is one target
+    /// (`per_target`), else once for every process (each costs a grace period under a
+    /// kernel-wide mutex to release: per target they would multiply).
+    PerFunction { per_target: bool },
 }
 
 impl UprobePrograms {
@@ -449,7 +451,7 @@ impl UprobePrograms {
     /// log), they are aya's, one uprobe per function.
     pub(super) fn load(maps: Option<&BTreeMap<String, OwnedFd>>) -> UprobePrograms {
         let Some(maps) = maps else {
-            return UprobePrograms::PerFunction;
+            return UprobePrograms::PerFunction { per_target: false };
         };
         let names = [names::UPROBE_LIB_CALL, names::URETPROBE_LIB_CALL];
         let loaded = Relocated::new(super::PROGRAMS, maps, &names).and_then(|r| {
@@ -467,14 +469,27 @@ impl UprobePrograms {
             Ok((entry, ret)) => UprobePrograms::Multi { entry, ret },
             Err(e) => {
                 log::warn!("uprobes attached one by one (uprobe-multi programs not loaded: {e})");
-                UprobePrograms::PerFunction
+                UprobePrograms::PerFunction { per_target: false }
             }
         }
     }
 
-    /// Whether the links are made for each target process ([`super::probe_library`]).
+    /// Whether the probes are made for each target process ([`super::probe_library`]).
     pub(super) fn per_target(&self) -> bool {
-        matches!(self, UprobePrograms::Multi { .. })
+        match self {
+            UprobePrograms::Multi { .. } => true,
+            UprobePrograms::PerFunction { per_target } => *per_target,
+        }
+    }
+
+    /// Decides, for per-function uprobes, from the targets found at the start: for the
+    /// target process when there is one (`--pid` of one rank: the other processes mapping
+    /// the libraries then never trap), else for every process. Targets found later
+    /// (`--follow`) get theirs the same way.
+    pub(super) fn scope_for(&mut self, targets: usize) {
+        if let UprobePrograms::PerFunction { per_target } = self {
+            *per_target = targets == 1;
+        }
     }
 
     /// How the uprobes are attached, in words (summary.json).
@@ -483,7 +498,12 @@ impl UprobePrograms {
             UprobePrograms::Multi { .. } => {
                 "uprobe-multi links, one per target process, file and program"
             }
-            UprobePrograms::PerFunction => "one perf-event uprobe per function",
+            UprobePrograms::PerFunction { per_target: true } => {
+                "one perf-event uprobe per function, for the target process"
+            }
+            UprobePrograms::PerFunction { per_target: false } => {
+                "one perf-event uprobe per function, for every process"
+            }
         }
     }
 
@@ -548,7 +568,7 @@ impl UprobePrograms {
                 .map_err(failed)?;
                 links.push(Link::Multi(link));
             }
-            UprobePrograms::PerFunction => {
+            UprobePrograms::PerFunction { .. } => {
                 let prog: &mut UProbe = load_program(ebpf, program)?;
                 let scope = to
                     .pid

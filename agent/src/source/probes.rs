@@ -42,11 +42,13 @@ pub(super) fn inode(path: &Path) -> (u64, u64) {
 /// the record, told by its cookie), unless that is done already (`probed`: device, inode
 /// and the process probed, 0 for every process).
 ///
-/// Uprobe-multi links are made for the one target: the kernel writes the breakpoints
-/// into that process only, so the other processes mapping the file (the untraced ranks
-/// of a node) never trap, and the programs, told by the cookie, skip the target check.
-/// Per-function uprobes are made once per file for every process (the programs keep
-/// the target's calls): each costs a grace period under a kernel-wide mutex to release.
+/// Probes made for one target (uprobe-multi links; per-function uprobes when there is
+/// one target, `UprobePrograms::scope_for`): the kernel writes the breakpoints into
+/// that process only, so the other processes mapping the file (the untraced ranks of a
+/// node) never trap, and the programs, told by the cookie, skip the target check.
+/// Otherwise per-function uprobes are made once per file for every process (the
+/// programs keep the targets' calls): each costs a grace period under a kernel-wide
+/// mutex to release, so per target they would multiply.
 pub(super) fn probe_library(
     ebpf: &mut Ebpf,
     uprobes: &UprobePrograms,

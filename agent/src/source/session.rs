@@ -499,7 +499,10 @@ impl Attached {
         let links = std::mem::take(&mut self.links);
         let count = links.len();
         // The uprobe programs loaded for uprobe-multi links go with their links.
-        let uprobes = std::mem::replace(&mut self.uprobes, UprobePrograms::PerFunction);
+        let uprobes = std::mem::replace(
+            &mut self.uprobes,
+            UprobePrograms::PerFunction { per_target: false },
+        );
         let (ebpf, uprobes) = (self.ebpf.take(), uprobes);
         // When no thread can be had, the closure (and what it owns) is dropped here.
         let thread = std::thread::Builder::new()

@@ -123,7 +123,7 @@ fn attach_all(prepared: Prepared, targets: &[Target]) -> Result<Attached, Source
         kallsyms,
         btf,
         mut ebpf,
-        uprobes,
+        mut uprobes,
         warm,
         mut phases,
     } = prepared
@@ -190,8 +190,10 @@ fn attach_all(prepared: Prepared, targets: &[Target]) -> Result<Attached, Source
             (t, libs, probes)
         })
         .collect();
-    // Links per target where the kernel makes them; otherwise one probe per file,
-    // whatever the number of targets (`probe_library` says why).
+    // Probes per target where the kernel makes uprobe-multi links, or where there is one
+    // target; otherwise one probe per file, whatever the number of targets
+    // (`probe_library` says why).
+    uprobes.scope_for(targets.len());
     let mut probed: Vec<(u64, u64, u32)> = Vec::new();
     for (t, libs, _) in &infos {
         for lib in libs {
