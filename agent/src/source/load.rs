@@ -179,6 +179,7 @@ pub(super) fn preload(
                 continue;
             }
             scope.spawn(move || {
+                let started = std::time::Instant::now();
                 let loaded = match program {
                     Program::UProbe(p) => p.load(),
                     Program::TracePoint(p) => p.load(),
@@ -187,8 +188,9 @@ pub(super) fn preload(
                     Program::KProbe(p) => p.load(),
                     _ => Ok(()),
                 };
-                if let Err(e) = loaded {
-                    log::debug!("{name} not loaded ahead: {e}");
+                match loaded {
+                    Ok(()) => log::debug!("{name} verified in {:?}", started.elapsed()),
+                    Err(e) => log::debug!("{name} not loaded ahead: {e}"),
                 }
             });
         }

@@ -456,9 +456,15 @@ impl UprobePrograms {
         let names = [names::UPROBE_LIB_CALL, names::URETPROBE_LIB_CALL];
         let loaded = Relocated::new(super::PROGRAMS, maps, &names).and_then(|r| {
             // Each verified on a thread of its own, as `preload` does with the others.
+            let timed = |name: &str| {
+                let started = std::time::Instant::now();
+                let loaded = r.load(name);
+                log::debug!("{name} verified in {:?}", started.elapsed());
+                loaded
+            };
             let (entry, ret) = std::thread::scope(|scope| {
-                let ret = scope.spawn(|| r.load(names[1]));
-                (r.load(names[0]), ret.join())
+                let ret = scope.spawn(|| timed(names[1]));
+                (timed(names[0]), ret.join())
             });
             Ok((
                 entry?,
