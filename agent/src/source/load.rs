@@ -189,7 +189,15 @@ pub(super) fn preload(
                     _ => Ok(()),
                 };
                 match loaded {
-                    Ok(()) => log::debug!("{name} verified in {:?}", started.elapsed()),
+                    Ok(()) => log::debug!(
+                        "{name} verified in {:?} ({} instructions processed)",
+                        started.elapsed(),
+                        program
+                            .info()
+                            .ok()
+                            .and_then(|i| i.verified_instruction_count())
+                            .unwrap_or(0)
+                    ),
                     Err(e) => log::debug!("{name} not loaded ahead: {e}"),
                 }
             });

@@ -459,7 +459,15 @@ impl UprobePrograms {
             let timed = |name: &str| {
                 let started = std::time::Instant::now();
                 let loaded = r.load(name);
-                log::debug!("{name} verified in {:?}", started.elapsed());
+                log::debug!(
+                    "{name} verified in {:?} ({} instructions processed)",
+                    started.elapsed(),
+                    loaded
+                        .as_ref()
+                        .ok()
+                        .and_then(|fd| prog_info(fd.as_fd()).ok())
+                        .map_or(0, |i| i.verified_insns)
+                );
                 loaded
             };
             let (entry, ret) = std::thread::scope(|scope| {
@@ -614,6 +622,11 @@ impl UprobePrograms {
 
 /// `bpf_prog_info`'s run count and run time of the program `fd`.
 fn run_counts(fd: BorrowedFd<'_>) -> std::io::Result<(u64, u64)> {
+    prog_info(fd).map(|info| (info.run_cnt, info.run_time_ns))
+}
+
+/// The kernel's `bpf_prog_info` of the program `fd`.
+fn prog_info(fd: BorrowedFd<'_>) -> std::io::Result<aya_obj::generated::bpf_prog_info> {
     const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
     #[repr(C)]
     struct InfoByFd {
@@ -630,7 +643,7 @@ fn run_counts(fd: BorrowedFd<'_>) -> std::io::Result<(u64, u64)> {
     };
     // The attribute points at `info`, of `info_len` bytes.
     sys_bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr)?;
-    Ok((info.run_cnt, info.run_time_ns))
+    Ok(info)
 }
 
 #[cfg(test)]
