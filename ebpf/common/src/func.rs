@@ -34,9 +34,10 @@ pub const NVTX_MESSAGE_BYTES: usize = 56;
 /// return probe (`call_returns = "needed"`): the entry program writes the call's record
 /// itself. Set in that record's `func` too, so user space knows no return was traced.
 pub const ENTRY_ONLY: u32 = 1 << 31;
-/// Set in the attach cookie of a link that fires only in one target process (an
-/// uprobe-multi link made with its pid): the programs skip the target check and do not
-/// time themselves, the kernel's run time of every run being a target's.
+/// Set in the attach cookie of a probe that fires only in one target process (an
+/// uprobe-multi link made with its pid, or a per-function uprobe opened for that
+/// process): the programs skip the target check and do not time themselves, the
+/// kernel's run time of every run being a target's.
 pub const IN_TARGET: u32 = 1 << 30;
 
 /// Whether the breakdown needs function `id`'s return when the profile asks only for

@@ -11,8 +11,8 @@ pub fn uprobe_lib_call(ctx: ProbeContext) -> u32 {
     let (tgid, tid) = current();
     // SAFETY: the cookie is the function id user space attached with (and its flags).
     let cookie = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } as u32;
-    // A link made for one target fires only there: the check and the self-timing (for
-    // the cost of the runs in traced threads) are for links on every process.
+    // A probe made for one target fires only there: the check and the self-timing (for
+    // the cost of the runs in traced threads) are for probes on every process.
     if cookie & func::IN_TARGET == 0 && !is_target(tgid) {
         return 0;
     }
