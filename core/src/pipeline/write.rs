@@ -102,10 +102,13 @@ enum Msg<E> {
 struct Worker<O: Output> {
     to: std::sync::mpsc::SyncSender<Msg<O::End>>,
     done: std::thread::JoinHandle<Result<(), Failure>>,
+    /// The file a failure of the thread itself is told under.
+    path: std::path::PathBuf,
 }
 
 impl<O: Output> Worker<O> {
-    fn start(name: &str, mut output: O) -> io::Result<Worker<O>> {
+    fn start(name: &str, path: std::path::PathBuf, mut output: O) -> Result<Worker<O>, Failure> {
+        let stopped = path.clone();
         // Two epochs in flight at most: memory stays bounded when the disk is slow.
         let (to, from) = std::sync::mpsc::sync_channel::<Msg<O::End>>(2);
         let done = std::thread::Builder::new()
@@ -117,12 +120,10 @@ impl<O: Output> Worker<O> {
                         Msg::End(end) => return output.end(end),
                     }
                 }
-                Err((
-                    std::path::PathBuf::new(),
-                    io::Error::other("the output was not ended"),
-                ))
-            })?;
-        Ok(Worker { to, done })
+                Err((stopped, io::Error::other("the output was not ended")))
+            })
+            .map_err(|e| (path.clone(), e))?;
+        Ok(Worker { to, done, path })
     }
 
     /// Hands on an epoch; an error is the thread's, which stopped on it.
@@ -142,22 +143,18 @@ impl<O: Output> Worker<O> {
     /// Waits for the thread; how writing went.
     fn finished(self) -> Result<(), Failure> {
         drop(self.to);
-        self.done.join().unwrap_or_else(|_| {
-            Err((
-                std::path::PathBuf::new(),
-                io::Error::other("an output's thread panicked"),
-            ))
-        })
+        let path = self.path;
+        self.done
+            .join()
+            .unwrap_or_else(|_| Err((path, io::Error::other("its writing thread panicked"))))
     }
 
     /// The error the thread stopped on.
     fn join(self) -> Failure {
-        self.finished().err().unwrap_or_else(|| {
-            (
-                std::path::PathBuf::new(),
-                io::Error::other("an output's thread stopped"),
-            )
-        })
+        let path = self.path.clone();
+        self.finished()
+            .err()
+            .unwrap_or_else(|| (path, io::Error::other("its writing thread stopped")))
     }
 }
 
@@ -309,8 +306,8 @@ impl Streamer {
         };
         Ok(Streamer {
             dir: dir.to_owned(),
-            steps: Some(Worker::start("steps", steps).map_err(|e| (dir.join("steps.json"), e))?),
-            trace: Some(Worker::start("trace", trace).map_err(|e| (dir.join("trace.json"), e))?),
+            steps: Some(Worker::start("steps", dir.join("steps.json"), steps)?),
+            trace: Some(Worker::start("trace", dir.join("trace.json"), trace)?),
             weights: Default::default(),
             samples: BTreeMap::new(),
             table: crate::render::steps::StepTable::default(),
