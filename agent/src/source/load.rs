@@ -134,7 +134,7 @@ pub(super) fn wanted_programs(
     available: &[&str],
     tracefs_root: &Path,
 ) -> Vec<&'static str> {
-    let mut wanted = vec![names::UPROBE_LIB_CALL, names::URETPROBE_LIB_CALL];
+    let mut wanted = names::UPROBE_PROGRAMS.to_vec();
     wanted.extend(
         names::TRACEPOINTS
             .iter()
@@ -174,8 +174,7 @@ pub(super) fn preload(
             if !wanted.contains(&name) || program.fd().is_ok() {
                 continue;
             }
-            if maps.is_some() && [names::UPROBE_LIB_CALL, names::URETPROBE_LIB_CALL].contains(&name)
-            {
+            if maps.is_some() && names::UPROBE_PROGRAMS.contains(&name) {
                 continue;
             }
             scope.spawn(move || {

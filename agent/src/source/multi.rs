@@ -453,7 +453,7 @@ impl UprobePrograms {
         let Some(maps) = maps else {
             return UprobePrograms::PerFunction { per_target: false };
         };
-        let names = [names::UPROBE_LIB_CALL, names::URETPROBE_LIB_CALL];
+        let names = names::UPROBE_PROGRAMS;
         let loaded = Relocated::new(super::PROGRAMS, maps, &names).and_then(|r| {
             // Each verified on a thread of its own, as `preload` does with the others.
             let timed = |name: &str| {

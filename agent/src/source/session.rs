@@ -291,7 +291,7 @@ impl Attached {
             // no target) are not the job's: exactly `traps::CALLS_MADE` each, and their share
             // of the time the program ran meanwhile (the job's calls ran it too).
             let after = raw_program_runs(ebpf, &self.uprobes);
-            for name in [names::UPROBE_LIB_CALL, names::URETPROBE_LIB_CALL] {
+            for name in names::UPROBE_PROGRAMS {
                 let (r0, t0) = before.get(name).copied().unwrap_or((0, 0));
                 let (r1, t1) = after.get(name).copied().unwrap_or((0, 0));
                 let (runs, ns) = (r1.saturating_sub(r0), t1.saturating_sub(t0));
@@ -328,10 +328,8 @@ impl Attached {
         };
         // Uprobe programs on links made per target run only for targets: counted whole
         // (they do not time themselves).
-        let per_target = |name: &str| {
-            self.uprobes.per_target()
-                && [names::UPROBE_LIB_CALL, names::URETPROBE_LIB_CALL].contains(&name)
-        };
+        let per_target =
+            |name: &str| self.uprobes.per_target() && names::UPROBE_PROGRAMS.contains(&name);
         let traced = (0..timed::COUNT)
             .filter_map(|id| {
                 let name = timed::PROGRAMS[id as usize];

@@ -92,7 +92,7 @@ pub(super) fn calibrate(
         place: &file,
         pid: Some(pid),
     };
-    for program in [names::UPROBE_LIB_CALL, names::URETPROBE_LIB_CALL] {
+    for program in names::UPROBE_PROGRAMS {
         uprobes
             .attach_one(ebpf, program, &to, &[&site], links)
             .map_err(|e| e.to_string())?;

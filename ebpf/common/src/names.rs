@@ -1,6 +1,8 @@
 /// Entry and return of every traced library call.
 pub const UPROBE_LIB_CALL: &str = "uprobe_lib_call";
 pub const URETPROBE_LIB_CALL: &str = "uretprobe_lib_call";
+/// The two uprobe programs, entry first: loaded and attached together.
+pub const UPROBE_PROGRAMS: [&str; 2] = [UPROBE_LIB_CALL, URETPROBE_LIB_CALL];
 /// On-CPU samples (a software cpu-clock perf event).
 pub const PERF_EVENT_CPU_CLOCK: &str = "perf_event_cpu_clock";
 /// Fault timing where the kernel permits fentry/fexit.
