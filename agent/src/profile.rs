@@ -167,6 +167,31 @@ pub enum SampleScope {
     Thread,
 }
 
+/// What the agent spends on measuring its own cost.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct Cost {
+    /// Milliseconds of each second the kernel accounts the programs' run time (1000:
+    /// always; 0: never, `agent.bpf` null): while it does, every eBPF program run on the
+    /// host costs two more clock reads.
+    #[serde(default = "Cost::default_bpf_stats_ms")]
+    pub bpf_stats_ms: u32,
+}
+
+impl Cost {
+    fn default_bpf_stats_ms() -> u32 {
+        100
+    }
+}
+
+impl Default for Cost {
+    fn default() -> Cost {
+        Cost {
+            bpf_stats_ms: Cost::default_bpf_stats_ms(),
+        }
+    }
+}
+
 /// A parsed profile.
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
@@ -177,6 +202,9 @@ pub struct Profile {
     pub probes: Probes,
     pub sampling: Sampling,
     pub buffers: Buffers,
+    /// `[cost]`, optional.
+    #[serde(default)]
+    pub cost: Cost,
 }
 
 /// A profile that cannot be used.
@@ -203,6 +231,11 @@ pub enum ProfileError {
     SampleRate { name: String, value: u32 },
     #[error("profile {name}: ring_buffer_mib must be between 1 and 1024, found {value}")]
     RingBufferSize { name: String, value: u32 },
+    #[error(
+        "profile {name}: [cost] bpf_stats_ms must be between 0 (never) and 1000 (always), \
+         found {value}"
+    )]
+    StatsWindow { name: String, value: u32 },
 }
 
 impl Profile {
@@ -218,6 +251,12 @@ impl Profile {
             return Err(ProfileError::RingBufferSize {
                 name: name.to_owned(),
                 value: mib,
+            });
+        }
+        if profile.cost.bpf_stats_ms > 1000 {
+            return Err(ProfileError::StatsWindow {
+                name: name.to_owned(),
+                value: profile.cost.bpf_stats_ms,
             });
         }
         if profile.sampling.hz > 100_000 {
@@ -332,5 +371,32 @@ mod tests {
             Profile::load(path.to_str().unwrap()),
             Err(ProfileError::RingBufferSize { .. })
         ));
+    }
+
+    /// `[cost] bpf_stats_ms`: 100 in the shipped profiles and where a profile leaves the
+    /// section out; 0 to 1000 taken; above, an error naming the key and the range.
+    #[test]
+    fn accounting_windows() {
+        for (name, _) in SHIPPED {
+            assert_eq!(
+                Profile::load(name).unwrap().cost.bpf_stats_ms,
+                100,
+                "{name}"
+            );
+        }
+        let default = SHIPPED[0].1;
+        let without = &default[..default.find("[cost]").unwrap()];
+        assert_eq!(Profile::parse("w", without).unwrap().cost.bpf_stats_ms, 100);
+        let with = |ms: &str| {
+            Profile::parse(
+                "c",
+                &default.replace("bpf_stats_ms = 100", &format!("bpf_stats_ms = {ms}")),
+            )
+        };
+        assert_eq!(with("0").unwrap().cost.bpf_stats_ms, 0);
+        assert_eq!(with("1000").unwrap().cost.bpf_stats_ms, 1000);
+        let err = with("1001").unwrap_err();
+        assert!(matches!(err, ProfileError::StatsWindow { value: 1001, .. }));
+        assert!(err.to_string().contains("bpf_stats_ms"), "{err}");
     }
 }

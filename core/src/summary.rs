@@ -170,12 +170,108 @@ pub const BPF_COST_METHOD: &str = "the kernel's run-time accounting of each prog
     interrupt are not in it. traced_*: the part spent in runs for traced threads, an \
     estimate: each hot program times its runs for traced threads from the target check on, \
     and every run is charged the mean cost of what comes before that check; programs that \
-    do not time themselves (rare ones) are counted whole";
+    do not time themselves (rare ones) are counted whole. Where the kernel accounted only in \
+    windows (profile [cost] bpf_stats_ms, 100 ms of each second by default: its accounting \
+    costs every program run two clock reads), runs and run times are what it counted scaled \
+    by the run's time over the windows' (accounted_share): estimates";
+
+/// What a program added between two readings: (runs, ns).
+fn delta(then: &[(String, u64, u64)], name: &str, runs: u64, ns: u64) -> (u64, u64) {
+    let (r0, t0) = then
+        .iter()
+        .find(|(n, _, _)| n == name)
+        .map_or((0, 0), |(_, r, t)| (*r, *t));
+    (runs.saturating_sub(r0), ns.saturating_sub(t0))
+}
+
+/// The time between two readings, and how much of it the kernel counted in (`None`: all).
+struct Windows {
+    span: u64,
+    accounted: Option<u64>,
+}
+
+impl Windows {
+    fn partial(&self) -> bool {
+        self.accounted.is_some_and(|windows| windows < self.span)
+    }
+
+    /// What the kernel counted in its windows, for the whole span.
+    fn scale(&self, value: u64) -> u64 {
+        match self.accounted {
+            Some(windows) if windows < self.span => {
+                u64::try_from(u128::from(value) * u128::from(self.span) / u128::from(windows))
+                    .unwrap_or(u64::MAX)
+            }
+            _ => value,
+        }
+    }
+
+    /// One program's cost from what the kernel `counted` (runs, ns) and, for a program
+    /// that times itself, its `traced` runs and their ns from the target check on.
+    fn program(
+        &self,
+        name: &str,
+        (counted, counted_ns): (u64, u64),
+        traced: Option<(u64, u64)>,
+        calls: CallRuns,
+    ) -> Option<ProgramCost> {
+        if counted == 0 {
+            return None;
+        }
+        // A call program that does not time itself runs for the targets only: its runs
+        // are the recording's calls, each at the windows' mean cost.
+        let exact = match name {
+            _ if traced.is_some() || !self.partial() => None,
+            nccltrace_common::names::UPROBE_LIB_CALL => Some(calls.entries),
+            nccltrace_common::names::URETPROBE_LIB_CALL => Some(calls.returns),
+            _ => None,
+        };
+        let (runs, run_time_ns) = match exact {
+            Some(runs) => (runs, runs.saturating_mul(counted_ns / counted)),
+            None => (self.scale(counted), self.scale(counted_ns)),
+        };
+        if runs == 0 {
+            return None;
+        }
+        // Every run pays the part before the target check; traced runs pay the rest, which
+        // they time themselves.
+        let traced_ns = traced.map_or(run_time_ns, |(traced_runs, timed_ns)| {
+            let before_check = run_time_ns.saturating_sub(timed_ns) / runs;
+            timed_ns
+                .saturating_add(traced_runs.saturating_mul(before_check))
+                .min(run_time_ns)
+        });
+        Some(ProgramCost {
+            name: name.to_owned(),
+            runs,
+            run_time_ns,
+            ns_per_run: run_time_ns / runs,
+            per_step_ns: None,
+            traced_runs: traced.map(|(r, _)| r),
+            traced_ns,
+            traced_per_step_ns: None,
+        })
+    }
+}
+
+/// The traced calls a recording has between two readings of the programs' run time.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CallRuns {
+    /// Every call the entry program ran for: the call records, and those lost.
+    pub entries: u64,
+    /// The calls whose return was traced (the return program's runs).
+    pub returns: u64,
+}
 
 /// The eBPF programs' run time over the traced run, as the kernel accounts it.
 #[derive(Clone, Debug, Default, Serialize, PartialEq)]
 pub struct BpfCost {
     pub method: &'static str,
+    /// The share of the run the kernel accounted in (its windows' time over the run's):
+    /// below 1, every run count and run time here is scaled up from the windows; absent
+    /// for older recordings, accounted throughout.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub accounted_share: Option<f64>,
     /// Every program's run time, all CPUs.
     pub cpu_ns: u64,
     /// `cpu_ns` over the time it was accounted in: the share of one CPU.
@@ -236,48 +332,28 @@ pub struct ProgramCost {
 
 impl BpfCost {
     /// The cost between two `program_stats` readings (cumulative per program), each
-    /// (at_ns, programs); none when they are not apart in time.
+    /// (at_ns, programs); none when they are not apart in time. `calls`: the traced calls
+    /// the recording has between them, which give the call programs' runs exactly where
+    /// the kernel counted in windows and the probes were made for the targets.
     #[must_use]
-    pub fn between(first: &Reading, last: &Reading) -> Option<BpfCost> {
+    pub fn between(first: &Reading, last: &Reading, calls: CallRuns) -> Option<BpfCost> {
         let span = last.at_ns.checked_sub(first.at_ns).filter(|s| *s > 0)?;
-        let delta = |then: &[(String, u64, u64)], name: &str, runs: u64, ns: u64| {
-            let (r0, t0) = then
-                .iter()
-                .find(|(n, _, _)| n == name)
-                .map_or((0, 0), |(_, r, t)| (*r, *t));
-            (runs.saturating_sub(r0), ns.saturating_sub(t0))
+        let accounted = match (first.accounted_ns, last.accounted_ns) {
+            (Some(from), Some(to)) => Some(to.checked_sub(from).filter(|a| *a > 0)?.min(span)),
+            _ => None,
         };
+        let windows = Windows { span, accounted };
         let mut programs: Vec<ProgramCost> = last
             .programs
             .iter()
             .filter_map(|(name, runs, time)| {
-                let (runs, run_time_ns) = delta(&first.programs, name, *runs, *time);
-                if runs == 0 {
-                    return None;
-                }
+                let counted = delta(&first.programs, name, *runs, *time);
                 let traced = last
                     .traced
                     .iter()
                     .find(|(n, _, _)| n == name)
                     .map(|(_, r, t)| delta(&first.traced, name, *r, *t));
-                // Every run pays the part before the target check; traced runs pay the rest,
-                // which they time themselves.
-                let traced_ns = traced.map_or(run_time_ns, |(traced_runs, timed_ns)| {
-                    let before_check = run_time_ns.saturating_sub(timed_ns) / runs;
-                    timed_ns
-                        .saturating_add(traced_runs.saturating_mul(before_check))
-                        .min(run_time_ns)
-                });
-                Some(ProgramCost {
-                    name: name.clone(),
-                    runs,
-                    run_time_ns,
-                    ns_per_run: run_time_ns / runs,
-                    per_step_ns: None,
-                    traced_runs: traced.map(|(r, _)| r),
-                    traced_ns,
-                    traced_per_step_ns: None,
-                })
+                windows.program(name, counted, traced, calls)
             })
             .collect();
         programs.sort_by(|a, b| b.run_time_ns.cmp(&a.run_time_ns).then(a.name.cmp(&b.name)));
@@ -318,6 +394,7 @@ impl BpfCost {
         });
         Some(BpfCost {
             method: BPF_COST_METHOD,
+            accounted_share: accounted.map(|windows| windows as f64 / span as f64),
             cpu_ns,
             cpu_share: cpu_ns as f64 / span as f64,
             per_step_ns: None,
@@ -505,11 +582,11 @@ mod tests {
             &[("b", 101, 1_000_900)],
         );
         // Without the traps measured: programs only, and why.
-        let cost = BpfCost::between(&first, &last).unwrap();
+        let cost = BpfCost::between(&first, &last, CallRuns::default()).unwrap();
         assert_eq!(cost.traps_ns, None);
         assert!(cost.traps_unmeasured.is_some());
         last.trap_ns = Some(1_500);
-        let mut cost = BpfCost::between(&first, &last).unwrap();
+        let mut cost = BpfCost::between(&first, &last, CallRuns::default()).unwrap();
         assert_eq!(cost.traps_unmeasured, None);
         let names: Vec<&str> = cost.programs.iter().map(|p| p.name.as_str()).collect();
         assert_eq!(names, ["b", "uprobe_lib_call", "new"]);
@@ -533,7 +610,7 @@ mod tests {
         assert_eq!(cost.programs[1].per_step_ns, Some(1_000));
         assert!((cost.step_share.unwrap() - 0.002_101).abs() < 1e-9);
         // Readings at one moment give nothing, not a share of zero.
-        assert!(BpfCost::between(&last, &last).is_none());
+        assert!(BpfCost::between(&last, &last, CallRuns::default()).is_none());
         // 40 of the 100 calls traced at entry only (`call_returns = "needed"`): the return
         // program ran for 60; those 40 paid the entry trap alone.
         let mut mixed = last.clone();
@@ -542,7 +619,7 @@ mod tests {
             .push(("uretprobe_lib_call".into(), 60, 6_000));
         mixed.traced.push(("uretprobe_lib_call".into(), 60, 5_000));
         mixed.entry_trap_ns = Some(600);
-        let cost_mixed = BpfCost::between(&first, &mixed).unwrap();
+        let cost_mixed = BpfCost::between(&first, &mixed, CallRuns::default()).unwrap();
         assert_eq!(cost_mixed.traps_ns, Some(60 * 1_500 + 40 * 600));
         assert_eq!(cost_mixed.entry_trap_ns, Some(600));
         let text = cost_line(cost);
@@ -608,7 +685,7 @@ mod tests {
         );
         last.trap_ns = Some(1_000);
         last.sample_interrupt_refused = Some("the clock's interrupts were not seen".into());
-        let cost = BpfCost::between(&first, &last).unwrap();
+        let cost = BpfCost::between(&first, &last, CallRuns::default()).unwrap();
         assert_eq!(cost.sampling_ns, None);
         let text = cost_line(cost);
         assert!(
@@ -619,7 +696,7 @@ mod tests {
             "{text}"
         );
         last.sample_interrupt_ns = Some(2_500);
-        let mut cost = BpfCost::between(&first, &last).unwrap();
+        let mut cost = BpfCost::between(&first, &last, CallRuns::default()).unwrap();
         assert_eq!(cost.sampling_ns, Some(200 * 2_500));
         assert_eq!(cost.sampling_unmeasured, None);
         cost.per_step(10, 100_000_000);
@@ -637,5 +714,73 @@ mod tests {
             "{text}"
         );
         assert!(!text.contains("not counted"), "{text}");
+    }
+
+    /// Counted in windows (profile `[cost] bpf_stats_ms`): what the kernel counted is
+    /// scaled by the run's time over the windows', and said (`accounted_share`, the stdout
+    /// line); the call programs on probes made for the targets (not timing themselves)
+    /// take their runs from the recording's calls, at the windows' mean cost; a program
+    /// timing itself keeps its exact traced runs. No window between the readings: no cost.
+    #[test]
+    fn counted_in_windows() {
+        let entry = nccltrace_common::names::UPROBE_LIB_CALL;
+        let ret = nccltrace_common::names::URETPROBE_LIB_CALL;
+        let mut first = reading(0, &[], &[("switch", 0, 0)]);
+        first.accounted_ns = Some(0);
+        // 4 s, 1 of them counted.
+        let mut last = reading(
+            4_000_000_000,
+            &[
+                (entry, 1_000, 300_000),
+                (ret, 900, 450_000),
+                ("switch", 500, 100_000),
+            ],
+            &[("switch", 2_000, 200_000)],
+        );
+        last.accounted_ns = Some(1_000_000_000);
+        let calls = CallRuns {
+            entries: 4_100,
+            returns: 3_700,
+        };
+        let cost = BpfCost::between(&first, &last, calls).unwrap();
+        assert_eq!(cost.accounted_share, Some(0.25));
+        let program = |name: &str| cost.programs.iter().find(|p| p.name == name).unwrap();
+        assert_eq!(program(entry).runs, 4_100);
+        assert_eq!(program(entry).run_time_ns, 4_100 * 300);
+        assert_eq!(program(ret).runs, 3_700);
+        assert_eq!(program(ret).run_time_ns, 3_700 * 500);
+        // Scaled ×4; its traced runs (counted by the program itself, always) as they are.
+        let switch = program("switch");
+        assert_eq!((switch.runs, switch.run_time_ns), (2_000, 400_000));
+        assert_eq!(switch.traced_runs, Some(2_000));
+        // All of the traced runs at the scaled mean: capped at the scaled whole.
+        assert_eq!(switch.traced_ns, 400_000);
+        assert!(cost.method.contains("accounted_share"));
+        let text = cost_line(cost);
+        assert!(
+            text.ends_with(
+                "; programs counted 25% of the run, scaled (profile [cost] bpf_stats_ms)\n"
+            ),
+            "{text}"
+        );
+        // Counted throughout (`accounted_ns` as long as the run): as read, and the
+        // recording's calls are not used.
+        last.accounted_ns = Some(4_000_000_000);
+        let whole = BpfCost::between(&first, &last, calls).unwrap();
+        assert_eq!(whole.accounted_share, Some(1.0));
+        let entry_cost = whole.programs.iter().find(|p| p.name == entry).unwrap();
+        assert_eq!(entry_cost.runs, 1_000);
+        assert!(!cost_line(whole).contains("scaled"));
+        // Older recordings say nothing: counted throughout.
+        first.accounted_ns = None;
+        assert_eq!(
+            BpfCost::between(&first, &last, calls)
+                .unwrap()
+                .accounted_share,
+            None
+        );
+        // No window between the two readings.
+        first.accounted_ns = Some(4_000_000_000);
+        assert!(BpfCost::between(&first, &last, calls).is_none());
     }
 }

@@ -883,3 +883,88 @@ fn cet_library_probed_past_endbr64() {
     );
     assert!(past >= 11 && past < probes, "{agent_line}");
 }
+
+/// The kernel's accounting of the programs' run time, on only in windows (profile `[cost]
+/// bpf_stats_ms`, issue 22): while it is on, every program run on the host pays two more
+/// clock reads. After the first second the kernel's switch is seen off and on; the figures
+/// are scaled and say over what share of the run they were counted; the call programs'
+/// runs are still exact (the recording's calls). With `bpf_stats_ms = 0` it is never on
+/// and `agent.bpf` is null with the reason.
+#[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
+fn program_costs_counted_in_windows() {
+    let _serial = privileged();
+    let dir = tempfile::tempdir().unwrap();
+    let default = std::fs::read_to_string(workspace().join("profiles/default.toml")).unwrap();
+    assert!(
+        default.contains("bpf_stats_ms = 100"),
+        "the default's windows"
+    );
+    let never = dir.path().join("never.toml");
+    std::fs::write(
+        &never,
+        default.replace("bpf_stats_ms = 100", "bpf_stats_ms = 0"),
+    )
+    .unwrap();
+    // The entry program's runs as the kernel counts them, read every 50 ms from `from` to
+    // `to` after the start: (readings where they grew, readings where they did not). The
+    // trainer calls it ~16 times in 50 ms: flat means not counting.
+    let watch = |from: Duration, to: Duration| {
+        std::thread::spawn(move || {
+            let started = Instant::now();
+            let (mut grew, mut flat, mut last) = (0u32, 0u32, None);
+            while started.elapsed() < to {
+                let runs: Option<u64> = aya::programs::loaded_programs()
+                    .filter_map(Result::ok)
+                    .filter(|p| p.name_as_str() == Some("uprobe_lib_call"))
+                    .map(|p| p.run_count())
+                    .reduce(u64::max);
+                if started.elapsed() >= from
+                    && let (Some(now), Some(before)) = (runs, last)
+                {
+                    if now > before {
+                        grew += 1;
+                    } else {
+                        flat += 1;
+                    }
+                }
+                last = runs.or(last);
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            (grew, flat)
+        })
+    };
+    // 100 steps of 40 ms: four seconds traced.
+    let trainer_args = ["--compute-us", "40000"];
+    let seen = watch(Duration::from_millis(1300), Duration::from_millis(3300));
+    let (_, summary, _, _, _) = traced_trainer_with(100, &[], &trainer_args, &[]);
+    let (grew, flat) = seen.join().unwrap();
+    assert!(
+        grew > 0 && flat > 2 * grew,
+        "counted in {grew} readings, not in {flat}"
+    );
+    let bpf = &summary["agent"]["bpf"];
+    let share = bpf["accounted_share"].as_f64().unwrap();
+    assert!(
+        (0.2..0.8).contains(&share),
+        "accounted {share} of the run: {bpf}"
+    );
+    assert!(bpf["method"].as_str().unwrap().contains("accounted_share"));
+    programs_accounted(&summary);
+
+    let seen = watch(Duration::ZERO, Duration::from_millis(2000));
+    let (_, summary, _, _, _) = traced_trainer_with(
+        40,
+        &[],
+        &trainer_args,
+        &["--profile", never.to_str().unwrap()],
+    );
+    let (grew, flat) = seen.join().unwrap();
+    assert!(
+        grew == 0 && flat > 10,
+        "counted in {grew} readings with bpf_stats_ms = 0 (not in {flat})"
+    );
+    assert!(summary["agent"]["bpf"].is_null(), "{}", summary["agent"]);
+    let why = summary["agent"]["bpf_unmeasured"].as_str().unwrap();
+    assert!(why.contains("bpf_stats_ms = 0"), "{why}");
+}

@@ -1,6 +1,7 @@
 //! Source stage, the only one that needs root: find the libraries, load the kernel
 //! programs, attach them, drain the ring buffer, detach.
 
+mod accounting;
 pub mod baseline;
 pub mod discover;
 pub mod pmu;
@@ -261,8 +262,8 @@ pub struct Attached {
     python: python::PyTargets,
     /// The PMU's memory sampler on the targets' threads, where the host has one.
     mem: Option<pmu::Sampling>,
-    /// Held open while the kernel is to account the programs' run time.
-    bpf_stats: Option<std::os::fd::OwnedFd>,
+    /// The kernel's accounting of the programs' run time, on in windows.
+    accounting: accounting::Accounting,
     /// The timed programs' runs and nanoseconds for traced threads (`timed`).
     target_costs: PerCpuArray<MapData, u64>,
     /// What a traced call's traps cost here (ns), measured at the first tick, or why not.

@@ -211,6 +211,7 @@ impl Attached {
                     if !ticks.is_multiple_of(10) {
                         continue;
                     }
+                    self.accounting.tick(last_tick.elapsed());
                     if sink.rotate_due() {
                         break StopReason::Rotate;
                     }
@@ -240,6 +241,7 @@ impl Attached {
                         if let Some(mem) = self.mem.as_mut() {
                             mem.follow(self.pids.iter().flat_map(|p| host.threads(*p)));
                         }
+                        self.accounting.new_second();
                         self.measure_traps();
                         self.read_program_stats(sink);
                         let lost = self.counters().0;
@@ -279,9 +281,11 @@ impl Attached {
     /// here (a few milliseconds of calls of the agent's own, a second into the run).
     fn measure_traps(&mut self) {
         if self.traps.is_none()
-            && self.bpf_stats.is_some()
+            && self.accounting.available()
             && let Some(ebpf) = self.ebpf.as_mut()
         {
+            // Timed as the job's calls pay their traps (see `Accounting::calibrating`).
+            self.accounting.pause();
             let before = raw_program_runs(ebpf, &self.uprobes);
             self.traps = Some(traps::calibrate(ebpf, &self.uprobes, &mut self.links));
             if self.header.sample_period_ns > 0 {
@@ -311,9 +315,7 @@ impl Attached {
 
     /// Each loaded program's runs and run time so far, where the kernel accounts them.
     fn program_reading(&self) -> Option<crate::record::ProgramReading> {
-        let (Some(ebpf), Some(_)) = (self.ebpf.as_ref(), self.bpf_stats.as_ref()) else {
-            return None;
-        };
+        let ebpf = self.ebpf.as_ref().filter(|_| self.accounting.available())?;
         let programs = raw_program_runs(ebpf, &self.uprobes)
             .into_iter()
             .map(|(name, (runs, ns))| {
@@ -356,6 +358,7 @@ impl Attached {
         };
         Some(crate::record::ProgramReading {
             at_ns: host::clock_ns(libc::CLOCK_MONOTONIC),
+            accounted_ns: Some(self.accounting.accounted_ns()),
             programs,
             traced,
             trap_ns,

@@ -132,23 +132,18 @@ fn attach_all(prepared: Prepared, targets: &[Target]) -> Result<Attached, Source
         .unwrap_or_else(|panic| std::panic::resume_unwind(panic))?;
     // What of discovery and the doctor's report was left once the programs were ready.
     phases.mark("discovery and doctor (beside the loading)");
-    // The kernel accounts each program's run time while this descriptor is open (the
-    // programs' own cost, `summary.json` agent.bpf).
-    let (bpf_stats, bpf_stats_refused) = match aya::sys::enable_stats(aya::sys::Stats::RunTime) {
-        Ok(fd) => (Some(fd), None),
-        Err(e) => (
-            None,
-            Some(format!(
-                "the kernel refused to account the programs' run time (BPF_ENABLE_STATS: {e}; \
-                 it needs Linux 5.8 and CAP_SYS_ADMIN)"
-            )),
-        ),
-    };
+    // The kernel accounts each program's run time while a window is open (the programs'
+    // own cost, `summary.json` agent.bpf).
+    let accounting = accounting::Accounting::start(profile.cost.bpf_stats_ms);
+    let bpf_stats_refused = accounting.refused.clone();
     // The programs are loaded and not attached yet: every count starts from zero here.
-    let baseline = bpf_stats.as_ref().map(|_| crate::record::ProgramReading {
-        at_ns: host::clock_ns(libc::CLOCK_MONOTONIC),
-        ..crate::record::ProgramReading::default()
-    });
+    let baseline = accounting
+        .available()
+        .then(|| crate::record::ProgramReading {
+            at_ns: host::clock_ns(libc::CLOCK_MONOTONIC),
+            accounted_ns: Some(0),
+            ..crate::record::ProgramReading::default()
+        });
 
     let logger = match aya_log::EbpfLogger::init(&mut ebpf) {
         Ok(logger) => Some(logger),
@@ -403,7 +398,7 @@ fn attach_all(prepared: Prepared, targets: &[Target]) -> Result<Attached, Source
     phases.mark("maps and header");
     header.attach_phases_us = phases.done;
     Ok(Attached {
-        bpf_stats,
+        accounting,
         target_costs,
         traps: None,
         sampling_cost: None,

@@ -69,6 +69,9 @@ pub struct Aggregator {
     streamer: Option<Streamer>,
     /// The first and the last reading of the programs' run time.
     program_stats: Option<(crate::record::ProgramReading, crate::record::ProgramReading)>,
+    /// The call records so far (with the lost ones added at the end): the call programs'
+    /// runs.
+    call_runs: crate::summary::CallRuns,
     /// Who else follows the run as it is attributed (metrics, the status line).
     sinks: Vec<Box<dyn Sink>>,
     /// When the last epoch was tried because the reader caught up with the run.
@@ -116,6 +119,7 @@ impl Aggregator {
             build_ids: BTreeMap::new(),
             streamer: None,
             program_stats: None,
+            call_runs: crate::summary::CallRuns::default(),
             sinks: Vec::new(),
             last_idle_epoch: None,
         }
@@ -218,6 +222,10 @@ impl Aggregator {
     fn count(&mut self, event: &Event) {
         self.events += 1;
         self.last_ts = self.last_ts.max(event.ts_ns());
+        if let Event::Call(call) = event {
+            self.call_runs.entries += 1;
+            self.call_runs.returns += u64::from(call.ret.is_some());
+        }
         match event {
             Event::Call(call) => match call.func.library() {
                 Library::Nccl => {
@@ -365,11 +373,33 @@ impl Aggregator {
     /// The programs' run time between the first and the last reading, or why there is
     /// none.
     fn bpf_cost(&self) -> (Option<crate::summary::BpfCost>, Option<String>) {
+        // A call lost in the ring ran the entry program (and maybe the return one).
+        let lost = match &self.end {
+            Some(Meta::End { lost_by_kind, .. }) => lost_by_kind
+                .get(Event::kind_name(nccltrace_common::kind::CALL))
+                .copied()
+                .unwrap_or(0),
+            _ => 0,
+        };
+        let calls = crate::summary::CallRuns {
+            entries: self.call_runs.entries.saturating_add(lost),
+            ..self.call_runs
+        };
         let bpf = self
             .program_stats
             .as_ref()
-            .and_then(|(first, last)| crate::summary::BpfCost::between(first, last));
+            .and_then(|(first, last)| crate::summary::BpfCost::between(first, last, calls));
+        let unaccounted = self.program_stats.as_ref().is_some_and(|(first, last)| {
+            last.at_ns > first.at_ns
+                && first.accounted_ns.is_some()
+                && first.accounted_ns == last.accounted_ns
+        });
         let unmeasured = bpf.is_none().then(|| {
+            if unaccounted {
+                return "the kernel did not account the programs between the readings (no \
+                        window of profile [cost] bpf_stats_ms fell between them)"
+                    .to_owned();
+            }
             self.header.bpf_stats_refused.clone().unwrap_or_else(|| {
                 "the programs' run time was read fewer than twice (the recording ends before \
                  tracing stopped)"

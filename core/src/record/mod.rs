@@ -264,6 +264,11 @@ pub struct ProgramReading {
     pub at_ns: u64,
     /// (program, runs, run time in ns), every run on every CPU.
     pub programs: Vec<(String, u64, u64)>,
+    /// How long, of the time since the first reading, the kernel accounted the programs
+    /// (its accounting is on in windows, profile `[cost] bpf_stats_ms`); `None` in older
+    /// recordings, where it was on throughout.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub accounted_ns: Option<u64>,
     /// (program, runs for traced threads, ns of those runs from the target check on), for
     /// the programs that time themselves (`nccltrace_common::timed`).
     #[serde(default)]

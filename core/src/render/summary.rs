@@ -200,9 +200,19 @@ pub fn write_cost(agent: &crate::summary::AgentStats, out: &mut impl Write) -> i
             None => format!("{} {:.2} ms", p.name, p.traced_ns as f64 / 1e6),
         })
         .collect();
+    // Counted in windows: said, since every figure is then scaled.
+    let windows = bpf
+        .accounted_share
+        .filter(|share| *share < 0.995)
+        .map_or_else(String::new, |share| {
+            format!(
+                "; programs counted {:.0}% of the run, scaled (profile [cost] bpf_stats_ms)",
+                share * 100.0
+            )
+        });
     writeln!(
         out,
-        "agent cost: {head} — programs in the traced threads: {}{not_counted}",
+        "agent cost: {head} — programs in the traced threads: {}{not_counted}{windows}",
         top.join(", ")
     )
 }
