@@ -61,6 +61,15 @@ fn caller_after(
 const CALLER_CPU: &str = "0";
 const TRACER_CPU: &str = "1";
 
+/// Before a per-call measurement: everything written flushed. The traced runs write
+/// hundreds of MB (each call is its own step), into the same folders each round
+/// (`--force`): left to pile up in new folders, the kernel's writeback (and, on a disk
+/// mounted with `discard`, the freeing of removed files) ran beside later rounds and held
+/// the caller (seen: 1.2–2.0 µs a call where it is 1.0 writing over the earlier files).
+fn settle() -> anyhow::Result<()> {
+    super::run(&mut Command::new("sync"))
+}
+
 /// `program` kept on `cpu` (`taskset`) where the host has more than one CPU.
 fn on_cpu(program: impl AsRef<std::ffi::OsStr>, cpu: &str) -> Command {
     if std::thread::available_parallelism().map_or(1, usize::from) < 2 {
@@ -163,7 +172,8 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
     let mut rss_traced_kb = 0u64;
     let mut recording = PathBuf::new();
     let mut events = 0.0;
-    for round in 0..3 {
+    for _ in 0..3 {
+        settle()?;
         // Bare call.
         let (child, lines) = caller(&fixtures, &lib, &go)?;
         bare.push(finish(&go, child, lines)?);
@@ -180,10 +190,11 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
         b.wait()?;
         // nccltrace, minimal profile (NCCL and scheduler probes).
         let (child, lines) = caller(&fixtures, &lib, &go)?;
-        let out = work.join(format!("run{round}"));
+        let out = work.join("run");
+        settle()?;
         let (mut a, mut err) = attached(
             on_cpu(&agent, TRACER_CPU)
-                .args(["attach", "--profile", "minimal", "--pid"])
+                .args(["attach", "--force", "--profile", "minimal", "--pid"])
                 .arg(child.id().to_string())
                 .arg("--out")
                 .arg(&out),
@@ -203,16 +214,17 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
         cpu_at_200k.push(cpu / wall * 200_000.0 / (events / wall).max(1.0) * 100.0);
         recording = out.join("recording.nctr");
         // The same, collectives traced at entry only, in the agent's steady state.
+        let entries_out = work.join("entries");
+        settle()?;
         let (child, lines) = caller_after(&fixtures, &lib, &go, STEADY_AFTER_MS)?;
         let (mut a, err) = attached(
             on_cpu(&agent, TRACER_CPU)
-                .arg("attach")
-                .arg("--profile")
+                .args(["attach", "--force", "--profile"])
                 .arg(&entries_profile)
                 .arg("--pid")
                 .arg(child.id().to_string())
                 .arg("--out")
-                .arg(work.join(format!("entries{round}"))),
+                .arg(&entries_out),
         )?;
         entries_only.push(finish(&go, child, lines)?);
         for _ in err {}

@@ -660,4 +660,63 @@ mod tests {
         assert!(!both["node0"].contains_key("other_node"));
         assert_eq!(both["node1"]["numa_hit"], 0);
     }
+
+    /// Issue 22: where the kernel counted the programs in windows, the call programs on
+    /// probes made for the targets take their runs from the recording's calls (every call
+    /// record and the lost ones for the entry program, the returned ones for the return
+    /// program); with no window between the two readings the cost is null and says so.
+    #[test]
+    fn call_runs_from_the_recording() {
+        let entry = nccltrace_common::names::UPROBE_LIB_CALL;
+        let ret = nccltrace_common::names::URETPROBE_LIB_CALL;
+        let reading = |at_ns: u64, accounted_ns: u64, runs: u64| {
+            Meta::ProgramStats(crate::record::ProgramReading {
+                at_ns,
+                accounted_ns: Some(accounted_ns),
+                programs: vec![
+                    (entry.into(), runs, runs * 300),
+                    (ret.into(), runs, runs * 500),
+                ],
+                ..crate::record::ProgramReading::default()
+            })
+        };
+        let run = |last: Meta| {
+            let mut agg = Aggregator::new(Header::default());
+            agg.meta(reading(1_000, 0, 0));
+            let task = Task {
+                tgid: 1,
+                tid: 1,
+                cpu: 0,
+            };
+            for (i, returned) in [true, true, false].into_iter().enumerate() {
+                let start = 2_000 + i as u64 * 1_000;
+                agg.push(&Event::Call(Call {
+                    ret: returned.then_some(0),
+                    ..Call::new(task, Func::AllReduce, start, start + 100)
+                }));
+            }
+            agg.meta(last);
+            agg.meta(Meta::End {
+                end_monotonic_ns: 4_000_000_000,
+                reason: "every target exited".into(),
+                lost_by_kind: BTreeMap::from([("call".to_owned(), 2)]),
+                counters: BTreeMap::new(),
+                attach_ns: 0,
+                agent_peak_rss_kb: 0,
+            });
+            agg.finish(StepRule::Auto).summary.agent
+        };
+        // A quarter of the run counted: 10 runs of each in the windows.
+        let agent = run(reading(4_000_001_000, 1_000_000_000, 10));
+        let bpf = agent.bpf.unwrap();
+        assert_eq!(bpf.accounted_share, Some(0.25));
+        let runs = |name: &str| bpf.programs.iter().find(|p| p.name == name).unwrap().runs;
+        assert_eq!(runs(entry), 3 + 2);
+        assert_eq!(runs(ret), 2);
+        // No window between the readings.
+        let agent = run(reading(4_000_001_000, 0, 0));
+        assert!(agent.bpf.is_none());
+        let why = agent.bpf_unmeasured.unwrap();
+        assert!(why.contains("no window"), "{why}");
+    }
 }
