@@ -701,7 +701,13 @@ fn breakdown_run(env: &[(&str, &str)], extra: &[&str], accuracy: &Accuracy) -> R
 /// shorter stretches counted and drawn as one frame of about their time; or, where the
 /// kernel has no kprobes (these CPU machines), at every switch-out, saying why. In a
 /// guest (Debian's kernels have kprobes) it must be the former.
-fn offcpu_stacks_as_taken(out: &Path, summary: &Value) {
+///
+/// `short_handoffs`: the run's threads surely hand off in under 100 µs somewhere (the
+/// counting test's trainer does, in the guests too); not claimed for a trainer pinned to one
+/// CPU with its comm thread, whose handoffs under emulation are as slow as the guest
+/// (on the 6.1 guest: none under 100 µs in 3 runs once the call programs read the clock
+/// once less; some in the one run with the programs before that change).
+fn offcpu_stacks_as_taken(out: &Path, summary: &Value, short_handoffs: bool) {
     let folded = std::fs::read_to_string(out.join("flamegraph-offcpu.folded")).unwrap();
     assert!(summary["offcpu_stacks"].as_u64().unwrap() > 0, "{summary}");
     // No kernel frames: none of the kernel's blocking functions is drawn.
@@ -744,7 +750,7 @@ fn offcpu_stacks_as_taken(out: &Path, summary: &Value) {
     if taken.contains("taken as threads come back to the CPU") {
         assert!(folded.lines().any(|l| !l.contains(short_frame)), "{folded}");
         assert!(
-            skipped > 0,
+            skipped > 0 || !short_handoffs,
             "the trainer's threads hand off faster than 100 µs"
         );
         // The kernel's count and the graph's frame cover the same stretches, but for
@@ -796,7 +802,7 @@ fn flamegraphs_and_trace_are_valid(out: &Path, summary: &Value) {
                 && l.contains("cuStreamSynchronize;[in cuStreamSynchronize] ")),
         "{wait}"
     );
-    offcpu_stacks_as_taken(out, summary);
+    offcpu_stacks_as_taken(out, summary, true);
     let attributed = std::fs::read_to_string(out.join("flamegraph-attributed.folded")).unwrap();
     assert!(attributed.lines().any(|l| l.starts_with("nccl_wait;")));
     assert!(attributed.lines().any(|l| l.starts_with("page_fault;")));
