@@ -888,8 +888,8 @@ fn cet_library_probed_past_endbr64() {
 /// bpf_stats_ms`, issue 22): while it is on, every program run on the host pays two more
 /// clock reads. After the first second the kernel's switch is seen off and on; the figures
 /// are scaled and say over what share of the run they were counted; the call programs'
-/// runs are still exact (the recording's calls). With `bpf_stats_ms = 0` it is never on
-/// and `agent.bpf` is null with the reason.
+/// runs are still exact (the recording's calls). A run shorter than a second is counted
+/// whole. With `bpf_stats_ms = 0` it is never on and `agent.bpf` is null with the reason.
 #[test]
 #[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
 fn program_costs_counted_in_windows() {
@@ -951,6 +951,15 @@ fn program_costs_counted_in_windows() {
     );
     assert!(bpf["method"].as_str().unwrap().contains("accounted_share"));
     programs_accounted(&summary);
+
+    // A run shorter than the first window is counted whole: the trap calibration at its
+    // end (the window closed) is not in the span the figures are scaled over.
+    let (_, short, _, _, _) = traced_trainer_with(5, &[], &[], &[]);
+    let lasted = short["duration_ns"].as_u64().unwrap();
+    assert!(lasted < 900_000_000, "the short run lasted {lasted} ns");
+    let share = short["agent"]["bpf"]["accounted_share"].as_f64().unwrap();
+    assert!(share > 0.999, "a short run counted {share} of its time");
+    assert!(short["agent"]["bpf"]["trap_ns_per_call"].is_u64());
 
     let seen = watch(Duration::ZERO, Duration::from_millis(2000));
     let (_, summary, _, _, _) = traced_trainer_with(

@@ -272,8 +272,7 @@ impl Attached {
         self.read_infiniband(sink, &host, true)?;
         sink.numastat(host::clock_ns(libc::CLOCK_MONOTONIC), host.numastat());
         // A run shorter than a second has its traps measured now.
-        self.measure_traps();
-        self.read_program_stats(sink);
+        self.read_last_program_stats(sink);
         Ok(reason)
     }
 
@@ -315,6 +314,19 @@ impl Attached {
 
     /// Each loaded program's runs and run time so far, where the kernel accounts them.
     fn program_reading(&self) -> Option<crate::record::ProgramReading> {
+        self.program_reading_at(
+            host::clock_ns(libc::CLOCK_MONOTONIC),
+            self.accounting.accounted_ns(),
+        )
+    }
+
+    /// [`Self::program_reading`] as of `at_ns`, the kernel having accounted
+    /// `accounted_ns` by then.
+    fn program_reading_at(
+        &self,
+        at_ns: u64,
+        accounted_ns: u64,
+    ) -> Option<crate::record::ProgramReading> {
         let ebpf = self.ebpf.as_ref().filter(|_| self.accounting.available())?;
         let programs = raw_program_runs(ebpf, &self.uprobes)
             .into_iter()
@@ -357,8 +369,8 @@ impl Attached {
             ),
         };
         Some(crate::record::ProgramReading {
-            at_ns: host::clock_ns(libc::CLOCK_MONOTONIC),
-            accounted_ns: Some(self.accounting.accounted_ns()),
+            at_ns,
+            accounted_ns: Some(accounted_ns),
             programs,
             traced,
             trap_ns,
@@ -367,6 +379,21 @@ impl Attached {
             sample_interrupt_ns,
             sample_interrupt_refused,
         })
+    }
+
+    /// The last reading, with the traps measured if they are not yet: its time and
+    /// accounted time taken as tracing ended, so that a run shorter than its first window
+    /// is counted whole and the calibration after it (its window closed, the programs
+    /// disarmed) is in neither.
+    fn read_last_program_stats(&mut self, sink: &mut impl Sink) {
+        let (at_ns, accounted_ns) = (
+            host::clock_ns(libc::CLOCK_MONOTONIC),
+            self.accounting.accounted_ns(),
+        );
+        self.measure_traps();
+        if let Some(reading) = self.program_reading_at(at_ns, accounted_ns) {
+            sink.program_stats(reading);
+        }
     }
 
     /// Hands `sink` the programs' run time so far.
