@@ -34,6 +34,9 @@ pub struct Accounting {
     pub refused: Option<String>,
 }
 
+/// How much before its end a window may close, at the tick closest to it.
+const TICK_SLACK_NS: u64 = 50_000_000;
+
 /// When in each second the window opens, after the agent's once-a-second work.
 const WINDOW_AT: std::time::Duration = std::time::Duration::from_millis(400);
 
@@ -90,7 +93,11 @@ impl Accounting {
             return;
         };
         if self.is_on() {
-            if self.until_ns.is_some_and(|until| now() >= until) {
+            // Half a tick early rather than a tick late: the window is checked every ~100 ms.
+            if self
+                .until_ns
+                .is_some_and(|until| now() + TICK_SLACK_NS >= until)
+            {
                 self.close();
             }
         } else if !self.opened_this_second && into_second >= WINDOW_AT {
