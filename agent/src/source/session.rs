@@ -283,7 +283,7 @@ impl Attached {
             && self.accounting.available()
             && let Some(ebpf) = self.ebpf.as_mut()
         {
-            // Timed as the job's calls pay their traps (see `Accounting::calibrating`).
+            // Timed as the job's calls pay their traps (see `Accounting::pause`).
             self.accounting.pause();
             let before = raw_program_runs(ebpf, &self.uprobes);
             self.traps = Some(traps::calibrate(ebpf, &self.uprobes, &mut self.links));
