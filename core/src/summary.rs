@@ -198,7 +198,7 @@ impl Windows {
     /// What the kernel counted in its windows, for the whole span.
     fn scale(&self, value: u64) -> u64 {
         match self.accounted {
-            Some(windows) if windows < self.span => {
+            Some(windows) if self.partial() => {
                 u64::try_from(u128::from(value) * u128::from(self.span) / u128::from(windows))
                     .unwrap_or(u64::MAX)
             }

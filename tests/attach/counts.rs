@@ -192,13 +192,27 @@ fn sampling_accounted(bpf: &Value, samples: u64) {
 
 /// The default profile with `call_returns = "needed"`, and InfiniBand off.
 fn entries_profile(dir: &Path) -> PathBuf {
-    let profile = dir.join("entries.toml");
-    let default = std::fs::read_to_string(workspace().join("profiles/default.toml")).unwrap();
-    let entries = default
-        .replace("call_returns = \"all\"", "call_returns = \"needed\"")
-        .replace("uprobe_multi = true", "uprobe_multi = false")
-        .replace("infiniband = true", "infiniband = false");
-    std::fs::write(&profile, entries).unwrap();
+    default_profile_with(
+        dir,
+        "entries.toml",
+        &[
+            ("call_returns = \"all\"", "call_returns = \"needed\""),
+            ("uprobe_multi = true", "uprobe_multi = false"),
+            ("infiniband = true", "infiniband = false"),
+        ],
+    )
+}
+
+/// The default profile with each (line, replacement) of `changes` made, written to
+/// `dir/name`; each line must be in it (a renamed key fails here, not silently).
+fn default_profile_with(dir: &Path, name: &str, changes: &[(&str, &str)]) -> PathBuf {
+    let mut text = std::fs::read_to_string(workspace().join("profiles/default.toml")).unwrap();
+    for (line, replacement) in changes {
+        assert!(text.contains(line), "the default profile has no {line:?}");
+        text = text.replace(line, replacement);
+    }
+    let profile = dir.join(name);
+    std::fs::write(&profile, text).unwrap();
     profile
 }
 
@@ -772,17 +786,12 @@ fn jit_frames_named_from_perf_map() {
 fn samples_with_clocks_per_cpu_and_per_thread() {
     let _serial = privileged();
     let dir = tempfile::tempdir().unwrap();
-    let default = std::fs::read_to_string(workspace().join("profiles/default.toml")).unwrap();
-    assert!(
-        default.contains("scope = \"cpu\""),
-        "the default profile names its scope"
+    // The default profile names its scope (checked by the helper).
+    let thread = default_profile_with(
+        dir.path(),
+        "thread.toml",
+        &[("scope = \"cpu\"", "scope = \"thread\"")],
     );
-    let thread = dir.path().join("thread.toml");
-    std::fs::write(
-        &thread,
-        default.replace("scope = \"cpu\"", "scope = \"thread\""),
-    )
-    .unwrap();
     let hz = 2000.0;
     for profile in ["default", thread.to_str().unwrap()] {
         let (_, summary, out, _dir, steps) = traced_trainer_with(
@@ -895,17 +904,12 @@ fn cet_library_probed_past_endbr64() {
 fn program_costs_counted_in_windows() {
     let _serial = privileged();
     let dir = tempfile::tempdir().unwrap();
-    let default = std::fs::read_to_string(workspace().join("profiles/default.toml")).unwrap();
-    assert!(
-        default.contains("bpf_stats_ms = 100"),
-        "the default's windows"
+    // The default's windows (checked by the helper), and none.
+    let never = default_profile_with(
+        dir.path(),
+        "never.toml",
+        &[("bpf_stats_ms = 100", "bpf_stats_ms = 0")],
     );
-    let never = dir.path().join("never.toml");
-    std::fs::write(
-        &never,
-        default.replace("bpf_stats_ms = 100", "bpf_stats_ms = 0"),
-    )
-    .unwrap();
     // The entry program's runs as the kernel counts them, read every 50 ms from `from` to
     // `to` after the start: (readings where they grew, readings where they did not). The
     // trainer calls it ~16 times in 50 ms: flat means not counting.
