@@ -78,13 +78,13 @@ impl Accounting {
     }
 
     /// Whether it is accounting now.
-    pub fn is_on(&self) -> bool {
+    fn is_on(&self) -> bool {
         self.fd.is_some()
     }
 
     /// At each 100-ms tick, `into_second` after the agent's once-a-second work: closes a
-    /// window that has lasted its time, and opens the second's window halfway to the
-    /// next. Not next to that work: on a host with few CPUs the agent's reading of every
+    /// window that has lasted its time, and opens the second's window `WINDOW_AT` into
+    /// it (one attempt a second). Not next to that work: on a host with few CPUs the agent's reading of every
     /// program and /proc file preempts the traced threads inside the programs, and the
     /// kernel counts the time they wait as the programs' (measured: 500–900 ns a run
     /// there, 220–350 elsewhere in the second).
@@ -101,7 +101,9 @@ impl Accounting {
                 self.close();
             }
         } else if !self.opened_this_second && into_second >= WINDOW_AT {
-            self.opened_this_second = self.open(window);
+            // One attempt a second: a refusal is logged once, not at every tick.
+            self.open(window);
+            self.opened_this_second = true;
         }
     }
 
@@ -114,31 +116,27 @@ impl Accounting {
         self.opened_this_second = false;
     }
 
-    /// Opens a window for `window_ns`, if none is open; true if it did.
-    fn open(&mut self, window_ns: u64) -> bool {
+    /// Opens a window for `window_ns`, if none is open.
+    fn open(&mut self, window_ns: u64) {
         if !self.available() || self.is_on() {
-            return false;
+            return;
         }
         match enable() {
             Ok(fd) => {
                 self.fd = Some(fd);
                 self.since_ns = now();
                 self.until_ns = Some(self.since_ns + window_ns);
-                true
             }
             // Counted in no window: the scaled figures stay right, from fewer windows.
-            Err(why) => {
-                log::warn!("{why}");
-                false
-            }
+            Err(why) => log::warn!("{why}"),
         }
     }
 
-    /// Where the kernel counts in windows, closes the open one: before the trap
-    /// calibration, so that the traps are
-    /// timed as most of the job's calls pay them (an open window adds two clock reads to
-    /// every run, ~70 ns a trap here) and the calibration's runs are not counted. Always
-    /// on, they are counted, and left out by the caller.
+    /// Where the kernel counts in windows, closes the open one: the first at the first
+    /// second's tick, and any before the trap calibration, so that the traps are timed as
+    /// most of the job's calls pay them (an open window adds two clock reads to every run,
+    /// ~70 ns a trap here) and the calibration's runs are not counted. Always on, they are
+    /// counted, and left out by the caller.
     pub fn pause(&mut self) {
         if self.window_ns.is_some() {
             self.close();
@@ -148,7 +146,7 @@ impl Accounting {
     }
 
     /// Closes the open window.
-    pub fn close(&mut self) {
+    fn close(&mut self) {
         if self.fd.take().is_some() {
             self.closed_ns += now().saturating_sub(self.since_ns);
         }
