@@ -126,33 +126,91 @@ pub fn numa_maps_fields(text: &str) -> impl Iterator<Item = (usize, u64, u64)> +
     })
 }
 
-/// The text (function) symbols of a kallsyms text, sorted by address; hidden (zeroed)
-/// addresses left out.
+/// Calls `each(address, kind, name)` for every line of a kallsyms text read from `reader`,
+/// a line at a time: /proc/kallsyms is 5–10 MB, and held whole it was most of the agent's
+/// memory at its start and at the end of each window. Lines that do not parse are
+/// skipped; a read error ends the text there.
+pub fn each_kallsyms_line(
+    mut reader: impl std::io::BufRead,
+    mut each: impl FnMut(u64, &str, &str),
+) {
+    let mut line = Vec::with_capacity(128);
+    loop {
+        line.clear();
+        if !matches!(reader.read_until(b'\n', &mut line), Ok(n) if n > 0) {
+            return;
+        }
+        let Ok(text) = std::str::from_utf8(&line) else {
+            continue;
+        };
+        let mut fields = text.split_whitespace();
+        if let (Some(addr), Some(kind), Some(name)) = (fields.next(), fields.next(), fields.next())
+            && let Ok(addr) = u64::from_str_radix(addr, 16)
+        {
+            each(addr, kind, name);
+        }
+    }
+}
+
+/// A text (function) symbol at a known address (hidden ones read as 0).
 #[must_use]
-pub fn parse_kallsyms(text: &str) -> Vec<(u64, &str)> {
-    let mut syms: Vec<(u64, &str)> = text
-        .lines()
-        .filter_map(|line| {
-            let mut f = line.split_whitespace();
-            let addr = u64::from_str_radix(f.next()?, 16).ok()?;
-            let kind = f.next()?;
-            let name = f.next()?;
-            (addr != 0 && matches!(kind, "t" | "T" | "w" | "W")).then_some((addr, name))
-        })
-        .collect();
-    syms.sort_unstable();
-    syms
+pub fn is_function(addr: u64, kind: &str) -> bool {
+    addr != 0 && matches!(kind, "t" | "T" | "w" | "W")
+}
+
+/// The address ranges `[start, end)` of some kernel functions, gathered from kallsyms
+/// lines: the end is the next function's address.
+#[derive(Debug)]
+pub struct FunctionRanges<'a> {
+    names: &'a [&'a str],
+    /// Every function's address (8 bytes a symbol, not its line).
+    addrs: Vec<u64>,
+    starts: Vec<u64>,
+}
+
+impl<'a> FunctionRanges<'a> {
+    #[must_use]
+    pub fn new(names: &'a [&'a str]) -> FunctionRanges<'a> {
+        FunctionRanges {
+            names,
+            addrs: Vec::new(),
+            starts: Vec::new(),
+        }
+    }
+
+    pub fn line(&mut self, addr: u64, kind: &str, name: &str) {
+        if is_function(addr, kind) {
+            self.addrs.push(addr);
+            if self.names.contains(&name) {
+                self.starts.push(addr);
+            }
+        }
+    }
+
+    /// The ranges, by address; a function with no function after it is left out.
+    #[must_use]
+    pub fn finish(mut self) -> Vec<(u64, u64)> {
+        self.addrs.sort_unstable();
+        self.addrs.dedup();
+        self.starts.sort_unstable();
+        self.starts.dedup();
+        self.starts
+            .iter()
+            .filter_map(|&start| {
+                let next = self.addrs.partition_point(|&a| a <= start);
+                Some((start, *self.addrs.get(next)?))
+            })
+            .collect()
+    }
 }
 
 /// Address ranges `[start, end)` of the named kernel functions, from a kallsyms text (the
-/// end is the next symbol's address).
+/// end is the next function's address).
 #[must_use]
-pub fn kallsyms_ranges(text: &str, names: &[&str]) -> Vec<(u64, u64)> {
-    parse_kallsyms(text)
-        .windows(2)
-        .filter(|w| names.contains(&w[0].1))
-        .map(|w| (w[0].0, w[1].0))
-        .collect()
+pub fn kallsyms_ranges(reader: impl std::io::BufRead, names: &[&str]) -> Vec<(u64, u64)> {
+    let mut ranges = FunctionRanges::new(names);
+    each_kallsyms_line(reader, |addr, kind, name| ranges.line(addr, kind, name));
+    ranges.finish()
 }
 
 /// The capabilities `attach` needs that a process with this `/proc/PID/status` lacks:
@@ -223,4 +281,44 @@ pub fn pages_per_node(numa_maps: &str) -> BTreeMap<i32, u64> {
         *n = n.saturating_add(count);
     }
     pages
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A function ends at the next function's address, even where another name shares
+    /// its address (an alias): read whole and sorted by (address, name), an alias named
+    /// after it made the range empty.
+    #[test]
+    fn function_ranges_skip_aliases() {
+        let text = "ffffffff81000100 T exc_page_fault\nffffffff81000100 T zz_alias\n\
+                    ffffffff81000180 t next_fn\nffffffff81000200 D data_after\n";
+        assert_eq!(
+            kallsyms_ranges(text.as_bytes(), &["exc_page_fault"]),
+            vec![(0xffff_ffff_8100_0100, 0xffff_ffff_8100_0180)]
+        );
+        // The last function has no end.
+        assert!(kallsyms_ranges(text.as_bytes(), &["next_fn"]).is_empty());
+    }
+
+    /// Lines are read one at a time: one that is not UTF-8 or has too few fields is
+    /// skipped, and the lines after it are still read.
+    #[test]
+    fn kallsyms_lines_one_at_a_time() {
+        let mut text = b"ffffffff81000000 T first\n".to_vec();
+        text.extend_from_slice(b"ffffffff81000040 T bad\xff\xfe\n");
+        text.extend_from_slice(b"not a line\nffffffff81000080 t\nffffffff810000c0 t last");
+        let mut seen = Vec::new();
+        each_kallsyms_line(text.as_slice(), |addr, kind, name| {
+            seen.push((addr, kind.to_owned(), name.to_owned()));
+        });
+        assert_eq!(
+            seen,
+            vec![
+                (0xffff_ffff_8100_0000, "T".to_owned(), "first".to_owned()),
+                (0xffff_ffff_8100_00c0, "t".to_owned(), "last".to_owned()),
+            ]
+        );
+    }
 }

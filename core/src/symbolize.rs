@@ -68,15 +68,50 @@ impl Symbols {
     }
 }
 
-/// Kernel function names for `ips`, from a kallsyms text.
+/// Kernel function names for `ips`, from a kallsyms text read twice (`reader` is rewound):
+/// first every function's address, to find the function each address lies in, then the
+/// names of those functions only. Of functions sharing an address, the greatest name.
 #[must_use]
-pub fn kernel_names(kallsyms: &str, ips: &BTreeSet<u64>) -> Vec<(u64, String)> {
-    let syms = crate::procfs::parse_kallsyms(kallsyms);
-    ips.iter()
-        .filter_map(|ip| {
-            let i = syms.partition_point(|(a, _)| *a <= *ip).checked_sub(1)?;
-            Some((*ip, syms[i].1.to_owned()))
+pub fn kernel_names(
+    mut reader: impl std::io::BufRead + std::io::Seek,
+    ips: &BTreeSet<u64>,
+) -> Vec<(u64, String)> {
+    use crate::procfs::{each_kallsyms_line, is_function};
+    if ips.is_empty() {
+        return Vec::new();
+    }
+    let mut addrs = Vec::new();
+    each_kallsyms_line(&mut reader, |addr, kind, _| {
+        if is_function(addr, kind) {
+            addrs.push(addr);
+        }
+    });
+    addrs.sort_unstable();
+    addrs.dedup();
+    let within: Vec<(u64, u64)> = ips
+        .iter()
+        .filter_map(|&ip| {
+            let i = addrs.partition_point(|&a| a <= ip).checked_sub(1)?;
+            Some((ip, addrs[i]))
         })
+        .collect();
+    drop(addrs);
+    let mut names: BTreeMap<u64, String> =
+        within.iter().map(|&(_, f)| (f, String::new())).collect();
+    if reader.rewind().is_err() {
+        return Vec::new();
+    }
+    each_kallsyms_line(&mut reader, |addr, kind, name| {
+        if is_function(addr, kind)
+            && let Some(kept) = names.get_mut(&addr)
+            && name > kept.as_str()
+        {
+            name.clone_into(kept);
+        }
+    });
+    within
+        .into_iter()
+        .filter_map(|(ip, f)| Some((ip, names.get(&f).filter(|n| !n.is_empty())?.clone())))
         .collect()
 }
 
@@ -446,9 +481,36 @@ mod tests {
         let text = "ffffffff81000000 T start\nffffffff81000100 t exc_page_fault\nffffffff81000200 T after\n";
         let ips: BTreeSet<u64> = [0xffff_ffff_8100_0150, 0xffff_ffff_8000_0000].into();
         assert_eq!(
-            kernel_names(text, &ips),
+            kernel_names(std::io::Cursor::new(text), &ips),
             vec![(0xffff_ffff_8100_0150, "exc_page_fault".to_owned())]
         );
+    }
+
+    /// Read in two passes of the text (addresses, then the few names wanted): every
+    /// address named as when the text was held whole and sorted — of names sharing an
+    /// address the greatest, data symbols and hidden (zero) addresses never.
+    #[test]
+    fn kernel_lookup_two_passes() {
+        let text = "ffffffff81000100 T b_name\nffffffff81000000 T start\n\
+                    ffffffff81000100 T a_alias\nffffffff81000180 D data\n\
+                    0000000000000000 T hidden\nffffffff81000200 t after [mod]\n";
+        let ips: BTreeSet<u64> = [
+            0xffff_ffff_8100_0010,
+            0xffff_ffff_8100_0100,
+            0xffff_ffff_8100_01f0,
+            0xffff_ffff_8100_0300,
+        ]
+        .into();
+        assert_eq!(
+            kernel_names(std::io::Cursor::new(text), &ips),
+            vec![
+                (0xffff_ffff_8100_0010, "start".to_owned()),
+                (0xffff_ffff_8100_0100, "b_name".to_owned()),
+                (0xffff_ffff_8100_01f0, "b_name".to_owned()),
+                (0xffff_ffff_8100_0300, "after".to_owned()),
+            ]
+        );
+        assert!(kernel_names(std::io::Cursor::new(text), &BTreeSet::new()).is_empty());
     }
 
     /// Regression (issue 18): a file whose symbols cannot be read (gone, or not ELF) had its

@@ -10,8 +10,9 @@ fuzz_target!(|data: &[u8]| {
     let _ = procfs::mapped_files(&maps);
     let _ = procfs::maps_added(&text, &text);
     let _ = procfs::parse_cpu_list(&text);
-    let _ = procfs::parse_kallsyms(&text);
-    let _ = procfs::kallsyms_ranges(&text, &["exc_page_fault", "handle_mm_fault"]);
+    let _ = procfs::kallsyms_ranges(data, &["exc_page_fault", "handle_mm_fault"]);
+    let ips = [0xffff_ffff_8100_0000, u64::MAX].into();
+    let _ = nccltrace_core::symbolize::kernel_names(std::io::Cursor::new(data), &ips);
     let _ = procfs::missing_capabilities(&text);
     let _ = nccltrace_core::symbolize::parse_perf_map(&text);
     let _ = procfs::field_offset(&text, "prev_pid");

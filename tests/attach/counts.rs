@@ -750,6 +750,43 @@ fn nested_calls_are_paired() {
     );
 }
 
+/// Kernel frames (the full profile's off-CPU stacks have them) are named from
+/// /proc/kallsyms, read a line at a time and twice (every function's address, then the
+/// names wanted) as the run ends; the names go into the recording, so `report` draws the
+/// same graph.
+#[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
+fn kernel_frames_named_from_kallsyms() {
+    let _serial = privileged();
+    let (_, summary, out, dir, _) =
+        traced_trainer_with(10, &[], &["--compute-us", "300"], &["--profile", "full"]);
+    let offcpu = std::fs::read_to_string(out.join("flamegraph-offcpu.folded")).unwrap();
+    let kernel_frames: Vec<&str> = offcpu
+        .lines()
+        .filter_map(|l| l.rsplit_once(' '))
+        .flat_map(|(frames, _)| frames.split(';'))
+        .filter(|f| f.ends_with("_[k]"))
+        .collect();
+    let unnamed = kernel_frames
+        .iter()
+        .filter(|f| f.starts_with("[kernel] 0x"))
+        .count();
+    // Every stack that blocked went through the scheduler.
+    assert!(
+        kernel_frames.iter().any(|f| f.contains("schedule")),
+        "{} off-CPU stacks: {offcpu}",
+        summary["offcpu_stacks"]
+    );
+    assert!(
+        unnamed * 10 <= kernel_frames.len(),
+        "{unnamed} of {} kernel frames unnamed: {offcpu}",
+        kernel_frames.len()
+    );
+    let again = report(&out, dir.path());
+    let replayed = std::fs::read_to_string(again.join("flamegraph-offcpu.folded")).unwrap();
+    assert_eq!(replayed, offcpu);
+}
+
 /// JIT-compiled code (the trainer's `--jit` trampoline, named in /tmp/perf-PID.map the way
 /// Python 3.12's perf trampolines name Python functions): the on-CPU flamegraph names it
 /// between `main` and `compute`; the names are kept in the recording, so `report` gives

@@ -91,14 +91,27 @@ pub(super) fn attach_kprobe(
 /// (`finish_task_switch.isra.0`).
 pub(super) const SWITCH_IN_FUNCTION: &str = "finish_task_switch";
 
-/// The name `/proc/kallsyms` gives [`SWITCH_IN_FUNCTION`] (a compiler clone's suffix
-/// included), if any.
-pub(super) fn switch_in_symbol(kallsyms: &str) -> Option<String> {
-    kallsyms.lines().find_map(|line| {
-        let name = line.split_whitespace().nth(2)?;
-        let rest = name.strip_prefix(SWITCH_IN_FUNCTION)?;
-        (rest.is_empty() || rest.starts_with('.')).then(|| name.to_owned())
-    })
+/// Whether a kallsyms name is [`SWITCH_IN_FUNCTION`] (a compiler clone's suffix included).
+pub(super) fn is_switch_in(name: &str) -> bool {
+    name.strip_prefix(SWITCH_IN_FUNCTION)
+        .is_some_and(|rest| rest.is_empty() || rest.starts_with('.'))
+}
+
+/// From /proc/kallsyms, read a line at a time: the fault handlers' address ranges and the
+/// name it gives [`SWITCH_IN_FUNCTION`], if any.
+pub(super) fn kernel_symbols() -> (Vec<(u64, u64)>, Option<String>) {
+    let Ok(file) = std::fs::File::open("/proc/kallsyms") else {
+        return (Vec::new(), None);
+    };
+    let mut ranges = crate::host::FunctionRanges::new(&FAULT_HANDLERS);
+    let mut switch_in = None;
+    crate::host::each_kallsyms_line(std::io::BufReader::new(file), |addr, kind, name| {
+        ranges.line(addr, kind, name);
+        if switch_in.is_none() && is_switch_in(name) {
+            switch_in = Some(name.to_owned());
+        }
+    });
+    (ranges.finish(), switch_in)
 }
 
 /// Takes off-CPU stacks only for stretches of at least `min_ns`, as threads come back to
@@ -145,3 +158,17 @@ pub const FAULT_HANDLERS: [&str; 5] = [
     "handle_mm_fault",
     "__handle_mm_fault",
 ];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The switch-in function under the names compilers give it, and not its neighbours.
+    #[test]
+    fn switch_in_names() {
+        assert!(is_switch_in("finish_task_switch"));
+        assert!(is_switch_in("finish_task_switch.isra.0"));
+        assert!(!is_switch_in("finish_task_switch_irq"));
+        assert!(!is_switch_in("__finish_task_switch"));
+    }
+}

@@ -49,22 +49,19 @@ fn prepare(profile: &Profile, started: Instant) -> Result<Ready, SourceError> {
     let (offsets, available) = tracefs::offsets(&tracefs_root)?;
     let shards = ring_shards();
     let mut phases = Phases::new(started);
-    // Read and parsed beside the loading (tens of ms each): /proc/kallsyms (~10 MB) for the
-    // fault handlers' ranges and the switch-in kprobe's symbol, the kernel BTF for fentry.
-    let kallsyms = std::thread::spawn(|| {
-        let text = std::fs::read_to_string("/proc/kallsyms").unwrap_or_default();
-        (
-            host::kallsyms_ranges(&text, &FAULT_HANDLERS),
-            switch_in_symbol(&text),
-        )
-    });
+    // Read beside the loading (tens of ms), a line at a time: /proc/kallsyms for the fault
+    // handlers' ranges and the switch-in kprobe's symbol.
+    let kallsyms = std::thread::spawn(kernel_symbols);
+    phases.mark("tracefs");
+    let mut ebpf = load(&offsets, profile, shards, &mut phases)?;
+    // The kernel BTF for fentry, parsed beside the verification: after the loader has
+    // dropped its own copy (the file read whole and parsed is ~12 MB here; two at once
+    // were a third of the agent's peak memory).
     let btf = profile.probes.page_faults.then(|| {
         std::thread::spawn(|| {
             Btf::from_sys_fs().map_err(|e| format!("no kernel BTF ({})", root_cause(&e)))
         })
     });
-    phases.mark("tracefs");
-    let mut ebpf = load(&offsets, profile, shards, &mut phases)?;
     // Before any map is taken out of `ebpf`: the uprobe programs loaded for uprobe-multi
     // links refer to them all.
     let map_fds =
@@ -323,6 +320,9 @@ fn attach_all(prepared: Prepared, targets: &[Target]) -> Result<Attached, Source
     }
     phases.mark("sampling clocks");
 
+    // The loading's freed memory returned before the ring buffers are mapped (they count
+    // in the process's memory, twice their size: the kernel maps their data twice).
+    host::release_free_memory();
     let rings = rings::Rings::take(&mut ebpf, shards)?;
     let counters = PerCpuArray::try_from(
         ebpf.take_map(names::COUNTERS)

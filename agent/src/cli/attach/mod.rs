@@ -215,8 +215,8 @@ fn record_symbols(outputs: &mut crate::pipeline::Outputs) -> Vec<Meta> {
         }
     }
     let kernel_ips = crate::symbolize::kernel_addresses(&outputs.detail.stacks);
-    let kernel = std::fs::read_to_string("/proc/kallsyms")
-        .map(|text| crate::symbolize::kernel_names(&text, &kernel_ips))
+    let kernel = std::fs::File::open("/proc/kallsyms")
+        .map(|file| crate::symbolize::kernel_names(std::io::BufReader::new(file), &kernel_ips))
         .unwrap_or_default();
     outputs.kernel_symbols.extend(kernel.iter().cloned());
     let mut records = maps;

@@ -112,21 +112,9 @@ pub(super) fn end_window(
             crate::note!("nccltrace: warning: {e}");
         }
         drop(outputs);
-        release_free_memory();
+        crate::host::release_free_memory();
         crate::note!("nccltrace: window complete in {}", dir.display());
     })
-}
-
-/// Hands the memory a finished window freed back to the system. glibc keeps freed memory
-/// in per-thread arenas; each window's threads (attribution, trace writer, finishing) would
-/// otherwise leave the process a little larger at every window (the 4-minute daemon soak
-/// grew 9 MB/min without this).
-pub(super) fn release_free_memory() {
-    #[cfg(target_env = "gnu")]
-    // SAFETY: malloc_trim only returns free pages of the allocator to the kernel.
-    unsafe {
-        libc::malloc_trim(0);
-    }
 }
 
 /// With `--keep N`: removes the oldest complete windows (their summary.json written)
