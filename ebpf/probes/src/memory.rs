@@ -13,7 +13,7 @@ pub fn raw_page_fault_user(ctx: RawTracePointContext) -> i32 {
     if !is_target(tgid) {
         return 0;
     }
-    let _timed = TargetRun::start(timed::PAGE_FAULT_USER);
+    let timed = TargetRun::start(timed::PAGE_FAULT_USER);
     let address: u64 = ctx.arg(0);
     let regs: u64 = ctx.arg(1);
     let error_code: u64 = ctx.arg(2);
@@ -22,7 +22,8 @@ pub fn raw_page_fault_user(ctx: RawTracePointContext) -> i32 {
     emit(
         kind::FAULT,
         FaultEvent {
-            hdr: header(kind::FAULT, tgid, tid),
+            // The timer's start is the record's time (one clock read fewer).
+            hdr: header_at(kind::FAULT, tgid, tid, timed.start_ns),
             address,
             ip,
             error_code,
@@ -79,14 +80,14 @@ pub fn fexit_handle_mm_fault(ctx: FExitContext) -> u32 {
     let Some(start) = (unsafe { FAULT_START.get(&tid) }).copied() else {
         return 0;
     };
-    let _timed = TargetRun::start(timed::FEXIT_HANDLE_MM_FAULT);
+    let timed = TargetRun::start(timed::FEXIT_HANDLE_MM_FAULT);
     let _ = FAULT_START.remove(&tid);
     let address: u64 = ctx.arg(1);
     let result: u32 = ctx.ret().unwrap_or(0);
     emit(
         kind::FAULT_TIME,
         FaultTimeEvent {
-            hdr: header(kind::FAULT_TIME, tgid, tid),
+            hdr: header_at(kind::FAULT_TIME, tgid, tid, timed.start_ns),
             start_ns: start.ts_ns,
             address,
             flags: start.flags,

@@ -35,13 +35,14 @@ pub fn tracepoint_sched_switch(ctx: TracePointContext) -> u32 {
     if flags == 0 {
         return 0;
     }
-    let _timed = TargetRun::start(timed::SCHED_SWITCH);
+    let timed = TargetRun::start(timed::SCHED_SWITCH);
     let (tgid, tid) = if flags & switch_flags::PREV_TARGET != 0 {
         (cur_tgid, prev_tid)
     } else {
         (next_tgid, next_tid)
     };
-    let hdr = header(kind::SWITCH, tgid, tid);
+    // The timer's start is the record's time (one clock read fewer).
+    let hdr = header_at(kind::SWITCH, tgid, tid, timed.start_ns);
     // SAFETY: a plain read of a read-only global.
     if flags & switch_flags::PREV_TARGET != 0
         && unsafe { core::ptr::read_volatile(&raw const CONFIG.offcpu_stacks) } != offcpu::OFF
@@ -88,17 +89,15 @@ pub fn kprobe_finish_task_switch(ctx: ProbeContext) -> u32 {
     let Some(since) = (unsafe { OFF_SINCE.get(&tid) }).copied() else {
         return 0;
     };
-    let _timed = TargetRun::start(timed::KPROBE_FINISH_TASK_SWITCH);
+    let timed = TargetRun::start(timed::KPROBE_FINISH_TASK_SWITCH);
     let _ = OFF_SINCE.remove(&tid);
-    // SAFETY: helper without preconditions.
-    let off = unsafe { bpf_ktime_get_ns() }.saturating_sub(since);
+    let off = timed.start_ns.saturating_sub(since);
     if off < offcpu_min_ns() {
         bump(counter::OFFCPU_SHORT);
         add(&COUNTERS, counter::OFFCPU_SHORT_NS, off);
         return 0;
     }
-    let mut hdr = header(kind::OFFCPU, tgid, tid);
-    hdr.ts_ns = since;
+    let hdr = header_at(kind::OFFCPU, tgid, tid, since);
     emit_stacks(ctx.as_ptr(), hdr, offcpu_kernel(), true);
     0
 }
@@ -112,13 +111,13 @@ pub fn tracepoint_sched_waking(ctx: TracePointContext) -> u32 {
     let Some(tgid) = target_of_thread(tid) else {
         return 0;
     };
-    let _timed = TargetRun::start(timed::SCHED_WAKING);
+    let timed = TargetRun::start(timed::SCHED_WAKING);
     let (waker_tgid, waker_tid) = current();
     let target_cpu = read_tp::<i32>(&ctx, offset!(wakeup_target_cpu)).unwrap_or(-1);
     emit(
         kind::WAKEUP,
         WakeupEvent {
-            hdr: header(kind::WAKEUP, tgid, tid),
+            hdr: header_at(kind::WAKEUP, tgid, tid, timed.start_ns),
             waker_tid,
             waker_tgid,
             target_cpu: target_cpu as u32,

@@ -12,8 +12,10 @@ pub fn perf_event_cpu_clock(ctx: PerfEventContext) -> u32 {
     if !is_target(tgid) {
         return 0;
     }
-    let _timed = TargetRun::start(timed::PERF_EVENT_CPU_CLOCK);
-    emit_stacks(ctx.as_ptr(), header(kind::SAMPLE, tgid, tid), true, false);
+    let timed = TargetRun::start(timed::PERF_EVENT_CPU_CLOCK);
+    // The timer's start is the record's time (one clock read fewer).
+    let hdr = header_at(kind::SAMPLE, tgid, tid, timed.start_ns);
+    emit_stacks(ctx.as_ptr(), hdr, true, false);
     0
 }
 
