@@ -168,8 +168,9 @@ pub const BPF_COST_METHOD: &str = "the kernel's run-time accounting of each prog
     (BPF_ENABLE_STATS: run_time_ns and run_cnt), from when tracing started to when it stopped, \
     all CPUs. Program time only: the uprobe and uretprobe traps around it and the sampling \
     interrupt are not in it. traced_*: the part spent in runs for traced threads, an \
-    estimate: each hot program times its runs for traced threads from the target check on, \
-    and every run is charged the mean cost of what comes before that check; programs that \
+    estimate: each hot program counts its runs for traced threads and times them from the \
+    target check on (while the kernel accounts: the timed runs' mean for every run), and \
+    every run is charged the mean cost of what comes before that check; programs that \
     do not time themselves (rare ones) are counted whole. Where the kernel accounted only in \
     windows (profile [cost] bpf_stats_ms, 100 ms of each second by default: its accounting \
     costs every program run two clock reads), runs and run times are what it counted scaled \

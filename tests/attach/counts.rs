@@ -166,6 +166,18 @@ fn programs_accounted(summary: &Value) {
         Some(trap * paired + entry_trap * (entries - paired))
     );
     sampling_accounted(bpf, traced_runs("perf_event_cpu_clock"));
+    // Traced runs are counted at every run, not only in the accounting's windows (they are
+    // timed only there): each fault and wake-up of a traced thread wrote one record.
+    if summary["lost_events"] == 0 {
+        for (program, records) in [
+            ("raw_page_fault_user", &summary["memory"]["page_faults"]),
+            ("tracepoint_sched_waking", &summary["sched"]["wakeups"]),
+        ] {
+            if let Some(p) = programs.iter().find(|p| p["name"] == program) {
+                assert_eq!(p["traced_runs"], *records, "{program}: {p}");
+            }
+        }
+    }
 }
 
 /// The sampling clock's interrupts (issue 22): where the traced threads were sampled,

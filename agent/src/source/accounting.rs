@@ -13,10 +13,11 @@
 
 use std::os::fd::OwnedFd;
 
+use aya::maps::{Array, MapData};
+
 use crate::host;
 
 /// Whether the kernel is accounting, since when, and for how long it did.
-#[derive(Debug)]
 pub struct Accounting {
     /// Held open while on (the kernel counts while any such descriptor is open).
     fd: Option<OwnedFd>,
@@ -32,6 +33,9 @@ pub struct Accounting {
     opened_this_second: bool,
     /// Why the kernel does not account at all (the first enable was refused).
     pub refused: Option<String>,
+    /// The programs' switch (`names::TIMING`): they time their runs for traced threads
+    /// while it is set, as the kernel accounts; they count them always.
+    timing: Array<MapData, u32>,
 }
 
 /// How much before its end a window may close, at the tick closest to it.
@@ -42,15 +46,15 @@ const WINDOW_AT: std::time::Duration = std::time::Duration::from_millis(400);
 
 impl Accounting {
     /// Turns the accounting on (before any probe is attached) for windows of `ms_a_second`
-    /// each second (1000 or more: always on).
-    pub fn start(ms_a_second: u32) -> Accounting {
+    /// each second (1000 or more: always on), the programs' `timing` switch with it.
+    pub fn start(ms_a_second: u32, timing: Array<MapData, u32>) -> Accounting {
         let window_ns = (ms_a_second < 1000).then(|| u64::from(ms_a_second) * 1_000_000);
         let enabled = if ms_a_second == 0 {
             Err("turned off by the profile ([cost] bpf_stats_ms = 0)".to_owned())
         } else {
             enable()
         };
-        match enabled {
+        let mut accounting = match enabled {
             Ok(fd) => Accounting {
                 fd: Some(fd),
                 since_ns: now(),
@@ -59,6 +63,7 @@ impl Accounting {
                 window_ns,
                 opened_this_second: true,
                 refused: None,
+                timing,
             },
             Err(why) => Accounting {
                 fd: None,
@@ -68,7 +73,19 @@ impl Accounting {
                 window_ns,
                 opened_this_second: true,
                 refused: Some(why),
+                timing,
             },
+        };
+        accounting.switch_timing();
+        accounting
+    }
+
+    /// Sets the programs' timing switch to whether the kernel accounts now. A failed
+    /// write leaves the programs timing as before: the scaled figures stay right.
+    fn switch_timing(&mut self) {
+        let on = u32::from(self.is_on());
+        if let Err(e) = self.timing.set(0, on, 0) {
+            log::warn!("cannot switch the programs' self-timing to {on}: {e}");
         }
     }
 
@@ -126,6 +143,7 @@ impl Accounting {
                 self.fd = Some(fd);
                 self.since_ns = now();
                 self.until_ns = Some(self.since_ns + window_ns);
+                self.switch_timing();
             }
             // Counted in no window: the scaled figures stay right, from fewer windows.
             Err(why) => log::warn!("{why}"),
@@ -149,6 +167,7 @@ impl Accounting {
     fn close(&mut self) {
         if self.fd.take().is_some() {
             self.closed_ns += now().saturating_sub(self.since_ns);
+            self.switch_timing();
         }
     }
 
@@ -160,6 +179,16 @@ impl Accounting {
             0
         };
         self.closed_ns + open
+    }
+}
+
+impl std::fmt::Debug for Accounting {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Accounting")
+            .field("on", &self.is_on())
+            .field("accounted_ns", &self.accounted_ns())
+            .field("refused", &self.refused)
+            .finish_non_exhaustive()
     }
 }
 

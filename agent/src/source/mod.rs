@@ -353,6 +353,7 @@ mod tests {
             names::OFF_SINCE,
             names::COUNTERS,
             names::TARGET_COSTS,
+            names::TIMING,
             names::TARGETS,
             names::THREADS,
             names::PY_THREADS,

@@ -344,10 +344,22 @@ impl Attached {
         // (they do not time themselves).
         let per_target =
             |name: &str| self.uprobes.per_target() && names::UPROBE_PROGRAMS.contains(&name);
+        // Every run is counted; runs are timed only in the accounting's windows: their
+        // time is the timed runs' mean times every run (an estimate, as the kernel's
+        // figures are). None timed: 0, and the summary charges them the kernel's mean run.
         let traced = (0..timed::COUNT)
             .filter_map(|id| {
                 let name = timed::PROGRAMS[id as usize];
-                (!per_target(name)).then(|| (name.to_owned(), sum(2 * id), sum(2 * id + 1)))
+                let slot = timed::SLOTS * id;
+                let (runs, timed, ns) = (sum(slot), sum(slot + 1), sum(slot + 2));
+                let estimate = u128::from(ns) * u128::from(runs) / u128::from(timed.max(1));
+                (!per_target(name)).then(|| {
+                    (
+                        name.to_owned(),
+                        runs,
+                        u64::try_from(estimate).unwrap_or(u64::MAX),
+                    )
+                })
             })
             .collect();
         let (trap_ns, entry_trap_ns, trap_refused) = match &self.traps {

@@ -111,11 +111,15 @@ pub mod counter {
     }
 }
 
-/// The programs that time their runs for traced threads (`TARGET_COSTS`: at `2 * id` the
-/// runs, at `2 * id + 1` their nanoseconds, from just after the target check to the
-/// program's end), so that the agent can tell what the traced threads pay from what every
-/// run costs (the kernel's own run-time accounting counts every run, on every CPU).
+/// The programs that time their runs for traced threads (`TARGET_COSTS`: at `SLOTS * id`
+/// the runs, then the runs timed and their nanoseconds, from just after the target check
+/// to the program's end), so that the agent can tell what the traced threads pay from
+/// what every run costs (the kernel's own run-time accounting counts every run, on every
+/// CPU). Every run is counted; runs are timed only while `names::TIMING` is set (the
+/// kernel's accounting windows).
 pub mod timed {
+    /// Values a program has in `TARGET_COSTS`: runs, runs timed, their nanoseconds.
+    pub const SLOTS: u32 = 3;
     pub const UPROBE_LIB_CALL: u32 = 0;
     pub const URETPROBE_LIB_CALL: u32 = 1;
     pub const SCHED_SWITCH: u32 = 2;

@@ -27,8 +27,12 @@ pub const EVENTS: [&str; super::RING_SHARDS as usize] = [
     "EVENTS_0", "EVENTS_1", "EVENTS_2", "EVENTS_3", "EVENTS_4", "EVENTS_5", "EVENTS_6", "EVENTS_7",
 ];
 pub const COUNTERS: &str = "COUNTERS";
-/// Runs and nanoseconds of the timed programs for traced threads ([`super::timed`]).
+/// Runs, timed runs and their nanoseconds of the timed programs for traced threads
+/// ([`super::timed`]).
 pub const TARGET_COSTS: &str = "TARGET_COSTS";
+/// One `u32`: nonzero while the kernel accounts the programs' run time; the timed programs
+/// time their runs for traced threads only then. Set by user space (`Accounting`).
+pub const TIMING: &str = "TIMING";
 pub const TARGETS: &str = "TARGETS";
 pub const THREADS: &str = "THREADS";
 /// Python thread states of target threads (tid → `PyThreadState *`).

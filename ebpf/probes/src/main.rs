@@ -92,10 +92,16 @@ pub(crate) fn ring() -> &'static RingBuf {
 #[map]
 pub(crate) static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(counter::COUNT, 0);
 
-/// Runs and nanoseconds of the timed programs for traced threads ([`timed`]).
+/// Runs, timed runs and their nanoseconds of the timed programs for traced threads
+/// ([`timed`]).
 #[map]
 pub(crate) static TARGET_COSTS: PerCpuArray<u64> =
-    PerCpuArray::with_max_entries(2 * timed::COUNT, 0);
+    PerCpuArray::with_max_entries(timed::SLOTS * timed::COUNT, 0);
+
+/// One `u32`, nonzero while the kernel accounts the programs' run time (user space sets
+/// it with the accounting's windows; see `names::TIMING`).
+#[map]
+pub(crate) static TIMING: Array<u32> = Array::with_max_entries(1, 0);
 
 /// Target thread groups (tgid → flags), filled by user space before attach.
 #[map]
@@ -245,10 +251,16 @@ impl Drop for TargetRun {
         if self.skip {
             return;
         }
-        // SAFETY: helper without preconditions.
-        let ns = unsafe { bpf_ktime_get_ns() }.wrapping_sub(self.start_ns);
-        add(&TARGET_COSTS, 2 * self.id, 1);
-        add(&TARGET_COSTS, 2 * self.id + 1, ns);
+        let slot = timed::SLOTS * self.id;
+        add(&TARGET_COSTS, slot, 1);
+        // Timed only while the kernel accounts too (its windows): the clock read and the
+        // sum cost every run otherwise.
+        if TIMING.get(0).is_some_and(|on| *on != 0) {
+            // SAFETY: helper without preconditions.
+            let ns = unsafe { bpf_ktime_get_ns() }.wrapping_sub(self.start_ns);
+            add(&TARGET_COSTS, slot + 1, 1);
+            add(&TARGET_COSTS, slot + 2, ns);
+        }
     }
 }
 
