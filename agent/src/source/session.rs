@@ -350,10 +350,10 @@ impl Attached {
         let traced = (0..timed::COUNT)
             .filter_map(|id| {
                 let name = timed::PROGRAMS[id as usize];
-                let slot = timed::SLOTS * id;
-                let (runs, timed, ns) = (sum(slot), sum(slot + 1), sum(slot + 2));
-                let estimate = u128::from(ns) * u128::from(runs) / u128::from(timed.max(1));
                 (!per_target(name)).then(|| {
+                    let slot = timed::SLOTS * id;
+                    let (runs, timed, ns) = (sum(slot), sum(slot + 1), sum(slot + 2));
+                    let estimate = u128::from(ns) * u128::from(runs) / u128::from(timed.max(1));
                     (
                         name.to_owned(),
                         runs,
