@@ -187,7 +187,7 @@ pub struct Timeline {
     stacks: Vec<StackKey>,
     stack_ids: StackIds,
     /// Python frames waiting for the stack record they belong to: tid → (time, frames).
-    py_pending: std::collections::HashMap<u32, (u64, Vec<PyFrame>)>,
+    py_pending: std::collections::HashMap<u32, (u64, Vec<PyFrame>), foldhash::fast::FixedState>,
     calls: Vec<Call>,
     target_pids: Vec<u32>,
     env_ranks: BTreeMap<u32, (String, i32)>,
@@ -316,7 +316,7 @@ impl Timeline {
             last_ns: setup.start_ns,
             stacks: Vec::new(),
             stack_ids: StackIds::default(),
-            py_pending: std::collections::HashMap::new(),
+            py_pending: std::collections::HashMap::default(),
             calls: Vec::new(),
             target_pids: setup.targets.iter().map(|t| t.pid).collect(),
             env_ranks: setup

@@ -571,7 +571,7 @@ struct StackCounts {
     /// Reused with no whole stack of their thread and kind before them.
     unresolved: u64,
     /// Threads (and stack kinds) with a whole stack record so far.
-    bases: std::collections::HashSet<(u32, u16)>,
+    bases: std::collections::HashSet<(u32, u16), foldhash::fast::FixedState>,
 }
 
 impl StackCounts {

@@ -62,38 +62,31 @@ impl Aggregator {
             }
             let mut seen = 0u64;
             for mut batch in full_rx {
-                for item in batch.drain(..) {
+                // Events are read where they lie and dropped by the reading thread when
+                // it refills the batch (moving and freeing them was a quarter of this
+                // thread's work on the trainer recording).
+                for item in &mut batch {
                     match item {
                         Decoded::Event(event) => {
                             seen += 1;
                             if seen <= skip {
-                                self.count(&event);
+                                self.count(event);
                             } else {
                                 if seen == skip + 1 && skip > 0 {
                                     self.timeline.start_at(event.ts_ns());
                                     self.window = Some((skip, event.ts_ns()));
                                 }
-                                self.push(&event);
+                                self.push(event);
                             }
                         }
                         Decoded::Undecodable => {
                             seen += 1;
                             self.undecodable += 1;
                         }
-                        Decoded::Meta(meta) => self.meta(meta),
                         Decoded::CaughtUp => self.caught_up(),
-                        Decoded::Skipped(damage) => {
-                            crate::note!(
-                                "nccltrace: warning: the recording is damaged: {damage}; the \
-                                 records around them are kept"
-                            );
-                            self.damaged = Some(damage);
-                        }
-                        Decoded::Damaged(e) => {
-                            crate::note!(
-                                "nccltrace: warning: {e}; keeping the complete records before it"
-                            );
-                            self.incomplete(e.to_string());
+                        // Taken, leaving a placeholder nothing reads.
+                        Decoded::Meta(_) | Decoded::Skipped(_) | Decoded::Damaged(_) => {
+                            self.rare(std::mem::replace(item, Decoded::CaughtUp));
                         }
                     }
                 }
@@ -101,6 +94,27 @@ impl Aggregator {
                 let _ = empty_tx.send(batch);
             }
         });
+    }
+}
+
+impl Aggregator {
+    /// A record other than an event: the recording's metadata, or damage.
+    fn rare(&mut self, item: Decoded) {
+        match item {
+            Decoded::Meta(meta) => self.meta(meta),
+            Decoded::Skipped(damage) => {
+                crate::note!(
+                    "nccltrace: warning: the recording is damaged: {damage}; the records \
+                     around them are kept"
+                );
+                self.damaged = Some(damage);
+            }
+            Decoded::Damaged(e) => {
+                crate::note!("nccltrace: warning: {e}; keeping the complete records before it");
+                self.incomplete(e.to_string());
+            }
+            Decoded::Event(_) | Decoded::Undecodable | Decoded::CaughtUp => {}
+        }
     }
 }
 
@@ -116,9 +130,13 @@ fn decode_batches<R: io::BufRead + io::Seek>(
     empty: &std::sync::mpsc::Receiver<Vec<Decoded>>,
 ) {
     loop {
-        let mut batch = empty
-            .try_recv()
-            .unwrap_or_else(|_| Vec::with_capacity(BATCH));
+        let mut batch = empty.try_recv().map_or_else(
+            |_| Vec::with_capacity(BATCH),
+            |mut b| {
+                b.clear();
+                b
+            },
+        );
         let mut done = false;
         while batch.len() < BATCH {
             // Followed live and caught up: what is read so far goes now, not when the

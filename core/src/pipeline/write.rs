@@ -74,8 +74,7 @@ pub struct Streamer {
     dir: std::path::PathBuf,
     steps: Option<Worker<StepFiles>>,
     trace: Option<Worker<TraceFile>>,
-    weights: [crate::render::flamegraph::Weights; 4],
-    samples: BTreeMap<u32, u64>,
+    flamegraphs: Option<Worker<Flamegraphs>>,
     table: crate::render::steps::StepTable,
     failed: Option<(std::path::PathBuf, io::Error)>,
 }
@@ -267,6 +266,111 @@ impl Output for TraceFile {
     }
 }
 
+/// The flamegraphs' weights, added up from the epochs on a thread of their own (on the
+/// trainer recording they were a sixth of the report's main thread).
+#[derive(Default)]
+struct Flamegraphs {
+    weights: [crate::render::flamegraph::Weights; 4],
+    /// Samples per stack, for the share of short user stacks.
+    samples: BTreeMap<u32, u64>,
+}
+
+impl Output for Flamegraphs {
+    /// Where the weights go once every epoch is weighed.
+    type End = std::sync::mpsc::Sender<Flamegraphs>;
+
+    fn epoch(&mut self, e: &crate::attribute::Epoch) -> Result<(), Failure> {
+        use crate::render::flamegraph::{Kind, count_samples};
+        for (kind, w) in Kind::ALL.iter().zip(&mut self.weights) {
+            w.weigh(&e.detail, *kind);
+        }
+        count_samples(&e.detail, &mut self.samples);
+        Ok(())
+    }
+
+    fn end(self, to: Self::End) -> Result<(), Failure> {
+        // The receiver gone: the run's end stopped on an error of its own.
+        let _ = to.send(self);
+        Ok(())
+    }
+}
+
+/// The attributed graph's heaviest other_offcpu and nccl_wait stacks (for steps.json).
+type TopStacks = (
+    Vec<crate::attribute::BlockingStack>,
+    Vec<crate::attribute::BlockingStack>,
+);
+
+/// What the four flamegraphs are drawn from at the end.
+struct Graphs<'a> {
+    dir: &'a Path,
+    stacks: &'a [crate::attribute::StackKey],
+    symbols: &'a crate::symbolize::Symbols,
+    min_ns: u64,
+}
+
+impl Graphs<'_> {
+    /// Writes each graph's folded lines and SVG, the four side by side (they were a
+    /// fifth of the trainer recording's report, one after another); per graph, the top
+    /// stacks where it has them and the first failure.
+    fn write(
+        &self,
+        weights: &[crate::render::flamegraph::Weights; 4],
+    ) -> Vec<(Option<TopStacks>, Option<Failure>)> {
+        use crate::render::flamegraph::Kind;
+        std::thread::scope(|scope| {
+            let running: Vec<_> = Kind::ALL
+                .iter()
+                .zip(weights)
+                .map(|(&kind, w)| {
+                    let draw = move || self.one(kind, w);
+                    // Drawn here if no thread can be started.
+                    std::thread::Builder::new()
+                        .name("nccltrace-flame".into())
+                        .spawn_scoped(scope, draw)
+                        .map_err(|_| draw)
+                })
+                .collect();
+            running
+                .into_iter()
+                .map(|r| match r {
+                    Ok(thread) => thread.join().unwrap_or_else(|_| {
+                        let path = self.dir.join("flamegraph-*.svg");
+                        (
+                            None,
+                            Some((path, io::Error::other("its drawing thread panicked"))),
+                        )
+                    }),
+                    Err(draw) => draw(),
+                })
+                .collect()
+        })
+    }
+
+    /// One graph.
+    fn one(
+        &self,
+        kind: crate::render::flamegraph::Kind,
+        w: &crate::render::flamegraph::Weights,
+    ) -> (Option<TopStacks>, Option<Failure>) {
+        use crate::render::flamegraph::{self, Kind};
+        let lines = w.lines(self.stacks, self.symbols, self.min_ns);
+        let tops = (kind == Kind::Attributed).then(|| {
+            (
+                flamegraph::top_stacks(&lines, "other_offcpu", 5),
+                flamegraph::top_stacks(&lines, "nccl_wait", 5),
+            )
+        });
+        let folded = write_file(self.dir, &format!("{}.folded", kind.file()), &mut |out| {
+            flamegraph::write_folded(&lines, out)
+        });
+        let svg = write_file(self.dir, &format!("{}.svg", kind.file()), &mut |out| {
+            flamegraph::write_svg(kind, &lines, out)
+        });
+        (tops, folded.err().or(svg.err()))
+    }
+}
+
 impl std::fmt::Debug for Streamer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Streamer")
@@ -308,8 +412,14 @@ impl Streamer {
             dir: dir.to_owned(),
             steps: Some(Worker::start("steps", dir.join("steps.json"), steps)?),
             trace: Some(Worker::start("trace", dir.join("trace.json"), trace)?),
-            weights: Default::default(),
-            samples: BTreeMap::new(),
+            flamegraphs: Some(Worker::start(
+                "flamegraphs",
+                dir.join(format!(
+                    "{}.svg",
+                    crate::render::flamegraph::Kind::OnCpu.file()
+                )),
+                Flamegraphs::default(),
+            )?),
             table: crate::render::steps::StepTable::default(),
             failed: None,
         })
@@ -333,18 +443,13 @@ impl Streamer {
 
     /// One epoch: its steps, final, and its part of the timeline.
     pub fn epoch(&mut self, epoch: crate::attribute::Epoch) {
-        use crate::render;
-        let (steps, detail) = (&epoch.steps, &epoch.detail);
-        for s in steps {
-            self.table.push(s);
-        }
-        for (kind, w) in render::flamegraph::Kind::ALL.iter().zip(&mut self.weights) {
-            w.weigh(detail, *kind);
-        }
-        render::flamegraph::count_samples(detail, &mut self.samples);
         let epoch = std::sync::Arc::new(epoch);
         Self::hand(&mut self.steps, epoch.clone(), &mut self.failed);
-        Self::hand(&mut self.trace, epoch, &mut self.failed);
+        Self::hand(&mut self.trace, epoch.clone(), &mut self.failed);
+        Self::hand(&mut self.flamegraphs, epoch.clone(), &mut self.failed);
+        for s in &epoch.steps {
+            self.table.push(s);
+        }
     }
 
     /// Completes every output but `summary.json` and prints the summary in words.
@@ -358,19 +463,19 @@ impl Streamer {
                 end_ns: outputs.detail.end_ns,
             });
         }
-        let mut file = |name: &str,
-                        write: &mut dyn FnMut(
-            &mut io::BufWriter<std::fs::File>,
-        ) -> io::Result<()>| {
-            if let Err(e) = write_file(&self.dir, name, write) {
-                self.failed.get_or_insert(e);
-            }
-        };
-        if let Some(doctor) = &outputs.doctor {
-            file("doctor.json", &mut |out| {
+        // The weights come back once their thread has weighed every epoch (symbolizing
+        // meanwhile); a thread that stopped has nothing to give, and says why below.
+        let (to, weighed) = std::sync::mpsc::channel();
+        if let Some(flamegraphs) = &self.flamegraphs {
+            flamegraphs.end(to);
+        }
+        if let Some(doctor) = &outputs.doctor
+            && let Err(e) = write_file(&self.dir, "doctor.json", &mut |out| {
                 serde_json::to_writer_pretty(&mut *out, doctor)?;
                 io::Write::write_all(out, b"\n")
-            });
+            })
+        {
+            self.failed.get_or_insert(e);
         }
         let started = std::time::Instant::now();
         let stacks = &outputs.detail.stacks;
@@ -386,27 +491,28 @@ impl Streamer {
             crate::note!("nccltrace: warning: {line}");
         }
         log::debug!("symbolized in {:?}", started.elapsed());
+        let weighed: Flamegraphs = weighed.recv().unwrap_or_default();
         let mut report = render::steps::without_steps(&outputs.steps);
-        for (kind, w) in render::flamegraph::Kind::ALL.iter().zip(&self.weights) {
-            let lines = w.lines(stacks, &symbols, outputs.header.offcpu_min_ns);
-            if *kind == render::flamegraph::Kind::Attributed {
-                report.other_offcpu_top_stacks =
-                    render::flamegraph::top_stacks(&lines, "other_offcpu", 5);
-                report.nccl_wait_top_stacks =
-                    render::flamegraph::top_stacks(&lines, "nccl_wait", 5);
+        let graphs = Graphs {
+            dir: &self.dir,
+            stacks,
+            symbols: &symbols,
+            min_ns: outputs.header.offcpu_min_ns,
+        };
+        for (tops, failed) in graphs.write(&weighed.weights) {
+            if let Some((other_offcpu, nccl_wait)) = tops {
+                report.other_offcpu_top_stacks = other_offcpu;
+                report.nccl_wait_top_stacks = nccl_wait;
             }
-            file(&format!("{}.folded", kind.file()), &mut |out| {
-                render::flamegraph::write_folded(&lines, out)
-            });
-            file(&format!("{}.svg", kind.file()), &mut |out| {
-                render::flamegraph::write_svg(*kind, &lines, out)
-            });
+            if let Some(e) = failed {
+                self.failed.get_or_insert(e);
+            }
         }
         if let Some(steps) = &self.steps {
             steps.end(Box::new(report.clone()));
         }
         let stdout = Path::new("(standard output)");
-        let share = render::flamegraph::short_stack_share(stacks, &self.samples);
+        let share = render::flamegraph::short_stack_share(stacks, &weighed.samples);
         let mut print = || -> io::Result<()> {
             render::summary::write_text(&outputs.summary, text)?;
             // Before the steps: the table's verdict stays the last line.
@@ -435,6 +541,7 @@ impl Streamer {
         for done in [
             self.steps.take().map(Worker::finished),
             self.trace.take().map(Worker::finished),
+            self.flamegraphs.take().map(Worker::finished),
         ]
         .into_iter()
         .flatten()

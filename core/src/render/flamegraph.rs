@@ -168,7 +168,9 @@ const SHORT_STACK: u32 = u32::MAX;
 /// at the end ([`Weights::lines`]), as traces hold far more samples than stacks.
 #[derive(Debug, Default)]
 pub struct Weights {
-    ns: BTreeMap<(Option<Cat>, u32, u32, u32), u64>,
+    /// Hashed, not ordered: [`Weights::lines`] orders the lines (a tree's search was a
+    /// tenth of the report's main thread on the trainer recording).
+    ns: std::collections::HashMap<(Option<Cat>, u32, u32, u32), u64, foldhash::fast::FixedState>,
     /// Each thread's root frame, as it was last seen.
     threads: BTreeMap<u32, String>,
 }

@@ -215,8 +215,11 @@ impl<W: Write> TraceStream<W> {
 
     fn calls(&mut self, detail: &Detail) -> io::Result<()> {
         // Slice names made once per function (NVTX names once per call).
-        let mut names: std::collections::HashMap<crate::event::Func, String> =
-            std::collections::HashMap::new();
+        let mut names: std::collections::HashMap<
+            crate::event::Func,
+            String,
+            foldhash::fast::FixedState,
+        > = std::collections::HashMap::default();
         let mut nvtx_name: String;
         for c in &detail.calls {
             let library = c.func.library();
