@@ -59,6 +59,48 @@ fn stacks_interned_once_even_when_hashes_collide() {
     assert_eq!(ids.intern(&mut table, frames(&key(1, 10))), 0);
     assert!(ids.collisions.is_empty());
 }
+/// The changes' sort gives the standard sort's order: on a log in order but for starts
+/// added late (the fast path), and on one in no order (past the budget, the fallback).
+#[test]
+fn nearly_sorted_changes_sort_as_the_standard_sort() {
+    let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let changes = [
+        Change::SwitchIn,
+        Change::SwitchOut { runnable: true },
+        Change::SyncStart,
+        Change::SyncEnd,
+        Change::FaultStart,
+    ];
+    for shuffled in [false, true] {
+        let mut v: Vec<(u64, Change)> = Vec::new();
+        let mut ts = 0;
+        for _ in 0..5_000 {
+            ts += next() % 1_000;
+            let c = changes[(next() % 5) as usize];
+            if shuffled {
+                v.push((next() % 5_000_000, c));
+            } else if next() % 4 == 0 {
+                // A start, added at its end: a few hundred µs back.
+                v.push((ts.saturating_sub(next() % 400_000), c));
+            } else {
+                v.push((ts, c));
+            }
+        }
+        let mut want = v.clone();
+        want.sort_unstable();
+        super::epoch::sort_nearly(&mut v);
+        assert_eq!(v, want, "shuffled: {shuffled}");
+    }
+    let mut empty: Vec<(u64, Change)> = Vec::new();
+    super::epoch::sort_nearly(&mut empty);
+}
+
 use crate::event::Func;
 use crate::record::{ClockRef, Header};
 

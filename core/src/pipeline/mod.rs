@@ -173,6 +173,10 @@ impl Aggregator {
 
     /// Hands the epochs attributed so far to the streamer.
     fn drain_epochs(&mut self) {
+        // Asked after every event: most often there is none.
+        if !self.timeline.has_epochs() {
+            return;
+        }
         // Epochs are handed on only when one of these asked for them (`emit_epochs`).
         for mut e in self.timeline.take_epochs() {
             let d = &mut e.detail;

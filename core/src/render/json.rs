@@ -100,6 +100,14 @@ impl<'w, W: Write> Obj<'w, W> {
         }
     }
 
+    /// An integer as a quoted hex string, `"0x1f"` (what `format!("\"{v:#x}\"")` writes,
+    /// without the formatting machinery: it was a tenth of trace.json's time).
+    #[inline]
+    pub(crate) fn hex(&mut self, key: &str, v: u64) -> io::Result<()> {
+        let out = self.key(key)?;
+        out.write_all(hex_quoted(v, &mut [0; 20]))
+    }
+
     /// Any value, through serde_json (floats, and what is rare enough not to matter).
     #[inline]
     pub(crate) fn value(&mut self, key: &str, v: &impl Serialize) -> io::Result<()> {
@@ -135,6 +143,22 @@ fn write_ms(out: &mut impl Write, ns: u64) -> io::Result<()> {
     out.write_all(&digits[..len])
 }
 
+/// `"0x…"` for `v` (lowercase, no leading zeros), written into the end of `buf`.
+fn hex_quoted(mut v: u64, buf: &mut [u8; 20]) -> &[u8] {
+    let mut i = buf.len() - 1;
+    buf[i] = b'"';
+    loop {
+        i -= 1;
+        buf[i] = b"0123456789abcdef"[(v & 15) as usize];
+        v >>= 4;
+        if v == 0 {
+            break;
+        }
+    }
+    buf[i - 3..i].copy_from_slice(b"\"0x");
+    &buf[i - 3..]
+}
+
 /// Whether `s` is written in JSON as it is (no quote, backslash or control character).
 fn plain(s: &str) -> bool {
     !s.bytes().any(|b| b == b'"' || b == b'\\' || b < 0x20)
@@ -151,6 +175,17 @@ pub(crate) fn categories(out: &mut impl Write, c: &crate::attribute::Categories)
 
 #[cfg(test)]
 mod tests {
+    /// The hex strings are the formatter's.
+    #[test]
+    fn hex_as_the_formatter_writes_it() {
+        let mut values = vec![0, 1, 15, 16, 255, 256, u64::MAX, u64::MAX - 1, 1 << 63];
+        values.extend((0..64).map(|s| 0x9e37_79b9_7f4a_7c15u64 >> s));
+        for v in values {
+            let ours = super::hex_quoted(v, &mut [0; 20]).to_vec();
+            assert_eq!(String::from_utf8(ours).unwrap(), format!("\"{v:#x}\""));
+        }
+    }
+
     /// The milliseconds written from the integer are serde_json's bytes for the float,
     /// over every magnitude.
     #[test]

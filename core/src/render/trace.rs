@@ -104,6 +104,30 @@ fn write_us(out: &mut impl Write, ns: u64) -> io::Result<()> {
     ])
 }
 
+/// Counts each time of `times` (ns since the trace's start) in its 100-ms bin, into the
+/// count `of` picks: a run of times in one bin is looked up once (a lookup a fault was a
+/// tenth of trace.json's time).
+fn count_in_bins(
+    bins: &mut std::collections::BTreeMap<u64, (u64, u64)>,
+    times: impl Iterator<Item = u64>,
+    of: impl Fn(&mut (u64, u64)) -> &mut u64,
+) {
+    let mut run: Option<(u64, u64)> = None;
+    for bin in times.map(|ns| ns / BIN_NS) {
+        match &mut run {
+            Some((b, n)) if *b == bin => *n += 1,
+            _ => {
+                if let Some((b, n)) = run.replace((bin, 1)) {
+                    *of(bins.entry(b).or_default()) += n;
+                }
+            }
+        }
+    }
+    if let Some((b, n)) = run {
+        *of(bins.entry(b).or_default()) += n;
+    }
+}
+
 fn dur(a: u64, b: u64) -> u64 {
     b.saturating_sub(a)
 }
@@ -310,12 +334,16 @@ impl<W: Write> TraceStream<W> {
             self.w.event(&ev)?;
         }
         let bins = self.bins.entry(t.pid).or_default();
-        for ts in &t.faults {
-            bins.entry(ts.saturating_sub(base) / BIN_NS).or_default().0 += 1;
-        }
-        for (ts, _, _) in &t.migrations {
-            bins.entry(ts.saturating_sub(base) / BIN_NS).or_default().1 += 1;
-        }
+        count_in_bins(
+            bins,
+            t.faults.iter().map(|ts| ts.saturating_sub(base)),
+            |b| &mut b.0,
+        );
+        count_in_bins(
+            bins,
+            t.migrations.iter().map(|m| m.0.saturating_sub(base)),
+            |b| &mut b.1,
+        );
         for &ts in &t.faults {
             if !self.w.traced(ts) {
                 continue;

@@ -156,7 +156,7 @@ impl Args for CallArgs<'_> {
 /// A pointer-like value as a hex string, when there is one.
 pub(super) fn hex(o: &mut Obj<'_, impl Write>, key: &str, v: Option<u64>) -> io::Result<()> {
     match v {
-        Some(v) => write!(o.key(key)?, "\"{v:#x}\""),
+        Some(v) => o.hex(key, v),
         None => Ok(()),
     }
 }
