@@ -123,6 +123,14 @@ impl Timeline {
     /// Attributes an epoch if enough steps closed; else tries again after more events.
     pub(super) fn try_epoch(&mut self) {
         let force = self.buffered >= self.epoch_events.saturating_mul(FORCE_FACTOR);
+        // An epoch ends REORDER_NS before the newest record: until the buffer spans twice
+        // that, most of it would be held back and searched again at the next try (with
+        // µs-long steps, 10 ms is thousands of them).
+        let span = self.last_ns.saturating_sub(self.cut_ns.max(self.first_ns));
+        if !force && span < 2 * REORDER_NS {
+            self.next_try = self.buffered.saturating_add(self.epoch_events);
+            return;
+        }
         if self.epoch(None, force) {
             self.buffered = 0;
             self.next_try = self.epoch_events;
@@ -295,9 +303,16 @@ impl Timeline {
             .iter()
             .filter_map(|id| self.loop_thread(id.pid).map(|tid| (id.pid, tid)))
             .collect();
-        let steps = self.steps(bounds, &identities, &loop_threads);
+        // Each process's collectives of the epoch, gathered once for the steps and totals.
+        let colls: BTreeMap<u32, Vec<Collective>> = identities
+            .iter()
+            .map(|id| id.pid)
+            .chain(self.done.rank.map(|r| r.1))
+            .map(|pid| (pid, self.process_collectives(pid, false)))
+            .collect();
+        let steps = self.steps(bounds, &identities, &loop_threads, &colls);
         self.done.next_index += steps.len();
-        self.totals(&from, until, &identities, &loop_threads);
+        self.totals(&from, until, &identities, &loop_threads, &colls);
         self.settle_blocks(until, &loop_threads);
         let emit = self.emit;
         let detail = self.epoch_detail(cut, until, emit);
@@ -465,11 +480,11 @@ fn take_where<T>(v: &mut Vec<T>, mut pred: impl FnMut(&T) -> bool) -> Vec<T> {
     let k = v.iter().position(|x| !pred(x)).unwrap_or(v.len());
     if v[k..].iter().all(|x| !pred(x)) {
         // The usual case, those picked first: the buffer goes with them, the few kept
-        // are copied into a new one.
-        let kept: Vec<T> = v.drain(k..).collect();
-        let taken = std::mem::replace(v, kept);
-        v.reserve(taken.len());
-        return taken;
+        // are copied into a new one, with room for as many as were taken (grown from
+        // their number, it was copied again).
+        let mut kept = Vec::with_capacity(v.len());
+        kept.extend(v.drain(k..));
+        return std::mem::replace(v, kept);
     }
     let n = v.iter().filter(|x| pred(x)).count();
     let mut taken = Vec::with_capacity(n);

@@ -40,6 +40,7 @@ impl Timeline {
         bounds: &[(u64, u64)],
         identities: &[ranks::RankIdentity],
         loop_threads: &BTreeMap<u32, u32>,
+        colls: &BTreeMap<u32, Vec<Collective>>,
     ) -> Vec<Step> {
         let Some((tid, pid)) = self.done.rank else {
             return Vec::new();
@@ -50,11 +51,11 @@ impl Timeline {
                 .find(|i| i.pid == pid)
                 .map_or(-1, |i| i.rank)
         };
-        let colls = self.process_collectives(pid, false);
+        let colls = colls.get(&pid).map_or(&[][..], Vec::as_slice);
         let log = &self.threads[&tid];
         let mut out = Vec::with_capacity(bounds.len());
         for &(a, b) in bounds {
-            let mut step = self.step(self.done.next_index + out.len(), log, tid, &colls, a, b);
+            let mut step = self.step(self.done.next_index + out.len(), log, tid, colls, a, b);
             if loop_threads.len() > 1 {
                 step.slowest_rank = ranks::slowest_in(&self.done.lateness, a, b).map(rank_of);
                 step.ranks = loop_threads
@@ -79,6 +80,7 @@ impl Timeline {
         until: u64,
         identities: &[ranks::RankIdentity],
         loop_threads: &BTreeMap<u32, u32>,
+        colls: &BTreeMap<u32, Vec<Collective>>,
     ) {
         for (tid, log) in &self.threads {
             let t = self.done.threads.entry(*tid).or_default();
@@ -96,9 +98,8 @@ impl Timeline {
             t.cross_node_migrations += migrations.iter().filter(|(_, x)| *x).count() as u64;
         }
         for id in identities {
-            let colls = self.process_collectives(id.pid, false);
             let n = self.done.rank_nccl.entry(id.pid).or_default();
-            for c in colls.iter().take_while(|c| c.start_ns < until) {
+            for c in colls[&id.pid].iter().take_while(|c| c.start_ns < until) {
                 n.collectives += 1;
                 n.bytes = n.bytes.saturating_add(c.bytes);
             }
