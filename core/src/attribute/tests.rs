@@ -411,6 +411,32 @@ fn switch(ts: u64, out: bool, state: i64) -> Event {
     }
 }
 
+/// With µs-long steps an epoch waits until its buffer spans twice the reorder horizon
+/// (else most of each try's buffer was held back and searched again at the next): 40 ms
+/// of 2-µs calls in epochs of 2,048 events make at most three epochs (eight before), and
+/// find the same steps as one epoch over the whole run.
+#[test]
+fn short_steps_wait_for_the_reorder_horizon() {
+    let run = |epoch_events: u64| {
+        let mut tl = Timeline::new(&Setup::from(&header()));
+        tl.stream(StepRule::Window(100_000), epoch_events);
+        for i in 0..20_000u64 {
+            let t = 1_000_000 + i * 2_000;
+            tl.push(&Event::Call(Call::new(
+                task(10),
+                Func::AllReduce,
+                t,
+                t + 1_000,
+            )));
+        }
+        tl.finish(41_000_000, StepRule::Window(100_000)).0
+    };
+    let (epochs, whole) = (run(2_048), run(0));
+    assert!(epochs.epochs <= 3, "{} epochs", epochs.epochs);
+    assert_eq!(epochs.steps.len(), whole.steps.len());
+    assert!(whole.steps.len() >= 390, "{} steps", whole.steps.len());
+}
+
 /// Off-CPU stacks taken as the thread comes back are timed at its switch-out
 /// (`Header::offcpu_min_ns`): here 39 ms earlier, epochs ago. The stretch still gets
 /// its stack; late records of any other kind stay left out and counted.
