@@ -77,41 +77,41 @@ impl<W: Write> StepsJson<W> {
 /// One step as `Step`'s `Serialize` writes it (`step_rows_as_serde_writes_them` holds
 /// them to it), field by field: the rows are most of a short-step run's report.
 fn write_step(out: &mut impl Write, s: &Step) -> io::Result<()> {
-    use super::json::{Obj, categories};
+    use super::json::{Obj, categories, key};
     let mut o = Obj::new(out)?;
-    o.u64("index", s.index as u64)?;
-    o.u64("start_ns", s.start_ns)?;
-    o.u64("end_ns", s.end_ns)?;
-    o.u64("wall_ns", s.wall_ns)?;
-    categories(o.key("categories_ns")?, &s.categories)?;
-    let n = o.key("nccl")?;
+    o.u64(key!("index"), s.index as u64)?;
+    o.u64(key!("start_ns"), s.start_ns)?;
+    o.u64(key!("end_ns"), s.end_ns)?;
+    o.u64(key!("wall_ns"), s.wall_ns)?;
+    categories(o.key(key!("categories_ns"))?, &s.categories)?;
+    let n = o.key(key!("nccl"))?;
     let mut nccl = Obj::new(n)?;
-    nccl.u64("collectives", s.nccl.collectives)?;
-    nccl.u64("bytes", s.nccl.bytes)?;
+    nccl.u64(key!("collectives"), s.nccl.collectives)?;
+    nccl.u64(key!("bytes"), s.nccl.bytes)?;
     nccl.end()?;
-    o.u64("faults", s.faults)?;
-    o.u64("migrations", s.migrations)?;
-    o.u64("cross_node_migrations", s.cross_node_migrations)?;
-    o.u64("numa_page_migrations", s.numa_page_migrations)?;
-    o.u64("numa_task_moves", s.numa_task_moves)?;
-    o.value("remote_access", &s.remote_access)?;
+    o.u64(key!("faults"), s.faults)?;
+    o.u64(key!("migrations"), s.migrations)?;
+    o.u64(key!("cross_node_migrations"), s.cross_node_migrations)?;
+    o.u64(key!("numa_page_migrations"), s.numa_page_migrations)?;
+    o.u64(key!("numa_task_moves"), s.numa_task_moves)?;
+    o.value(key!("remote_access"), &s.remote_access)?;
     if let Some(loads) = &s.remote_loads {
-        o.value("remote_loads", loads)?;
+        o.value(key!("remote_loads"), loads)?;
     }
     if let Some(ib) = &s.infiniband {
-        o.value("infiniband", ib)?;
+        o.value(key!("infiniband"), ib)?;
     }
-    o.opt_i64("slowest_rank", s.slowest_rank.map(i64::from))?;
-    let out = o.key("ranks")?;
+    o.opt_i64(key!("slowest_rank"), s.slowest_rank.map(i64::from))?;
+    let out = o.key(key!("ranks"))?;
     out.write_all(b"[")?;
     for (i, r) in s.ranks.iter().enumerate() {
         if i > 0 {
             out.write_all(b",")?;
         }
         let mut rank = Obj::new(&mut *out)?;
-        rank.i64("rank", i64::from(r.rank))?;
-        rank.u64("pid", u64::from(r.pid))?;
-        categories(rank.key("categories_ns")?, &r.categories)?;
+        rank.i64(key!("rank"), i64::from(r.rank))?;
+        rank.u64(key!("pid"), u64::from(r.pid))?;
+        categories(rank.key(key!("categories_ns"))?, &r.categories)?;
         rank.end()?;
     }
     out.write_all(b"]")?;

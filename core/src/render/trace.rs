@@ -9,7 +9,7 @@ use std::io::{self, Write};
 use serde::Serialize;
 use serde_json::json;
 
-use super::json::Obj;
+use super::json::{Obj, key};
 
 use crate::attribute::{Detail, Step, StepsReport};
 use crate::event::{Library, datatype_name, redop_name};
@@ -41,25 +41,25 @@ impl<W: Write> Writer<W> {
         self.separator()?;
         self.ev.clear();
         let mut o = Obj::new(&mut self.ev)?;
-        o.plain("ph", ev.ph)?;
+        o.plain(key!("ph"), ev.ph)?;
         if let Some(s) = ev.s {
-            o.plain("s", s)?;
+            o.plain(key!("s"), s)?;
         }
         if let Some(cat) = ev.cat {
-            o.plain("cat", cat)?;
+            o.plain(key!("cat"), cat)?;
         }
-        o.str("name", ev.name)?;
-        o.u64("pid", u64::from(ev.pid))?;
+        o.str(key!("name"), ev.name)?;
+        o.u64(key!("pid"), u64::from(ev.pid))?;
         if let Some(tid) = ev.tid {
-            o.u64("tid", tid)?;
+            o.u64(key!("tid"), tid)?;
         }
         if let Some(ts) = ev.ts {
-            write_us(o.key("ts")?, ts)?;
+            write_us(o.key(key!("ts"))?, ts)?;
         }
         if let Some(dur) = ev.dur {
-            write_us(o.key("dur")?, dur)?;
+            write_us(o.key(key!("dur"))?, dur)?;
         }
-        let mut args = Obj::new(o.key("args")?)?;
+        let mut args = Obj::new(o.key(key!("args"))?)?;
         ev.args.write(&mut args)?;
         args.end()?;
         o.end()?;

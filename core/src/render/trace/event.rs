@@ -1,6 +1,7 @@
 //! One trace event and the arguments each kind carries, written field by field.
 
 use super::{Obj, Step, Write, io};
+use crate::render::json::{AsKey, Key, category_keys, key};
 
 /// One trace event, written as it is (no intermediate JSON tree: traces run to millions
 /// of events).
@@ -89,16 +90,16 @@ pub(super) struct StepArgs<'a>(pub(super) &'a Step);
 impl Args for StepArgs<'_> {
     fn write(&self, o: &mut Obj<'_, impl Write>) -> io::Result<()> {
         // The keys made once, not once a step.
-        static KEYS: std::sync::LazyLock<[String; 7]> =
-            std::sync::LazyLock::new(|| crate::attribute::NAMES.map(|name| format!("{name}_ms")));
+        static KEYS: std::sync::LazyLock<[Key; 7]> =
+            std::sync::LazyLock::new(|| category_keys("_ms"));
         let s = self.0;
         for (key, (_, value)) in KEYS.iter().zip(s.categories.named()) {
-            o.ms(key, value)?;
+            o.ms(*key, value)?;
         }
-        o.u64("nccl_collectives", s.nccl.collectives)?;
-        o.u64("nccl_bytes", s.nccl.bytes)?;
-        o.u64("faults", s.faults)?;
-        o.u64("migrations", s.migrations)
+        o.u64(key!("nccl_collectives"), s.nccl.collectives)?;
+        o.u64(key!("nccl_bytes"), s.nccl.bytes)?;
+        o.u64(key!("faults"), s.faults)?;
+        o.u64(key!("migrations"), s.migrations)
     }
 }
 
@@ -123,38 +124,38 @@ pub(super) struct CallArgs<'a> {
 impl Args for CallArgs<'_> {
     fn write(&self, o: &mut Obj<'_, impl Write>) -> io::Result<()> {
         if let Some(ret) = self.ret {
-            o.i64("ret", i64::from(ret))?;
+            o.i64(key!("ret"), i64::from(ret))?;
         }
-        for (key, v) in [("bytes", self.bytes), ("count", self.count)] {
+        for (key, v) in [(key!("bytes"), self.bytes), (key!("count"), self.count)] {
             if let Some(v) = v {
                 o.u64(key, v)?;
             }
         }
-        for (key, v) in [("datatype", self.datatype), ("op", self.op)] {
+        for (key, v) in [(key!("datatype"), self.datatype), (key!("op"), self.op)] {
             if let Some(v) = v {
                 o.str(key, v)?;
             }
         }
         if let Some(v) = self.peer_or_root {
-            o.i64("peer_or_root", i64::from(v))?;
+            o.i64(key!("peer_or_root"), i64::from(v))?;
         }
-        hex(o, "comm", self.comm)?;
+        hex(o, key!("comm"), self.comm)?;
         if let Some(v) = self.seq {
-            o.u64("seq", v)?;
+            o.u64(key!("seq"), v)?;
         }
-        hex(o, "stream", self.stream)?;
+        hex(o, key!("stream"), self.stream)?;
         if let Some(v) = self.rank {
-            o.i64("rank", i64::from(v))?;
+            o.i64(key!("rank"), i64::from(v))?;
         }
         if let Some(v) = self.python {
-            o.str("python", v)?;
+            o.str(key!("python"), v)?;
         }
         Ok(())
     }
 }
 
 /// A pointer-like value as a hex string, when there is one.
-pub(super) fn hex(o: &mut Obj<'_, impl Write>, key: &str, v: Option<u64>) -> io::Result<()> {
+pub(super) fn hex(o: &mut Obj<'_, impl Write>, key: impl AsKey, v: Option<u64>) -> io::Result<()> {
     match v {
         Some(v) => o.hex(key, v),
         None => Ok(()),
