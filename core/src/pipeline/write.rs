@@ -325,17 +325,18 @@ impl Graphs<'_> {
                 .map(|(&kind, w)| {
                     let draw = move || self.one(kind, w);
                     // Drawn here if no thread can be started.
-                    std::thread::Builder::new()
+                    let thread = std::thread::Builder::new()
                         .name("nccltrace-flame".into())
                         .spawn_scoped(scope, draw)
-                        .map_err(|_| draw)
+                        .map_err(|_| draw);
+                    (kind, thread)
                 })
                 .collect();
             running
                 .into_iter()
-                .map(|r| match r {
+                .map(|(kind, thread)| match thread {
                     Ok(thread) => thread.join().unwrap_or_else(|_| {
-                        let path = self.dir.join("flamegraph-*.svg");
+                        let path = self.dir.join(format!("{}.svg", kind.file()));
                         (
                             None,
                             Some((path, io::Error::other("its drawing thread panicked"))),
