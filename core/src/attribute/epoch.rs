@@ -122,12 +122,17 @@ pub(super) fn sort_nearly<T: Ord + Copy>(v: &mut [T]) {
 impl Timeline {
     /// Attributes an epoch if enough steps closed; else tries again after more events.
     pub(super) fn try_epoch(&mut self) {
+        self.try_epoch_spanning(2 * REORDER_NS);
+    }
+
+    /// As [`Timeline::try_epoch`], once the buffer spans `min_span_ns`.
+    fn try_epoch_spanning(&mut self, min_span_ns: u64) {
         let force = self.buffered >= self.epoch_events.saturating_mul(FORCE_FACTOR);
         // An epoch ends REORDER_NS before the newest record: until the buffer spans twice
         // that, most of it would be held back and searched again at the next try (with
         // µs-long steps, 10 ms is thousands of them).
         let span = self.last_ns.saturating_sub(self.cut_ns.max(self.first_ns));
-        if !force && span < 2 * REORDER_NS {
+        if !force && span < min_span_ns {
             self.next_try = self.buffered.saturating_add(self.epoch_events);
             return;
         }
@@ -146,7 +151,8 @@ impl Timeline {
     /// step period is then known): for a run that went quiet.
     pub fn try_epoch_now(&mut self) {
         if self.epoch_events > 0 && self.buffered > 0 && self.done.epochs > 0 {
-            self.try_epoch();
+            // No waiting for the buffer to span more: no more records may come.
+            self.try_epoch_spanning(0);
         }
     }
 
