@@ -399,6 +399,12 @@ impl Timeline {
         std::mem::take(&mut self.done.ready)
     }
 
+    /// Epochs attributed so far.
+    #[cfg(test)]
+    pub(super) fn epochs_done(&self) -> u64 {
+        self.done.epochs
+    }
+
     /// Whether epochs wait to be taken ([`Timeline::take_epochs`]).
     #[must_use]
     pub fn has_epochs(&self) -> bool {

@@ -437,6 +437,36 @@ fn short_steps_wait_for_the_reorder_horizon() {
     assert!(whole.steps.len() >= 390, "{} steps", whole.steps.len());
 }
 
+/// A run that went quiet has its closed steps attributed at the next idle try, without
+/// waiting for its buffer to span twice the reorder horizon (no more records may come):
+/// 100-µs steps, 16 ms of records past the cut, then nothing (fails if the idle try waits).
+#[test]
+fn a_quiet_run_is_attributed_without_waiting_for_the_horizon() {
+    let mut tl = Timeline::new(&Setup::from(&header()));
+    tl.stream(StepRule::Window(100_000), 64);
+    let call = |us: u64| {
+        let t = us * 1_000;
+        Event::Call(Call::new(task(10), Func::AllReduce, t, t + 50_000))
+    };
+    // A call every 100 µs up to the first epoch.
+    let mut us = 1_000;
+    while tl.epochs_done() == 0 {
+        assert!(us < 100_000, "no epoch in 100 ms of records");
+        tl.push(&call(us));
+        us += 100;
+    }
+    // Then up to 16 ms past the cut, and quiet: steps closed before the horizon, but less
+    // than twice the horizon since the cut.
+    let end_us = tl.cut_ns / 1_000 + 16_000;
+    assert!(us < end_us, "the first epoch came late: {us} µs");
+    for us in (us..end_us).step_by(100) {
+        tl.push(&call(us));
+    }
+    assert_eq!(tl.epochs_done(), 1);
+    tl.try_epoch_now();
+    assert_eq!(tl.epochs_done(), 2, "the idle try attributed nothing");
+}
+
 /// Off-CPU stacks taken as the thread comes back are timed at its switch-out
 /// (`Header::offcpu_min_ns`): here 39 ms earlier, epochs ago. The stretch still gets
 /// its stack; late records of any other kind stay left out and counted.
