@@ -52,6 +52,12 @@ pub struct Probes {
     /// given.
     #[serde(default)]
     pub python_frames: bool,
+    /// With `python_frames`: walk them with a `bpf_loop` callback (Linux 5.17+), which the
+    /// kernel verifies once, rather than an unrolled loop verified turn by turn on every
+    /// path to it (most of the programs' verification, so of attaching). Kernels before
+    /// 5.17 get the unrolled loop. On when not given.
+    #[serde(default = "yes")]
+    pub python_loop: bool,
     /// Off-CPU stacks without kernel frames and call-entry stacks: where a thread's native
     /// stack is where it was at its previous stack of that kind (same instruction, stack
     /// and frame pointers, and the innermost frame link, under a second ago), reuse those

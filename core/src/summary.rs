@@ -132,6 +132,10 @@ pub struct AgentStats {
     /// (one each); absent for older recordings.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub uprobes: Option<String>,
+    /// How the kernel programs walked Python frames: "bpf_loop callback" (Linux 5.17+,
+    /// verified once) or "unrolled loop (why)"; absent without Python frames.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub python_walk: Option<String>,
     /// Peak resident memory (VmHWM) of the whole agent process over the whole run, its
     /// end (reading back, attributing, writing every other output) included.
     pub peak_rss_kb: u64,

@@ -217,7 +217,7 @@ fn entries_profile(dir: &Path) -> PathBuf {
 
 /// The default profile with each (line, replacement) of `changes` made, written to
 /// `dir/name`; each line must be in it (a renamed key fails here, not silently).
-fn default_profile_with(dir: &Path, name: &str, changes: &[(&str, &str)]) -> PathBuf {
+pub(crate) fn default_profile_with(dir: &Path, name: &str, changes: &[(&str, &str)]) -> PathBuf {
     let mut text = std::fs::read_to_string(workspace().join("profiles/default.toml")).unwrap();
     for (line, replacement) in changes {
         assert!(text.contains(line), "the default profile has no {line:?}");

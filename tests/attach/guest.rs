@@ -339,3 +339,38 @@ fn doctor_names_far_memory() {
     let near = doctor_on("0");
     assert_eq!(finding(&near), None, "{near}");
 }
+
+/// Issue 22: the Python frames walked by the `bpf_loop` callback, and by the unrolled loop
+/// that kernels before 5.17 get, on this kernel's verifier (Debian's CPython 3.11, which
+/// the guest shares with the host), naming the lines that waited as on the host.
+#[test]
+#[ignore = "runs in a two-node QEMU guest: cargo xtask vm-test"]
+fn python_frames_in_the_guest() {
+    let _serial = privileged();
+    in_guest();
+    let python = Path::new("/usr/bin/python3.11");
+    let dir = tempfile::tempdir().unwrap();
+    let unrolled = crate::counts::default_profile_with(
+        dir.path(),
+        "unrolled.toml",
+        &[("python_loop = true", "python_loop = false")],
+    );
+    for (args, walk) in [
+        (vec![], "bpf_loop callback"),
+        (
+            vec!["--profile", unrolled.to_str().unwrap()],
+            "unrolled loop (profile python_loop = false)",
+        ),
+    ] {
+        let run = tempfile::tempdir().unwrap();
+        let (code, summary, stderr, out) =
+            crate::python::traced_rank_with(&[], python, run.path(), &args);
+        assert_eq!(code, 0, "{stderr}");
+        assert_eq!(
+            summary["agent"]["python_walk"], walk,
+            "{}",
+            summary["agent"]
+        );
+        crate::python::check_python_frames(&out, python);
+    }
+}

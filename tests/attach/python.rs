@@ -69,12 +69,22 @@ fn interpreters() -> Vec<(u32, PathBuf)> {
 
 /// Attaches for 3 s to the stand-in rank run by `python`: (exit code, summary, all it
 /// said on stderr, outputs folder), with the folder kept in `dir`.
-fn traced_python_rank(python: &Path, dir: &Path) -> (i32, Value, String, PathBuf) {
+pub(crate) fn traced_python_rank(python: &Path, dir: &Path) -> (i32, Value, String, PathBuf) {
     traced_wrapped_rank(&[], python, dir)
 }
 
 /// [`traced_python_rank`] with the rank started under `wrap` (the rank is its only child).
 fn traced_wrapped_rank(wrap: &[&str], python: &Path, dir: &Path) -> (i32, Value, String, PathBuf) {
+    traced_rank_with(wrap, python, dir, &[])
+}
+
+/// [`traced_wrapped_rank`] with `args` added to the attach command.
+pub(crate) fn traced_rank_with(
+    wrap: &[&str],
+    python: &Path,
+    dir: &Path,
+    args: &[&str],
+) -> (i32, Value, String, PathBuf) {
     let mut rank = python_rank(wrap, python, dir, 100_000);
     rank.release();
     std::thread::sleep(Duration::from_millis(300));
@@ -88,7 +98,9 @@ fn traced_wrapped_rank(wrap: &[&str], python: &Path, dir: &Path) -> (i32, Value,
     };
     // Killed however this ends: a rank left running would be found by other tests' `--all`.
     let guard = KillOnDrop(pid);
-    let agent = Agent::attach(pid, &out, &["--duration", "3s"]);
+    let mut all = vec!["--duration", "3s"];
+    all.extend(args);
+    let agent = Agent::attach(pid, &out, &all);
     // What it said up to attaching, then after.
     let said = [agent.before.join("\n"), agent.attached.clone()].join("\n");
     let (code, summary, stderr) = agent.wait(Duration::from_secs(60));
@@ -146,11 +158,6 @@ fn share_with(lines: &[(String, u64)], frames: &[String]) -> f64 {
     }
 }
 
-/// Issue 21: attached to a running CPython (Debian's 3.11) that was started without a
-/// perf flag, the nccl-wait flamegraph names the Python function and line that waited
-/// (`wait_for_gpu (py_rank.py:N)` under `train_step (py_rank.py:M)`), the on-CPU graph
-/// names the busy loop's line, the summary says which interpreter was found, and
-/// `report` names the same frames from the recording alone.
 /// Issue 21: attached to a running CPython started without a perf flag (Debian's 3.11,
 /// and every 3.10–3.13 pyenv keeps here), the nccl-wait flamegraph names the Python
 /// function and line that waited (`wait_for_gpu (py_rank.py:N)` under
@@ -180,14 +187,60 @@ fn python_frames_name_the_lines_that_wait() {
         );
         assert_eq!(target["python"]["frames"], true, "{target}");
         assert!(target["python_stacks"].as_u64().unwrap() > 100, "{target}");
+        assert_eq!(
+            summary["agent"]["python_walk"], "bpf_loop callback",
+            "{}",
+            summary["agent"]
+        );
         check_python_frames(&out, python);
         // From the recording alone, as on another machine after the rank has exited.
         check_python_frames(&report(&out, dir.path()), python);
     }
 }
 
+/// Issue 22: the Python frames walked by the unrolled loop that kernels before 5.17 get
+/// (forced here by the profile) name the same lines as the `bpf_loop` walk, for CPython
+/// 3.11 (entry flags) and 3.12 (shim frames) where pyenv has it, and the summary says
+/// which walk ran.
+#[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
+fn python_frames_walked_by_the_unrolled_loop() {
+    let _serial = privileged();
+    let dir = tempfile::tempdir().unwrap();
+    let profile = crate::counts::default_profile_with(
+        dir.path(),
+        "unrolled.toml",
+        &[("python_loop = true", "python_loop = false")],
+    );
+    let chosen: Vec<(u32, PathBuf)> = interpreters()
+        .into_iter()
+        .filter(|(minor, python)| {
+            *minor == 12 || python.as_path() == Path::new("/usr/bin/python3.11")
+        })
+        .collect();
+    assert!(!chosen.is_empty(), "no CPython 3.11 or 3.12 here");
+    for (_, python) in &chosen {
+        let run = tempfile::tempdir().unwrap();
+        let (code, summary, stderr, out) = traced_rank_with(
+            &[],
+            python,
+            run.path(),
+            &["--profile", profile.to_str().unwrap()],
+        );
+        assert_eq!(code, 0, "{}: {stderr}", python.display());
+        assert_eq!(
+            summary["agent"]["python_walk"], "unrolled loop (profile python_loop = false)",
+            "{}",
+            summary["agent"]
+        );
+        let target = &summary["targets"][0];
+        assert!(target["python_stacks"].as_u64().unwrap() > 100, "{target}");
+        check_python_frames(&out, python);
+    }
+}
+
 /// The frames `python_frames_name_the_lines_that_wait` expects in `out`'s flamegraphs.
-fn check_python_frames(out: &Path, python: &Path) {
+pub(crate) fn check_python_frames(out: &Path, python: &Path) {
     let at = |func: &str, mark: &str| format!("{func} (py_rank.py:{})", marked_line(mark));
     let waited = [
         at("<module>", "loop"),

@@ -15,12 +15,48 @@ pub(super) fn ring_shards() -> u32 {
     rings::shards_for(usize::try_from(cpus).unwrap_or(1))
 }
 
+/// The first kernel with the `bpf_loop` helper.
+const BPF_LOOP_SINCE: (u32, u32) = (5, 17);
+
+/// How the kernel programs walk Python frames under `profile` on a kernel of release
+/// `kernel` (major, minor; `None`: unknown): with a `bpf_loop` callback (true), or an
+/// unrolled loop, and in words for summary.json (`None` without Python frames).
+pub(super) fn python_walk(profile: &Profile, kernel: Option<(u32, u32)>) -> (bool, Option<String>) {
+    if !profile.probes.python_frames {
+        return (false, None);
+    }
+    let why_not = if profile.probes.python_loop {
+        match kernel {
+            Some(release) if release >= BPF_LOOP_SINCE => {
+                return (true, Some("bpf_loop callback".to_owned()));
+            }
+            Some((major, minor)) => format!(
+                "kernel {major}.{minor} has no bpf_loop (Linux {}.{}+)",
+                BPF_LOOP_SINCE.0, BPF_LOOP_SINCE.1
+            ),
+            None => "kernel release unknown".to_owned(),
+        }
+    } else {
+        "profile python_loop = false".to_owned()
+    };
+    (false, Some(format!("unrolled loop ({why_not})")))
+}
+
+/// This kernel's release (major, minor), as aya reads it (Debian's and Ubuntu's own
+/// version strings included).
+pub(super) fn kernel_release() -> Option<(u32, u32)> {
+    let code = aya::util::KernelVersion::current().ok()?.code();
+    Some((code >> 16, (code >> 8) & 0xff))
+}
+
 /// Loads the programs with this kernel's tracepoint offsets, the profile's switches and `shards`
-/// ring buffers in use. The loader reads the kernel BTF first (a phase of its own).
+/// ring buffers in use, the Python frames walked by `bpf_loop` where `py_loop`. The loader
+/// reads the kernel BTF first (a phase of its own).
 pub(super) fn load(
     offsets: &nccltrace_common::TpOffsets,
     profile: &Profile,
     shards: u32,
+    py_loop: bool,
     phases: &mut Phases,
 ) -> Result<Ebpf, SourceError> {
     let mut loader = EbpfLoader::new();
@@ -41,7 +77,7 @@ pub(super) fn load(
         // Woken early at an eighth full; otherwise drained every `DRAIN_EVERY`.
         wakeup_bytes: u64::from(profile.ring_buffer_bytes() / shards / 8),
         reuse_stacks: u32::from(profile.probes.reuse_stacks),
-        _pad: 0,
+        py_loop: u32::from(py_loop),
     };
     loader.override_global(names::CONFIG, &config, true);
     rings::size(&mut loader, shards, profile.ring_buffer_bytes());
@@ -231,4 +267,50 @@ where
         .ok_or_else(|| missing_program(name))?
         .try_into()
         .map_err(|e| program_error(name, "-", e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn python_frames_are_walked_by_bpf_loop_from_5_17() {
+        let mut profile = Profile::load("default").unwrap();
+        assert!(profile.probes.python_frames && profile.probes.python_loop);
+        let walk = |p: &Profile, k| python_walk(p, k);
+        assert_eq!(
+            walk(&profile, Some((6, 1))),
+            (true, Some("bpf_loop callback".to_owned()))
+        );
+        assert!(walk(&profile, Some((5, 17))).0);
+        let (on, why) = walk(&profile, Some((5, 15)));
+        assert!(!on);
+        assert_eq!(
+            why.as_deref(),
+            Some("unrolled loop (kernel 5.15 has no bpf_loop (Linux 5.17+))")
+        );
+        assert!(!walk(&profile, Some((4, 18))).0);
+        assert!(!walk(&profile, None).0);
+        profile.probes.python_loop = false;
+        assert_eq!(
+            walk(&profile, Some((6, 18))),
+            (
+                false,
+                Some("unrolled loop (profile python_loop = false)".to_owned())
+            )
+        );
+        profile.probes.python_frames = false;
+        assert_eq!(walk(&profile, Some((6, 18))), (false, None));
+    }
+
+    #[test]
+    fn this_kernels_release_is_read() {
+        let (major, minor) = kernel_release().expect("a release");
+        let uname = crate::host::uname().0;
+        assert!(
+            uname.starts_with(&format!("{major}.{minor}."))
+                || uname.starts_with(&format!("{major}.{minor}-")),
+            "{uname} read as {major}.{minor}"
+        );
+    }
 }

@@ -358,6 +358,7 @@ mod tests {
             names::THREADS,
             names::PY_THREADS,
             names::PY_LAYOUTS,
+            names::PY_WINDOW,
             names::CONFIG,
             names::OFFSETS,
         ];

@@ -31,13 +31,14 @@ use aya::programs::{ProgramError, UProbe};
 use super::{Link, SourceError, load_program, names, program_error};
 
 const BPF_PROG_LOAD: libc::c_long = 5;
+const BPF_BTF_LOAD: libc::c_long = 18;
 const BPF_LINK_CREATE: libc::c_long = 28;
 const BPF_PROG_TYPE_KPROBE: u32 = 2;
 const BPF_TRACE_UPROBE_MULTI: u32 = 48;
 const BPF_F_UPROBE_MULTI_RETURN: u32 = 1;
 
-/// `union bpf_attr` for `BPF_PROG_LOAD`, as far as `expected_attach_type` (the kernel
-/// takes a shorter attribute and reads the rest as zero).
+/// `union bpf_attr` for `BPF_PROG_LOAD`, as far as `func_info_cnt` (the kernel takes a
+/// shorter attribute and reads the rest as zero).
 #[repr(C)]
 #[derive(Default)]
 struct ProgLoad {
@@ -53,6 +54,54 @@ struct ProgLoad {
     prog_name: [u8; 16],
     prog_ifindex: u32,
     expected_attach_type: u32,
+    prog_btf_fd: u32,
+    func_info_rec_size: u32,
+    func_info: u64,
+    func_info_cnt: u32,
+    _pad: u32,
+}
+
+/// `union bpf_attr` for `BPF_BTF_LOAD`.
+#[repr(C)]
+#[derive(Default)]
+struct BtfLoad {
+    btf: u64,
+    btf_log_buf: u64,
+    btf_size: u32,
+    btf_log_size: u32,
+    btf_log_level: u32,
+}
+
+/// The object's BTF loaded into the kernel, as aya's loader makes it fit this kernel. The
+/// kernel wants each function's BTF (`func_info`) with a program that passes one of its
+/// functions to a helper (the `bpf_loop` walk of Python frames).
+fn load_btf(obj: &mut aya_obj::Object) -> Result<Option<OwnedFd>, String> {
+    let Some(features) = aya::features().btf() else {
+        return Ok(None);
+    };
+    let Some(btf) = obj
+        .fixup_and_sanitize_btf(features)
+        .map_err(|e| format!("BTF: {e}"))?
+    else {
+        return Ok(None);
+    };
+    let bytes = btf.to_bytes();
+    let mut attr = BtfLoad {
+        btf: bytes.as_ptr() as u64,
+        btf_size: u32::try_from(bytes.len()).map_err(|_| "BTF over 4 GiB".to_owned())?,
+        ..BtfLoad::default()
+    };
+    bpf(BPF_BTF_LOAD, &mut attr)
+        .map(Some)
+        .map_err(|e| format!("BPF_BTF_LOAD: {e}"))
+}
+
+/// A program's function records for `BPF_PROG_LOAD` (empty without BTF).
+#[derive(Default)]
+struct FuncInfo {
+    bytes: Vec<u8>,
+    rec_size: u32,
+    count: u32,
 }
 
 /// `union bpf_attr` for `BPF_LINK_CREATE` of a uprobe-multi link.
@@ -117,6 +166,7 @@ fn load_insns(
     license: &std::ffi::CStr,
     kern_version: u32,
     name: &str,
+    btf: Option<(BorrowedFd<'_>, &FuncInfo)>,
     log: Option<&mut Vec<u8>>,
 ) -> std::io::Result<OwnedFd> {
     let mut attr = ProgLoad {
@@ -128,6 +178,14 @@ fn load_insns(
         expected_attach_type: BPF_TRACE_UPROBE_MULTI,
         ..ProgLoad::default()
     };
+    if let Some((fd, info)) = btf
+        && info.count > 0
+    {
+        attr.prog_btf_fd = u32::try_from(fd.as_raw_fd()).unwrap_or(u32::MAX);
+        attr.func_info_rec_size = info.rec_size;
+        attr.func_info = info.bytes.as_ptr() as u64;
+        attr.func_info_cnt = info.count;
+    }
     for (slot, byte) in attr.prog_name.iter_mut().zip(name.bytes().take(15)) {
         *slot = byte;
     }
@@ -213,9 +271,19 @@ fn map_data(map: &Map) -> &aya::maps::MapData {
 }
 
 /// The programs `names` of the embedded `object`, their map references pointed at
-/// `maps`, ready to load (instructions, license, kernel version).
+/// `maps`, ready to load (instructions, license, kernel version, function records), with
+/// the object's BTF where the kernel takes BTF.
 pub(super) struct Relocated {
-    programs: BTreeMap<String, (Vec<aya_obj::generated::bpf_insn>, CString, u32)>,
+    programs: BTreeMap<String, Program>,
+    btf: Option<OwnedFd>,
+}
+
+/// One relocated program.
+struct Program {
+    insns: Vec<aya_obj::generated::bpf_insn>,
+    license: CString,
+    version: u32,
+    func_info: FuncInfo,
 }
 
 impl Relocated {
@@ -228,6 +296,7 @@ impl Relocated {
         if obj.has_btf_relocations() {
             return Err("the object has BTF relocations, which this loader does not do".into());
         }
+        let btf = load_btf(&mut obj)?;
         let defs = std::mem::take(&mut obj.maps);
         let mut with_fds = Vec::new();
         for (name, def) in &defs {
@@ -251,29 +320,49 @@ impl Relocated {
                 .functions
                 .get(&prog.function_key())
                 .ok_or_else(|| format!("no code for {name}"))?;
+            let func_info = FuncInfo {
+                bytes: function.func_info.func_info_bytes(),
+                rec_size: u32::try_from(function.func_info_rec_size).unwrap_or(0),
+                // The records themselves: aya-obj's `num_info` can count those of every
+                // function in the program's section.
+                count: u32::try_from(function.func_info.func_info.len()).unwrap_or(0),
+            };
             programs.insert(
                 (*name).to_owned(),
-                (
-                    function.instructions.clone(),
-                    prog.license.clone(),
-                    prog.kernel_version.unwrap_or(0),
-                ),
+                Program {
+                    insns: function.instructions.clone(),
+                    license: prog.license.clone(),
+                    version: prog.kernel_version.unwrap_or(0),
+                    func_info,
+                },
             );
         }
-        Ok(Relocated { programs })
+        Ok(Relocated { programs, btf })
     }
 
     /// Loads the program `name` for uprobe-multi links; a refusal carries the verifier's
     /// log.
     pub(super) fn load(&self, name: &str) -> Result<OwnedFd, String> {
-        let (insns, license, version) = self
+        let prog = self
             .programs
             .get(name)
             .ok_or_else(|| format!("{name} not relocated"))?;
-        let ptr = insns.as_ptr() as u64;
-        load_insns(ptr, insns.len(), license, *version, name, None).map_err(|e| {
+        let ptr = prog.insns.as_ptr() as u64;
+        let btf = self.btf.as_ref().map(|fd| (fd.as_fd(), &prog.func_info));
+        let load = |log: Option<&mut Vec<u8>>| {
+            load_insns(
+                ptr,
+                prog.insns.len(),
+                &prog.license,
+                prog.version,
+                name,
+                btf,
+                log,
+            )
+        };
+        load(None).map_err(|e| {
             let mut log = vec![0u8; 1 << 20];
-            let _ = load_insns(ptr, insns.len(), license, *version, name, Some(&mut log));
+            let _ = load(Some(&mut log));
             let end = log.iter().position(|b| *b == 0).unwrap_or(log.len());
             let log = String::from_utf8_lossy(&log[..end]);
             let tail: Vec<&str> = log.lines().rev().take(20).collect();
@@ -414,6 +503,7 @@ fn return_zero(name: &str) -> std::io::Result<OwnedFd> {
         c"GPL",
         0,
         name,
+        None,
         None,
     )
 }

@@ -42,6 +42,8 @@ struct Ready {
     uprobes: UprobePrograms,
     warm: Option<multi::Warm>,
     phases: Phases,
+    /// How the programs walk Python frames (`python_walk`).
+    python_walk: Option<String>,
 }
 
 fn prepare(profile: &Profile, started: Instant) -> Result<Ready, SourceError> {
@@ -53,7 +55,8 @@ fn prepare(profile: &Profile, started: Instant) -> Result<Ready, SourceError> {
     // handlers' ranges and the switch-in kprobe's symbol.
     let kallsyms = std::thread::spawn(kernel_symbols);
     phases.mark("tracefs");
-    let mut ebpf = load(&offsets, profile, shards, &mut phases)?;
+    let (py_loop, python_walk) = python_walk(profile, kernel_release());
+    let mut ebpf = load(&offsets, profile, shards, py_loop, &mut phases)?;
     // The kernel BTF for fentry, parsed beside the verification: after the loader has
     // dropped its own copy (the file read whole and parsed is ~12 MB here; two at once
     // were a third of the agent's peak memory).
@@ -86,6 +89,7 @@ fn prepare(profile: &Profile, started: Instant) -> Result<Ready, SourceError> {
         uprobes,
         warm,
         phases,
+        python_walk,
     })
 }
 
@@ -123,6 +127,7 @@ fn attach_all(prepared: Prepared, targets: &[Target]) -> Result<Attached, Source
         mut uprobes,
         warm,
         mut phases,
+        python_walk,
     } = prepared
         .thread
         .join()
@@ -395,6 +400,7 @@ fn attach_all(prepared: Prepared, targets: &[Target]) -> Result<Attached, Source
         offcpu_min_ns,
         attach_phases_us: Vec::new(),
         uprobes: Some(uprobes.describe().to_owned()),
+        python_walk,
         infiniband_every_ms: (!infiniband_ports.is_empty())
             .then(|| u64::try_from(IB_FAST_EVERY.as_millis()).unwrap_or(u64::MAX)),
         infiniband_ports,

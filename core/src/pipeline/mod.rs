@@ -438,6 +438,7 @@ impl Aggregator {
                 agent.attach_phases_ms =
                     crate::summary::AttachPhase::all(&self.header.attach_phases_us);
                 agent.uprobes.clone_from(&self.header.uprobes);
+                agent.python_walk.clone_from(&self.header.python_walk);
                 agent.peak_rss_kb = self.agent_peak_rss_kb.unwrap_or(agent_peak_rss_kb);
                 (end_monotonic_ns, Some(reason), lost_by_kind, counters)
             }

@@ -197,6 +197,10 @@ pub struct Header {
     /// older recordings.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub uprobes: Option<String>,
+    /// How the kernel programs walked Python frames ("bpf_loop callback", or "unrolled
+    /// loop (why)"); `None` without Python frames and in older recordings.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub python_walk: Option<String>,
     /// The InfiniBand ports whose counters were read while tracing (`device/port`), in
     /// the order the `infiniband_counters` records index them.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

@@ -646,7 +646,9 @@ pub struct Config {
     /// Nonzero: off-CPU stacks without kernel frames and call-entry stacks are written as
     /// [`kind::STACK_SAME`] where the thread's native stack is where it was last time.
     pub reuse_stacks: u32,
-    pub _pad: u32,
+    /// Nonzero: the Python frames are walked by a `bpf_loop` callback (kernels ≥ 5.17),
+    /// verified once; zero: by an unrolled loop, verified turn by turn on every path to it.
+    pub py_loop: u32,
 }
 const _: () = assert!(core::mem::size_of::<Config>() == 32);
 

@@ -39,6 +39,8 @@ pub const THREADS: &str = "THREADS";
 pub const PY_THREADS: &str = "PY_THREADS";
 /// Python layouts of target processes (tgid → [`PyLayout`](super::PyLayout)).
 pub const PY_LAYOUTS: &str = "PY_LAYOUTS";
+/// Per-CPU scratch of the `bpf_loop` walk of Python frames (kernel side only).
+pub const PY_WINDOW: &str = "PY_WINDOW";
 /// Read-only globals set before load.
 pub const CONFIG: &str = "CONFIG";
 pub const OFFSETS: &str = "OFFSETS";

@@ -27,7 +27,7 @@ use aya_ebpf::{
     },
     helpers::{
         bpf_get_attach_cookie, bpf_get_current_pid_tgid, bpf_get_current_task_btf,
-        bpf_get_smp_processor_id, bpf_get_stack, bpf_ktime_get_ns, bpf_probe_read_kernel,
+        bpf_get_smp_processor_id, bpf_get_stack, bpf_ktime_get_ns, bpf_loop, bpf_probe_read_kernel,
         bpf_probe_read_user, bpf_probe_read_user_str_bytes, bpf_task_pt_regs,
     },
     macros::{
@@ -121,6 +121,14 @@ pub(crate) static PY_THREADS: HashMap<u32, u64> = HashMap::with_max_entries(1638
 #[map]
 pub(crate) static PY_LAYOUTS: HashMap<u32, PyLayout> = HashMap::with_max_entries(1024, 0);
 
+/// The bytes of one interpreter frame, read by the walk of Python frames: on the stack
+/// they would push the programs that walk (near the kernel's 512 bytes for a whole call
+/// chain) over it, with the walk's frame added. Used within one turn of the walk (a
+/// program preempted inside that turn by another that walks on this CPU would read a
+/// frame the other wrote: an unnamed frame, not a fault).
+#[map]
+pub(crate) static PY_WINDOW: PerCpuArray<[u64; 16]> = PerCpuArray::with_max_entries(1, 0);
+
 /// Switch-out times of target threads off the CPU, while their off-CPU stacks wait for the
 /// switch-in (`OFFCPU_MIN`). LRU: a thread that exits is switched out one last
 /// time and never comes back.
@@ -189,7 +197,7 @@ pub(crate) static CONFIG: Config = Config {
     shards: 1,
     wakeup_bytes: 0,
     reuse_stacks: 0,
-    _pad: 0,
+    py_loop: 0,
 };
 
 macro_rules! offset {

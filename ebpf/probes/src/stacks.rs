@@ -246,6 +246,96 @@ pub(crate) fn push_py(event: &mut PyFramesEvent, code: u64, offset: u32, marker:
     true
 }
 
+/// Where the `bpf_loop` walk of the Python frames stands: the record it fills, this CPU's
+/// `PY_WINDOW` to read a frame into, the next frame.
+struct PyWalk<'e> {
+    event: &'e mut PyFramesEvent,
+    window: &'e mut [u64; 16],
+    frame: u64,
+    entry_flag: u64,
+    layout: PyLayout,
+}
+
+/// Whether the walk runs as a `bpf_loop` callback (`Config::py_loop`): the verifier checks
+/// the callback once instead of every turn of an unrolled loop on every path to it.
+#[inline(always)]
+fn py_loop() -> bool {
+    // SAFETY: a plain read of a read-only global; the verifier reads it as a constant and
+    // skips the variant not taken (so kernels without `bpf_loop` never meet the call).
+    unsafe { core::ptr::read_volatile(&raw const CONFIG.py_loop) != 0 }
+}
+
+/// One turn of the walk as a `bpf_loop` callback: 0 goes on, 1 stops.
+extern "C" fn py_walk_step(_index: u64, walk: *mut core::ffi::c_void) -> i64 {
+    // SAFETY: `walk` is the `PyWalk` `emit_py_stack` passed to the helper.
+    let walk = unsafe { &mut *walk.cast::<PyWalk>() };
+    let layout = walk.layout;
+    i64::from(!py_frame(
+        walk.event,
+        walk.window,
+        &mut walk.frame,
+        &layout,
+        walk.entry_flag,
+    ))
+}
+
+/// The walk as an unrolled loop (kernels before 5.17), a function of its own; the frame it
+/// stopped at.
+#[inline(never)]
+fn py_walk_unrolled(
+    event: &mut PyFramesEvent,
+    window: &mut [u64; 16],
+    mut frame: u64,
+    layout: &PyLayout,
+    entry_flag: u64,
+) -> u64 {
+    for _ in 0..PY_DEPTH {
+        if !py_frame(event, window, &mut frame, layout, entry_flag) {
+            break;
+        }
+    }
+    frame
+}
+
+/// Reads the frame `frame` into `window`, adds it to `event` and moves `frame` to the one
+/// it was called from; false when the walk is over (no frame left, an unreadable frame, a
+/// full record).
+#[inline(always)]
+fn py_frame(
+    event: &mut PyFramesEvent,
+    window: &mut [u64; 16],
+    frame: &mut u64,
+    layout: &PyLayout,
+    entry_flag: u64,
+) -> bool {
+    if *frame == 0 {
+        return false;
+    }
+    // SAFETY: the helper checks the user address; the buffer holds the window.
+    let bytes = unsafe {
+        core::slice::from_raw_parts_mut(window.as_mut_ptr().cast::<u8>(), PY_FRAME_WINDOW)
+    };
+    if unsafe { aya_ebpf::helpers::bpf_probe_read_user_buf(*frame as *const u8, bytes) }.is_err() {
+        return false;
+    }
+    let word = |at: u32| window[(at as usize >> 3) & 15];
+    let byte = |at: u32| (word(at) >> ((at & 7) * 8)) as u8;
+    let code = word(layout.frame_code);
+    let full = if u32::from(byte(layout.frame_owner)) == layout.owner_cstack {
+        // The shim frame an interpreter entry pushes (3.12): a boundary, no code.
+        !push_py(event, PY_ENTRY, 0, 0)
+    } else {
+        // 3.10 keeps an index there, not a pointer: user space undoes the subtraction
+        // (no branch here: each one multiplies the verifier's work over the loop).
+        let offset = word(layout.frame_instr).wrapping_sub(code) as u32;
+        // 3.11's `is_entry` is a C bool (0 or 1): masked, not compared.
+        let marker = u64::from(byte(layout.frame_is_entry)) & entry_flag & 1;
+        !push_py(event, code, offset, marker)
+    };
+    *frame = word(layout.frame_previous);
+    !full
+}
+
 /// Writes the Python frames the current thread is executing as a `PY_FRAMES` record with
 /// `stack`'s time, before the stack record itself: nothing when the thread is not a known
 /// Python thread or runs no Python code. Walks the interpreter frame chain from the
@@ -267,7 +357,7 @@ pub(crate) fn emit_py_stack(stack: &Header) {
         return;
     };
     // 3.13 keeps the current frame in the thread state itself.
-    let mut frame = if layout.cframe_current_frame == FIELD_ABSENT {
+    let frame = if layout.cframe_current_frame == FIELD_ABSENT {
         cframe
     } else {
         match unsafe {
@@ -280,6 +370,12 @@ pub(crate) fn emit_py_stack(stack: &Header) {
     if frame == 0 {
         return;
     }
+    // This CPU's frame window.
+    let Some(window) = PY_WINDOW.get_ptr_mut(0) else {
+        return;
+    };
+    // SAFETY: this CPU's slot, written and read within one turn of the walk.
+    let window = unsafe { &mut *window };
     let ring = ring();
     let Some(mut entry) = ring.reserve::<PyFramesEvent>(0) else {
         bump(u32::from(kind::PY_STACK));
@@ -294,40 +390,30 @@ pub(crate) fn emit_py_stack(stack: &Header) {
     event.len = 0;
     event.truncated = 0;
     event.entries = 0;
-    let mut window = [0u64; 16];
     // Whether frames say they entered the interpreter (3.11; 3.12 pushes shim frames).
     let entry_flag = u64::from(layout.frame_is_entry != FIELD_ABSENT);
-    for _ in 0..PY_DEPTH {
-        if frame == 0 {
-            break;
-        }
-        // SAFETY: the helper checks the user address; the buffer holds the window.
-        let bytes = unsafe {
-            core::slice::from_raw_parts_mut(window.as_mut_ptr().cast::<u8>(), PY_FRAME_WINDOW)
+    let frame = if py_loop() {
+        let mut walk = PyWalk {
+            event: &mut *event,
+            window,
+            frame,
+            entry_flag,
+            layout,
         };
-        if unsafe { aya_ebpf::helpers::bpf_probe_read_user_buf(frame as *const u8, bytes) }.is_err()
-        {
-            break;
+        // SAFETY: the callback is a static function of this object; `walk` outlives the
+        // call, and the helper passes it back unchanged.
+        unsafe {
+            bpf_loop(
+                PY_DEPTH as u32,
+                py_walk_step as *mut core::ffi::c_void,
+                (&raw mut walk).cast(),
+                0,
+            );
         }
-        let word = |at: u32| window[(at as usize >> 3) & 15];
-        let byte = |at: u32| (word(at) >> ((at & 7) * 8)) as u8;
-        let code = word(layout.frame_code);
-        let full = if u32::from(byte(layout.frame_owner)) == layout.owner_cstack {
-            // The shim frame an interpreter entry pushes (3.12): a boundary, no code.
-            !push_py(event, PY_ENTRY, 0, 0)
-        } else {
-            // 3.10 keeps an index there, not a pointer: user space undoes the subtraction
-            // (no branch here: each one multiplies the verifier's work over the loop).
-            let offset = word(layout.frame_instr).wrapping_sub(code) as u32;
-            // 3.11's `is_entry` is a C bool (0 or 1): masked, not compared.
-            let marker = u64::from(byte(layout.frame_is_entry)) & entry_flag & 1;
-            !push_py(event, code, offset, marker)
-        };
-        frame = word(layout.frame_previous);
-        if full {
-            break;
-        }
-    }
+        walk.frame
+    } else {
+        py_walk_unrolled(event, window, frame, &layout, entry_flag)
+    };
     // Frames left: the walk hit its bound, or a frame could not be read.
     event.truncated = u32::from(frame != 0);
     entry.submit(wake_flags(ring));
