@@ -742,11 +742,18 @@ mod tests {
 
     #[test]
     fn attributes_have_the_kernels_layout() {
-        // uapi/linux/bpf.h: expected_attach_type ends at byte 72 of the load attribute;
-        // the uprobe_multi members start at 16 and pid ends at 60 of the link one.
-        assert_eq!(std::mem::size_of::<ProgLoad>(), 72);
+        // uapi/linux/bpf.h: expected_attach_type ends at byte 72 of the load attribute,
+        // func_info_cnt at 92 (line_info_rec_size, left zero, at 92); the BTF load
+        // attribute's log level ends at 28; the uprobe_multi members start at 16 and pid
+        // ends at 60 of the link one.
+        assert_eq!(std::mem::size_of::<ProgLoad>(), 96);
         assert_eq!(std::mem::offset_of!(ProgLoad, prog_name), 48);
         assert_eq!(std::mem::offset_of!(ProgLoad, expected_attach_type), 68);
+        assert_eq!(std::mem::offset_of!(ProgLoad, prog_btf_fd), 72);
+        assert_eq!(std::mem::offset_of!(ProgLoad, func_info), 80);
+        assert_eq!(std::mem::offset_of!(ProgLoad, func_info_cnt), 88);
+        assert_eq!(std::mem::offset_of!(BtfLoad, btf_size), 16);
+        assert_eq!(std::mem::offset_of!(BtfLoad, btf_log_level), 24);
         assert_eq!(std::mem::offset_of!(LinkCreate, path), 16);
         assert_eq!(std::mem::offset_of!(LinkCreate, cookies), 40);
         assert_eq!(std::mem::offset_of!(LinkCreate, pid), 56);
