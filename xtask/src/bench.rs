@@ -283,17 +283,34 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
     )?;
     let (_, caller_report_s) = report_speed(&agent, &recording, &work.join("report-caller"))?;
     let (merge_s, merge_kb) = merge_speed(&agent, &long.join("recording.nctr"), &work)?;
-    // Python frames on and off, interleaved, three of each: medians.
-    let (mut on, mut off) = (Vec::new(), Vec::new());
+    // Python frames walked by bpf_loop, by the unrolled loop, and off, interleaved, three
+    // of each: medians.
+    let (mut on, mut unrolled, mut off) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..3 {
-        on.push(python_stack_cost(root, &agent, &fixtures, &work, true)?);
-        off.push(python_stack_cost(root, &agent, &fixtures, &work, false)?);
+        on.push(python_stack_cost(root, &agent, &fixtures, &work, "on", &[])?);
+        unrolled.push(python_stack_cost(
+            root,
+            &agent,
+            &fixtures,
+            &work,
+            "unrolled",
+            &[("python_loop = true", "python_loop = false")],
+        )?);
+        off.push(python_stack_cost(
+            root,
+            &agent,
+            &fixtures,
+            &work,
+            "off",
+            &[("python_frames = true", "python_frames = false")],
+        )?);
     }
     let med = |runs: &[([f64; 2], f64)], i: usize| median(runs.iter().map(|r| r.0[i]).collect());
     let python_on = (
         [med(&on, 0), med(&on, 1)],
         median(on.iter().map(|r| r.1).collect()),
     );
+    let python_unrolled = [med(&unrolled, 0), med(&unrolled, 1)];
     let python_off = [med(&off, 0), med(&off, 1)];
 
     let (bare, pair, traced, bpftrace) =
@@ -370,10 +387,12 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
     );
     for (what, i) in [("on-CPU sample", 0), ("CUDA sync entry stack", 1)] {
         println!(
-            "| {what} of a CPython 3.11 thread, BPF program time per run (bpf_stats), python_frames on / off | {:.0} ns / {:.0} ns (+{:.0} ns, {:.1} Python frames a stack) | | |",
+            "| {what} of a CPython 3.11 thread, BPF program time per run (bpf_stats), python_frames on (bpf_loop walk) / on (unrolled walk, kernels before 5.17) / off | {:.0} ns / {:.0} ns / {:.0} ns (+{:.0} ns / +{:.0} ns, {:.1} Python frames a stack) | | |",
             python_on.0[i],
+            python_unrolled[i],
             python_off[i],
             python_on.0[i] - python_off[i],
+            python_unrolled[i] - python_off[i],
             python_on.1
         );
     }
@@ -381,23 +400,25 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
 }
 
 /// The stand-in Python rank (Debian's python3.11, tests/fixtures/py_rank.py) traced for
-/// 3 s by the default profile with `python_frames` on or off: the mean run time (ns) of
-/// the on-CPU sampling program and of the call-entry program (which takes the CUDA sync's
-/// entry stack), from the kernel's own accounting (`kernel.bpf_stats_enabled`), read while
+/// 3 s by the default profile with each (line, replacement) of `changes` made (`tag` names
+/// the run's files): the mean run time (ns) of the on-CPU sampling program and of the
+/// call-entry program (which takes the CUDA sync's entry stack), from the kernel's own accounting (`kernel.bpf_stats_enabled`), read while
 /// attached; and the Python frames per Python stack of the on-CPU flamegraph.
 fn python_stack_cost(
     root: &Path,
     agent: &Path,
     fixtures: &Path,
     work: &Path,
-    frames: bool,
+    tag: &str,
+    changes: &[(&str, &str)],
 ) -> anyhow::Result<([f64; 2], f64)> {
-    let profile = work.join(format!("python-{frames}.toml"));
-    let default = std::fs::read_to_string(root.join("profiles/default.toml"))?;
-    std::fs::write(
-        &profile,
-        default.replace("python_frames = true", &format!("python_frames = {frames}")),
-    )?;
+    let profile = work.join(format!("python-{tag}.toml"));
+    let mut text = std::fs::read_to_string(root.join("profiles/default.toml"))?;
+    for (line, replacement) in changes {
+        anyhow::ensure!(text.contains(line), "the default profile has no {line:?}");
+        text = text.replace(line, replacement);
+    }
+    std::fs::write(&profile, text)?;
     let go = work.join("py-go");
     let _ = std::fs::remove_file(&go);
     let mut rank = Command::new("/usr/bin/python3.11")
@@ -413,7 +434,7 @@ fn python_stack_cost(
     let mut lines = BufReader::new(rank.stdout.take().context("stdout")?).lines();
     wait_for(&mut lines, "ready")?;
     std::fs::write(&go, b"")?;
-    let out = work.join(format!("python-{frames}"));
+    let out = work.join(format!("python-{tag}"));
     // Each round writes afresh (the agent refuses a folder with outputs in it).
     let _ = std::fs::remove_dir_all(&out);
     std::fs::write("/proc/sys/kernel/bpf_stats_enabled", b"1")?;
@@ -730,9 +751,11 @@ fn bpftrace_cost(fixtures: &Path, lib: &Path, go: &Path, script: &str) -> anyhow
     Ok(ns)
 }
 
+/// Sends `sig` to `pid`, quietly: the process may have exited already.
 fn libc_kill(pid: u32, sig: i32) {
     let _ = Command::new("kill")
         .arg(format!("-{sig}"))
         .arg(pid.to_string())
+        .stderr(Stdio::null())
         .status();
 }

@@ -123,9 +123,8 @@ pub(crate) static PY_LAYOUTS: HashMap<u32, PyLayout> = HashMap::with_max_entries
 
 /// The bytes of one interpreter frame, read by the walk of Python frames: on the stack
 /// they would push the programs that walk (near the kernel's 512 bytes for a whole call
-/// chain) over it, with the walk's frame added. Used within one turn of the walk (a
-/// program preempted inside that turn by another that walks on this CPU would read a
-/// frame the other wrote: an unnamed frame, not a fault).
+/// chain) over it, with the walk's frame added. Used within one turn of the walk; the
+/// programs that walk do not interrupt one another on a CPU (docs/python.md).
 #[map]
 pub(crate) static PY_WINDOW: PerCpuArray<[u64; 16]> = PerCpuArray::with_max_entries(1, 0);
 
