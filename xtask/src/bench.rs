@@ -159,6 +159,7 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
     let mut pair = Vec::new();
     let mut traced = Vec::new();
     let mut entries_only = Vec::new();
+    let mut entries_lost = Vec::new();
     let mut bpftrace = Vec::new();
     let mut entry_floor = Vec::new();
     // The minimal profile with collectives traced at entry only (issue 22).
@@ -231,6 +232,10 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
         if !a.wait()?.success() {
             bail!("nccltrace (collectives at entry only) failed");
         }
+        // A run whose agent fell behind (a full ring buffer) measures the agent, not the
+        // probes: said beside the round.
+        let summary = std::fs::read_to_string(entries_out.join("summary.json"))?;
+        entries_lost.push(json(&summary, "lost_events").unwrap_or(f64::NAN));
         // bpftrace: entry/exit latency histogram of the same function.
         let l = lib.display();
         bpftrace.push(bpftrace_cost(
@@ -318,7 +323,8 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
     let added = traced - bare;
     let entries_rounds: Vec<String> = entries_only
         .iter()
-        .map(|ns| format!("{:.0}", ns - bare))
+        .zip(&entries_lost)
+        .map(|(ns, lost)| format!("{:.0} ({lost:.0} lost)", ns - bare))
         .collect();
     let added_entries = median(entries_only) - bare;
     println!(
