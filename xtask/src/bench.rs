@@ -292,7 +292,14 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
     // of each: medians.
     let (mut on, mut unrolled, mut off) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..3 {
-        on.push(python_stack_cost(root, &agent, &fixtures, &work, "on", &[])?);
+        on.push(python_stack_cost(
+            root,
+            &agent,
+            &fixtures,
+            &work,
+            "on",
+            &[],
+        )?);
         unrolled.push(python_stack_cost(
             root,
             &agent,

@@ -189,8 +189,9 @@ pub const NOT_READ: u64 = u64::MAX;
 
 /// A record whose bytes both sides copy as they are: `#[repr(C)]`, every byte a field
 /// (padding is explicit `_pad` fields; each type's size is asserted right below it), no
-/// pointers. `decode::as_bytes` takes only these, so no type with implicit padding can
-/// leak uninitialised bytes into a recording.
+/// pointers, beginning with its [`Header`] (the kernel side reads a record's time there).
+/// `decode::as_bytes` takes only these, so no type with implicit padding can leak
+/// uninitialised bytes into a recording.
 ///
 /// # Safety
 ///

@@ -200,7 +200,7 @@ pub fn uretprobe_lib_call(ctx: RetProbeContext) -> u32 {
                 args: pending.args,
                 out,
             });
-            entry.submit(wake_flags(ring));
+            entry.submit(wake_flags(ring, run.start_ns));
         }
         None => bump(u32::from(kind::CALL)),
     }

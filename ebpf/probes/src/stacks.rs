@@ -77,7 +77,7 @@ pub(crate) fn emit_entry_stack(ctx: *mut core::ffi::c_void, regs: &pt_regs, tgid
             (*event).ustack_len = 0;
         }
     }
-    entry.submit(wake_flags(ring));
+    entry.submit(wake_flags(ring, 0));
     if reuse {
         remember_stack(&CALL_KEYS, &key);
     }
@@ -215,7 +215,7 @@ pub(crate) fn emit_stacks(ctx: *mut core::ffi::c_void, hdr: Header, kernel: bool
         );
         (*event).ustack_len = if u > 0 { (u / 8) as u32 } else { 0 };
     }
-    entry.submit(wake_flags(ring));
+    entry.submit(wake_flags(ring, 0));
     if let Some(key) = &key {
         remember_stack(&OFFCPU_KEYS, key);
     }
@@ -416,5 +416,5 @@ pub(crate) fn emit_py_stack(stack: &Header) {
     };
     // Frames left: the walk hit its bound, or a frame could not be read.
     event.truncated = u32::from(frame != 0);
-    entry.submit(wake_flags(ring));
+    entry.submit(wake_flags(ring, 0));
 }
