@@ -62,12 +62,20 @@ const CALLER_CPU: &str = "0";
 const TRACER_CPU: &str = "1";
 
 /// Before a per-call measurement: everything written flushed. The traced runs write
-/// hundreds of MB (each call is its own step), into the same folders each round
-/// (`--force`): left to pile up in new folders, the kernel's writeback (and, on a disk
-/// mounted with `discard`, the freeing of removed files) ran beside later rounds and held
-/// the caller (seen: 1.2–2.0 µs a call where it is 1.0 writing over the earlier files).
+/// hundreds of MB (each call is its own step): left to pile up in new folders, the kernel's
+/// writeback (and, on a disk mounted with `discard`, the freeing of removed files) ran
+/// beside later rounds and held the caller (seen: 1.2–2.0 µs a call where it is 1.0).
 fn settle() -> anyhow::Result<()> {
     super::run(&mut Command::new("sync"))
+}
+
+/// Removes `out` (the previous round's outputs) and flushes, before the run that writes
+/// there. Writing over them (`--force`) freed the old files' blocks while the agent traced:
+/// it fell behind and lost 75k–246k events in three of three runs by hand, none in about
+/// twenty with the folder removed first (this VM, its disk mounted with `discard`).
+fn fresh(out: &Path) -> anyhow::Result<()> {
+    let _ = std::fs::remove_dir_all(out);
+    settle()
 }
 
 /// `program` kept on `cpu` (`taskset`) where the host has more than one CPU.
@@ -192,7 +200,7 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
         // nccltrace, minimal profile (NCCL and scheduler probes).
         let (child, lines) = caller(&fixtures, &lib, &go)?;
         let out = work.join("run");
-        settle()?;
+        fresh(&out)?;
         let (mut a, mut err) = attached(
             on_cpu(&agent, TRACER_CPU)
                 .args(["attach", "--force", "--profile", "minimal", "--pid"])
@@ -216,7 +224,7 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
         recording = out.join("recording.nctr");
         // The same, collectives traced at entry only, in the agent's steady state.
         let entries_out = work.join("entries");
-        settle()?;
+        fresh(&entries_out)?;
         let (child, lines) = caller_after(&fixtures, &lib, &go, STEADY_AFTER_MS)?;
         let (mut a, err) = attached(
             on_cpu(&agent, TRACER_CPU)
