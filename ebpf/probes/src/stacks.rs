@@ -269,12 +269,11 @@ fn py_loop() -> bool {
 extern "C" fn py_walk_step(_index: u64, walk: *mut core::ffi::c_void) -> i64 {
     // SAFETY: `walk` is the `PyWalk` `emit_py_stack` passed to the helper.
     let walk = unsafe { &mut *walk.cast::<PyWalk>() };
-    let layout = walk.layout;
     i64::from(!py_frame(
         walk.event,
         walk.window,
         &mut walk.frame,
-        &layout,
+        &walk.layout,
         walk.entry_flag,
     ))
 }
