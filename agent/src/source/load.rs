@@ -277,30 +277,29 @@ mod tests {
     fn python_frames_are_walked_by_bpf_loop_from_5_17() {
         let mut profile = Profile::load("default").unwrap();
         assert!(profile.probes.python_frames && profile.probes.python_loop);
-        let walk = |p: &Profile, k| python_walk(p, k);
         assert_eq!(
-            walk(&profile, Some((6, 1))),
+            python_walk(&profile, Some((6, 1))),
             (true, Some("bpf_loop callback".to_owned()))
         );
-        assert!(walk(&profile, Some((5, 17))).0);
-        let (on, why) = walk(&profile, Some((5, 15)));
+        assert!(python_walk(&profile, Some((5, 17))).0);
+        let (on, why) = python_walk(&profile, Some((5, 15)));
         assert!(!on);
         assert_eq!(
             why.as_deref(),
             Some("unrolled loop (kernel 5.15 has no bpf_loop (Linux 5.17+))")
         );
-        assert!(!walk(&profile, Some((4, 18))).0);
-        assert!(!walk(&profile, None).0);
+        assert!(!python_walk(&profile, Some((4, 18))).0);
+        assert!(!python_walk(&profile, None).0);
         profile.probes.python_loop = false;
         assert_eq!(
-            walk(&profile, Some((6, 18))),
+            python_walk(&profile, Some((6, 18))),
             (
                 false,
                 Some("unrolled loop (profile python_loop = false)".to_owned())
             )
         );
         profile.probes.python_frames = false;
-        assert_eq!(walk(&profile, Some((6, 18))), (false, None));
+        assert_eq!(python_walk(&profile, Some((6, 18))), (false, None));
     }
 
     #[test]
