@@ -248,7 +248,7 @@ pub(super) fn preload(
 pub(super) fn raw_program_runs(
     ebpf: &Ebpf,
     uprobes: &super::UprobePrograms,
-) -> BTreeMap<String, (u64, u64)> {
+) -> super::ProgramRuns {
     let mut runs = uprobes.runs();
     runs.extend(ebpf.programs().filter_map(|(name, p)| {
         let info = p.info().ok()?;

@@ -271,15 +271,21 @@ pub struct Attached {
     /// What a sampling clock's interrupt costs here (ns), measured with the traps where
     /// the profile samples, or why not.
     sampling_cost: Option<Result<u64, String>>,
+    /// The calibration under way, a round between two drains, with the programs' runs
+    /// before it.
+    calibration: Option<(traps::Calibration, ProgramRuns)>,
     /// The programs' run time before any probe was attached (the first window's start).
     baseline: Option<crate::record::ProgramReading>,
     /// The runs the trap calibration caused, left out of every reading.
-    calibration_runs: BTreeMap<String, (u64, u64)>,
+    calibration_runs: ProgramRuns,
     /// Read the targets' numa_maps (NUMA balancing off or untraced on a multi-node host),
     /// and when it was last read.
     resident: bool,
     resident_read: Option<Instant>,
 }
+
+/// Each program's runs and run time (ns) as the kernel counts them, by name.
+pub(super) type ProgramRuns = BTreeMap<String, (u64, u64)>;
 
 /// What `--follow` needs to discover and attach a process that appears later.
 #[derive(Clone, Debug, Default)]

@@ -208,10 +208,13 @@ impl Attached {
                 _ = poll.tick() => {
                     more = true;
                     ticks = ticks.wrapping_add(1);
+                    self.calibrate(false);
                     if !ticks.is_multiple_of(10) {
                         continue;
                     }
-                    self.accounting.tick(last_tick.elapsed());
+                    if self.calibration.is_none() {
+                        self.accounting.tick(last_tick.elapsed());
+                    }
                     if sink.rotate_due() {
                         break StopReason::Rotate;
                     }
@@ -242,8 +245,8 @@ impl Attached {
                             mem.follow(self.pids.iter().flat_map(|p| host.threads(*p)));
                         }
                         self.accounting.new_second();
-                        self.measure_traps();
                         self.read_program_stats(sink);
+                        self.start_calibration();
                         let lost = self.counters().0;
                         let alive = self.pids.iter().filter(|p| host.process_alive(**p)).count();
                         sink.tick(&lost, alive);
@@ -276,39 +279,62 @@ impl Attached {
         Ok(reason)
     }
 
-    /// Once, where the programs' run time is accounted: what a traced call's traps cost
-    /// here (a few milliseconds of calls of the agent's own, a second into the run).
-    fn measure_traps(&mut self) {
+    /// Once, where the programs' run time is accounted: starts measuring what a traced
+    /// call's traps cost here (a few milliseconds of calls of the agent's own, a second
+    /// into the run, a round between two drains: `calibrate`).
+    fn start_calibration(&mut self) {
         if self.traps.is_none()
+            && self.calibration.is_none()
             && self.accounting.available()
             && let Some(ebpf) = self.ebpf.as_mut()
         {
-            // Timed as the job's calls pay their traps (see `Accounting::pause`).
+            // Timed as the job's calls pay their traps (see `Accounting::pause`); no window
+            // opens until it is done.
             self.accounting.pause();
             let before = raw_program_runs(ebpf, &self.uprobes);
-            self.traps = Some(traps::calibrate(ebpf, &self.uprobes, &mut self.links));
-            if self.header.sample_period_ns > 0 {
-                self.sampling_cost = Some(traps::calibrate_sampling());
-            }
-            // The calibration's own runs of the call programs (rejected at once: the agent is
-            // no target) are not the job's: exactly `traps::CALLS_MADE` each, and their share
-            // of the time the program ran meanwhile (the job's calls ran it too).
-            let after = raw_program_runs(ebpf, &self.uprobes);
-            for name in names::UPROBE_PROGRAMS {
-                let (r0, t0) = before.get(name).copied().unwrap_or((0, 0));
-                let (r1, t1) = after.get(name).copied().unwrap_or((0, 0));
-                let (runs, ns) = (r1.saturating_sub(r0), t1.saturating_sub(t0));
-                // The entry program ran in both sets of calls, the return program in one.
-                let made = if name == names::UPROBE_LIB_CALL {
-                    2 * traps::CALLS_MADE
-                } else {
-                    traps::CALLS_MADE
-                };
-                let own_runs = made.min(runs);
-                let own_ns = ns.checked_div(runs).map_or(0, |per_run| per_run * own_runs);
-                self.calibration_runs
-                    .insert(name.to_owned(), (own_runs, own_ns));
-            }
+            self.calibration = Some((
+                traps::Calibration::new(self.header.sample_period_ns > 0),
+                before,
+            ));
+        }
+    }
+
+    /// A round of the calibration, if one is under way (`all`: every round left, at the
+    /// end of a run); at its end, its figures and the program runs it caused.
+    fn calibrate(&mut self, all: bool) {
+        let (Some((calibration, _)), Some(ebpf)) = (self.calibration.as_mut(), self.ebpf.as_mut())
+        else {
+            return;
+        };
+        if all {
+            calibration.finish(ebpf, &self.uprobes, &mut self.links);
+        } else if !calibration.step(ebpf, &self.uprobes, &mut self.links) {
+            return;
+        }
+        let Some((calibration, before)) = self.calibration.take() else {
+            return;
+        };
+        let (traps, sampling) = calibration.results();
+        self.traps = Some(traps);
+        self.sampling_cost = sampling;
+        // The calibration's own runs of the call programs (rejected at once: the agent is
+        // no target) are not the job's: exactly `traps::CALLS_MADE` each, and their share
+        // of the time the program ran meanwhile (the job's calls ran it too).
+        let after = raw_program_runs(ebpf, &self.uprobes);
+        for name in names::UPROBE_PROGRAMS {
+            let (r0, t0) = before.get(name).copied().unwrap_or((0, 0));
+            let (r1, t1) = after.get(name).copied().unwrap_or((0, 0));
+            let (runs, ns) = (r1.saturating_sub(r0), t1.saturating_sub(t0));
+            // The entry program ran in both sets of calls, the return program in one.
+            let made = if name == names::UPROBE_LIB_CALL {
+                2 * traps::CALLS_MADE
+            } else {
+                traps::CALLS_MADE
+            };
+            let own_runs = made.min(runs);
+            let own_ns = ns.checked_div(runs).map_or(0, |per_run| per_run * own_runs);
+            self.calibration_runs
+                .insert(name.to_owned(), (own_runs, own_ns));
         }
     }
 
@@ -402,7 +428,8 @@ impl Attached {
             host::clock_ns(libc::CLOCK_MONOTONIC),
             self.accounting.accounted_ns(),
         );
-        self.measure_traps();
+        self.start_calibration();
+        self.calibrate(true);
         if let Some(reading) = self.program_reading_at(at_ns, accounted_ns) {
             sink.program_stats(reading);
         }

@@ -413,6 +413,7 @@ fn attach_all(prepared: Prepared, targets: &[Target]) -> Result<Attached, Source
         target_costs,
         traps: None,
         sampling_cost: None,
+        calibration: None,
         baseline,
         calibration_runs: BTreeMap::new(),
         mem,
