@@ -58,6 +58,12 @@ pub struct Probes {
     /// 5.17 get the unrolled loop. On when not given.
     #[serde(default = "yes")]
     pub python_loop: bool,
+    /// The scheduler's switch, wake-up and migration tracepoints as raw tracepoints
+    /// (Linux 5.18+, with the kernel's BTF): the formatted ones build a record at every
+    /// context switch and wake-up of the host, traced thread or not, before any program
+    /// runs. On when not given.
+    #[serde(default = "yes")]
+    pub raw_tracepoints: bool,
     /// Off-CPU stacks without kernel frames and call-entry stacks: where a thread's native
     /// stack is where it was at its previous stack of that kind (same instruction, stack
     /// and frame pointers, and the innermost frame link, under a second ago), reuse those

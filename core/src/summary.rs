@@ -136,6 +136,11 @@ pub struct AgentStats {
     /// verified once) or "unrolled loop (why)"; absent without Python frames.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub python_walk: Option<String>,
+    /// Which scheduler tracepoints ran: "raw tracepoints (task_struct pid at N, cpu at M,
+    /// from the kernel BTF)" or "formatted tracepoints (why not raw)"; absent without
+    /// scheduler probes and for older recordings.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sched_tracepoints: Option<String>,
     /// Peak resident memory (VmHWM) of the whole agent process over the whole run, its
     /// end (reading back, attributing, writing every other output) included.
     pub peak_rss_kb: u64,

@@ -166,16 +166,23 @@ fn programs_accounted(summary: &Value) {
         Some(trap * paired + entry_trap * (entries - paired))
     );
     sampling_accounted(bpf, traced_runs("perf_event_cpu_clock"));
-    // Traced runs are counted at every run, not only in the accounting's windows (they are
-    // timed only there): each fault and wake-up of a traced thread wrote one record.
-    if summary["lost_events"] == 0 {
-        for (program, records) in [
-            ("raw_page_fault_user", &summary["memory"]["page_faults"]),
-            ("tracepoint_sched_waking", &summary["sched"]["wakeups"]),
-        ] {
-            if let Some(p) = programs.iter().find(|p| p["name"] == program) {
-                assert_eq!(p["traced_runs"], *records, "{program}: {p}");
-            }
+    runs_are_records(summary, programs);
+}
+
+/// Traced runs are counted at every run, not only in the accounting's windows (they are
+/// timed only there): each fault and wake-up of a traced thread wrote one record.
+fn runs_are_records(summary: &Value, programs: &[Value]) {
+    if summary["lost_events"] != 0 {
+        return;
+    }
+    let wakeups = &summary["sched"]["wakeups"];
+    for (program, records) in [
+        ("raw_page_fault_user", &summary["memory"]["page_faults"]),
+        ("tracepoint_sched_waking", wakeups),
+        ("raw_sched_waking", wakeups),
+    ] {
+        if let Some(p) = programs.iter().find(|p| p["name"] == program) {
+            assert_eq!(p["traced_runs"], *records, "{program}: {p}");
         }
     }
 }
@@ -200,6 +207,88 @@ fn sampling_accounted(bpf: &Value, samples: u64) {
     );
     assert_eq!(bpf["sampling_ns"].as_u64(), Some(per * samples));
     assert!(bpf.get("sampling_unmeasured").is_none(), "{bpf}");
+}
+
+/// The scheduler's switch, wake-up and migration tracepoints, raw (task pointers, read at
+/// `task_struct` offsets found in the kernel BTF; Linux 5.18+) and formatted (the
+/// profile's `raw_tracepoints = false`), see the same: the rank thread's switches and
+/// wake-ups, every step, and its migrations chained CPU to CPU (each from the CPU the
+/// previous one went to: a wrong offset of the task's CPU breaks the chain).
+#[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
+fn scheduler_tracepoints_raw_and_formatted() {
+    let _serial = privileged();
+    let dir = tempfile::tempdir().unwrap();
+    let formatted = default_profile_with(
+        dir.path(),
+        "formatted.toml",
+        &[("raw_tracepoints = true", "raw_tracepoints = false")],
+    );
+    let raw_here = Path::new("/sys/kernel/btf/vmlinux").exists();
+    let steps = 30;
+    for profile in ["default", formatted.to_str().unwrap()] {
+        let (_, summary, out, _dir, _) = traced_trainer_with(
+            steps,
+            &[("FAKE_NCCL_US", "300")],
+            &["--compute-us", "500"],
+            &["--profile", profile],
+        );
+        let how = summary["agent"]["sched_tracepoints"].as_str().unwrap();
+        let raw = profile == "default" && raw_here;
+        let switch_program = if raw {
+            assert!(
+                how.starts_with("raw tracepoints (struct task_struct: pid at byte "),
+                "{how}"
+            );
+            "raw_sched_switch"
+        } else {
+            assert!(how.starts_with("formatted tracepoints ("), "{how}");
+            "tracepoint_sched_switch"
+        };
+        if profile != "default" {
+            assert_eq!(
+                how,
+                "formatted tracepoints (profile raw_tracepoints = false)"
+            );
+        }
+        let programs = summary["agent"]["bpf"]["programs"].as_array().unwrap();
+        assert!(
+            programs.iter().any(|p| p["name"] == switch_program),
+            "{switch_program} did not run: {programs:?}"
+        );
+        let sched = &summary["sched"];
+        for field in ["switches_out", "wakeups"] {
+            assert!(
+                sched[field].as_u64().unwrap() >= u64::from(steps),
+                "{how}: {sched}"
+            );
+        }
+        assert_eq!(summary["lost_events"], 0);
+        migrations_chained(&out);
+    }
+}
+
+/// Each thread's migrations in trace.json go from the CPU the previous one went to, to
+/// another CPU of this host.
+fn migrations_chained(out: &Path) {
+    let trace: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("trace.json")).unwrap()).unwrap();
+    let cpus = std::thread::available_parallelism().map_or(1, usize::from) as u64;
+    let mut last_to: std::collections::HashMap<u64, u64> = std::collections::HashMap::new();
+    for e in trace["traceEvents"].as_array().unwrap() {
+        if e["name"] != "migration" {
+            continue;
+        }
+        let (tid, from, to) = (
+            e["tid"].as_u64().unwrap(),
+            e["args"]["from_cpu"].as_u64().unwrap(),
+            e["args"]["to_cpu"].as_u64().unwrap(),
+        );
+        assert!(from < cpus && to < cpus && from != to, "{e}");
+        if let Some(previous) = last_to.insert(tid, to) {
+            assert_eq!(from, previous, "thread {tid}: {e}");
+        }
+    }
 }
 
 /// The default profile with `call_returns = "needed"`, and InfiniBand off.

@@ -42,6 +42,50 @@ pub(super) fn python_walk(profile: &Profile, kernel: Option<(u32, u32)>) -> (boo
     (false, Some(format!("unrolled loop ({why_not})")))
 }
 
+/// Whether the scheduler's tracepoints run raw under `profile`, with the kernel BTF at
+/// `btf` (setting the task offsets in `offsets`: [`FIELD_ABSENT`](nccltrace_common::FIELD_ABSENT)
+/// where they do not), and in words for summary.json (`None` without scheduler probes).
+pub(super) fn sched_tracepoints(
+    profile: &Profile,
+    btf: &Path,
+    offsets: &mut nccltrace_common::TpOffsets,
+) -> (bool, Option<String>) {
+    offsets.task_pid = nccltrace_common::FIELD_ABSENT;
+    offsets.task_cpu = nccltrace_common::FIELD_ABSENT;
+    if !profile.probes.sched {
+        return (false, None);
+    }
+    let why_not = if profile.probes.raw_tracepoints {
+        match super::ktypes::task_fields(btf) {
+            Ok(fields) => {
+                offsets.task_pid = fields.pid;
+                offsets.task_cpu = fields.cpu;
+                return (
+                    true,
+                    Some(format!(
+                        "raw tracepoints (struct task_struct: pid at byte {}, cpu at byte {}, \
+                         from the kernel BTF)",
+                        fields.pid, fields.cpu
+                    )),
+                );
+            }
+            Err(why) => why,
+        }
+    } else {
+        "profile raw_tracepoints = false".to_owned()
+    };
+    (false, Some(format!("formatted tracepoints ({why_not})")))
+}
+
+/// The program attached to `tp`, and whether it is a raw tracepoint's: the raw
+/// scheduler programs where `raw_sched`.
+pub(super) fn tracepoint_program(tp: &names::Tracepoint, raw_sched: bool) -> (&'static str, bool) {
+    match names::raw_sched_program(tp.event) {
+        Some(program) if raw_sched => (program, true),
+        _ => (tp.program, tp.raw),
+    }
+}
+
 /// This kernel's release (major, minor), as aya reads it (Debian's and Ubuntu's own
 /// version strings included).
 pub(super) fn kernel_release() -> Option<(u32, u32)> {
@@ -169,13 +213,14 @@ pub(super) fn wanted_programs(
     profile: &Profile,
     available: &[&str],
     tracefs_root: &Path,
+    raw_sched: bool,
 ) -> Vec<&'static str> {
     let mut wanted = names::UPROBE_PROGRAMS.to_vec();
     wanted.extend(
         names::TRACEPOINTS
             .iter()
             .filter(|tp| tracepoint_wanted(tp, profile) && available.contains(&tp.event))
-            .map(|tp| tp.program),
+            .map(|tp| tracepoint_program(tp, raw_sched).0),
     );
     if profile.sampling.hz > 0 {
         wanted.push(names::PERF_EVENT_CPU_CLOCK);
@@ -245,10 +290,7 @@ pub(super) fn preload(
 
 /// Each loaded program's runs and run time as the kernel counts them (the uprobe programs
 /// loaded for uprobe-multi links among them).
-pub(super) fn raw_program_runs(
-    ebpf: &Ebpf,
-    uprobes: &super::UprobePrograms,
-) -> super::ProgramRuns {
+pub(super) fn raw_program_runs(ebpf: &Ebpf, uprobes: &super::UprobePrograms) -> super::ProgramRuns {
     let mut runs = uprobes.runs();
     runs.extend(ebpf.programs().filter_map(|(name, p)| {
         let info = p.info().ok()?;

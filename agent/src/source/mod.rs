@@ -4,6 +4,7 @@
 mod accounting;
 pub mod baseline;
 pub mod discover;
+mod ktypes;
 pub mod pmu;
 pub mod python;
 pub mod rings;
@@ -271,6 +272,8 @@ pub struct Attached {
     /// What a sampling clock's interrupt costs here (ns), measured with the traps where
     /// the profile samples, or why not.
     sampling_cost: Option<Result<u64, String>>,
+    /// Whether the scheduler's tracepoints run raw (`load::sched_tracepoints`).
+    raw_sched: bool,
     /// The calibration under way, a round between two drains, with the programs' runs
     /// before it.
     calibration: Option<(traps::Calibration, ProgramRuns)>,
@@ -370,9 +373,18 @@ mod tests {
         ];
         wanted.extend(names::EVENTS);
         wanted.extend(names::TRACEPOINTS.iter().map(|t| t.program));
+        wanted.extend(names::RAW_SCHED.iter().map(|(_, program)| *program));
         wanted.extend(nccltrace_common::timed::PROGRAMS);
         for name in wanted {
             assert!(defined.contains(name), "the object defines no {name}");
+        }
+        for (event, _) in names::RAW_SCHED {
+            assert!(
+                names::TRACEPOINTS
+                    .iter()
+                    .any(|t| t.event == event && !t.raw),
+                "{event}: a raw program for a tracepoint not traced"
+            );
         }
         for symbol in defined.iter().filter(|s| s.starts_with("tracepoint_")) {
             assert!(

@@ -376,6 +376,13 @@ impl Attached {
         let traced = (0..timed::COUNT)
             .filter_map(|id| {
                 let name = timed::PROGRAMS[id as usize];
+                // A formatted tracepoint's slot is its raw program's where that one ran.
+                let name = names::TRACEPOINTS
+                    .iter()
+                    .find(|tp| tp.program == name)
+                    .map_or(name, |tp| {
+                        super::load::tracepoint_program(tp, self.raw_sched).0
+                    });
                 (!per_target(name)).then(|| {
                     let slot = timed::SLOTS * id;
                     let (runs, timed, ns) = (sum(slot), sum(slot + 1), sum(slot + 2));

@@ -44,11 +44,19 @@ struct Ready {
     phases: Phases,
     /// How the programs walk Python frames (`python_walk`).
     python_walk: Option<String>,
+    /// Whether the scheduler's tracepoints run raw, and in words (`sched_tracepoints`).
+    raw_sched: bool,
+    sched_tracepoints: Option<String>,
 }
 
 fn prepare(profile: &Profile, started: Instant) -> Result<Ready, SourceError> {
     let tracefs_root = tracefs::ensure_mounted()?;
-    let (offsets, available) = tracefs::offsets(&tracefs_root)?;
+    let (mut offsets, available) = tracefs::offsets(&tracefs_root)?;
+    let (raw_sched, sched_tracepoints) = sched_tracepoints(
+        profile,
+        std::path::Path::new(super::ktypes::VMLINUX_BTF),
+        &mut offsets,
+    );
     let shards = ring_shards();
     let mut phases = Phases::new(started);
     // Read beside the loading (tens of ms), a line at a time: /proc/kallsyms for the fault
@@ -74,7 +82,7 @@ fn prepare(profile: &Profile, started: Instant) -> Result<Ready, SourceError> {
     let warm = map_fds.as_ref().and_then(|_| multi::Warm::start());
     let uprobes = preload(
         &mut ebpf,
-        &wanted_programs(profile, &available, &tracefs_root),
+        &wanted_programs(profile, &available, &tracefs_root, raw_sched),
         map_fds.as_ref(),
     );
     drop(map_fds);
@@ -90,6 +98,8 @@ fn prepare(profile: &Profile, started: Instant) -> Result<Ready, SourceError> {
         warm,
         phases,
         python_walk,
+        raw_sched,
+        sched_tracepoints,
     })
 }
 
@@ -128,6 +138,8 @@ fn attach_all(prepared: Prepared, targets: &[Target]) -> Result<Attached, Source
         warm,
         mut phases,
         python_walk,
+        raw_sched,
+        sched_tracepoints,
     } = prepared
         .thread
         .join()
@@ -220,8 +232,8 @@ fn attach_all(prepared: Prepared, targets: &[Target]) -> Result<Attached, Source
             continue;
         }
         let place = format!("{}:{}", tp.category, tp.event);
-        let name = tp.program;
-        if tp.raw {
+        let (name, raw) = tracepoint_program(&tp, raw_sched);
+        if raw {
             let prog: &mut RawTracePoint = load_program(&mut ebpf, name)?;
             let id = prog
                 .attach(tp.event)
@@ -401,6 +413,7 @@ fn attach_all(prepared: Prepared, targets: &[Target]) -> Result<Attached, Source
         attach_phases_us: Vec::new(),
         uprobes: Some(uprobes.describe().to_owned()),
         python_walk,
+        sched_tracepoints,
         infiniband_every_ms: (!infiniband_ports.is_empty())
             .then(|| u64::try_from(IB_FAST_EVERY.as_millis()).unwrap_or(u64::MAX)),
         infiniband_ports,
@@ -414,6 +427,7 @@ fn attach_all(prepared: Prepared, targets: &[Target]) -> Result<Attached, Source
         traps: None,
         sampling_cost: None,
         calibration: None,
+        raw_sched,
         baseline,
         calibration_runs: BTreeMap::new(),
         mem,

@@ -435,10 +435,7 @@ impl Aggregator {
                 agent_peak_rss_kb,
             }) => {
                 agent.attach_ms = attach_ns as f64 / 1e6;
-                agent.attach_phases_ms =
-                    crate::summary::AttachPhase::all(&self.header.attach_phases_us);
-                agent.uprobes.clone_from(&self.header.uprobes);
-                agent.python_walk.clone_from(&self.header.python_walk);
+                attach_notes(&mut agent, &self.header);
                 agent.peak_rss_kb = self.agent_peak_rss_kb.unwrap_or(agent_peak_rss_kb);
                 (end_monotonic_ns, Some(reason), lost_by_kind, counters)
             }
@@ -600,6 +597,17 @@ impl StackCounts {
             self.unresolved += 1;
         }
     }
+}
+
+/// What the header says of the attach: its phases, how the uprobes were attached, how the
+/// programs walked Python frames, which scheduler tracepoints ran.
+fn attach_notes(agent: &mut crate::summary::AgentStats, header: &crate::record::Header) {
+    agent.attach_phases_ms = crate::summary::AttachPhase::all(&header.attach_phases_us);
+    agent.uprobes.clone_from(&header.uprobes);
+    agent.python_walk.clone_from(&header.python_walk);
+    agent
+        .sched_tracepoints
+        .clone_from(&header.sched_tracepoints);
 }
 
 #[cfg(test)]

@@ -201,6 +201,10 @@ pub struct Header {
     /// loop (why)"); `None` without Python frames and in older recordings.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub python_walk: Option<String>,
+    /// Which scheduler tracepoints ran: "raw (...)" or "formatted (why)"; `None` without
+    /// scheduler probes and in older recordings.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sched_tracepoints: Option<String>,
     /// The InfiniBand ports whose counters were read while tracing (`device/port`), in
     /// the order the `infiniband_counters` records index them.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

@@ -710,9 +710,14 @@ pub struct TpOffsets {
     pub swap_dst_tgid: u32,
     pub swap_dst_cpu: u32,
     pub swap_dst_nid: u32,
-    pub _pad: u32,
+    /// Byte offsets in `struct task_struct` of `pid` and of the CPU it is on
+    /// (`thread_info.cpu` on x86-64), from the kernel's BTF: the raw scheduler tracepoints
+    /// get task pointers, not the format's fields. [`FIELD_ABSENT`] where not found (the
+    /// tracepoints then run as formatted ones).
+    pub task_pid: u32,
+    pub task_cpu: u32,
 }
-const _: () = assert!(core::mem::size_of::<TpOffsets>() == 116);
+const _: () = assert!(core::mem::size_of::<TpOffsets>() == 120);
 
 #[cfg(feature = "user")]
 mod pod {

@@ -45,6 +45,26 @@ pub const PY_WINDOW: &str = "PY_WINDOW";
 pub const CONFIG: &str = "CONFIG";
 pub const OFFSETS: &str = "OFFSETS";
 
+/// The scheduler's busiest tracepoints as raw tracepoints (their arguments, task
+/// pointers), by event: the formatted tracepoint's work before a program runs (its record
+/// built in a per-CPU buffer) is paid by every context switch and wake-up of the host,
+/// traced or not. Used where the kernel's BTF gives `task_struct`'s offsets and
+/// `sched_switch` passes `prev_state` (Linux 5.18+); the formatted ones otherwise.
+pub const RAW_SCHED: [(&str, &str); 3] = [
+    ("sched_switch", "raw_sched_switch"),
+    ("sched_waking", "raw_sched_waking"),
+    ("sched_migrate_task", "raw_sched_migrate_task"),
+];
+
+/// The raw program for tracepoint `event`, if it has one ([`RAW_SCHED`]).
+#[must_use]
+pub fn raw_sched_program(event: &str) -> Option<&'static str> {
+    RAW_SCHED
+        .iter()
+        .find(|(e, _)| *e == event)
+        .map(|(_, program)| *program)
+}
+
 /// Which profile switch turns a tracepoint on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Switch {

@@ -184,7 +184,8 @@ pub(crate) static OFFSETS: TpOffsets = TpOffsets {
     swap_dst_tgid: 0,
     swap_dst_cpu: 0,
     swap_dst_nid: 0,
-    _pad: 0,
+    task_pid: 0,
+    task_cpu: 0,
 };
 
 /// Switches set by user space before load.

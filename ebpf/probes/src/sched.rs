@@ -7,7 +7,6 @@ use crate::*;
 
 #[tracepoint]
 pub fn tracepoint_sched_switch(ctx: TracePointContext) -> u32 {
-    let (cur_tgid, _) = current();
     let (Some(prev_pid), Some(next_pid), Some(prev_state)) = (
         read_tp::<i32>(&ctx, offset!(switch_prev_pid)),
         read_tp::<i32>(&ctx, offset!(switch_next_pid)),
@@ -15,7 +14,43 @@ pub fn tracepoint_sched_switch(ctx: TracePointContext) -> u32 {
     ) else {
         return 0;
     };
-    let (prev_tid, next_tid) = (prev_pid as u32, next_pid as u32);
+    on_switch(ctx.as_ptr(), prev_pid as u32, next_pid as u32, prev_state)
+}
+
+/// `sched_switch` as a raw tracepoint (Linux 5.18+): `(preempt, prev, next, prev_state)`.
+#[raw_tracepoint(tracepoint = "sched_switch")]
+pub fn raw_sched_switch(ctx: RawTracePointContext) -> i32 {
+    let preempt: u64 = ctx.arg(0);
+    let next: u64 = ctx.arg(2);
+    let state: u64 = ctx.arg(3);
+    let Some(next_pid) = task_field::<i32>(next, offset!(task_pid)) else {
+        return 0;
+    };
+    // `prev` is the current task. A preempted task is runnable whatever its state, as the
+    // formatted tracepoint reports it (0, running).
+    let (_, prev_tid) = current();
+    let prev_state = if preempt == 0 {
+        i64::from(state as u32)
+    } else {
+        0
+    };
+    on_switch(ctx.as_ptr(), prev_tid, next_pid as u32, prev_state) as i32
+}
+
+/// A field of the kernel's `struct task_struct` at `task + offset` (from the BTF).
+#[inline(always)]
+fn task_field<T>(task: u64, offset: usize) -> Option<T> {
+    if task == 0 || offset == FIELD_ABSENT as usize {
+        return None;
+    }
+    // SAFETY: the helper checks the kernel address.
+    unsafe { bpf_probe_read_kernel((task + offset as u64) as *const T) }.ok()
+}
+
+/// A context switch from `prev_tid` (the current task) to `next_tid`.
+#[inline(always)]
+fn on_switch(ctx: *mut core::ffi::c_void, prev_tid: u32, next_tid: u32, prev_state: i64) -> u32 {
+    let (cur_tgid, _) = current();
     let mut flags = 0;
     // The previous task is `current`, so its thread group is known without a lookup.
     if is_target(cur_tgid) {
@@ -52,7 +87,7 @@ pub fn tracepoint_sched_switch(ctx: TracePointContext) -> u32 {
         // (`kprobe_finish_task_switch`): the unwinding is most of a switch's cost.
         if offcpu_min_ns() == 0 {
             emit_stacks(
-                ctx.as_ptr(),
+                ctx,
                 Header {
                     kind: kind::OFFCPU,
                     ..hdr
@@ -107,13 +142,32 @@ pub fn tracepoint_sched_waking(ctx: TracePointContext) -> u32 {
     let Some(pid) = read_tp::<i32>(&ctx, offset!(wakeup_pid)) else {
         return 0;
     };
-    let tid = pid as u32;
+    on_waking(pid as u32, || {
+        read_tp::<i32>(&ctx, offset!(wakeup_target_cpu)).unwrap_or(-1)
+    })
+}
+
+/// `sched_waking` as a raw tracepoint: `(p)`.
+#[raw_tracepoint(tracepoint = "sched_waking")]
+pub fn raw_sched_waking(ctx: RawTracePointContext) -> i32 {
+    let task: u64 = ctx.arg(0);
+    let Some(pid) = task_field::<i32>(task, offset!(task_pid)) else {
+        return 0;
+    };
+    on_waking(pid as u32, || {
+        task_field::<i32>(task, offset!(task_cpu)).unwrap_or(-1)
+    }) as i32
+}
+
+/// A wake-up of thread `tid`, to run on the CPU `target_cpu` gives (read only for targets).
+#[inline(always)]
+fn on_waking(tid: u32, target_cpu: impl FnOnce() -> i32) -> u32 {
     let Some(tgid) = target_of_thread(tid) else {
         return 0;
     };
     let timed = TargetRun::start(timed::SCHED_WAKING);
     let (waker_tgid, waker_tid) = current();
-    let target_cpu = read_tp::<i32>(&ctx, offset!(wakeup_target_cpu)).unwrap_or(-1);
+    let target_cpu = target_cpu();
     emit(
         kind::WAKEUP,
         WakeupEvent {
@@ -132,12 +186,39 @@ pub fn tracepoint_sched_migrate_task(ctx: TracePointContext) -> u32 {
     let Some(pid) = read_tp::<i32>(&ctx, offset!(migrate_pid)) else {
         return 0;
     };
-    let tid = pid as u32;
+    on_migrate(pid as u32, || {
+        (
+            read_tp::<i32>(&ctx, offset!(migrate_orig_cpu)).unwrap_or(-1),
+            read_tp::<i32>(&ctx, offset!(migrate_dest_cpu)).unwrap_or(-1),
+        )
+    })
+}
+
+/// `sched_migrate_task` as a raw tracepoint: `(p, dest_cpu)`, the task still on its
+/// CPU of origin.
+#[raw_tracepoint(tracepoint = "sched_migrate_task")]
+pub fn raw_sched_migrate_task(ctx: RawTracePointContext) -> i32 {
+    let task: u64 = ctx.arg(0);
+    let dest: u64 = ctx.arg(1);
+    let Some(pid) = task_field::<i32>(task, offset!(task_pid)) else {
+        return 0;
+    };
+    on_migrate(pid as u32, || {
+        (
+            task_field::<i32>(task, offset!(task_cpu)).unwrap_or(-1),
+            dest as i32,
+        )
+    }) as i32
+}
+
+/// A move of thread `tid` between CPUs, `cpus` (origin, destination) read only for
+/// targets.
+#[inline(always)]
+fn on_migrate(tid: u32, cpus: impl FnOnce() -> (i32, i32)) -> u32 {
     let Some(tgid) = target_of_thread(tid) else {
         return 0;
     };
-    let orig_cpu = read_tp::<i32>(&ctx, offset!(migrate_orig_cpu)).unwrap_or(-1);
-    let dest_cpu = read_tp::<i32>(&ctx, offset!(migrate_dest_cpu)).unwrap_or(-1);
+    let (orig_cpu, dest_cpu) = cpus();
     emit(
         kind::MIGRATE,
         MigrateEvent {
