@@ -266,6 +266,9 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
     // Attach alone, every probe of the default profile, on the idle caller.
     let (attach_ms, attach_rss_kb, attach_wall_s) =
         attach_only(&agent, &fixtures, &lib, &go, &work)?;
+    // What the scheduler probes cost processes nobody traces.
+    let (switch_bare, switch_raw, switch_formatted) =
+        untraced_switches(&agent, &fixtures, &lib, &go, &work, root)?;
     // The demo trainer, untraced and traced (default profile), interleaved; report on a
     // long recording of it with the full profile.
     // Step times vary ±1% from run to run here (timer wake-ups on a VM), untraced too: the
@@ -370,6 +373,14 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
         floor / (bpftrace - bare)
     );
     println!("| attach, all probes, 473 MB library | {attach_ms:.0} ms | | ≤ 250 ms |");
+    println!(
+        "| context switches of processes nobody traces, agent attached elsewhere (default \
+         profile): added a round trip of `pingpong` (two processes on one CPU: 2 switches \
+         and 2 wake-ups) | raw scheduler tracepoints: +{:.0} ns | formatted tracepoints \
+         (`raw_tracepoints = false`): +{:.0} ns; no agent: {switch_bare:.0} ns | |",
+        switch_raw - switch_bare,
+        switch_formatted - switch_bare
+    );
     println!(
         "| `attach --duration 1s` on it, start to exit (outputs, probes released) | \
          {attach_wall_s:.2} s | | |"
@@ -590,6 +601,60 @@ fn attach_only(
         rss = rss.max(json(&summary, "peak_rss_kb").unwrap_or(0.0) as u64);
     }
     Ok((median(ms), rss, median(walls)))
+}
+
+/// The pipe ping-pong of two untraced processes on one CPU (`pingpong`, ns a round trip),
+/// without the agent, with it attached to the idle caller (default profile: raw scheduler
+/// tracepoints where the kernel has them), and with a copy of the profile with
+/// `raw_tracepoints = false`; interleaved, three rounds, medians.
+fn untraced_switches(
+    agent: &Path,
+    fixtures: &Path,
+    lib: &Path,
+    go: &Path,
+    work: &Path,
+    root: &Path,
+) -> anyhow::Result<(f64, f64, f64)> {
+    let formatted = work.join("formatted.toml");
+    std::fs::write(
+        &formatted,
+        std::fs::read_to_string(root.join("profiles/default.toml"))?
+            .replace("raw_tracepoints = true", "raw_tracepoints = false"),
+    )?;
+    let pingpong = || -> anyhow::Result<f64> {
+        let out = Command::new(fixtures.join("pingpong"))
+            .arg("100000")
+            .output()?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        json(&text, "ns_per_round_trip").with_context(|| format!("pingpong said {text:?}"))
+    };
+    let (mut bare, mut raw, mut formatted_ns) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..3 {
+        bare.push(pingpong()?);
+        for (profile, into) in [
+            (std::ffi::OsStr::new("default"), &mut raw),
+            (formatted.as_os_str(), &mut formatted_ns),
+        ] {
+            let (child, lines) = caller(fixtures, lib, go)?;
+            let out = work.join("switches");
+            fresh(&out)?;
+            let (mut a, err) = attached(
+                on_cpu(agent, TRACER_CPU)
+                    .args(["attach", "--force", "--profile"])
+                    .arg(profile)
+                    .arg("--pid")
+                    .arg(child.id().to_string())
+                    .arg("--out")
+                    .arg(&out),
+            )?;
+            into.push(pingpong()?);
+            libc_kill(a.id(), 2);
+            for _ in err {}
+            a.wait()?;
+            finish(go, child, lines)?;
+        }
+    }
+    Ok((median(bare), median(raw), median(formatted_ns)))
 }
 
 /// `cargo xtask bench --cost`: the cost model (summary.json agent.bpf) against the wall

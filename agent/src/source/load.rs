@@ -86,6 +86,16 @@ pub(super) fn tracepoint_program(tp: &names::Tracepoint, raw_sched: bool) -> (&'
     }
 }
 
+/// The host's largest pid plus one (/proc/sys/kernel/pid_max; Linux's default for 64-bit
+/// hosts where unreadable): the `MAYBE` map's length, a byte a pid (4 MiB at most).
+fn pid_max() -> u32 {
+    const LIMIT: u32 = 4 << 20;
+    std::fs::read_to_string("/proc/sys/kernel/pid_max")
+        .ok()
+        .and_then(|v| v.trim().parse::<u32>().ok())
+        .map_or(LIMIT, |max| max.clamp(1, LIMIT))
+}
+
 /// This kernel's release (major, minor), as aya reads it (Debian's and Ubuntu's own
 /// version strings included).
 pub(super) fn kernel_release() -> Option<(u32, u32)> {
@@ -124,6 +134,7 @@ pub(super) fn load(
         py_loop: u32::from(py_loop),
     };
     loader.override_global(names::CONFIG, &config, true);
+    loader.map_max_entries(names::MAYBE, pid_max());
     rings::size(&mut loader, shards, profile.ring_buffer_bytes());
     loader.load(PROGRAMS).map_err(|e| {
         if is_eperm(&e) {

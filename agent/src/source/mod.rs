@@ -365,6 +365,7 @@ mod tests {
             names::TIMING,
             names::TARGETS,
             names::THREADS,
+            names::MAYBE,
             names::PY_THREADS,
             names::PY_LAYOUTS,
             names::PY_WINDOW,

@@ -188,12 +188,32 @@ pub(super) fn register_threads(
     host: &Host,
     t: &Target,
 ) -> Result<(), SourceError> {
+    let tids = host.threads(t.pid);
+    // The bits first: a program that finds no bit looks no further.
+    let mut maybe: aya::maps::Array<_, u8> = aya::maps::Array::try_from(
+        ebpf.map_mut(names::MAYBE)
+            .ok_or_else(|| missing_map(names::MAYBE))?,
+    )
+    .map_err(map_error(names::MAYBE))?;
+    let marks = std::iter::once((t.pid, nccltrace_common::maybe::PROCESS)).chain(
+        tids.iter()
+            .map(|tid| (*tid, nccltrace_common::maybe::THREAD)),
+    );
+    for (pid, bit) in marks {
+        // A pid past the map's end (pid_max raised since) has no byte: the programs then
+        // look it up in the hash maps.
+        if let Ok(bits) = maybe.get(&pid, 0) {
+            maybe
+                .set(pid, bits | bit, 0)
+                .map_err(map_error(names::MAYBE))?;
+        }
+    }
     let mut threads: BpfHashMap<_, u32, u32> = BpfHashMap::try_from(
         ebpf.map_mut(names::THREADS)
             .ok_or_else(|| missing_map(names::THREADS))?,
     )
     .map_err(map_error(names::THREADS))?;
-    for tid in host.threads(t.pid) {
+    for tid in tids {
         threads
             .insert(tid, t.pid, 0)
             .map_err(map_error(names::THREADS))?;

@@ -145,6 +145,18 @@ pub mod timed {
     ];
 }
 
+/// Bits of a pid's byte in the `MAYBE` map. An array load decides for the tasks of
+/// everything else on the host (a bit not set: not a target), sparing them the hash
+/// lookups of `THREADS` and `TARGETS`, which decide where a bit is set. Each bit is set
+/// before the hash map's entry it stands for and never cleared: a stale one only sends a
+/// task to the hash lookup.
+pub mod maybe {
+    /// A thread of a target (an entry in `THREADS`), or was once.
+    pub const THREAD: u8 = 1;
+    /// A target thread group (an entry in `TARGETS`), or was once.
+    pub const PROCESS: u8 = 2;
+}
+
 /// Subkinds of [`NumaTaskEvent`].
 pub mod numa_task {
     /// `sched_move_numa`: a task moved to another node.

@@ -35,6 +35,9 @@ pub const TARGET_COSTS: &str = "TARGET_COSTS";
 pub const TIMING: &str = "TIMING";
 pub const TARGETS: &str = "TARGETS";
 pub const THREADS: &str = "THREADS";
+/// One byte per pid ([`super::maybe`]): whether it may be a target thread or thread group,
+/// looked at before `THREADS` and `TARGETS`. Sized by user space to the host's pid_max.
+pub const MAYBE: &str = "MAYBE";
 /// Python thread states of target threads (tid → `PyThreadState *`).
 pub const PY_THREADS: &str = "PY_THREADS";
 /// Python layouts of target processes (tgid → [`PyLayout`](super::PyLayout)).

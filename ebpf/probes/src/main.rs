@@ -46,7 +46,7 @@ use nccltrace_common::{
     NumaTaskEvent, PY_DEPTH, PY_ENTRY, PY_FRAME_WINDOW, PageMigrationEvent, PendingCall,
     PyFramesEvent, PyLayout, RING_SHARDS, STACK_KEY_SLOTS, STACK_REUSE_NS, SampleEvent, StackKey,
     StackSameEvent, SwitchEvent, TaskEvent, TpOffsets, USTACK_DEPTH, WakeupEvent, call_stacks,
-    counter, func, kind, numa_task, offcpu, switch_flags, timed,
+    counter, func, kind, maybe, numa_task, offcpu, switch_flags, timed,
 };
 
 /// Every record, in ring buffers shared by groups of CPUs (`CONFIG.shards` of them in use,
@@ -102,6 +102,11 @@ pub(crate) static TARGET_COSTS: PerCpuArray<u64> =
 /// it with the accounting's windows; see `names::TIMING`).
 #[map]
 pub(crate) static TIMING: Array<u32> = Array::with_max_entries(1, 0);
+
+/// Per pid, whether it may be a target thread or thread group ([`maybe`]): sized by user
+/// space to the host's pid_max.
+#[map]
+pub(crate) static MAYBE: Array<u8> = Array::with_max_entries(1, 0);
 
 /// Target thread groups (tgid → flags), filled by user space before attach.
 #[map]
@@ -275,13 +280,34 @@ impl Drop for TargetRun {
 #[inline(always)]
 pub(crate) fn is_target(tgid: u32) -> bool {
     // SAFETY: the value is not kept past this call.
-    unsafe { TARGETS.get(&tgid) }.is_some()
+    may_be(tgid, maybe::PROCESS) && unsafe { TARGETS.get(&tgid) }.is_some()
 }
 
 #[inline(always)]
 pub(crate) fn target_of_thread(tid: u32) -> Option<u32> {
+    if !may_be(tid, maybe::THREAD) {
+        return None;
+    }
     // SAFETY: copied out at once.
     unsafe { THREADS.get(&tid) }.copied()
+}
+
+/// Whether `pid` may be a target thread or thread group (`bit`): false only where its byte
+/// says it is not (a pid past the map's end may be).
+#[inline(always)]
+fn may_be(pid: u32, bit: u8) -> bool {
+    MAYBE.get(pid).is_none_or(|bits| bits & bit != 0)
+}
+
+/// Marks `tid` as a possible target thread, before its `THREADS` entry is made.
+#[inline(always)]
+pub(crate) fn mark_thread(tid: u32) {
+    if let Some(bits) = MAYBE.get_ptr_mut(tid) {
+        // SAFETY: a live map value; only this bit is ever set here, and user space sets a
+        // thread group's bit before that group is a target (so before any program sets a
+        // bit of its threads).
+        unsafe { *bits |= maybe::THREAD };
+    }
 }
 
 #[inline(always)]

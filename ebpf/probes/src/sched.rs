@@ -26,16 +26,21 @@ pub fn raw_sched_switch(ctx: RawTracePointContext) -> i32 {
     let Some(next_pid) = task_field::<i32>(next, offset!(task_pid)) else {
         return 0;
     };
-    // `prev` is the current task. A preempted task is runnable whatever its state, as the
-    // formatted tracepoint reports it (0, running).
+    // `prev` is the current task. Its state as the formatted tracepoint reports it, as far
+    // as anything reads it (running or not): a task preempted in the kernel is reported
+    // as `TASK_REPORT_MAX` (not running) whatever its state; otherwise running is 0.
     let (_, prev_tid) = current();
     let prev_state = if preempt == 0 {
         i64::from(state as u32)
     } else {
-        0
+        TASK_REPORT_MAX
     };
     on_switch(ctx.as_ptr(), prev_tid, next_pid as u32, prev_state) as i32
 }
+
+/// What the formatted `sched_switch` reports as `prev_state` for a task preempted in the
+/// kernel (Linux 4.14+: `TASK_REPORT_IDLE << 1`).
+const TASK_REPORT_MAX: i64 = 0x100;
 
 /// A field of the kernel's `struct task_struct` at `task + offset` (from the BTF).
 #[inline(always)]
@@ -55,9 +60,11 @@ fn on_switch(ctx: *mut core::ffi::c_void, prev_tid: u32, next_tid: u32, prev_sta
     // The previous task is `current`, so its thread group is known without a lookup.
     if is_target(cur_tgid) {
         flags |= switch_flags::PREV_TARGET;
-        if target_of_thread(prev_tid).is_none() && THREADS.insert(&prev_tid, &cur_tgid, 0).is_err()
-        {
-            bump(counter::THREADS_FULL);
+        if target_of_thread(prev_tid).is_none() {
+            mark_thread(prev_tid);
+            if THREADS.insert(&prev_tid, &cur_tgid, 0).is_err() {
+                bump(counter::THREADS_FULL);
+            }
         }
     } else if target_of_thread(prev_tid).is_some() {
         // A child process that fork() registered tentatively: it is not a target thread.
@@ -241,6 +248,7 @@ pub fn tracepoint_sched_process_fork(ctx: TracePointContext) -> u32 {
     };
     let child_tid = child as u32;
     // Tentative: a new thread stays; a new process is dropped at its first switch-out.
+    mark_thread(child_tid);
     if THREADS.insert(&child_tid, &tgid, 0).is_err() {
         bump(counter::THREADS_FULL);
     }
