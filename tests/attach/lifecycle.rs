@@ -76,6 +76,46 @@ fn duration_stops_the_run() {
     no_programs_left();
 }
 
+/// Regression: the uprobes made for one target skip the `TARGETS` lookup, so disarming
+/// (removing the target from it) did not stop them; a target still calling after the
+/// stop kept writing records nobody read, and once the ring buffer was full they were
+/// counted lost (4,000–10,000 of a caller's calls after `--duration 400ms`, the trap
+/// calibration run at the end). Now the stop clears `ARMED` and nothing is written or lost.
+#[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
+fn calls_after_the_stop_are_not_traced() {
+    let _serial = privileged();
+    let lib = std::env::var_os("NCCLTRACE_REAL_NCCL")
+        .map(PathBuf::from)
+        .expect(
+            "NCCLTRACE_REAL_NCCL is not set: run `cargo xtask test`, which downloads the \
+         nvidia-nccl-cu12 wheel once and points this test at its libnccl.so.2",
+        );
+    let dir = tempfile::tempdir().unwrap();
+    let go = dir.path().join("go");
+    // About a microsecond a call: the caller goes on for seconds after the stop.
+    let n: u64 = 3_000_000;
+    let caller = Target::spawn(
+        &fixtures().join("nccl_caller"),
+        &[lib.to_str().unwrap(), &n.to_string(), go.to_str().unwrap()],
+        &[],
+        dir.path(),
+    );
+    let out = dir.path().join("out");
+    let agent = Agent::attach(caller.child.id(), &out, &["--duration", "400ms"]);
+    caller.release();
+    let (code, summary, stderr) = agent.wait(Duration::from_secs(60));
+    let truth = caller.finish();
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(summary["stop_reason"], "--duration elapsed");
+    assert_eq!(truth["invalid_argument"], n);
+    let calls = summary["nccl"]["calls"].as_u64().unwrap();
+    assert!(calls > 0 && calls < n, "{calls} calls traced of {n}");
+    uprobes_attached_as(&summary, true);
+    assert_eq!(summary["lost_events"], 0, "{:#}", summary["lost_by_kind"]);
+    no_programs_left();
+}
+
 /// The target killed with SIGKILL mid-trace: the agent notices, writes every output for
 /// the time it saw, exits 0 and leaves no program behind.
 #[test]

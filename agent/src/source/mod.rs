@@ -274,6 +274,8 @@ pub struct Attached {
     sampling_cost: Option<Result<u64, String>>,
     /// Whether the scheduler's tracepoints run raw (`load::sched_tracepoints`).
     raw_sched: bool,
+    /// Set from attach to the stop (`names::ARMED`).
+    armed: aya::maps::Array<MapData, u32>,
     /// The calibration under way, a round between two drains, with the programs' runs
     /// before it.
     calibration: Option<(traps::Calibration, ProgramRuns)>,
@@ -364,6 +366,7 @@ mod tests {
             names::TARGET_COSTS,
             names::TIMING,
             names::TARGETS,
+            names::ARMED,
             names::THREADS,
             names::MAYBE,
             names::PY_THREADS,

@@ -561,6 +561,13 @@ impl Attached {
                 );
             }
         }
+        // The probes made for one target skip `TARGETS`: this stops them.
+        if let Err(e) = self.armed.set(0, 0, 0) {
+            crate::note!(
+                "nccltrace: warning: the probes could not be disarmed ({e}): what they emit \
+                 after the stop is not recorded, and may fill the ring buffers"
+            );
+        }
         self.stopped_ns = Some(host::clock_ns(libc::CLOCK_MONOTONIC));
     }
 

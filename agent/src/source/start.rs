@@ -184,6 +184,12 @@ fn attach_all(prepared: Prepared, targets: &[Target]) -> Result<Attached, Source
     for t in targets {
         register_threads(&mut ebpf, &host, t)?;
     }
+    let mut armed: aya::maps::Array<MapData, u32> = aya::maps::Array::try_from(
+        ebpf.take_map(names::ARMED)
+            .ok_or_else(|| missing_map(names::ARMED))?,
+    )
+    .map_err(map_error(names::ARMED))?;
+    armed.set(0, 1, 0).map_err(map_error(names::ARMED))?;
     phases.mark("targets and threads");
     let mut py_targets = python::PyTargets::new();
     let mut py_infos = BTreeMap::new();
@@ -428,6 +434,7 @@ fn attach_all(prepared: Prepared, targets: &[Target]) -> Result<Attached, Source
         sampling_cost: None,
         calibration: None,
         raw_sched,
+        armed,
         baseline,
         calibration_runs: BTreeMap::new(),
         mem,

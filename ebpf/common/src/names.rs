@@ -34,6 +34,11 @@ pub const TARGET_COSTS: &str = "TARGET_COSTS";
 /// time their runs for traced threads only then. Set by user space (`Accounting`).
 pub const TIMING: &str = "TIMING";
 pub const TARGETS: &str = "TARGETS";
+/// One `u32`: nonzero from attach to the stop. The entry program of the uprobes made for
+/// one target (which skip `TARGETS`) stops at 0: after the stop, while the links are
+/// released, the target's calls write nothing (records nobody reads, lost once the ring
+/// buffer is full).
+pub const ARMED: &str = "ARMED";
 pub const THREADS: &str = "THREADS";
 /// One byte per pid ([`super::maybe`]): whether it may be a target thread or thread group,
 /// looked at before `THREADS` and `TARGETS`. Sized by user space to the host's pid_max.

@@ -12,8 +12,9 @@ pub fn uprobe_lib_call(ctx: ProbeContext) -> u32 {
     // SAFETY: the cookie is the function id user space attached with (and its flags).
     let cookie = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } as u32;
     // A probe made for one target fires only there: the check and the self-timing (for
-    // the cost of the runs in traced threads) are for probes on every process.
-    if cookie & func::IN_TARGET == 0 && !is_target(tgid) {
+    // the cost of the runs in traced threads) are for probes on every process. After the
+    // stop neither kind writes (the other kind finds its target gone from `TARGETS`).
+    if (cookie & func::IN_TARGET == 0 && !is_target(tgid)) || !armed() {
         return 0;
     }
     // The flag read again for the timer: the one tested above is a known constant on

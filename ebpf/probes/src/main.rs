@@ -108,6 +108,10 @@ pub(crate) static TIMING: Array<u32> = Array::with_max_entries(1, 0);
 #[map]
 pub(crate) static MAYBE: Array<u8> = Array::with_max_entries(1, 0);
 
+/// Nonzero from attach to the stop (`names::ARMED`).
+#[map]
+pub(crate) static ARMED: Array<u32> = Array::with_max_entries(1, 0);
+
 /// Target thread groups (tgid → flags), filled by user space before attach.
 #[map]
 pub(crate) static TARGETS: HashMap<u32, u32> = HashMap::with_max_entries(1024, 0);
@@ -290,6 +294,12 @@ pub(crate) fn target_of_thread(tid: u32) -> Option<u32> {
     }
     // SAFETY: copied out at once.
     unsafe { THREADS.get(&tid) }.copied()
+}
+
+/// Whether tracing is on (from attach to the stop).
+#[inline(always)]
+pub(crate) fn armed() -> bool {
+    ARMED.get(0).is_some_and(|on| *on != 0)
 }
 
 /// Whether `pid` may be a target thread or thread group (`bit`): false only where its byte
