@@ -473,21 +473,9 @@ fn blocking_collectives_and_spinning_syncs() {
 #[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
 fn counts_calls_into_the_real_libnccl() {
     let _serial = privileged();
-    let lib = std::env::var_os("NCCLTRACE_REAL_NCCL")
-        .map(PathBuf::from)
-        .expect(
-            "NCCLTRACE_REAL_NCCL is not set: run `cargo xtask test`, which downloads the \
-         nvidia-nccl-cu12 wheel once and points this test at its libnccl.so.2",
-        );
     let dir = tempfile::tempdir().unwrap();
-    let go = dir.path().join("go");
     let n = 2000;
-    let caller = Target::spawn(
-        &fixtures().join("nccl_caller"),
-        &[lib.to_str().unwrap(), &n.to_string(), go.to_str().unwrap()],
-        &[],
-        dir.path(),
-    );
+    let caller = nccl_caller(&real_nccl(), n, dir.path());
     let out = dir.path().join("out");
     let agent = Agent::attach(caller.child.id(), &out, &["--profile", "minimal"]);
     caller.release();

@@ -12,14 +12,7 @@ use super::*;
 fn peak_memory_covers_the_end_of_the_run() {
     let _serial = privileged();
     let dir = tempfile::tempdir().unwrap();
-    let go = dir.path().join("go");
-    let lib = fixtures().join("libnccl.so.2");
-    let caller = Target::spawn(
-        &fixtures().join("nccl_caller"),
-        &[lib.to_str().unwrap(), "300000", go.to_str().unwrap()],
-        &[],
-        dir.path(),
-    );
+    let caller = nccl_caller(&fixtures().join("libnccl.so.2"), 300_000, dir.path());
     let out = dir.path().join("out");
     let mut timed = Command::new("/usr/bin/time")
         .args(["-f", "maxrss_kb %M"])
@@ -85,22 +78,10 @@ fn duration_stops_the_run() {
 #[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
 fn calls_after_the_stop_are_not_traced() {
     let _serial = privileged();
-    let lib = std::env::var_os("NCCLTRACE_REAL_NCCL")
-        .map(PathBuf::from)
-        .expect(
-            "NCCLTRACE_REAL_NCCL is not set: run `cargo xtask test`, which downloads the \
-         nvidia-nccl-cu12 wheel once and points this test at its libnccl.so.2",
-        );
     let dir = tempfile::tempdir().unwrap();
-    let go = dir.path().join("go");
     // About a microsecond a call: the caller goes on for seconds after the stop.
     let n: u64 = 3_000_000;
-    let caller = Target::spawn(
-        &fixtures().join("nccl_caller"),
-        &[lib.to_str().unwrap(), &n.to_string(), go.to_str().unwrap()],
-        &[],
-        dir.path(),
-    );
+    let caller = nccl_caller(&real_nccl(), n, dir.path());
     let out = dir.path().join("out");
     let agent = Agent::attach(caller.child.id(), &out, &["--duration", "400ms"]);
     caller.release();

@@ -419,6 +419,28 @@ const OUTPUTS: [&str; 7] = [
     "flamegraph-attributed.svg",
 ];
 
+/// The real libnccl.so.2 of the nvidia-nccl-cu12 wheel (`NCCLTRACE_REAL_NCCL`).
+fn real_nccl() -> PathBuf {
+    std::env::var_os("NCCLTRACE_REAL_NCCL")
+        .map(PathBuf::from)
+        .expect(
+            "NCCLTRACE_REAL_NCCL is not set: run `cargo xtask test`, which downloads the \
+             nvidia-nccl-cu12 wheel once and points this test at its libnccl.so.2",
+        )
+}
+
+/// `nccl_caller` making `n` ncclAllReduce calls into `lib` once released, its go file in
+/// `dir`.
+fn nccl_caller(lib: &Path, n: u64, dir: &Path) -> Target {
+    let go = dir.join("go");
+    Target::spawn(
+        &fixtures().join("nccl_caller"),
+        &[lib.to_str().unwrap(), &n.to_string(), go.to_str().unwrap()],
+        &[],
+        dir,
+    )
+}
+
 /// The demo trainer for `steps` steps of `compute_us`, waiting for `dir/go` to start.
 fn waiting_trainer(dir: &Path, steps: u32, compute_us: u32) -> Target {
     let go = dir.join("go");
