@@ -14,7 +14,14 @@ pub fn tracepoint_sched_switch(ctx: TracePointContext) -> u32 {
     ) else {
         return 0;
     };
-    on_switch(ctx.as_ptr(), prev_pid as u32, next_pid as u32, prev_state)
+    let (cur_tgid, _) = current();
+    on_switch(
+        ctx.as_ptr(),
+        cur_tgid,
+        prev_pid as u32,
+        next_pid as u32,
+        prev_state,
+    )
 }
 
 /// `sched_switch` as a raw tracepoint (Linux 5.18+): `(preempt, prev, next, prev_state)`.
@@ -29,13 +36,19 @@ pub fn raw_sched_switch(ctx: RawTracePointContext) -> i32 {
     // `prev` is the current task. Its state as the formatted tracepoint reports it, as far
     // as anything reads it (running or not): a task preempted in the kernel is reported
     // as `TASK_REPORT_MAX` (not running) whatever its state; otherwise running is 0.
-    let (_, prev_tid) = current();
+    let (cur_tgid, prev_tid) = current();
     let prev_state = if preempt == 0 {
         i64::from(state as u32)
     } else {
         TASK_REPORT_MAX
     };
-    on_switch(ctx.as_ptr(), prev_tid, next_pid as u32, prev_state) as i32
+    on_switch(
+        ctx.as_ptr(),
+        cur_tgid,
+        prev_tid,
+        next_pid as u32,
+        prev_state,
+    ) as i32
 }
 
 /// What the formatted `sched_switch` reports as `prev_state` for a task preempted in the
@@ -52,10 +65,16 @@ fn task_field<T>(task: u64, offset: usize) -> Option<T> {
     unsafe { bpf_probe_read_kernel((task + offset as u64) as *const T) }.ok()
 }
 
-/// A context switch from `prev_tid` (the current task) to `next_tid`.
+/// A context switch from `prev_tid` (the current task, of thread group `cur_tgid`) to
+/// `next_tid`.
 #[inline(always)]
-fn on_switch(ctx: *mut core::ffi::c_void, prev_tid: u32, next_tid: u32, prev_state: i64) -> u32 {
-    let (cur_tgid, _) = current();
+fn on_switch(
+    ctx: *mut core::ffi::c_void,
+    cur_tgid: u32,
+    prev_tid: u32,
+    next_tid: u32,
+    prev_state: i64,
+) -> u32 {
     let mut flags = 0;
     // The previous task is `current`, so its thread group is known without a lookup.
     if is_target(cur_tgid) {
