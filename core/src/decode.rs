@@ -3,7 +3,7 @@
 
 use nccltrace_common::{
     CallEvent, FaultEvent, FaultTimeEvent, Header, IbCountersEvent, KSTACK_DEPTH, MemSampleEvent,
-    MigrateEvent, NOT_READ, NumaHintEvent, NumaPagesEvent, NumaTaskEvent, PY_DEPTH,
+    MigrateEvent, NOT_READ, NodeLoadsEvent, NumaHintEvent, NumaPagesEvent, NumaTaskEvent, PY_DEPTH,
     PageMigrationEvent, PyFramesEvent, PyStackEvent, SampleEvent, StackSameEvent, SwitchEvent,
     TaskEvent, USTACK_DEPTH, WakeupEvent, kind, numa_hint, numa_task, switch_flags,
 };
@@ -307,6 +307,16 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
                 task: t,
                 weight: e.weight,
                 data_src: e.data_src,
+            }
+        }
+        kind::NODE_LOADS => {
+            let e = read::<NodeLoadsEvent>(bytes, "node-load counters record")?;
+            Event::NodeLoads {
+                ts_ns: h.ts_ns,
+                task: t,
+                dram: e.dram,
+                remote: e.remote,
+                multiplexed: e.running_ns < e.enabled_ns,
             }
         }
         kind::NUMA_PAGES => {

@@ -473,6 +473,16 @@ pub enum Event {
         weight: u32,
         data_src: u64,
     },
+    /// A reading of a thread's node-load counters since they were opened: its loads DRAM
+    /// served (any node's) and those a remote node's served, scaled for multiplexing.
+    NodeLoads {
+        ts_ns: u64,
+        task: Task,
+        dram: u64,
+        remote: u64,
+        /// The counters ran for less than they were enabled (the counts are scaled up).
+        multiplexed: bool,
+    },
     /// Where the target's resident memory is: KiB per NUMA node.
     NumaPages {
         ts_ns: u64,
@@ -554,6 +564,7 @@ impl Event {
             | Event::NumaTask { task, .. }
             | Event::NumaHint { task, .. }
             | Event::MemSample { task, .. }
+            | Event::NodeLoads { task, .. }
             | Event::NumaPages { task, .. }
             | Event::IbCounters { task, .. }
             | Event::Sample { task, .. }
@@ -580,6 +591,7 @@ impl Event {
             | Event::NumaTask { ts_ns, .. }
             | Event::NumaHint { ts_ns, .. }
             | Event::MemSample { ts_ns, .. }
+            | Event::NodeLoads { ts_ns, .. }
             | Event::NumaPages { ts_ns, .. }
             | Event::IbCounters { ts_ns, .. }
             | Event::Sample { ts_ns, .. }
@@ -614,6 +626,7 @@ impl Event {
             k::NUMA_PAGES => "numa_pages",
             k::IB_COUNTERS => "infiniband_counters",
             k::STACK_SAME => "stack_same",
+            k::NODE_LOADS => "node_loads",
             _ => "unknown",
         }
     }

@@ -87,6 +87,9 @@ pub struct MemoryStats {
     pub numa_maps_readings: Option<u64>,
     /// Loads of target threads sampled by the PMU; null where no sampler was opened.
     pub pmu_load_samples: Option<u64>,
+    /// Readings of target threads' node-load counters (no sampler, the PMU counts them);
+    /// null where none were opened.
+    pub node_load_readings: Option<u64>,
     /// Faults timed by fentry/fexit on the fault handler, where the kernel permits it.
     pub timed_faults: u64,
     /// Their time inside the handler.

@@ -213,9 +213,14 @@ impl Agent {
     }
 
     fn attach_many(pids: &[u32], out: &Path, extra: &[&str]) -> Agent {
+        Agent::attach_env(pids, out, extra, &[])
+    }
+
+    /// As `attach_many`, with variables set in the agent's environment.
+    fn attach_env(pids: &[u32], out: &Path, extra: &[&str], env: &[(&str, &str)]) -> Agent {
         let pids: Vec<String> = pids.iter().map(u32::to_string).collect();
         let mut child = agent();
-        child.arg("attach");
+        child.arg("attach").envs(env.iter().copied());
         if !pids.is_empty() {
             child.args(["--pid", &pids.join(",")]);
         }

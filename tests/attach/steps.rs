@@ -350,3 +350,72 @@ fn steps_attributed_in_epochs_as_the_run_goes() {
     }
     assert_eq!(summary["nccl"]["collectives"], u64::from(steps) * 10);
 }
+
+/// Issue 23: where the PMU counts loads by the node that served them but samples none,
+/// each target thread's `node-loads` and `node-load-misses` are counted and read at every
+/// drain, and each step gets its share from its own counts. No machine here has a PMU: the
+/// software stand-in (the thread's page faults for its DRAM loads, its minor faults for
+/// its remote ones) runs the same path, so the steps' counted loads must add up to the
+/// page faults the fault tracepoint saw in them, all minor.
+#[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
+fn node_loads_counted_per_step() {
+    let _serial = privileged();
+    let dir = tempfile::tempdir().unwrap();
+    let go = dir.path().join("go");
+    let args = [
+        "--steps",
+        "40",
+        "--compute-us",
+        "2000",
+        "--fault-pages",
+        "512",
+        "--go-file",
+        go.to_str().unwrap(),
+    ];
+    let mut trainer = Target::spawn(&fixtures().join("trainer"), &args, &[], dir.path());
+    let out = dir.path().join("out");
+    let agent = Agent::attach_env(
+        &[trainer.child.id()],
+        &out,
+        &[],
+        &[("NCCLTRACE_NODE_COUNTERS", "software-faults")],
+    );
+    trainer.release();
+    for _ in trainer.stdout.by_ref() {}
+    assert!(trainer.child.wait().unwrap().success());
+    let (code, summary, stderr) = agent.wait(Duration::from_secs(60));
+    assert_eq!(code, 0, "nccltrace failed: {stderr}");
+    let readings = summary["memory"]["node_load_readings"]
+        .as_u64()
+        .unwrap_or(0);
+    assert!(readings > 10, "{}", summary["memory"]);
+    let steps: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("steps.json")).unwrap()).unwrap();
+    let method = steps["methods"]["remote_memory"].as_str().unwrap();
+    assert!(method.contains("software stand-in"), "{method}");
+    let found = steps["steps"].as_array().unwrap();
+    assert!(found.len() >= 30, "{} steps", found.len());
+    let (mut loads, mut remote, mut faults) = (0, 0, 0);
+    for s in found {
+        let r = &s["remote_access"];
+        assert_eq!(
+            r["from"], "the thread's loads counted by the PMU (node-loads, node-load-misses)",
+            "{s}"
+        );
+        loads += r["dram_loads"].as_u64().unwrap();
+        remote += r["remote_loads"].as_u64().unwrap();
+        faults += s["faults"].as_u64().unwrap();
+    }
+    // Interpolated between readings 10 ms apart: a step's count is smoothed over its
+    // neighbours', the steps' sum is not.
+    let ratio = loads as f64 / faults as f64;
+    assert!(
+        (0.9..1.1).contains(&ratio),
+        "{loads} counted, {faults} traced"
+    );
+    assert!(
+        remote as f64 >= 0.95 * loads as f64,
+        "{remote} minor of {loads}"
+    );
+}

@@ -3,6 +3,7 @@
 
 mod accounting;
 pub mod baseline;
+pub mod counting;
 pub mod discover;
 mod ktypes;
 pub mod pmu;
@@ -263,6 +264,8 @@ pub struct Attached {
     python: python::PyTargets,
     /// The PMU's memory sampler on the targets' threads, where the host has one.
     mem: Option<pmu::Sampling>,
+    /// The PMU's node-load counters on the targets' threads, where it has no sampler.
+    counting: Option<counting::Counting>,
     /// The kernel's accounting of the programs' run time, on in windows.
     accounting: accounting::Accounting,
     /// The timed programs' runs and nanoseconds for traced threads (`timed`).

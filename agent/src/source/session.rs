@@ -208,6 +208,7 @@ impl Attached {
                 _ = poll.tick() => {
                     more = true;
                     ticks = ticks.wrapping_add(1);
+                    self.read_node_loads(sink)?;
                     self.calibrate(false);
                     if !ticks.is_multiple_of(10) {
                         continue;
@@ -240,10 +241,7 @@ impl Attached {
                         }
                         self.read_resident(sink, &host)?;
                         self.read_infiniband(sink, &host, true)?;
-                        // Threads the targets started since: their loads sampled too.
-                        if let Some(mem) = self.mem.as_mut() {
-                            mem.follow(self.pids.iter().flat_map(|p| host.threads(*p)));
-                        }
+                        self.follow_threads(&host);
                         self.accounting.new_second();
                         self.read_program_stats(sink);
                         self.start_calibration();
@@ -271,7 +269,8 @@ impl Attached {
         };
         self.rings.drain(&mut naming, usize::MAX)?;
         self.drain_mem(sink)?;
-        // The steps up to the end are interpolated from it.
+        // The steps up to the end are interpolated from these.
+        self.read_node_loads(sink)?;
         self.read_infiniband(sink, &host, true)?;
         sink.numastat(host::clock_ns(libc::CLOCK_MONOTONIC), host.numastat());
         // A run shorter than a second has its traps measured now.
@@ -536,6 +535,41 @@ impl Attached {
                 weight: s.weight,
                 _pad: 0,
                 data_src: s.data_src,
+            };
+            sink.record(&crate::decode::as_bytes(&record))?;
+        }
+        Ok(())
+    }
+
+    /// Threads the targets started since: their loads sampled or counted too.
+    fn follow_threads(&mut self, host: &Host) {
+        if let Some(mem) = self.mem.as_mut() {
+            mem.follow(self.pids.iter().flat_map(|p| host.threads(*p)));
+        }
+        if let Some(counting) = self.counting.as_mut() {
+            counting.follow(
+                self.pids
+                    .iter()
+                    .flat_map(|&p| host.threads(p).into_iter().map(move |tid| (tid, p))),
+            );
+        }
+    }
+
+    /// Hands on a reading of every counted thread's node loads, as `NODE_LOADS` records.
+    fn read_node_loads(&mut self, sink: &mut impl Sink) -> Result<(), crate::Error> {
+        let Some(counting) = self.counting.as_ref() else {
+            return Ok(());
+        };
+        let mut readings = Vec::new();
+        let at = host::clock_ns(libc::CLOCK_MONOTONIC);
+        counting.read(&mut readings);
+        for r in readings {
+            let record = nccltrace_common::NodeLoadsEvent {
+                hdr: agent_record(at, r.tgid, r.tid, kind::NODE_LOADS),
+                dram: r.dram,
+                remote: r.remote,
+                enabled_ns: r.enabled_ns,
+                running_ns: r.running_ns,
             };
             sink.record(&crate::decode::as_bytes(&record))?;
         }

@@ -331,6 +331,19 @@ fn attach_all(prepared: Prepared, targets: &[Target]) -> Result<Attached, Source
         (None, Some("the profile has numa off".to_owned()))
     };
 
+    // Where there is no sampler, the PMU's node-load counters on the same threads.
+    let (counting, node_counting_refused) = if mem.is_none() && profile.probes.numa {
+        let tids: Vec<(u32, u32)> = targets
+            .iter()
+            .flat_map(|t| host.threads(t.pid).into_iter().map(|tid| (tid, t.pid)))
+            .collect();
+        match counting::NodeEvents::chosen().and_then(|e| counting::Counting::open(e, &tids)) {
+            Ok(c) => (Some(c), None),
+            Err(why) => (None, Some(why)),
+        }
+    } else {
+        (None, None)
+    };
     phases.mark("PMU sampler");
     let mut sample_period_ns = 0;
     if profile.sampling.hz > 0 {
@@ -413,6 +426,14 @@ fn attach_all(prepared: Prepared, targets: &[Target]) -> Result<Attached, Source
         mem_sampler: mem.as_ref().map(|m| m.sampler.describe()),
         mem_sampling_refused,
         cpu_khz: mem.as_ref().and_then(|_| crate::pmu::cpu_khz()),
+        node_counters: counting.as_ref().map(|c| {
+            format!(
+                "{}, read every {} ms",
+                c.events.description,
+                super::DRAIN_EVERY.as_millis()
+            )
+        }),
+        node_counting_refused,
         bpf_stats_refused,
         offcpu_stacks,
         offcpu_min_ns,
@@ -438,6 +459,7 @@ fn attach_all(prepared: Prepared, targets: &[Target]) -> Result<Attached, Source
         baseline,
         calibration_runs: BTreeMap::new(),
         mem,
+        counting,
         resident,
         resident_read: None,
         ebpf: Some(ebpf),

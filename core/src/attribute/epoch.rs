@@ -197,6 +197,12 @@ impl Timeline {
             {
                 horizon = horizon.min(read);
             }
+            // So are its counted loads (read at every drain).
+            if let Some(read) = self.node_loads_latest
+                && read.saturating_add(IB_STALE_NS) >= last
+            {
+                horizon = horizon.min(read);
+            }
             bounds.retain(|(_, b)| *b <= horizon);
             bounds.truncate(bounds.len().saturating_sub(LOOKAHEAD));
             if !force && (!found || bounds.len() < MIN_STEPS) {
@@ -253,6 +259,7 @@ impl Timeline {
         for log in self.threads.values_mut() {
             log.numa_hints.sort_unstable_by_key(|h| h.ts_ns);
             log.mem_samples.sort_unstable_by_key(|s| s.time_ns);
+            log.node_loads.sort_unstable_by_key(|r| r.ts_ns);
             log.resident.sort_unstable_by_key(|r| r.ts_ns);
             log.nodes.sort_unstable_by_key(|n| n.0);
             sort_nearly(&mut log.changes);
@@ -357,6 +364,7 @@ impl Timeline {
             log.markers.retain(|t| keep(*t));
             log.nvtx.retain(|n| keep(n.0));
             log.mem_samples.retain(|s| keep(s.time_ns));
+            super::remote::trim_loads(&mut log.node_loads, until);
             // The latest resident reading and node before the cut stay: later steps use them.
             let before = log.resident.partition_point(|r| r.ts_ns < until);
             log.resident.drain(..before.saturating_sub(1));

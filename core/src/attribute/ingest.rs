@@ -273,6 +273,25 @@ impl Timeline {
                 };
                 self.log(task.tid, task.tgid).mem_samples.push(sample);
             }
+            Event::NodeLoads {
+                ts_ns,
+                task,
+                dram,
+                remote: far,
+                multiplexed,
+            } => {
+                self.node_loads_seen += 1;
+                self.node_loads_multiplexed += u64::from(*multiplexed);
+                self.node_loads_latest = self.node_loads_latest.max(Some(*ts_ns));
+                let node = self
+                    .log(task.tid, task.tgid)
+                    .nodes
+                    .last()
+                    .map_or(-1, |n| n.1);
+                let reading =
+                    remote::LoadReading::new(*ts_ns, *dram, *far, node, &self.node_distances);
+                self.log(task.tid, task.tgid).node_loads.push(reading);
+            }
             Event::IbCounters {
                 ts_ns,
                 port,

@@ -40,7 +40,7 @@ impl Timeline {
             remote_memory: self.remote_method(nodes.len()),
             remote_memory_estimated: self.mem_khz.is_none()
                 && nodes.len() > 1
-                && self.numa_hints_seen + self.resident_seen > 0,
+                && self.numa_hints_seen + self.resident_seen + self.node_loads_seen > 0,
             infiniband: self.infiniband_method(),
         }
     }
@@ -77,6 +77,39 @@ impl Timeline {
         text
     }
 
+    /// `remote_memory` from the rank thread's counted loads.
+    fn counted_method(&self, counters: &str, nodes: usize) -> String {
+        let multiplexed = if self.node_loads_multiplexed > 0 {
+            format!(
+                "; {} of {} readings were of counters the PMU multiplexed (scaled by \
+                 enabled / running time)",
+                self.node_loads_multiplexed, self.node_loads_seen
+            )
+        } else {
+            String::new()
+        };
+        if self.node_loads_seen == 0 {
+            return format!(
+                "not measured: {counters} were opened but no reading of a target thread came \
+                 back"
+            );
+        }
+        if nodes <= 1 {
+            return format!(
+                "not measured: the host has one NUMA node, so nothing is remote; loads were \
+                 counted (by {counters}) and steps' remote_access has the counts{multiplexed}"
+            );
+        }
+        format!(
+            "estimated from the rank thread's loads counted by {counters}: per step, the \
+             share of its DRAM loads a remote node served (the counts interpolated linearly \
+             between readings at the step's start and end) × its on-CPU compute × (1 − \
+             local/remote SLIT distance, averaged over the other nodes). Every load is \
+             counted, none sampled; the time is an upper end (it assumes the on-CPU time is \
+             bound by memory latency, and the SLIT ratio is the latency ratio){multiplexed}"
+        )
+    }
+
     /// How `remote_memory` was estimated, or why not.
     pub(super) fn remote_method(&self, nodes: usize) -> String {
         if let (Some(sampler), Some(khz)) = (&self.mem_sampler, self.mem_khz) {
@@ -91,6 +124,9 @@ impl Timeline {
                 khz / 1000
             );
         }
+        if let Some(counters) = &self.node_counters {
+            return self.counted_method(counters, nodes);
+        }
         let no_pmu = match (&self.mem_sampler, &self.mem_sampling_refused) {
             (Some(sampler), _) => format!(
                 "{sampler} was sampled, but the CPU's frequency is unknown (no cpufreq, no \
@@ -98,6 +134,10 @@ impl Timeline {
             ),
             (None, Some(why)) => why.clone(),
             (None, None) => "no PMU memory sampler was opened".to_owned(),
+        };
+        let no_pmu = match &self.node_counting_refused {
+            Some(why) => format!("{no_pmu}; no node-load counters either: {why}"),
+            None => no_pmu,
         };
         let no_pmu = no_pmu.as_str();
         if nodes <= 1 {

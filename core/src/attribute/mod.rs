@@ -92,6 +92,8 @@ struct ThreadLog {
     numa_hints: Vec<remote::Hint>,
     /// Loads sampled by the PMU, by time.
     mem_samples: Vec<crate::pmu::MemSample>,
+    /// Readings of the thread's node-load counters, by time.
+    node_loads: Vec<remote::LoadReading>,
     /// The thread's NUMA node from each switch-in that changed it: (time, node).
     nodes: Vec<(u64, i32)>,
     /// Where the target's resident memory was, seen from the thread's node, by time.
@@ -138,10 +140,11 @@ struct ThreadLog {
 }
 
 impl ThreadLog {
-    /// The remote share `[a, b)` of this thread is estimated from: its hinting faults,
-    /// else the latest reading of its process's resident pages.
+    /// The remote share `[a, b)` of this thread is estimated from: its counted loads,
+    /// else its hinting faults, else the latest reading of its process's resident pages.
     fn remote_access(&self, a: u64, b: u64) -> Option<remote::RemoteAccess> {
-        remote::estimate(&self.numa_hints, a, b)
+        remote::counted(&self.node_loads, a, b)
+            .or_else(|| remote::estimate(&self.numa_hints, a, b))
             .or_else(|| remote::from_resident(&self.resident, b))
     }
 }
@@ -211,6 +214,14 @@ pub struct Timeline {
     mem_sampler: Option<String>,
     mem_sampling_refused: Option<String>,
     mem_khz: Option<u64>,
+    /// The node-load counters opened on the targets' threads, described, or why none
+    /// were; the latest reading's time (steps wait for the next), readings seen and those
+    /// of multiplexed counters.
+    node_counters: Option<String>,
+    node_counting_refused: Option<String>,
+    node_loads_latest: Option<u64>,
+    node_loads_seen: u64,
+    node_loads_multiplexed: u64,
     /// A CUDA sync function was probed in some target: `nccl_wait` is measured.
     sync_probed: bool,
     /// The InfiniBand ports' counter readings, every how many ms they were taken, or why
@@ -287,6 +298,10 @@ pub struct Setup {
     pub mem_sampling_refused: Option<String>,
     /// The CPU's base frequency in kHz, which turns sampled latencies into time.
     pub cpu_khz: Option<u64>,
+    /// The node-load counters opened on the targets' threads (no sampler), described.
+    pub node_counters: Option<String>,
+    /// Why none were opened (`None`: they were, or a sampler was).
+    pub node_counting_refused: Option<String>,
     /// The InfiniBand ports whose counters were read (`device/port`), indexed by the
     /// readings' port.
     pub infiniband_ports: Vec<String>,
@@ -334,6 +349,11 @@ impl Timeline {
             mem_sampler: setup.mem_sampler.clone(),
             mem_sampling_refused: setup.mem_sampling_refused.clone(),
             mem_khz: setup.mem_sampler.as_ref().and(setup.cpu_khz),
+            node_counters: setup.node_counters.clone(),
+            node_counting_refused: setup.node_counting_refused.clone(),
+            node_loads_latest: None,
+            node_loads_seen: 0,
+            node_loads_multiplexed: 0,
             sync_probed: setup.targets.iter().any(|t| t.syncs_probed),
             infiniband: infiniband::Readings::new(setup.infiniband_ports.clone()),
             infiniband_every_ms: setup.infiniband_every_ms,

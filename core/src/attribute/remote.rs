@@ -85,6 +85,9 @@ pub enum Basis {
     /// The target's resident pages per node (`/proc/PID/numa_maps`), NUMA balancing being
     /// off: no access is sampled, so every resident page weighs the same.
     ResidentPages,
+    /// The thread's own loads, counted by the PMU (`node-loads`, `node-load-misses`):
+    /// every DRAM load, not a sample; interpolated between the agent's readings.
+    CountedLoads,
 }
 
 /// The remote share a step's estimate rests on.
@@ -119,19 +122,30 @@ impl Serialize for RemoteAccess {
         use serde::ser::SerializeMap as _;
         let mut map = serializer.serialize_map(Some(4))?;
         map.serialize_entry("share", &((self.share() * 1e4).round() / 1e4))?;
-        let (pages, from) = match self.basis {
-            Basis::StepHints => ("hint_fault_pages", "this step's hinting faults"),
+        let (pages, remote, from) = match self.basis {
+            Basis::StepHints => (
+                "hint_fault_pages",
+                "remote_pages",
+                "this step's hinting faults",
+            ),
             Basis::LatestHints => (
                 "hint_fault_pages",
+                "remote_pages",
                 "the latest hinting faults before the step's end",
             ),
             Basis::ResidentPages => (
                 "resident_pages",
+                "remote_pages",
                 "the target's resident pages per node (numa_maps)",
+            ),
+            Basis::CountedLoads => (
+                "dram_loads",
+                "remote_loads",
+                "the thread's loads counted by the PMU (node-loads, node-load-misses)",
             ),
         };
         map.serialize_entry(pages, &self.pages)?;
-        map.serialize_entry("remote_pages", &self.remote_pages)?;
+        map.serialize_entry(remote, &self.remote_pages)?;
         map.serialize_entry("from", from)?;
         map.end()
     }
@@ -250,6 +264,97 @@ pub fn from_resident(resident: &[Resident], b: u64) -> Option<RemoteAccess> {
         basis: Basis::ResidentPages,
         gap_ppm: r.gap_ppm,
     })
+}
+
+/// A reading of a thread's node-load counters: its DRAM loads and remote ones since the
+/// counters were opened, and the latency gap of a remote load from the thread's node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LoadReading {
+    pub ts_ns: u64,
+    pub dram: u64,
+    pub remote: u64,
+    /// 1 − d(node, node) / d(node, other) for the thread's node, averaged over the other
+    /// nodes (the counters do not say which node served), in thousandths; `None` where
+    /// the node or the distances are unknown.
+    pub gap_milli: Option<u16>,
+}
+
+impl LoadReading {
+    /// A reading for a thread on `node`, with the host's SLIT `distances`.
+    #[must_use]
+    pub fn new(ts_ns: u64, dram: u64, remote: u64, node: i32, distances: &[Vec<u32>]) -> Self {
+        let gap_milli = usize::try_from(node).ok().and_then(|node| {
+            let row = distances.get(node)?;
+            let near = u64::from(*row.get(node)?);
+            let gaps: Vec<u64> = row
+                .iter()
+                .enumerate()
+                .filter(|(n, _)| *n != node)
+                .map(|(_, far)| u64::from(*far))
+                .filter(|far| *far >= near && *far > 0)
+                .map(|far| 1000 - near * 1000 / far)
+                .collect();
+            let n = u64::try_from(gaps.len()).ok().filter(|n| *n > 0)?;
+            u16::try_from(gaps.iter().sum::<u64>() / n).ok()
+        });
+        LoadReading {
+            ts_ns,
+            dram,
+            remote,
+            gap_milli,
+        }
+    }
+}
+
+/// The counts of `readings` (sorted by time) at `t`, interpolated linearly between the
+/// readings around it; `None` outside them.
+fn loads_at(readings: &[LoadReading], t: u64) -> Option<(u64, u64)> {
+    let after = readings.partition_point(|r| r.ts_ns < t);
+    let next = readings.get(after)?;
+    if next.ts_ns == t {
+        return Some((next.dram, next.remote));
+    }
+    let prev = readings[..after].last()?;
+    let lerp = |v0: u64, v1: u64| {
+        // Scaled counts of a multiplexed counter may dip: taken as flat.
+        let grown = v1.saturating_sub(v0);
+        let part =
+            u128::from(grown) * u128::from(t - prev.ts_ns) / u128::from(next.ts_ns - prev.ts_ns);
+        v0 + u64::try_from(part).unwrap_or(grown)
+    };
+    Some((lerp(prev.dram, next.dram), lerp(prev.remote, next.remote)))
+}
+
+/// A step `[a, b)` from the thread's counted loads: its DRAM loads and the remote share of
+/// them; `None` where the readings do not cover the step.
+#[must_use]
+pub fn counted(readings: &[LoadReading], a: u64, b: u64) -> Option<RemoteAccess> {
+    let (dram_a, remote_a) = loads_at(readings, a)?;
+    let (dram_b, remote_b) = loads_at(readings, b)?;
+    let pages = dram_b.saturating_sub(dram_a);
+    let remote_pages = remote_b.saturating_sub(remote_a).min(pages);
+    // The gap of the latest reading in the step (the thread's node then).
+    let gap = readings[..readings.partition_point(|r| r.ts_ns < b).max(1)]
+        .last()
+        .and_then(|r| r.gap_milli);
+    Some(RemoteAccess {
+        pages,
+        remote_pages,
+        basis: Basis::CountedLoads,
+        gap_ppm: gap.map(|g| {
+            u64::try_from(
+                u128::from(remote_pages) * u128::from(g) * 1000 / u128::from(pages.max(1)),
+            )
+            .unwrap_or(0)
+        }),
+    })
+}
+
+/// Drops the readings before `until` but the latest of them (a later step interpolates
+/// from it).
+pub fn trim_loads(readings: &mut Vec<LoadReading>, until: u64) {
+    let before = readings.partition_point(|r| r.ts_ns <= until);
+    readings.drain(..before.saturating_sub(1));
 }
 
 #[cfg(test)]
@@ -381,5 +486,76 @@ mod tests {
         }));
         let r = estimate(&sparse, 600 * ms, 700 * ms).unwrap();
         assert_eq!((r.pages, r.remote_pages), (20, 4));
+    }
+
+    /// Readings every 10 ms of a thread on node 0 making 1,000 DRAM loads a ms, a quarter
+    /// of them remote from 20 ms on.
+    fn load_readings() -> Vec<LoadReading> {
+        let ms = 1_000_000;
+        (0..6u64)
+            .map(|i| {
+                let t = i * 10;
+                let remote = t.saturating_sub(20) * 250;
+                LoadReading::new(t * ms, t * 1000, remote, 0, &slit())
+            })
+            .collect()
+    }
+
+    #[test]
+    fn counted_loads_are_interpolated_at_the_steps_ends() {
+        let ms = 1_000_000;
+        let r = load_readings();
+        assert_eq!(r[0].gap_milli, Some(500));
+        // [25, 45) ms: 20,000 loads, 5,000 remote.
+        let step = counted(&r, 25 * ms, 45 * ms).unwrap();
+        assert_eq!(step.basis, Basis::CountedLoads);
+        assert_eq!((step.pages, step.remote_pages), (20_000, 5_000));
+        assert!((step.share() - 0.25).abs() < 1e-9);
+        // A quarter remote at half the time each: an eighth of the on-CPU time.
+        assert_eq!(step.stall_ns(8_000_000), Some(1_000_000));
+        // [5, 15) ms: all local, a stall of 0 (measured none, not unknown).
+        let early = counted(&r, 5 * ms, 15 * ms).unwrap();
+        assert_eq!((early.pages, early.remote_pages), (10_000, 0));
+        assert_eq!(early.stall_ns(1_000), Some(0));
+        // Outside the readings: nothing, whichever end.
+        assert_eq!(counted(&r, 45 * ms, 55 * ms), None);
+        assert_eq!(counted(&r[1..], 5 * ms, 15 * ms), None);
+        let json = serde_json::to_value(step).unwrap();
+        assert_eq!(json["dram_loads"], 20_000);
+        assert_eq!(json["remote_loads"], 5_000);
+        assert_eq!(json["share"], 0.25);
+        assert!(json.get("remote_pages").is_none());
+    }
+
+    #[test]
+    fn counted_loads_without_distances_keep_the_share() {
+        let r = [
+            LoadReading::new(0, 0, 0, 0, &[]),
+            LoadReading::new(100, 1000, 500, 0, &[]),
+        ];
+        let step = counted(&r, 0, 100).unwrap();
+        assert_eq!((step.share(), step.stall_ns(1_000)), (0.5, None));
+        // One node: no other node to be remote, no gap.
+        assert_eq!(LoadReading::new(0, 0, 0, 0, &[vec![10]]).gap_milli, None);
+        // Three nodes at 20 and 30 from node 0: the gaps 500 and 666 averaged.
+        let three = vec![vec![10, 20, 30], vec![20, 10, 20], vec![30, 20, 10]];
+        assert_eq!(LoadReading::new(0, 0, 0, 0, &three).gap_milli, Some(583));
+        // A multiplexed counter's scaled count that dips reads as flat, not as a wrap.
+        let dip = [
+            LoadReading::new(0, 0, 0, 0, &slit()),
+            LoadReading::new(100, 1000, 100, 0, &slit()),
+            LoadReading::new(200, 990, 100, 0, &slit()),
+        ];
+        assert_eq!(counted(&dip, 100, 200).unwrap().pages, 0);
+    }
+
+    #[test]
+    fn trimming_the_loads_keeps_the_reading_before_the_cut() {
+        let ms = 1_000_000;
+        let mut r = load_readings();
+        let before = counted(&r, 35 * ms, 45 * ms);
+        trim_loads(&mut r, 35 * ms);
+        assert_eq!(r.len(), 3, "the readings at 30, 40 and 50 ms");
+        assert_eq!(counted(&r, 35 * ms, 45 * ms), before);
     }
 }

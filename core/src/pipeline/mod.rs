@@ -293,6 +293,9 @@ impl Aggregator {
             Event::MemSample { .. } => {
                 *self.memory.pmu_load_samples.get_or_insert(0) += 1;
             }
+            Event::NodeLoads { .. } => {
+                *self.memory.node_load_readings.get_or_insert(0) += 1;
+            }
             Event::NumaHint { pages, local, .. } => {
                 let pages = u64::from(*pages);
                 let add = |n: &mut Option<u64>, by: u64| *n = Some(n.unwrap_or(0) + by);

@@ -40,6 +40,8 @@ impl From<&Header> for Setup {
             mem_sampler: h.mem_sampler.clone(),
             mem_sampling_refused: h.mem_sampling_refused.clone(),
             cpu_khz: h.cpu_khz,
+            node_counters: h.node_counters.clone(),
+            node_counting_refused: h.node_counting_refused.clone(),
             infiniband_ports: h.infiniband_ports.clone(),
             infiniband_every_ms: h.infiniband_every_ms,
             infiniband_refused: h.infiniband_refused.clone(),

@@ -171,6 +171,13 @@ pub struct Header {
     /// Why no memory sampler was opened (`None`, written as null: one was).
     #[serde(default = "mem_not_recorded")]
     pub mem_sampling_refused: Option<String>,
+    /// The node-load counters opened on the targets' threads where no sampler was
+    /// (`crate::pmu::NodeCounters`), described.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_counters: Option<String>,
+    /// Why none were opened where no sampler was either.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_counting_refused: Option<String>,
     /// Every how many seconds the targets' numa_maps were read (NUMA balancing off or
     /// untraced on a host of several nodes); `None`: they were not.
     #[serde(default, skip_serializing_if = "Option::is_none")]

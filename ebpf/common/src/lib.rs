@@ -70,6 +70,10 @@ pub mod kind {
     /// entries among them (one write a frame: the walk's loop verifies in about three
     /// quarters of the instructions). Lost ones count under `PY_STACK`.
     pub const PY_FRAMES: u16 = 20;
+    /// A reading of a target thread's node-load counters (`NodeLoadsEvent`): made by the
+    /// agent from per-thread perf counters where the PMU counts loads by the node that
+    /// served them but samples none, beyond [`COUNT`] too.
+    pub const NODE_LOADS: u16 = 21;
     /// One past the largest kind: the size of per-kind tables.
     pub const COUNT: usize = 16;
 }
@@ -226,6 +230,7 @@ unsafe impl Record for NumaHintEvent {}
 unsafe impl Record for MemSampleEvent {}
 unsafe impl Record for NumaPagesEvent {}
 unsafe impl Record for IbCountersEvent {}
+unsafe impl Record for NodeLoadsEvent {}
 unsafe impl Record for StackSameEvent {}
 unsafe impl Record for SampleEvent {}
 unsafe impl Record for PyStackEvent {}
@@ -439,6 +444,23 @@ pub struct MemSampleEvent {
     pub data_src: u64,
 }
 const _: () = assert!(core::mem::size_of::<MemSampleEvent>() == 40);
+
+/// A thread's node-load counters since they were opened (`node-loads`: its loads that DRAM
+/// served, any node's; `node-load-misses`: those another node's DRAM served, as perf's
+/// generic events map them on Intel), read by the agent
+/// (the header's tgid and tid are the thread's, its CPU `u16::MAX`). Each count is already
+/// scaled by the time the counter was enabled over the time it ran (the PMU multiplexes).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NodeLoadsEvent {
+    pub hdr: Header,
+    pub dram: u64,
+    pub remote: u64,
+    /// Nanoseconds the counters were enabled, and counting (less when multiplexed).
+    pub enabled_ns: u64,
+    pub running_ns: u64,
+}
+const _: () = assert!(core::mem::size_of::<NodeLoadsEvent>() == 56);
 
 /// Nodes a [`NumaPagesEvent`] has room for (a host with more adds the rest to the last).
 pub const NUMA_PAGES_NODES: usize = 16;

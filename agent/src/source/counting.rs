@@ -1,0 +1,303 @@
+//! The PMU's node-load counters on the target's threads, where it counts loads by the
+//! node that served them but samples none (`crate::pmu` has the sampler): per thread a
+//! group of two counting events, `node-loads` (user loads DRAM served, any node's) and
+//! `node-load-misses` (those a remote node's DRAM served), read together by the session's
+//! loop at every drain and handed on as `NODE_LOADS` records. Attribution interpolates
+//! them at each step's ends (`attribute::remote::counted`).
+
+use std::os::fd::{AsRawFd, FromRawFd as _, OwnedFd};
+
+use perf_event_open_sys::bindings as sys;
+
+/// Which two events count a thread's DRAM loads and its remote ones.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeEvents {
+    pub type_: u32,
+    pub dram: u64,
+    pub remote: u64,
+    /// For the header and the methods.
+    pub description: String,
+}
+
+/// `NCCLTRACE_NODE_COUNTERS=software-faults` puts two software events in their place, on
+/// the same code path: the thread's user page faults for its DRAM loads and its minor
+/// faults for its remote ones. For the tests (no machine here has a PMU): the counts are
+/// then checked against the fault tracepoint's.
+pub const STAND_IN_ENV: &str = "NCCLTRACE_NODE_COUNTERS";
+
+impl NodeEvents {
+    /// perf's generic `node-loads` and `node-load-misses` (on Intel, demand reads served
+    /// by any DRAM, and by a remote node's), or the software stand-in the environment asks
+    /// for.
+    ///
+    /// # Errors
+    /// An unknown stand-in name.
+    pub fn chosen() -> Result<NodeEvents, String> {
+        Self::chosen_from(std::env::var(STAND_IN_ENV).ok().as_deref())
+    }
+
+    fn chosen_from(stand_in: Option<&str>) -> Result<NodeEvents, String> {
+        match stand_in {
+            None | Some("" | "pmu") => {
+                let cache = |result: u32| {
+                    u64::from(sys::PERF_COUNT_HW_CACHE_NODE)
+                        | u64::from(sys::PERF_COUNT_HW_CACHE_OP_READ) << 8
+                        | u64::from(result) << 16
+                };
+                Ok(NodeEvents {
+                    type_: sys::PERF_TYPE_HW_CACHE,
+                    dram: cache(sys::PERF_COUNT_HW_CACHE_RESULT_ACCESS),
+                    remote: cache(sys::PERF_COUNT_HW_CACHE_RESULT_MISS),
+                    description: "the PMU's node-loads and node-load-misses counters, per \
+                                  thread, user mode"
+                        .to_owned(),
+                })
+            }
+            Some("software-faults") => Ok(NodeEvents {
+                type_: sys::PERF_TYPE_SOFTWARE,
+                dram: u64::from(sys::PERF_COUNT_SW_PAGE_FAULTS),
+                remote: u64::from(sys::PERF_COUNT_SW_PAGE_FAULTS_MIN),
+                description: format!(
+                    "a software stand-in ({STAND_IN_ENV}=software-faults: page faults for \
+                     DRAM loads, minor faults for remote ones), per thread, user mode"
+                ),
+            }),
+            Some(other) => Err(format!(
+                "{STAND_IN_ENV}={other} is not a known stand-in (\"software-faults\", or unset \
+                 for the PMU's node-load counters)"
+            )),
+        }
+    }
+}
+
+/// One thread's counters: the group's leader counts DRAM loads, its member remote ones.
+struct Counter {
+    tid: u32,
+    tgid: u32,
+    leader: OwnedFd,
+    _member: OwnedFd,
+}
+
+/// A reading of one thread's counters, scaled for multiplexing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Reading {
+    pub tid: u32,
+    pub tgid: u32,
+    pub dram: u64,
+    pub remote: u64,
+    pub enabled_ns: u64,
+    pub running_ns: u64,
+}
+
+/// The node-load counters of the target's threads.
+pub struct Counting {
+    pub events: NodeEvents,
+    counters: Vec<Counter>,
+    /// The threads counted (or refused), so that `follow` opens each once.
+    seen: std::collections::BTreeSet<u32>,
+    /// Threads started later that the kernel refused.
+    pub refused: u64,
+}
+
+impl Counting {
+    /// Opens the counters on every thread of `tids` (thread, thread group).
+    ///
+    /// # Errors
+    /// Why the kernel refused them (no PMU, an event the CPU lacks, permissions).
+    pub fn open(events: NodeEvents, tids: &[(u32, u32)]) -> Result<Counting, String> {
+        let mut counting = Counting {
+            events,
+            counters: Vec::new(),
+            seen: std::collections::BTreeSet::new(),
+            refused: 0,
+        };
+        for &(tid, tgid) in tids {
+            counting.seen.insert(tid);
+            match counting.open_thread(tid, tgid) {
+                Ok(counter) => counting.counters.push(counter),
+                // The thread ended meanwhile.
+                Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {}
+                Err(e) => {
+                    let hint = match e.raw_os_error() {
+                        Some(libc::EACCES | libc::EPERM) => {
+                            " (needs CAP_PERFMON, or kernel.perf_event_paranoid ≤ 1)"
+                        }
+                        Some(libc::ENOENT | libc::EOPNOTSUPP | libc::EINVAL) => {
+                            " (no PMU, or one that does not count loads by node: most VMs \
+                             have none)"
+                        }
+                        _ => "",
+                    };
+                    return Err(format!(
+                        "the kernel refused {} on thread {tid}: {e}{hint}",
+                        counting.events.description
+                    ));
+                }
+            }
+        }
+        Ok(counting)
+    }
+
+    fn open_thread(&self, tid: u32, process: u32) -> std::io::Result<Counter> {
+        let pid = libc::pid_t::try_from(tid)
+            .map_err(|_| std::io::Error::from_raw_os_error(libc::ESRCH))?;
+        let leader = self.open_event(self.events.dram, pid, None)?;
+        let member = self.open_event(self.events.remote, pid, Some(&leader))?;
+        Ok(Counter {
+            tid,
+            tgid: process,
+            leader,
+            _member: member,
+        })
+    }
+
+    fn open_event(
+        &self,
+        config: u64,
+        pid: libc::pid_t,
+        leader: Option<&OwnedFd>,
+    ) -> std::io::Result<OwnedFd> {
+        let mut attr = sys::perf_event_attr {
+            type_: self.events.type_,
+            size: u32::try_from(std::mem::size_of::<sys::perf_event_attr>()).unwrap_or(0),
+            config,
+            read_format: u64::from(
+                sys::PERF_FORMAT_GROUP
+                    | sys::PERF_FORMAT_TOTAL_TIME_ENABLED
+                    | sys::PERF_FORMAT_TOTAL_TIME_RUNNING,
+            ),
+            ..sys::perf_event_attr::default()
+        };
+        attr.set_exclude_kernel(1);
+        attr.set_exclude_hv(1);
+        let group = leader.map_or(-1, AsRawFd::as_raw_fd);
+        // SAFETY: `attr` is a valid, fully initialised perf_event_attr of its own size.
+        let fd = unsafe {
+            perf_event_open_sys::perf_event_open(
+                &raw mut attr,
+                pid,
+                -1,
+                group,
+                libc::c_ulong::from(sys::PERF_FLAG_FD_CLOEXEC),
+            )
+        };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: a new descriptor the kernel just gave us, owned from here.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
+    /// Opens the counters on the threads of `tids` not seen before (started since).
+    pub fn follow(&mut self, tids: impl IntoIterator<Item = (u32, u32)>) {
+        for (tid, tgid) in tids {
+            if !self.seen.insert(tid) {
+                continue;
+            }
+            match self.open_thread(tid, tgid) {
+                Ok(counter) => self.counters.push(counter),
+                Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {}
+                Err(_) => self.refused += 1,
+            }
+        }
+    }
+
+    /// Threads counted.
+    #[must_use]
+    pub fn threads(&self) -> usize {
+        self.counters.len()
+    }
+
+    /// Every thread's counts now. A thread that exited keeps its final counts; one whose
+    /// counters cannot be read is left out of this reading.
+    pub fn read(&self, out: &mut Vec<Reading>) {
+        for c in &self.counters {
+            // nr, time enabled, time running, then one value per event of the group.
+            let mut words = [0u64; 5];
+            // SAFETY: reads at most the buffer's size into it.
+            let n = unsafe {
+                libc::read(
+                    c.leader.as_raw_fd(),
+                    words.as_mut_ptr().cast(),
+                    std::mem::size_of_val(&words),
+                )
+            };
+            if n < 40 || words[0] != 2 {
+                continue;
+            }
+            let (enabled, running) = (words[1], words[2]);
+            let scale = |v: u64| {
+                if running == 0 || running >= enabled {
+                    v
+                } else {
+                    u64::try_from(u128::from(v) * u128::from(enabled) / u128::from(running))
+                        .unwrap_or(u64::MAX)
+                }
+            };
+            out.push(Reading {
+                tid: c.tid,
+                tgid: c.tgid,
+                dram: scale(words[3]),
+                remote: scale(words[4]),
+                enabled_ns: enabled,
+                running_ns: running,
+            });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The live path on the real kernel with the software stand-in: a thread of this
+    /// process counted, and its page faults (touching fresh pages) seen by the counters.
+    #[test]
+    #[ignore = "needs root (or kernel.perf_event_paranoid <= 2): cargo xtask test"]
+    fn counters_read_on_the_real_kernel() {
+        let events = NodeEvents {
+            type_: sys::PERF_TYPE_SOFTWARE,
+            dram: u64::from(sys::PERF_COUNT_SW_PAGE_FAULTS),
+            remote: u64::from(sys::PERF_COUNT_SW_PAGE_FAULTS_MIN),
+            description: "software stand-in".into(),
+        };
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+        let worker = std::thread::spawn(move || {
+            // SAFETY: gettid has no preconditions.
+            tx.send(unsafe { libc::gettid() } as u32).unwrap();
+            go_rx.recv().unwrap();
+            // 256 fresh pages, each touched once: a minor fault each.
+            let mut pages = vec![0u8; 256 * 4096];
+            for p in pages.chunks_mut(4096) {
+                p[0] = 1;
+            }
+            std::hint::black_box(&pages);
+        });
+        let tid = rx.recv().unwrap();
+        let counting = Counting::open(events, &[(tid, std::process::id())]).unwrap();
+        assert_eq!(counting.threads(), 1);
+        go_tx.send(()).unwrap();
+        worker.join().unwrap();
+        let mut readings = Vec::new();
+        counting.read(&mut readings);
+        let r = readings[0];
+        assert_eq!((r.tid, r.tgid), (tid, std::process::id()));
+        assert!(r.dram >= 256, "{r:?}");
+        assert!(r.remote >= 256 && r.remote <= r.dram, "{r:?}");
+        assert!(r.enabled_ns > 0 && r.running_ns > 0, "{r:?}");
+    }
+
+    #[test]
+    fn an_unknown_stand_in_is_named() {
+        let err = NodeEvents::chosen_from(Some("bogus")).unwrap_err();
+        assert!(
+            err.contains("bogus") && err.contains("software-faults"),
+            "{err}"
+        );
+        assert_eq!(
+            NodeEvents::chosen_from(None).unwrap().type_,
+            sys::PERF_TYPE_HW_CACHE
+        );
+    }
+}
