@@ -153,6 +153,10 @@ impl Attached {
                 other.insert("mem_sample_rings_damaged".to_owned(), mem.damaged);
             }
         }
+        // Threads started later whose counters the kernel refused: their loads uncounted.
+        if let Some(counting) = self.counting.as_ref().filter(|c| c.refused > 0) {
+            other.insert("node_counter_threads_refused".to_owned(), counting.refused);
+        }
         (lost, other)
     }
 

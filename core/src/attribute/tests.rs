@@ -320,6 +320,74 @@ fn remote_memory_estimated_from_resident_pages() {
     );
 }
 
+/// Issue 23: where the PMU counts loads by node (no sampler), each step's share is the
+/// rank thread's counted remote loads over its DRAM loads, interpolated between the
+/// readings (which come in out of order with the rest), and its estimated stall is carved
+/// out of compute at the SLIT gap of the thread's node.
+#[test]
+fn remote_memory_estimated_from_counted_loads() {
+    use nccltrace_common::kind;
+    let mut h = header();
+    h.node_distances = vec![vec![10, 20], vec![20, 10]];
+    h.node_counters = Some("the PMU's node-loads and node-load-misses counters".into());
+    let mut tl = Timeline::new(&Setup::from(&h));
+    // The rank thread runs on CPU 0 (node 0) from the start.
+    tl.push(&switch(50, false, 0));
+    tl.push(&call(Func::AllReduce, 100, 200));
+    // 1,000 DRAM loads a ms; remote: all of them for the first 10 ms, none after.
+    let reading = |ms: u64| Event::NodeLoads {
+        ts_ns: ms * 1_000_000,
+        task: task(10),
+        dram: ms * 1000,
+        remote: ms.min(10) * 1000,
+        multiplexed: false,
+    };
+    for ms in [5, 0, 10, 15, 20] {
+        tl.push(&reading(ms));
+    }
+    let (report, _) = tl.finish(20_000_000, StepRule::Window(10_000_000));
+    assert_eq!(report.steps.len(), 2);
+    let (far, near) = (&report.steps[0], &report.steps[1]);
+    let access = far.remote_access.unwrap();
+    assert_eq!((access.pages, access.remote_pages), (10_000, 10_000));
+    // All remote at SLIT 10/20: half the on-CPU time.
+    let c = &far.categories;
+    let remote = c.remote_memory.unwrap();
+    assert_eq!(remote, (c.compute + remote) / 2);
+    assert_eq!(c.total(), far.wall_ns);
+    assert_eq!(near.remote_access.unwrap().remote_pages, 0);
+    assert_eq!(near.categories.remote_memory, Some(0));
+    assert!(report.methods.remote_memory_estimated);
+    assert!(
+        report
+            .methods
+            .remote_memory
+            .starts_with("estimated from the rank thread's loads counted by the PMU's"),
+        "{}",
+        report.methods.remote_memory
+    );
+    assert_eq!(Event::kind_name(kind::NODE_LOADS), "node_loads");
+    // A reading of a multiplexed pair is said in the method.
+    let mut tl = Timeline::new(&Setup::from(&h));
+    tl.push(&switch(50, false, 0));
+    tl.push(&call(Func::AllReduce, 100, 200));
+    for ms in [0, 10] {
+        tl.push(&Event::NodeLoads {
+            ts_ns: ms * 1_000_000,
+            task: task(10),
+            dram: ms * 1000,
+            remote: 0,
+            multiplexed: ms == 10,
+        });
+    }
+    let (report, _) = tl.finish(10_000_000, StepRule::Window(10_000_000));
+    assert!(
+        report.methods.remote_memory.contains("1 of 2 readings"),
+        "{}",
+        report.methods.remote_memory
+    );
+}
+
 /// Regression (issue 18): summing categories dropped `remote_memory`.
 #[test]
 fn sums_keep_remote_memory() {
