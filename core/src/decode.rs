@@ -317,6 +317,7 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
                 dram: e.dram,
                 remote: e.remote,
                 multiplexed: e.running_ns < e.enabled_ns,
+                full: e.flags & nccltrace_common::node_loads::FULL != 0,
             }
         }
         kind::NUMA_PAGES => {

@@ -482,6 +482,9 @@ pub enum Event {
         remote: u64,
         /// The counters ran for less than they were enabled (the counts are scaled up).
         multiplexed: bool,
+        /// Part of a reading of every counted thread (between full readings, a thread
+        /// whose counts stood still is not written).
+        full: bool,
     },
     /// Where the target's resident memory is: KiB per NUMA node.
     NumaPages {

@@ -76,6 +76,35 @@ struct Counter {
     tgid: u32,
     leader: OwnedFd,
     _member: OwnedFd,
+    held: Held,
+}
+
+/// What of a thread's readings is written: a reading whose counts moved, and the last
+/// still one before it (so that the interpolation starts where they started moving);
+/// every reading of a full one. A reading not written means "unchanged since the last".
+#[derive(Clone, Copy, Debug, Default)]
+struct Held {
+    last: Option<(u64, Reading)>,
+    written: bool,
+}
+
+impl Held {
+    fn next(&mut self, at: u64, reading: Reading, full: bool, out: &mut Vec<(u64, Reading)>) {
+        let moved = self
+            .last
+            .is_none_or(|(_, l)| (l.dram, l.remote) != (reading.dram, reading.remote));
+        if moved
+            && !self.written
+            && let Some(still) = self.last
+        {
+            out.push(still);
+        }
+        self.written = moved || full;
+        if self.written {
+            out.push((at, reading));
+        }
+        self.last = Some((at, reading));
+    }
 }
 
 /// A reading of one thread's counters, scaled for multiplexing.
@@ -148,6 +177,7 @@ impl Counting {
             tgid: process,
             leader,
             _member: member,
+            held: Held::default(),
         })
     }
 
@@ -208,10 +238,11 @@ impl Counting {
         self.counters.len()
     }
 
-    /// Every thread's counts now. A thread that exited keeps its final counts; one whose
-    /// counters cannot be read is left out of this reading.
-    pub fn read(&self, out: &mut Vec<Reading>) {
-        for c in &self.counters {
+    /// Every thread's counts at `at`, each with the time it stands for: those that moved
+    /// (`full`: all). A thread that exited keeps its final counts; one whose counters
+    /// cannot be read is left out of this reading.
+    pub fn read(&mut self, at: u64, full: bool, out: &mut Vec<(u64, Reading)>) {
+        for c in &mut self.counters {
             // nr, time enabled, time running, then one value per event of the group.
             let mut words = [0u64; 5];
             // SAFETY: reads at most the buffer's size into it.
@@ -234,14 +265,15 @@ impl Counting {
                         .unwrap_or(u64::MAX)
                 }
             };
-            out.push(Reading {
+            let reading = Reading {
                 tid: c.tid,
                 tgid: c.tgid,
                 dram: scale(words[3]),
                 remote: scale(words[4]),
                 enabled_ns: enabled,
                 running_ns: running,
-            });
+            };
+            c.held.next(at, reading, full, out);
         }
     }
 }
@@ -275,17 +307,50 @@ mod tests {
             std::hint::black_box(&pages);
         });
         let tid = rx.recv().unwrap();
-        let counting = Counting::open(events, &[(tid, std::process::id())]).unwrap();
+        let mut counting = Counting::open(events, &[(tid, std::process::id())]).unwrap();
         assert_eq!(counting.threads(), 1);
+        let mut readings = Vec::new();
+        counting.read(1, false, &mut readings);
+        assert_eq!(readings.len(), 1, "a thread's first reading is written");
         go_tx.send(()).unwrap();
         worker.join().unwrap();
-        let mut readings = Vec::new();
-        counting.read(&mut readings);
-        let r = readings[0];
+        readings.clear();
+        counting.read(2, false, &mut readings);
+        let (at, r) = readings[0];
+        assert_eq!(at, 2);
         assert_eq!((r.tid, r.tgid), (tid, std::process::id()));
         assert!(r.dram >= 256, "{r:?}");
         assert!(r.remote >= 256 && r.remote <= r.dram, "{r:?}");
         assert!(r.enabled_ns > 0 && r.running_ns > 0, "{r:?}");
+    }
+
+    #[test]
+    fn still_readings_are_written_where_the_counts_move_again() {
+        let reading = |dram| Reading {
+            tid: 1,
+            tgid: 1,
+            dram,
+            remote: 0,
+            enabled_ns: 0,
+            running_ns: 0,
+        };
+        let mut held = Held::default();
+        let mut out = Vec::new();
+        // Written: the first; still at 20 and 30 (not written); moved at 40: the still
+        // reading at 30, then 40; still at 50; a full reading at 60 writes it anyway.
+        for (at, dram, full) in [
+            (10, 5, false),
+            (20, 5, false),
+            (30, 5, false),
+            (40, 9, false),
+            (50, 9, false),
+            (60, 9, true),
+            (70, 9, false),
+        ] {
+            held.next(at, reading(dram), full, &mut out);
+        }
+        let written: Vec<(u64, u64)> = out.iter().map(|(at, r)| (*at, r.dram)).collect();
+        assert_eq!(written, [(10, 5), (30, 5), (40, 9), (60, 9)]);
     }
 
     #[test]

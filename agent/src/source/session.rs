@@ -212,7 +212,7 @@ impl Attached {
                 _ = poll.tick() => {
                     more = true;
                     ticks = ticks.wrapping_add(1);
-                    self.read_node_loads(sink)?;
+                    self.read_node_loads(sink, ticks.is_multiple_of(100))?;
                     self.calibrate(false);
                     if !ticks.is_multiple_of(10) {
                         continue;
@@ -274,7 +274,7 @@ impl Attached {
         self.rings.drain(&mut naming, usize::MAX)?;
         self.drain_mem(sink)?;
         // The steps up to the end are interpolated from these.
-        self.read_node_loads(sink)?;
+        self.read_node_loads(sink, true)?;
         self.read_infiniband(sink, &host, true)?;
         sink.numastat(host::clock_ns(libc::CLOCK_MONOTONIC), host.numastat());
         // A run shorter than a second has its traps measured now.
@@ -560,20 +560,28 @@ impl Attached {
     }
 
     /// Hands on a reading of every counted thread's node loads, as `NODE_LOADS` records.
-    fn read_node_loads(&mut self, sink: &mut impl Sink) -> Result<(), crate::Error> {
-        let Some(counting) = self.counting.as_ref() else {
+    /// `full`: every thread, moved or not (each second and at the end); otherwise those
+    /// whose counts moved.
+    fn read_node_loads(&mut self, sink: &mut impl Sink, full: bool) -> Result<(), crate::Error> {
+        let Some(counting) = self.counting.as_mut() else {
             return Ok(());
         };
         let mut readings = Vec::new();
         let at = host::clock_ns(libc::CLOCK_MONOTONIC);
-        counting.read(&mut readings);
-        for r in readings {
+        counting.read(at, full, &mut readings);
+        for (ts, r) in readings {
             let record = nccltrace_common::NodeLoadsEvent {
-                hdr: agent_record(at, r.tgid, r.tid, kind::NODE_LOADS),
+                hdr: agent_record(ts, r.tgid, r.tid, kind::NODE_LOADS),
                 dram: r.dram,
                 remote: r.remote,
                 enabled_ns: r.enabled_ns,
                 running_ns: r.running_ns,
+                flags: if full && ts == at {
+                    nccltrace_common::node_loads::FULL
+                } else {
+                    0
+                },
+                _pad: 0,
             };
             sink.record(&crate::decode::as_bytes(&record))?;
         }

@@ -197,7 +197,7 @@ impl Timeline {
             {
                 horizon = horizon.min(read);
             }
-            // So are its counted loads (read at every drain).
+            // So are its counted loads: up to their latest full reading.
             if let Some(read) = self.node_loads_latest
                 && read.saturating_add(IB_STALE_NS) >= last
             {

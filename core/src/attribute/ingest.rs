@@ -279,10 +279,13 @@ impl Timeline {
                 dram,
                 remote: far,
                 multiplexed,
+                full,
             } => {
                 self.node_loads_seen += 1;
                 self.node_loads_multiplexed += u64::from(*multiplexed);
-                self.node_loads_latest = self.node_loads_latest.max(Some(*ts_ns));
+                if *full {
+                    self.node_loads_latest = self.node_loads_latest.max(Some(*ts_ns));
+                }
                 let node = self
                     .log(task.tid, task.tgid)
                     .nodes

@@ -215,8 +215,9 @@ pub struct Timeline {
     mem_sampling_refused: Option<String>,
     mem_khz: Option<u64>,
     /// The node-load counters opened on the targets' threads, described, or why none
-    /// were; the latest reading's time (steps wait for the next), readings seen and those
-    /// of multiplexed counters.
+    /// were; the latest full reading's time (steps wait for the next: a thread whose
+    /// counts stood still is written only then), readings seen and those of multiplexed
+    /// counters.
     node_counters: Option<String>,
     node_counting_refused: Option<String>,
     node_loads_latest: Option<u64>,

@@ -341,6 +341,7 @@ fn remote_memory_estimated_from_counted_loads() {
         dram: ms * 1000,
         remote: ms.min(10) * 1000,
         multiplexed: false,
+        full: true,
     };
     for ms in [5, 0, 10, 15, 20] {
         tl.push(&reading(ms));
@@ -378,6 +379,7 @@ fn remote_memory_estimated_from_counted_loads() {
             dram: ms * 1000,
             remote: 0,
             multiplexed: ms == 10,
+            full: true,
         });
     }
     let (report, _) = tl.finish(10_000_000, StepRule::Window(10_000_000));

@@ -459,8 +459,20 @@ pub struct NodeLoadsEvent {
     /// Nanoseconds the counters were enabled, and counting (less when multiplexed).
     pub enabled_ns: u64,
     pub running_ns: u64,
+    /// [`node_loads`] flags.
+    pub flags: u32,
+    pub _pad: u32,
 }
-const _: () = assert!(core::mem::size_of::<NodeLoadsEvent>() == 56);
+const _: () = assert!(core::mem::size_of::<NodeLoadsEvent>() == 64);
+
+/// Flags of a [`NodeLoadsEvent`]. A thread's counts are written only when they moved
+/// since its last record (and its last still reading first, where they start moving
+/// again), so that a reading not written means "unchanged"; a full reading writes every
+/// thread, so that every step up to it can be interpolated.
+pub mod node_loads {
+    /// Part of a full reading: every counted thread was written at this time.
+    pub const FULL: u32 = 1;
+}
 
 /// Nodes a [`NumaPagesEvent`] has room for (a host with more adds the rest to the last).
 pub const NUMA_PAGES_NODES: usize = 16;
