@@ -299,12 +299,27 @@ mod tests {
             // SAFETY: gettid has no preconditions.
             tx.send(unsafe { libc::gettid() } as u32).unwrap();
             go_rx.recv().unwrap();
-            // 256 fresh pages, each touched once: a minor fault each.
-            let mut pages = vec![0u8; 256 * 4096];
-            for p in pages.chunks_mut(4096) {
-                p[0] = 1;
+            // 256 fresh pages, each touched once: a minor fault each (no huge page,
+            // which would fault 512 at once: a run with THP counted 249).
+            let len = 256 * 4096;
+            // SAFETY: a fresh private anonymous mapping, written within its length and
+            // unmapped once.
+            unsafe {
+                let base = libc::mmap(
+                    std::ptr::null_mut(),
+                    len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                );
+                assert_ne!(base, libc::MAP_FAILED);
+                libc::madvise(base, len, libc::MADV_NOHUGEPAGE);
+                for page in 0..256 {
+                    std::ptr::write_volatile(base.cast::<u8>().add(page * 4096), 1);
+                }
+                libc::munmap(base, len);
             }
-            std::hint::black_box(&pages);
         });
         let tid = rx.recv().unwrap();
         let mut counting = Counting::open(events, &[(tid, std::process::id())]).unwrap();
