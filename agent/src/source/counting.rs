@@ -170,14 +170,28 @@ impl Counting {
     fn open_thread(&self, tid: u32, process: u32) -> std::io::Result<Counter> {
         let pid = libc::pid_t::try_from(tid)
             .map_err(|_| std::io::Error::from_raw_os_error(libc::ESRCH))?;
+        // Counting from 0 as of now: the reading the first one interpolates from (steps
+        // under way between the open and the first read included).
+        let opened = crate::host::clock_ns(libc::CLOCK_MONOTONIC);
         let leader = self.open_event(self.events.dram, pid, None)?;
         let member = self.open_event(self.events.remote, pid, Some(&leader))?;
+        let zero = Reading {
+            tid,
+            tgid: process,
+            dram: 0,
+            remote: 0,
+            enabled_ns: 0,
+            running_ns: 0,
+        };
         Ok(Counter {
             tid,
             tgid: process,
             leader,
             _member: member,
-            held: Held::default(),
+            held: Held {
+                last: Some((opened, zero)),
+                written: false,
+            },
         })
     }
 
@@ -325,8 +339,12 @@ mod tests {
         let mut counting = Counting::open(events, &[(tid, std::process::id())]).unwrap();
         assert_eq!(counting.threads(), 1);
         let mut readings = Vec::new();
-        counting.read(1, false, &mut readings);
-        assert_eq!(readings.len(), 1, "a thread's first reading is written");
+        counting.read(1, true, &mut readings);
+        assert_eq!(
+            readings.last().map(|r| r.0),
+            Some(1),
+            "a full reading writes it"
+        );
         go_tx.send(()).unwrap();
         worker.join().unwrap();
         readings.clear();

@@ -187,8 +187,7 @@ impl Attached {
             Some(reading) => sink.program_stats(reading),
             None => self.read_program_stats(sink),
         }
-        self.read_infiniband(sink, &host, true)?;
-        sink.numastat(host::clock_ns(libc::CLOCK_MONOTONIC), host.numastat());
+        self.read_counters(sink, &host)?;
         let reason = loop {
             if more {
                 let mut naming = python::Naming {
@@ -274,9 +273,7 @@ impl Attached {
         self.rings.drain(&mut naming, usize::MAX)?;
         self.drain_mem(sink)?;
         // The steps up to the end are interpolated from these.
-        self.read_node_loads(sink, true)?;
-        self.read_infiniband(sink, &host, true)?;
-        sink.numastat(host::clock_ns(libc::CLOCK_MONOTONIC), host.numastat());
+        self.read_counters(sink, &host)?;
         // A run shorter than a second has its traps measured now.
         self.read_last_program_stats(sink);
         Ok(reason)
@@ -542,6 +539,15 @@ impl Attached {
             };
             sink.record(&crate::decode::as_bytes(&record))?;
         }
+        Ok(())
+    }
+
+    /// Every counter steps are interpolated between, in full: the InfiniBand ports', the
+    /// node-load counters', the nodes' numastat (at the start and at the end).
+    fn read_counters(&mut self, sink: &mut impl Sink, host: &Host) -> Result<(), crate::Error> {
+        self.read_infiniband(sink, host, true)?;
+        self.read_node_loads(sink, true)?;
+        sink.numastat(host::clock_ns(libc::CLOCK_MONOTONIC), host.numastat());
         Ok(())
     }
 

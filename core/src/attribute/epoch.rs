@@ -197,11 +197,13 @@ impl Timeline {
             {
                 horizon = horizon.min(read);
             }
-            // So are its counted loads: up to their latest full reading.
-            if let Some(read) = self.node_loads_latest
-                && read.saturating_add(IB_STALE_NS) >= last
-            {
-                horizon = horizon.min(read);
+            // So are its counted loads: up to their latest full reading (the run's start
+            // until the first comes).
+            if self.node_counters.is_some() {
+                let read = self.node_loads_latest.unwrap_or(self.first_ns);
+                if read.saturating_add(IB_STALE_NS) >= last {
+                    horizon = horizon.min(read);
+                }
             }
             bounds.retain(|(_, b)| *b <= horizon);
             bounds.truncate(bounds.len().saturating_sub(LOOKAHEAD));

@@ -286,13 +286,11 @@ impl Timeline {
                 if *full {
                     self.node_loads_latest = self.node_loads_latest.max(Some(*ts_ns));
                 }
-                let node = self
-                    .log(task.tid, task.tgid)
-                    .nodes
-                    .last()
-                    .map_or(-1, |n| n.1);
-                let reading =
-                    remote::LoadReading::new(*ts_ns, *dram, *far, node, &self.node_distances);
+                let reading = remote::LoadReading {
+                    ts_ns: *ts_ns,
+                    dram: *dram,
+                    remote: *far,
+                };
                 self.log(task.tid, task.tgid).node_loads.push(reading);
             }
             Event::IbCounters {

@@ -94,6 +94,8 @@ struct ThreadLog {
     mem_samples: Vec<crate::pmu::MemSample>,
     /// Readings of the thread's node-load counters, by time.
     node_loads: Vec<remote::LoadReading>,
+    /// The latency gap of a remote load from each node (the run's, [`remote::remote_gaps`]).
+    remote_gaps: Vec<Option<u16>>,
     /// The thread's NUMA node from each switch-in that changed it: (time, node).
     nodes: Vec<(u64, i32)>,
     /// Where the target's resident memory was, seen from the thread's node, by time.
@@ -143,7 +145,13 @@ impl ThreadLog {
     /// The remote share `[a, b)` of this thread is estimated from: its counted loads,
     /// else its hinting faults, else the latest reading of its process's resident pages.
     fn remote_access(&self, a: u64, b: u64) -> Option<remote::RemoteAccess> {
-        remote::counted(&self.node_loads, a, b)
+        // The thread's node at the step's end (its first known one before that).
+        let at = self.nodes.partition_point(|n| n.0 < b);
+        let node = self.nodes[..at].last().or(self.nodes.first());
+        let gap = node
+            .and_then(|&(_, node)| usize::try_from(node).ok())
+            .and_then(|node| self.remote_gaps.get(node).copied().flatten());
+        remote::counted(&self.node_loads, a, b, gap)
             .or_else(|| remote::estimate(&self.numa_hints, a, b))
             .or_else(|| remote::from_resident(&self.resident, b))
     }
@@ -427,8 +435,10 @@ impl Timeline {
 
     fn log(&mut self, tid: u32, pid: u32) -> &mut ThreadLog {
         let mem_khz = self.mem_khz;
+        let distances = &self.node_distances;
         let log = self.threads.entry(tid).or_insert_with(|| ThreadLog {
             mem_khz,
+            remote_gaps: remote::remote_gaps(distances),
             ..ThreadLog::default()
         });
         if pid != 0 {

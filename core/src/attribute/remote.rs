@@ -267,24 +267,23 @@ pub fn from_resident(resident: &[Resident], b: u64) -> Option<RemoteAccess> {
 }
 
 /// A reading of a thread's node-load counters: its DRAM loads and remote ones since the
-/// counters were opened, and the latency gap of a remote load from the thread's node.
+/// counters were opened.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LoadReading {
     pub ts_ns: u64,
     pub dram: u64,
     pub remote: u64,
-    /// 1 − d(node, node) / d(node, other) for the thread's node, averaged over the other
-    /// nodes (the counters do not say which node served), in thousandths; `None` where
-    /// the node or the distances are unknown.
-    pub gap_milli: Option<u16>,
 }
 
-impl LoadReading {
-    /// A reading for a thread on `node`, with the host's SLIT `distances`.
-    #[must_use]
-    pub fn new(ts_ns: u64, dram: u64, remote: u64, node: i32, distances: &[Vec<u32>]) -> Self {
-        let gap_milli = usize::try_from(node).ok().and_then(|node| {
-            let row = distances.get(node)?;
+/// The latency gap of a remote load from each node: 1 − d(node, node) / d(node, other),
+/// averaged over the other nodes (the counters do not say which node served), in
+/// thousandths; `None` where the distances do not say.
+#[must_use]
+pub fn remote_gaps(distances: &[Vec<u32>]) -> Vec<Option<u16>> {
+    distances
+        .iter()
+        .enumerate()
+        .map(|(node, row)| {
             let near = u64::from(*row.get(node)?);
             let gaps: Vec<u64> = row
                 .iter()
@@ -296,14 +295,8 @@ impl LoadReading {
                 .collect();
             let n = u64::try_from(gaps.len()).ok().filter(|n| *n > 0)?;
             u16::try_from(gaps.iter().sum::<u64>() / n).ok()
-        });
-        LoadReading {
-            ts_ns,
-            dram,
-            remote,
-            gap_milli,
-        }
-    }
+        })
+        .collect()
 }
 
 /// The counts of `readings` (sorted by time) at `t`, interpolated linearly between the
@@ -326,22 +319,24 @@ fn loads_at(readings: &[LoadReading], t: u64) -> Option<(u64, u64)> {
 }
 
 /// A step `[a, b)` from the thread's counted loads: its DRAM loads and the remote share of
-/// them; `None` where the readings do not cover the step.
+/// them, at the latency gap `gap_milli` of the thread's node ([`remote_gaps`]); `None`
+/// where the readings do not cover the step.
 #[must_use]
-pub fn counted(readings: &[LoadReading], a: u64, b: u64) -> Option<RemoteAccess> {
+pub fn counted(
+    readings: &[LoadReading],
+    a: u64,
+    b: u64,
+    gap_milli: Option<u16>,
+) -> Option<RemoteAccess> {
     let (dram_a, remote_a) = loads_at(readings, a)?;
     let (dram_b, remote_b) = loads_at(readings, b)?;
     let pages = dram_b.saturating_sub(dram_a);
     let remote_pages = remote_b.saturating_sub(remote_a).min(pages);
-    // The gap of the latest reading in the step (the thread's node then).
-    let gap = readings[..readings.partition_point(|r| r.ts_ns < b).max(1)]
-        .last()
-        .and_then(|r| r.gap_milli);
     Some(RemoteAccess {
         pages,
         remote_pages,
         basis: Basis::CountedLoads,
-        gap_ppm: gap.map(|g| {
+        gap_ppm: gap_milli.map(|g| {
             u64::try_from(
                 u128::from(remote_pages) * u128::from(g) * 1000 / u128::from(pages.max(1)),
             )
@@ -496,7 +491,11 @@ mod tests {
             .map(|i| {
                 let t = i * 10;
                 let remote = t.saturating_sub(20) * 250;
-                LoadReading::new(t * ms, t * 1000, remote, 0, &slit())
+                LoadReading {
+                    ts_ns: t * ms,
+                    dram: t * 1000,
+                    remote,
+                }
             })
             .collect()
     }
@@ -505,21 +504,22 @@ mod tests {
     fn counted_loads_are_interpolated_at_the_steps_ends() {
         let ms = 1_000_000;
         let r = load_readings();
-        assert_eq!(r[0].gap_milli, Some(500));
+        let gap = remote_gaps(&slit())[0];
+        assert_eq!(gap, Some(500));
         // [25, 45) ms: 20,000 loads, 5,000 remote.
-        let step = counted(&r, 25 * ms, 45 * ms).unwrap();
+        let step = counted(&r, 25 * ms, 45 * ms, gap).unwrap();
         assert_eq!(step.basis, Basis::CountedLoads);
         assert_eq!((step.pages, step.remote_pages), (20_000, 5_000));
         assert!((step.share() - 0.25).abs() < 1e-9);
         // A quarter remote at half the time each: an eighth of the on-CPU time.
         assert_eq!(step.stall_ns(8_000_000), Some(1_000_000));
         // [5, 15) ms: all local, a stall of 0 (measured none, not unknown).
-        let early = counted(&r, 5 * ms, 15 * ms).unwrap();
+        let early = counted(&r, 5 * ms, 15 * ms, gap).unwrap();
         assert_eq!((early.pages, early.remote_pages), (10_000, 0));
         assert_eq!(early.stall_ns(1_000), Some(0));
         // Outside the readings: nothing, whichever end.
-        assert_eq!(counted(&r, 45 * ms, 55 * ms), None);
-        assert_eq!(counted(&r[1..], 5 * ms, 15 * ms), None);
+        assert_eq!(counted(&r, 45 * ms, 55 * ms, gap), None);
+        assert_eq!(counted(&r[1..], 5 * ms, 15 * ms, gap), None);
         let json = serde_json::to_value(step).unwrap();
         assert_eq!(json["dram_loads"], 20_000);
         assert_eq!(json["remote_loads"], 5_000);
@@ -529,33 +529,32 @@ mod tests {
 
     #[test]
     fn counted_loads_without_distances_keep_the_share() {
-        let r = [
-            LoadReading::new(0, 0, 0, 0, &[]),
-            LoadReading::new(100, 1000, 500, 0, &[]),
-        ];
-        let step = counted(&r, 0, 100).unwrap();
+        let at = |ts_ns, dram, remote| LoadReading {
+            ts_ns,
+            dram,
+            remote,
+        };
+        let r = [at(0, 0, 0), at(100, 1000, 500)];
+        let step = counted(&r, 0, 100, None).unwrap();
         assert_eq!((step.share(), step.stall_ns(1_000)), (0.5, None));
-        // One node: no other node to be remote, no gap.
-        assert_eq!(LoadReading::new(0, 0, 0, 0, &[vec![10]]).gap_milli, None);
+        // No distances, or one node (none other to be remote from): no gap.
+        assert_eq!(remote_gaps(&[]), []);
+        assert_eq!(remote_gaps(&[vec![10]]), [None]);
         // Three nodes at 20 and 30 from node 0: the gaps 500 and 666 averaged.
         let three = vec![vec![10, 20, 30], vec![20, 10, 20], vec![30, 20, 10]];
-        assert_eq!(LoadReading::new(0, 0, 0, 0, &three).gap_milli, Some(583));
+        assert_eq!(remote_gaps(&three), [Some(583), Some(500), Some(583)]);
         // A multiplexed counter's scaled count that dips reads as flat, not as a wrap.
-        let dip = [
-            LoadReading::new(0, 0, 0, 0, &slit()),
-            LoadReading::new(100, 1000, 100, 0, &slit()),
-            LoadReading::new(200, 990, 100, 0, &slit()),
-        ];
-        assert_eq!(counted(&dip, 100, 200).unwrap().pages, 0);
+        let dip = [at(0, 0, 0), at(100, 1000, 100), at(200, 990, 100)];
+        assert_eq!(counted(&dip, 100, 200, Some(500)).unwrap().pages, 0);
     }
 
     #[test]
     fn trimming_the_loads_keeps_the_reading_before_the_cut() {
         let ms = 1_000_000;
         let mut r = load_readings();
-        let before = counted(&r, 35 * ms, 45 * ms);
+        let before = counted(&r, 35 * ms, 45 * ms, Some(500));
         trim_loads(&mut r, 35 * ms);
         assert_eq!(r.len(), 3, "the readings at 30, 40 and 50 ms");
-        assert_eq!(counted(&r, 35 * ms, 45 * ms), before);
+        assert_eq!(counted(&r, 35 * ms, 45 * ms, Some(500)), before);
     }
 }
