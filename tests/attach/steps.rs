@@ -418,4 +418,18 @@ fn node_loads_counted_per_step() {
         remote as f64 >= 0.95 * loads as f64,
         "{remote} minor of {loads}"
     );
+    // `report` finds the same from the recording's readings.
+    let again: Value = serde_json::from_str(
+        &std::fs::read_to_string(report(&out, dir.path()).join("steps.json")).unwrap(),
+    )
+    .unwrap();
+    let access = |v: &Value| -> Vec<Value> {
+        v["steps"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["remote_access"].clone())
+            .collect()
+    };
+    assert_eq!(access(&again), access(&steps));
 }

@@ -60,6 +60,13 @@ impl Hint {
                     .copied()
             };
             match (d(node, node), d(node, mem_node)) {
+                // A remote page the kernel migrated to this node at this fault (it reports
+                // the page's new node): the node it came from is not said, so the gap is
+                // the average from this node (before, these counted in the share with no
+                // stall: a guest run read share 1.0 and remote_memory 0).
+                _ if mem_node == node && node >= 0 => usize::try_from(node)
+                    .ok()
+                    .and_then(|n| remote_gaps(distances).get(n).copied().flatten()),
                 (Some(near), Some(far)) if far >= near && far > 0 => {
                     u16::try_from(1000 - u64::from(near) * 1000 / u64::from(far)).ok()
                 }
@@ -374,6 +381,10 @@ mod tests {
         // 10 vs 21 (a common two-socket SLIT): 1 − 10/21.
         let far = Hint::new(0, 1, false, 0, 1, &[0, 1], &[vec![10, 21], vec![21, 10]]);
         assert_eq!(far.gap_milli, Some(524));
+        // Remote, then migrated to the CPU's node at the fault (the kernel reports the
+        // new node): the gap from the CPU's node to the others.
+        let migrated = Hint::new(0, 1, false, 0, 0, &[0, 1], &slit());
+        assert_eq!(migrated.gap_milli, Some(500));
         // No distances, or a CPU of unknown node: no gap, and so no stall estimate.
         assert_eq!(Hint::new(0, 1, false, 0, 1, &[0, 1], &[]).gap_milli, None);
         assert_eq!(
