@@ -289,42 +289,25 @@ fn remote_memory_from_resident_pages() {
 fn remote_memory_from_counted_loads() {
     let _serial = privileged();
     in_guest();
-    let dir = tempfile::tempdir().unwrap();
-    let go = dir.path().join("go");
-    let args = [
-        "--steps",
-        "15",
-        "--cpu",
-        "0",
-        "--compute-us",
-        "20000",
-        "--fault-pages",
-        "64",
-        "--go-file",
-        go.to_str().unwrap(),
-    ];
-    let env = [("FAKE_NCCL_US", "200")];
-    let mut trainer = Target::spawn(&fixtures().join("trainer"), &args, &env, dir.path());
-    let out = dir.path().join("out");
-    let agent = Agent::attach_env(
-        &[trainer.child.id()],
-        &out,
-        &[],
-        &[("NCCLTRACE_NODE_COUNTERS", "software-faults")],
+    let (summary, steps, _out, _dir) = trainer_counting_loads(
+        &[
+            "--steps",
+            "15",
+            "--cpu",
+            "0",
+            "--compute-us",
+            "20000",
+            "--fault-pages",
+            "64",
+        ],
+        &[("FAKE_NCCL_US", "200")],
     );
-    trainer.release();
-    for _ in trainer.stdout.by_ref() {}
-    assert!(trainer.child.wait().unwrap().success());
-    let (code, summary, stderr) = agent.wait(Duration::from_secs(120));
-    assert_eq!(code, 0, "nccltrace failed: {stderr}");
     assert!(
         summary["memory"]["node_load_readings"]
             .as_u64()
             .unwrap_or(0)
             > 0
     );
-    let steps: Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("steps.json")).unwrap()).unwrap();
     let method = steps["methods"]["remote_memory"].as_str().unwrap();
     assert!(
         method.starts_with("estimated from the rank thread's loads counted by a software"),

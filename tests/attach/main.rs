@@ -299,6 +299,35 @@ impl Agent {
     }
 }
 
+/// The trainer with `args` (and `env`) traced with the software stand-in for the PMU's
+/// node-load counters (`NCCLTRACE_NODE_COUNTERS=software-faults`); the agent's summary,
+/// steps.json, the outputs' folder and the folder that holds it.
+fn trainer_counting_loads(
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> (Value, Value, PathBuf, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let go = dir.path().join("go");
+    let mut all = args.to_vec();
+    all.extend(["--go-file", go.to_str().unwrap()]);
+    let mut trainer = Target::spawn(&fixtures().join("trainer"), &all, env, dir.path());
+    let out = dir.path().join("out");
+    let agent = Agent::attach_env(
+        &[trainer.child.id()],
+        &out,
+        &[],
+        &[("NCCLTRACE_NODE_COUNTERS", "software-faults")],
+    );
+    trainer.release();
+    for _ in trainer.stdout.by_ref() {}
+    assert!(trainer.child.wait().unwrap().success());
+    let (code, summary, stderr) = agent.wait(Duration::from_secs(120));
+    assert_eq!(code, 0, "nccltrace failed: {stderr}");
+    let steps: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("steps.json")).unwrap()).unwrap();
+    (summary, steps, out, dir)
+}
+
 /// Runs `nccltrace report` on `out/recording.nctr` into `dir/again`; returns that folder.
 fn report(out: &Path, dir: &Path) -> PathBuf {
     let again = dir.join("again");

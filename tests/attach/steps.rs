@@ -361,37 +361,21 @@ fn steps_attributed_in_epochs_as_the_run_goes() {
 #[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
 fn node_loads_counted_per_step() {
     let _serial = privileged();
-    let dir = tempfile::tempdir().unwrap();
-    let go = dir.path().join("go");
-    let args = [
-        "--steps",
-        "40",
-        "--compute-us",
-        "2000",
-        "--fault-pages",
-        "512",
-        "--go-file",
-        go.to_str().unwrap(),
-    ];
-    let mut trainer = Target::spawn(&fixtures().join("trainer"), &args, &[], dir.path());
-    let out = dir.path().join("out");
-    let agent = Agent::attach_env(
-        &[trainer.child.id()],
-        &out,
+    let (summary, steps, out, dir) = trainer_counting_loads(
+        &[
+            "--steps",
+            "40",
+            "--compute-us",
+            "2000",
+            "--fault-pages",
+            "512",
+        ],
         &[],
-        &[("NCCLTRACE_NODE_COUNTERS", "software-faults")],
     );
-    trainer.release();
-    for _ in trainer.stdout.by_ref() {}
-    assert!(trainer.child.wait().unwrap().success());
-    let (code, summary, stderr) = agent.wait(Duration::from_secs(60));
-    assert_eq!(code, 0, "nccltrace failed: {stderr}");
     let readings = summary["memory"]["node_load_readings"]
         .as_u64()
         .unwrap_or(0);
     assert!(readings > 10, "{}", summary["memory"]);
-    let steps: Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("steps.json")).unwrap()).unwrap();
     let method = steps["methods"]["remote_memory"].as_str().unwrap();
     assert!(method.contains("software stand-in"), "{method}");
     let found = steps["steps"].as_array().unwrap();

@@ -121,11 +121,7 @@ pub struct Reading {
 /// The node-load counters of the target's threads.
 pub struct Counting {
     pub events: NodeEvents,
-    counters: Vec<Counter>,
-    /// The threads counted (or refused), so that `follow` opens each once.
-    seen: std::collections::BTreeSet<u32>,
-    /// Threads started later that the kernel refused.
-    pub refused: u64,
+    counters: super::pmu::PerThread<Counter>,
 }
 
 impl Counting {
@@ -134,129 +130,106 @@ impl Counting {
     /// # Errors
     /// Why the kernel refused them (no PMU, an event the CPU lacks, permissions).
     pub fn open(events: NodeEvents, tids: &[(u32, u32)]) -> Result<Counting, String> {
-        let mut counting = Counting {
-            events,
-            counters: Vec::new(),
-            seen: std::collections::BTreeSet::new(),
-            refused: 0,
-        };
-        for &(tid, tgid) in tids {
-            counting.seen.insert(tid);
-            match counting.open_thread(tid, tgid) {
-                Ok(counter) => counting.counters.push(counter),
-                // The thread ended meanwhile.
-                Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {}
-                Err(e) => {
-                    let hint = match e.raw_os_error() {
-                        Some(libc::EACCES | libc::EPERM) => {
-                            " (needs CAP_PERFMON, or kernel.perf_event_paranoid ≤ 1)"
-                        }
-                        Some(libc::ENOENT | libc::EOPNOTSUPP | libc::EINVAL) => {
-                            " (no PMU, or one that does not count loads by node: most VMs \
-                             have none)"
-                        }
-                        _ => "",
-                    };
-                    return Err(format!(
-                        "the kernel refused {} on thread {tid}: {e}{hint}",
-                        counting.events.description
-                    ));
-                }
-            }
-        }
-        Ok(counting)
+        let counters = super::pmu::PerThread::open_all(
+            tids.iter().copied(),
+            |tid, tgid| open_thread(&events, tid, tgid),
+            &events.description,
+            "no PMU, or one that does not count loads by node: most VMs have none",
+        )?;
+        Ok(Counting { events, counters })
     }
 
-    fn open_thread(&self, tid: u32, process: u32) -> std::io::Result<Counter> {
-        let pid = libc::pid_t::try_from(tid)
-            .map_err(|_| std::io::Error::from_raw_os_error(libc::ESRCH))?;
-        // Counting from 0 as of now: the reading the first one interpolates from (steps
-        // under way between the open and the first read included).
-        let opened = crate::host::clock_ns(libc::CLOCK_MONOTONIC);
-        let leader = self.open_event(self.events.dram, pid, None)?;
-        let member = self.open_event(self.events.remote, pid, Some(&leader))?;
-        let zero = Reading {
-            tid,
-            tgid: process,
-            dram: 0,
-            remote: 0,
-            enabled_ns: 0,
-            running_ns: 0,
-        };
-        Ok(Counter {
-            tid,
-            tgid: process,
-            leader,
-            _member: member,
-            held: Held {
-                last: Some((opened, zero)),
-                written: false,
-            },
-        })
+    /// Threads started later that the kernel refused.
+    #[must_use]
+    pub fn refused(&self) -> u64 {
+        self.counters.refused
     }
+}
 
-    fn open_event(
-        &self,
-        config: u64,
-        pid: libc::pid_t,
-        leader: Option<&OwnedFd>,
-    ) -> std::io::Result<OwnedFd> {
-        let mut attr = sys::perf_event_attr {
-            type_: self.events.type_,
-            size: u32::try_from(std::mem::size_of::<sys::perf_event_attr>()).unwrap_or(0),
-            config,
-            read_format: u64::from(
-                sys::PERF_FORMAT_GROUP
-                    | sys::PERF_FORMAT_TOTAL_TIME_ENABLED
-                    | sys::PERF_FORMAT_TOTAL_TIME_RUNNING,
-            ),
-            ..sys::perf_event_attr::default()
-        };
-        attr.set_exclude_kernel(1);
-        attr.set_exclude_hv(1);
-        let group = leader.map_or(-1, AsRawFd::as_raw_fd);
-        // SAFETY: `attr` is a valid, fully initialised perf_event_attr of its own size.
-        let fd = unsafe {
-            perf_event_open_sys::perf_event_open(
-                &raw mut attr,
-                pid,
-                -1,
-                group,
-                libc::c_ulong::from(sys::PERF_FLAG_FD_CLOEXEC),
-            )
-        };
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: a new descriptor the kernel just gave us, owned from here.
-        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+fn open_thread(events: &NodeEvents, tid: u32, process: u32) -> std::io::Result<Counter> {
+    let pid =
+        libc::pid_t::try_from(tid).map_err(|_| std::io::Error::from_raw_os_error(libc::ESRCH))?;
+    // Counting from 0 as of now: the reading the first one interpolates from (steps
+    // under way between the open and the first read included).
+    let opened = crate::host::clock_ns(libc::CLOCK_MONOTONIC);
+    let leader = open_event(events, events.dram, pid, None)?;
+    let member = open_event(events, events.remote, pid, Some(&leader))?;
+    let zero = Reading {
+        tid,
+        tgid: process,
+        dram: 0,
+        remote: 0,
+        enabled_ns: 0,
+        running_ns: 0,
+    };
+    Ok(Counter {
+        tid,
+        tgid: process,
+        leader,
+        _member: member,
+        held: Held {
+            last: Some((opened, zero)),
+            written: false,
+        },
+    })
+}
+
+fn open_event(
+    events: &NodeEvents,
+    config: u64,
+    pid: libc::pid_t,
+    leader: Option<&OwnedFd>,
+) -> std::io::Result<OwnedFd> {
+    let mut attr = sys::perf_event_attr {
+        type_: events.type_,
+        size: u32::try_from(std::mem::size_of::<sys::perf_event_attr>()).unwrap_or(0),
+        config,
+        read_format: u64::from(
+            sys::PERF_FORMAT_GROUP
+                | sys::PERF_FORMAT_TOTAL_TIME_ENABLED
+                | sys::PERF_FORMAT_TOTAL_TIME_RUNNING,
+        ),
+        ..sys::perf_event_attr::default()
+    };
+    attr.set_exclude_kernel(1);
+    attr.set_exclude_hv(1);
+    let group = leader.map_or(-1, AsRawFd::as_raw_fd);
+    // SAFETY: `attr` is a valid, fully initialised perf_event_attr of its own size.
+    let fd = unsafe {
+        perf_event_open_sys::perf_event_open(
+            &raw mut attr,
+            pid,
+            -1,
+            group,
+            libc::c_ulong::from(sys::PERF_FLAG_FD_CLOEXEC),
+        )
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
     }
+    // SAFETY: a new descriptor the kernel just gave us, owned from here.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
 
+impl Counting {
     /// Opens the counters on the threads of `tids` not seen before (started since).
     pub fn follow(&mut self, tids: impl IntoIterator<Item = (u32, u32)>) {
-        for (tid, tgid) in tids {
-            if !self.seen.insert(tid) {
-                continue;
-            }
-            match self.open_thread(tid, tgid) {
-                Ok(counter) => self.counters.push(counter),
-                Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {}
-                Err(_) => self.refused += 1,
-            }
-        }
+        let events = &self.events;
+        self.counters
+            .follow(tids, |tid, tgid| open_thread(events, tid, tgid));
     }
 
     /// Threads counted.
     #[must_use]
     pub fn threads(&self) -> usize {
-        self.counters.len()
+        self.counters.opened.len()
     }
 
     /// Every thread's counts at `at`, each with the time it stands for: those that moved
     /// (`full`: all). A thread that exited keeps its final counts; one whose counters
     /// cannot be read is left out of this reading.
     pub fn read(&mut self, at: u64, full: bool, out: &mut Vec<(u64, Reading)>) {
-        for c in &mut self.counters {
+        for c in &mut self.counters.opened {
             // nr, time enabled, time running, then one value per event of the group.
             let mut words = [0u64; 5];
             // SAFETY: reads at most the buffer's size into it.

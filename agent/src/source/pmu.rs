@@ -10,16 +10,81 @@ use crate::pmu::{MemSample, MemSampler, SAMPLE_TYPE, parse_records};
 /// samples a second a thread, drained ten times a second.
 const DATA_PAGES: usize = 16;
 
-/// Sampling of the target's loads: one perf event and ring per thread. The kernel maps
-/// no ring of an inherited per-thread event, so threads started later are added by
-/// [`Sampling::follow`].
-pub struct Sampling {
-    pub sampler: MemSampler,
-    rings: Vec<Ring>,
-    /// The threads sampled (or refused), so that `follow` opens each once.
+/// What perf events opened on each target thread hold (`T`), and which threads were
+/// tried, so that threads started later are opened once each (the kernel maps no ring of
+/// an inherited per-thread event, and a group read of one covers the thread alone).
+pub struct PerThread<T> {
+    pub opened: Vec<T>,
     seen: std::collections::BTreeSet<u32>,
     /// Threads started later that the kernel refused.
     pub refused: u64,
+}
+
+impl<T> PerThread<T> {
+    /// `open` on every thread of `tids` (thread, thread group); a thread that ended
+    /// meanwhile is skipped.
+    ///
+    /// # Errors
+    /// The first refusal, naming `what` and, for an event the PMU lacks, `missing`.
+    pub fn open_all(
+        tids: impl IntoIterator<Item = (u32, u32)>,
+        mut open: impl FnMut(u32, u32) -> std::io::Result<T>,
+        what: &str,
+        missing: &str,
+    ) -> Result<PerThread<T>, String> {
+        let mut all = PerThread {
+            opened: Vec::new(),
+            seen: std::collections::BTreeSet::new(),
+            refused: 0,
+        };
+        for (tid, tgid) in tids {
+            all.seen.insert(tid);
+            match open(tid, tgid) {
+                Ok(item) => all.opened.push(item),
+                Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {}
+                Err(e) => {
+                    let hint = match e.raw_os_error() {
+                        Some(libc::EACCES | libc::EPERM) => {
+                            " (needs CAP_PERFMON, or kernel.perf_event_paranoid ≤ 1)".to_owned()
+                        }
+                        Some(libc::ENOENT | libc::EOPNOTSUPP | libc::EINVAL) => {
+                            format!(" ({missing})")
+                        }
+                        _ => String::new(),
+                    };
+                    return Err(format!(
+                        "the kernel refused {what} on thread {tid}: {e}{hint}"
+                    ));
+                }
+            }
+        }
+        Ok(all)
+    }
+
+    /// `open` on the threads of `tids` not tried before (started since).
+    pub fn follow(
+        &mut self,
+        tids: impl IntoIterator<Item = (u32, u32)>,
+        mut open: impl FnMut(u32, u32) -> std::io::Result<T>,
+    ) {
+        for (tid, tgid) in tids {
+            if !self.seen.insert(tid) {
+                continue;
+            }
+            match open(tid, tgid) {
+                Ok(item) => self.opened.push(item),
+                Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {}
+                Err(_) => self.refused += 1,
+            }
+        }
+    }
+}
+
+/// Sampling of the target's loads: one perf event and ring per thread, threads started
+/// later added by [`Sampling::follow`].
+pub struct Sampling {
+    pub sampler: MemSampler,
+    rings: PerThread<Ring>,
     /// Samples the kernel dropped on full rings, and rings whose records were damaged.
     pub lost: u64,
     pub damaged: u64,
@@ -50,118 +115,101 @@ impl Sampling {
     /// # Errors
     /// Why the kernel refused it (permissions, an event the CPU lacks), for the method.
     pub fn open(sampler: MemSampler, tids: &[u32]) -> Result<Sampling, String> {
-        let mut sampling = Sampling {
+        let rings = PerThread::open_all(
+            tids.iter().map(|&tid| (tid, 0)),
+            |tid, _| open_thread(&sampler, tid),
+            &sampler.describe(),
+            "the PMU does not offer this event with these sample fields",
+        )?;
+        Ok(Sampling {
             sampler,
-            rings: Vec::new(),
-            seen: std::collections::BTreeSet::new(),
-            refused: 0,
+            rings,
             lost: 0,
             damaged: 0,
-        };
-        for &tid in tids {
-            sampling.seen.insert(tid);
-            match sampling.open_thread(tid) {
-                Ok(ring) => sampling.rings.push(ring),
-                // The thread ended meanwhile.
-                Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {}
-                Err(e) => {
-                    let hint = match e.raw_os_error() {
-                        Some(libc::EACCES | libc::EPERM) => {
-                            " (needs CAP_PERFMON, or kernel.perf_event_paranoid ≤ 1)"
-                        }
-                        Some(libc::ENOENT | libc::EOPNOTSUPP | libc::EINVAL) => {
-                            " (the PMU does not offer this event with these sample fields)"
-                        }
-                        _ => "",
-                    };
-                    return Err(format!(
-                        "the kernel refused {} on thread {tid}: {e}{hint}",
-                        sampling.sampler.describe()
-                    ));
-                }
-            }
-        }
-        Ok(sampling)
+        })
     }
+}
 
-    fn open_thread(&self, tid: u32) -> std::io::Result<Ring> {
-        use std::os::fd::{AsRawFd as _, FromRawFd as _};
-        let mut attr = sys::perf_event_attr {
-            type_: self.sampler.pmu_type,
-            size: u32::try_from(std::mem::size_of::<sys::perf_event_attr>()).unwrap_or(0),
-            config: self.sampler.config,
-            sample_type: SAMPLE_TYPE,
-            clockid: libc::CLOCK_MONOTONIC,
-            ..sys::perf_event_attr::default()
-        };
-        attr.__bindgen_anon_1.sample_period = self.sampler.period;
-        attr.__bindgen_anon_3.config1 = self.sampler.config1;
-        attr.__bindgen_anon_2.wakeup_events = 0;
-        attr.set_exclude_kernel(1);
-        attr.set_exclude_hv(1);
-        attr.set_use_clockid(1);
-        attr.set_precise_ip(u64::from(self.sampler.precise_ip));
-        let pid = libc::pid_t::try_from(tid)
-            .map_err(|_| std::io::Error::from_raw_os_error(libc::ESRCH))?;
-        // SAFETY: `attr` is a valid, fully initialised perf_event_attr of its own size.
-        let fd = unsafe {
-            perf_event_open_sys::perf_event_open(
-                &raw mut attr,
-                pid,
-                -1,
-                -1,
-                libc::c_ulong::from(sys::PERF_FLAG_FD_CLOEXEC),
-            )
-        };
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: a new descriptor the kernel just gave us, owned from here.
-        let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
-        let page = 4096;
-        let len = page * (1 + DATA_PAGES);
-        // SAFETY: a shared read/write mapping of the event's ring, as perf_event_open(2) says.
-        let base = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        if base == libc::MAP_FAILED {
-            return Err(std::io::Error::last_os_error());
-        }
-        let base =
-            std::ptr::NonNull::new(base.cast::<u8>()).ok_or_else(std::io::Error::last_os_error)?;
-        Ok(Ring { fd, base, len })
+fn open_thread(sampler: &MemSampler, tid: u32) -> std::io::Result<Ring> {
+    use std::os::fd::{AsRawFd as _, FromRawFd as _};
+    let mut attr = sys::perf_event_attr {
+        type_: sampler.pmu_type,
+        size: u32::try_from(std::mem::size_of::<sys::perf_event_attr>()).unwrap_or(0),
+        config: sampler.config,
+        sample_type: SAMPLE_TYPE,
+        clockid: libc::CLOCK_MONOTONIC,
+        ..sys::perf_event_attr::default()
+    };
+    attr.__bindgen_anon_1.sample_period = sampler.period;
+    attr.__bindgen_anon_3.config1 = sampler.config1;
+    attr.__bindgen_anon_2.wakeup_events = 0;
+    attr.set_exclude_kernel(1);
+    attr.set_exclude_hv(1);
+    attr.set_use_clockid(1);
+    attr.set_precise_ip(u64::from(sampler.precise_ip));
+    let pid =
+        libc::pid_t::try_from(tid).map_err(|_| std::io::Error::from_raw_os_error(libc::ESRCH))?;
+    // SAFETY: `attr` is a valid, fully initialised perf_event_attr of its own size.
+    let fd = unsafe {
+        perf_event_open_sys::perf_event_open(
+            &raw mut attr,
+            pid,
+            -1,
+            -1,
+            libc::c_ulong::from(sys::PERF_FLAG_FD_CLOEXEC),
+        )
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
     }
+    // SAFETY: a new descriptor the kernel just gave us, owned from here.
+    let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+    let page = 4096;
+    let len = page * (1 + DATA_PAGES);
+    // SAFETY: a shared read/write mapping of the event's ring, as perf_event_open(2) says.
+    let base = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd.as_raw_fd(),
+            0,
+        )
+    };
+    if base == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error());
+    }
+    let base =
+        std::ptr::NonNull::new(base.cast::<u8>()).ok_or_else(std::io::Error::last_os_error)?;
+    Ok(Ring { fd, base, len })
+}
 
+impl Sampling {
     /// Opens the sampler on the threads of `tids` not seen before (started since).
     pub fn follow(&mut self, tids: impl IntoIterator<Item = u32>) {
-        for tid in tids {
-            if !self.seen.insert(tid) {
-                continue;
-            }
-            match self.open_thread(tid) {
-                Ok(ring) => self.rings.push(ring),
-                Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {}
-                Err(_) => self.refused += 1,
-            }
-        }
+        let sampler = &self.sampler;
+        self.rings
+            .follow(tids.into_iter().map(|tid| (tid, 0)), |tid, _| {
+                open_thread(sampler, tid)
+            });
+    }
+
+    /// Threads started later that the kernel refused.
+    #[must_use]
+    pub fn refused(&self) -> u64 {
+        self.rings.refused
     }
 
     /// Threads sampled.
     #[must_use]
     pub fn threads(&self) -> usize {
-        self.rings.len()
+        self.rings.opened.len()
     }
 
     /// Takes every sample the rings hold.
     pub fn drain(&mut self, out: &mut Vec<MemSample>) {
-        for ring in &mut self.rings {
+        for ring in &mut self.rings.opened {
             let records = parse_records(&ring.take());
             out.extend(records.samples);
             self.lost += records.lost;
@@ -252,7 +300,7 @@ mod tests {
         let second = rx.recv().unwrap();
         sampling.follow([first, second]);
         sampling.follow([second]);
-        assert_eq!((sampling.threads(), sampling.refused), (2, 0));
+        assert_eq!((sampling.threads(), sampling.refused()), (2, 0));
         let mut samples = Vec::new();
         for _ in 0..20 {
             std::thread::sleep(std::time::Duration::from_millis(10));

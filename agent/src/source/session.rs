@@ -154,8 +154,11 @@ impl Attached {
             }
         }
         // Threads started later whose counters the kernel refused: their loads uncounted.
-        if let Some(counting) = self.counting.as_ref().filter(|c| c.refused > 0) {
-            other.insert("node_counter_threads_refused".to_owned(), counting.refused);
+        if let Some(counting) = self.counting.as_ref().filter(|c| c.refused() > 0) {
+            other.insert(
+                "node_counter_threads_refused".to_owned(),
+                counting.refused(),
+            );
         }
         (lost, other)
     }
