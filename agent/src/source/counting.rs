@@ -144,6 +144,58 @@ impl Counting {
     pub fn refused(&self) -> u64 {
         self.counters.refused
     }
+
+    /// Opens the counters on the threads of `tids` not seen before (started since).
+    pub fn follow(&mut self, tids: impl IntoIterator<Item = (u32, u32)>) {
+        let events = &self.events;
+        self.counters
+            .follow(tids, |tid, tgid| open_thread(events, tid, tgid));
+    }
+
+    /// Threads counted.
+    #[must_use]
+    pub fn threads(&self) -> usize {
+        self.counters.opened.len()
+    }
+
+    /// Every thread's counts at `at`, each with the time it stands for: those that moved
+    /// (`full`: all). A thread that exited keeps its final counts; one whose counters
+    /// cannot be read is left out of this reading.
+    pub fn read(&mut self, at: u64, full: bool, out: &mut Vec<(u64, Reading)>) {
+        for c in &mut self.counters.opened {
+            // nr, time enabled, time running, then one value per event of the group.
+            let mut words = [0u64; 5];
+            // SAFETY: reads at most the buffer's size into it.
+            let n = unsafe {
+                libc::read(
+                    c.leader.as_raw_fd(),
+                    words.as_mut_ptr().cast(),
+                    std::mem::size_of_val(&words),
+                )
+            };
+            if n < 40 || words[0] != 2 {
+                continue;
+            }
+            let (enabled, running) = (words[1], words[2]);
+            let scale = |v: u64| {
+                if running == 0 || running >= enabled {
+                    v
+                } else {
+                    u64::try_from(u128::from(v) * u128::from(enabled) / u128::from(running))
+                        .unwrap_or(u64::MAX)
+                }
+            };
+            let reading = Reading {
+                tid: c.tid,
+                tgid: c.tgid,
+                dram: scale(words[3]),
+                remote: scale(words[4]),
+                enabled_ns: enabled,
+                running_ns: running,
+            };
+            c.held.next(at, reading, full, out);
+        }
+    }
 }
 
 fn open_thread(events: &NodeEvents, tid: u32, process: u32) -> std::io::Result<Counter> {
@@ -209,60 +261,6 @@ fn open_event(
     }
     // SAFETY: a new descriptor the kernel just gave us, owned from here.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-}
-
-impl Counting {
-    /// Opens the counters on the threads of `tids` not seen before (started since).
-    pub fn follow(&mut self, tids: impl IntoIterator<Item = (u32, u32)>) {
-        let events = &self.events;
-        self.counters
-            .follow(tids, |tid, tgid| open_thread(events, tid, tgid));
-    }
-
-    /// Threads counted.
-    #[must_use]
-    pub fn threads(&self) -> usize {
-        self.counters.opened.len()
-    }
-
-    /// Every thread's counts at `at`, each with the time it stands for: those that moved
-    /// (`full`: all). A thread that exited keeps its final counts; one whose counters
-    /// cannot be read is left out of this reading.
-    pub fn read(&mut self, at: u64, full: bool, out: &mut Vec<(u64, Reading)>) {
-        for c in &mut self.counters.opened {
-            // nr, time enabled, time running, then one value per event of the group.
-            let mut words = [0u64; 5];
-            // SAFETY: reads at most the buffer's size into it.
-            let n = unsafe {
-                libc::read(
-                    c.leader.as_raw_fd(),
-                    words.as_mut_ptr().cast(),
-                    std::mem::size_of_val(&words),
-                )
-            };
-            if n < 40 || words[0] != 2 {
-                continue;
-            }
-            let (enabled, running) = (words[1], words[2]);
-            let scale = |v: u64| {
-                if running == 0 || running >= enabled {
-                    v
-                } else {
-                    u64::try_from(u128::from(v) * u128::from(enabled) / u128::from(running))
-                        .unwrap_or(u64::MAX)
-                }
-            };
-            let reading = Reading {
-                tid: c.tid,
-                tgid: c.tgid,
-                dram: scale(words[3]),
-                remote: scale(words[4]),
-                enabled_ns: enabled,
-                running_ns: running,
-            };
-            c.held.next(at, reading, full, out);
-        }
-    }
 }
 
 #[cfg(test)]

@@ -10,6 +10,16 @@ use crate::pmu::{MemSample, MemSampler, SAMPLE_TYPE, parse_records};
 /// samples a second a thread, drained ten times a second.
 const DATA_PAGES: usize = 16;
 
+/// Every thread of the processes `pids`, as (thread, process): what [`PerThread`] opens on.
+pub fn target_threads(
+    host: &crate::host::Host,
+    pids: impl IntoIterator<Item = u32>,
+) -> Vec<(u32, u32)> {
+    pids.into_iter()
+        .flat_map(|pid| host.threads(pid).into_iter().map(move |tid| (tid, pid)))
+        .collect()
+}
+
 /// What perf events opened on each target thread hold (`T`), and which threads were
 /// tried, so that threads started later are opened once each (the kernel maps no ring of
 /// an inherited per-thread event, and a group read of one covers the thread alone).
@@ -114,9 +124,9 @@ impl Sampling {
     ///
     /// # Errors
     /// Why the kernel refused it (permissions, an event the CPU lacks), for the method.
-    pub fn open(sampler: MemSampler, tids: &[u32]) -> Result<Sampling, String> {
+    pub fn open(sampler: MemSampler, tids: &[(u32, u32)]) -> Result<Sampling, String> {
         let rings = PerThread::open_all(
-            tids.iter().map(|&tid| (tid, 0)),
+            tids.iter().copied(),
             |tid, _| open_thread(&sampler, tid),
             &sampler.describe(),
             "the PMU does not offer this event with these sample fields",
@@ -187,12 +197,9 @@ fn open_thread(sampler: &MemSampler, tid: u32) -> std::io::Result<Ring> {
 
 impl Sampling {
     /// Opens the sampler on the threads of `tids` not seen before (started since).
-    pub fn follow(&mut self, tids: impl IntoIterator<Item = u32>) {
+    pub fn follow(&mut self, tids: impl IntoIterator<Item = (u32, u32)>) {
         let sampler = &self.sampler;
-        self.rings
-            .follow(tids.into_iter().map(|tid| (tid, 0)), |tid, _| {
-                open_thread(sampler, tid)
-            });
+        self.rings.follow(tids, |tid, _| open_thread(sampler, tid));
     }
 
     /// Threads started later that the kernel refused.
@@ -293,13 +300,13 @@ mod tests {
             precise_ip: 0,
         };
         let before = crate::host::clock_ns(libc::CLOCK_MONOTONIC);
-        let mut sampling = Sampling::open(software, &[first]).unwrap();
+        let mut sampling = Sampling::open(software, &[(first, 0)]).unwrap();
         assert_eq!(sampling.threads(), 1);
         // A thread started later: `follow` adds it, once.
         let later = spinner(stop.clone(), tx);
         let second = rx.recv().unwrap();
-        sampling.follow([first, second]);
-        sampling.follow([second]);
+        sampling.follow([(first, 0), (second, 0)]);
+        sampling.follow([(second, 0)]);
         assert_eq!((sampling.threads(), sampling.refused()), (2, 0));
         let mut samples = Vec::new();
         for _ in 0..20 {
@@ -335,7 +342,7 @@ mod tests {
                 period: 100_000,
                 ..sampling.sampler.clone()
             },
-            &[2_000_000_000],
+            &[(2_000_000_000, 0)],
         )
         .unwrap();
         assert_eq!(none.threads(), 0);
@@ -345,7 +352,7 @@ mod tests {
         };
         // SAFETY: gettid has no preconditions.
         let this = unsafe { libc::gettid() } as u32;
-        let why = Sampling::open(bogus, &[this]).err().unwrap();
+        let why = Sampling::open(bogus, &[(this, 0)]).err().unwrap();
         assert!(why.contains("the kernel refused"), "{why}");
     }
 }

@@ -556,15 +556,15 @@ impl Attached {
 
     /// Threads the targets started since: their loads sampled or counted too.
     fn follow_threads(&mut self, host: &Host) {
+        if self.mem.is_none() && self.counting.is_none() {
+            return;
+        }
+        let threads = pmu::target_threads(host, self.pids.iter().copied());
         if let Some(mem) = self.mem.as_mut() {
-            mem.follow(self.pids.iter().flat_map(|p| host.threads(*p)));
+            mem.follow(threads.iter().copied());
         }
         if let Some(counting) = self.counting.as_mut() {
-            counting.follow(
-                self.pids
-                    .iter()
-                    .flat_map(|&p| host.threads(p).into_iter().map(move |tid| (tid, p))),
-            );
+            counting.follow(threads);
         }
     }
 

@@ -319,8 +319,12 @@ fn attach_all(prepared: Prepared, targets: &[Target]) -> Result<Attached, Source
 
     phases.mark("NUMA kprobe");
     // The PMU's memory sampler on every thread of the targets, where the host has one.
+    let tids = if profile.probes.numa {
+        pmu::target_threads(&host, targets.iter().map(|t| t.pid))
+    } else {
+        Vec::new()
+    };
     let (mem, mem_sampling_refused) = if profile.probes.numa {
-        let tids: Vec<u32> = targets.iter().flat_map(|t| host.threads(t.pid)).collect();
         match crate::pmu::detect(std::path::Path::new(crate::pmu::DEVICES))
             .and_then(|s| pmu::Sampling::open(s, &tids))
         {
@@ -333,10 +337,6 @@ fn attach_all(prepared: Prepared, targets: &[Target]) -> Result<Attached, Source
 
     // Where there is no sampler, the PMU's node-load counters on the same threads.
     let (counting, node_counting_refused) = if mem.is_none() && profile.probes.numa {
-        let tids: Vec<(u32, u32)> = targets
-            .iter()
-            .flat_map(|t| host.threads(t.pid).into_iter().map(|tid| (tid, t.pid)))
-            .collect();
         match counting::NodeEvents::chosen().and_then(|e| counting::Counting::open(e, &tids)) {
             Ok(c) => (Some(c), None),
             Err(why) => (None, Some(why)),
