@@ -31,7 +31,7 @@ pub struct Seen {
 }
 
 /// A rank's collectives: every one, or, past what is kept, runs of them in windows spread
-/// over the run ([`Sampler`]).
+/// over the run (`Sequence` in input.rs).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Kept {
     /// Runs of consecutive collectives: (the first one's index in the rank's order, them),

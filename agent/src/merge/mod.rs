@@ -98,9 +98,9 @@ pub struct Input {
     pub targets: Vec<TargetInfo>,
     pub ranks: Vec<RankIdentity>,
     /// Per pid: its communicators in first-use order, with their collectives (in windows
-    /// past [`KEEP`]).
+    /// past `KEEP` (32,768)).
     pub seen: BTreeMap<u32, Vec<Communicator>>,
-    /// Past [`KEEP`] collectives of a rank, one window in this many was kept.
+    /// Past `KEEP` (32,768) collectives of a rank, one window in this many was kept.
     pub sampled: Option<u64>,
     /// Damage met while reading (the collectives before it are kept).
     pub damage: Option<String>,

@@ -17,6 +17,7 @@ mod kernel;
 mod load;
 mod multi;
 mod probes;
+mod readings;
 mod session;
 mod start;
 

@@ -4,6 +4,9 @@
 
 mod replay;
 mod setup;
+#[cfg(test)]
+mod tests;
+mod totals;
 mod write;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -12,15 +15,15 @@ use std::path::Path;
 
 use crate::attribute::{StepRule, StepsReport, Timeline};
 use crate::decode::{self, DecodeError};
-use crate::event::{Event, Func, Library};
+use crate::event::{Event, Func};
 use crate::record::{self, Header, Meta};
 pub use crate::summary::{
     AgentStats, CudaSyncStats, MemoryStats, NcclStats, OpStats, SchedStats, Summary, SyncStats,
     TargetSummary,
 };
 use crate::summary::{cuda_totals, nccl_totals, target_summaries};
-use nccltrace_common::kind;
 pub use replay::{EPOCH_EVENTS, ReplayError, replay, replay_from, replay_into};
+use totals::{NodeCounters, NodeDeltas, StackCounts, numastat_delta};
 pub use write::{Streamer, write_outputs, write_summary};
 
 /// What follows a run beside its outputs (the metrics endpoint, a status line): handed each
@@ -221,109 +224,6 @@ impl Aggregator {
         self.drain_epochs();
     }
 
-    /// Counts one event in the totals without attributing it (it is before the window
-    /// the attribution covers).
-    fn count(&mut self, event: &Event) {
-        self.events += 1;
-        self.last_ts = self.last_ts.max(event.ts_ns());
-        if let Event::Call(call) = event {
-            self.call_runs.entries += 1;
-            self.call_runs.returns += u64::from(call.ret.is_some());
-        }
-        match event {
-            Event::Call(call) => match call.func.library() {
-                Library::Nccl => {
-                    let s = self.nccl.entry(call.func).or_default();
-                    s.calls += 1;
-                    // Saturating: a damaged recording may carry any value.
-                    s.bytes = s.bytes.saturating_add(call.bytes.unwrap_or(0));
-                    if let Some(ret) = call.ret {
-                        let enqueue = s.enqueue_ns.get_or_insert(0);
-                        *enqueue = enqueue.saturating_add(call.duration_ns());
-                        *s.errors.get_or_insert(0) += u64::from(ret != 0);
-                    } else {
-                        s.entry_only += 1;
-                    }
-                    self.threads.insert(call.task.tid);
-                }
-                Library::Cuda => {
-                    let s = self.cuda.entry(call.func).or_default();
-                    s.calls += 1;
-                    s.wait_ns = s.wait_ns.saturating_add(call.duration_ns());
-                }
-                Library::Marker | Library::Nvtx => {}
-            },
-            Event::Switch {
-                task,
-                prev_is_target,
-                prev_state,
-                ..
-            } => {
-                self.threads.insert(task.tid);
-                if *prev_is_target {
-                    self.sched.switches_out += 1;
-                    self.sched.involuntary_switches += u64::from(*prev_state == 0);
-                }
-            }
-            Event::Wakeup { .. } => self.sched.wakeups += 1,
-            Event::Migrate { .. } => self.sched.migrations += 1,
-            Event::Fork { .. } => self.sched.forks += 1,
-            Event::Exit { .. } => self.sched.thread_exits += 1,
-            Event::Fault { .. } => self.memory.page_faults += 1,
-            Event::FaultTime {
-                ts_ns, start_ns, ..
-            } => {
-                self.memory.timed_faults += 1;
-                self.memory.fault_handler_ns = self
-                    .memory
-                    .fault_handler_ns
-                    .saturating_add(ts_ns.saturating_sub(*start_ns));
-            }
-            Event::PageMigration {
-                succeeded, failed, ..
-            } => {
-                self.memory.pages_migrated = self.memory.pages_migrated.saturating_add(*succeeded);
-                self.memory.page_migrations_failed =
-                    self.memory.page_migrations_failed.saturating_add(*failed);
-            }
-            Event::NumaTask { .. } => self.memory.numa_task_events += 1,
-            Event::NumaPages { .. } => {
-                *self.memory.numa_maps_readings.get_or_insert(0) += 1;
-            }
-            Event::MemSample { .. } => {
-                *self.memory.pmu_load_samples.get_or_insert(0) += 1;
-            }
-            Event::NodeLoads { .. } => {
-                *self.memory.node_load_readings.get_or_insert(0) += 1;
-            }
-            Event::NumaHint { pages, local, .. } => {
-                let pages = u64::from(*pages);
-                let add = |n: &mut Option<u64>, by: u64| *n = Some(n.unwrap_or(0) + by);
-                add(&mut self.memory.numa_hint_fault_pages, pages);
-                add(
-                    &mut self.memory.numa_hint_fault_pages_remote,
-                    if *local { 0 } else { pages },
-                );
-            }
-            Event::Sample { .. } => self.samples += 1,
-            Event::OffCpu { task, .. } => self.stacks.whole(task.tid, kind::OFFCPU),
-            Event::CallStack { task, .. } => self.stacks.whole(task.tid, kind::CALL_STACK),
-            Event::StackSame { task, of, .. } => self.stacks.reused(task.tid, *of),
-            Event::PyStack { task, .. } => {
-                *self.python_stacks_by_pid.entry(task.tgid).or_default() += 1;
-            }
-            Event::IbCounters {
-                ts_ns,
-                port,
-                counters,
-                ..
-            } => {
-                self.infiniband.add(*ts_ns, *port, counters);
-                self.infiniband.keep_ends();
-            }
-        }
-    }
-
     /// Adds agent metadata.
     pub fn meta(&mut self, meta: Meta) {
         match meta {
@@ -519,31 +419,6 @@ impl Aggregator {
     }
 }
 
-/// Readings of each NUMA node's counters: (node, (counter, value)).
-type NodeCounters = Vec<(u32, Vec<(String, u64)>)>;
-/// Each node's counters over a stretch: `node0` → counter → pages.
-type NodeDeltas = BTreeMap<String, BTreeMap<String, u64>>;
-
-/// Each node's counters from `first` to `last` (`node0` → counter → pages); a counter
-/// that went back is left out.
-fn numastat_delta(first: &NodeCounters, last: &NodeCounters) -> Option<NodeDeltas> {
-    let out: NodeDeltas = last
-        .iter()
-        .filter_map(|(node, counters)| {
-            let (_, then) = first.iter().find(|(n, _)| n == node)?;
-            let deltas = counters
-                .iter()
-                .filter_map(|(name, v)| {
-                    let (_, v0) = then.iter().find(|(n, _)| n == name)?;
-                    Some((name.clone(), v.checked_sub(*v0)?))
-                })
-                .collect();
-            Some((format!("node{node}"), deltas))
-        })
-        .collect();
-    (!out.is_empty()).then_some(out)
-}
-
 /// Everything the pipeline produces.
 #[derive(Debug)]
 pub struct Outputs {
@@ -567,41 +442,6 @@ pub struct Outputs {
     pub streamer: Option<Streamer>,
 }
 
-/// Off-CPU and call-entry stack records counted, reused ones included.
-#[derive(Default)]
-struct StackCounts {
-    offcpu: u64,
-    call: u64,
-    reused: u64,
-    /// Reused with no whole stack of their thread and kind before them.
-    unresolved: u64,
-    /// Threads (and stack kinds) with a whole stack record so far.
-    bases: std::collections::HashSet<(u32, u16), foldhash::fast::FixedState>,
-}
-
-impl StackCounts {
-    fn add(&mut self, of: u16) {
-        if of == kind::CALL_STACK {
-            self.call += 1;
-        } else {
-            self.offcpu += 1;
-        }
-    }
-
-    fn whole(&mut self, tid: u32, of: u16) {
-        self.add(of);
-        self.bases.insert((tid, of));
-    }
-
-    fn reused(&mut self, tid: u32, of: u16) {
-        self.add(of);
-        self.reused += 1;
-        if !self.bases.contains(&(tid, of)) {
-            self.unresolved += 1;
-        }
-    }
-}
-
 /// What the header says of the attach: its phases, how the uprobes were attached, how the
 /// programs walked Python frames, which scheduler tracepoints ran.
 fn attach_notes(agent: &mut crate::summary::AgentStats, header: &crate::record::Header) {
@@ -611,128 +451,4 @@ fn attach_notes(agent: &mut crate::summary::AgentStats, header: &crate::record::
     agent
         .sched_tracepoints
         .clone_from(&header.sched_tracepoints);
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::event::{Call, Task};
-
-    /// Totals from a damaged recording saturate instead of overflowing: the fuzzer found
-    /// two calls whose byte counts add past u64::MAX (a panic with overflow checks on).
-    #[test]
-    fn totals_saturate() {
-        let mut agg = Aggregator::new(Header::default());
-        for func in [Func::AllReduce, Func::AllReduce, Func::CuStreamSynchronize] {
-            agg.push(&Event::Call(Call {
-                bytes: Some(u64::MAX - 1),
-                comm: Some(1),
-                ..Call::new(
-                    Task {
-                        tgid: 1,
-                        tid: 1,
-                        cpu: 0,
-                    },
-                    func,
-                    0,
-                    u64::MAX,
-                )
-            }));
-        }
-        let out = agg.finish(StepRule::Auto);
-        assert_eq!(out.summary.nccl.bytes, u64::MAX);
-        assert_eq!(
-            out.summary.nccl.by_op["AllReduce"].enqueue_ns,
-            Some(u64::MAX)
-        );
-    }
-
-    /// summary.json `memory.numastat_pages`: each node's counters from the first reading
-    /// to the last; null with a single reading or none, never zeros made up.
-    #[test]
-    fn numastat_from_first_to_last_reading() {
-        let reading = |hit: u64, other: u64| Meta::Numastat {
-            at_ns: 0,
-            nodes: vec![
-                (
-                    0,
-                    vec![("numa_hit".into(), hit), ("other_node".into(), other)],
-                ),
-                (1, vec![("numa_hit".into(), 7)]),
-            ],
-        };
-        let numastat = |readings: Vec<Meta>| {
-            let mut agg = Aggregator::new(Header::default());
-            for r in readings {
-                agg.meta(r);
-            }
-            agg.finish(StepRule::Auto).summary.memory.numastat_pages
-        };
-        assert_eq!(numastat(vec![]), None);
-        assert_eq!(numastat(vec![reading(100, 5)]), None);
-        let both = numastat(vec![reading(100, 5), reading(150, 9), reading(400, 2)]).unwrap();
-        assert_eq!(both["node0"]["numa_hit"], 300);
-        // A counter that went back (5 → 2) is left out, not made 0.
-        assert!(!both["node0"].contains_key("other_node"));
-        assert_eq!(both["node1"]["numa_hit"], 0);
-    }
-
-    /// Issue 22: where the kernel counted the programs in windows, the call programs on
-    /// probes made for the targets take their runs from the recording's calls (every call
-    /// record and the lost ones for the entry program, the returned ones for the return
-    /// program); with no window between the two readings the cost is null and says so.
-    #[test]
-    fn call_runs_from_the_recording() {
-        let entry = nccltrace_common::names::UPROBE_LIB_CALL;
-        let ret = nccltrace_common::names::URETPROBE_LIB_CALL;
-        let reading = |at_ns: u64, accounted_ns: u64, runs: u64| {
-            Meta::ProgramStats(crate::record::ProgramReading {
-                at_ns,
-                accounted_ns: Some(accounted_ns),
-                programs: vec![
-                    (entry.into(), runs, runs * 300),
-                    (ret.into(), runs, runs * 500),
-                ],
-                ..crate::record::ProgramReading::default()
-            })
-        };
-        let run = |last: Meta| {
-            let mut agg = Aggregator::new(Header::default());
-            agg.meta(reading(1_000, 0, 0));
-            let task = Task {
-                tgid: 1,
-                tid: 1,
-                cpu: 0,
-            };
-            for (i, returned) in [true, true, false].into_iter().enumerate() {
-                let start = 2_000 + i as u64 * 1_000;
-                agg.push(&Event::Call(Call {
-                    ret: returned.then_some(0),
-                    ..Call::new(task, Func::AllReduce, start, start + 100)
-                }));
-            }
-            agg.meta(last);
-            agg.meta(Meta::End {
-                end_monotonic_ns: 4_000_000_000,
-                reason: "every target exited".into(),
-                lost_by_kind: BTreeMap::from([("call".to_owned(), 2)]),
-                counters: BTreeMap::new(),
-                attach_ns: 0,
-                agent_peak_rss_kb: 0,
-            });
-            agg.finish(StepRule::Auto).summary.agent
-        };
-        // A quarter of the run counted: 10 runs of each in the windows.
-        let agent = run(reading(4_000_001_000, 1_000_000_000, 10));
-        let bpf = agent.bpf.unwrap();
-        assert_eq!(bpf.accounted_share, Some(0.25));
-        let runs = |name: &str| bpf.programs.iter().find(|p| p.name == name).unwrap().runs;
-        assert_eq!(runs(entry), 3 + 2);
-        assert_eq!(runs(ret), 2);
-        // No window between the readings.
-        let agent = run(reading(4_000_001_000, 0, 0));
-        assert!(agent.bpf.is_none());
-        let why = agent.bpf_unmeasured.unwrap();
-        assert!(why.contains("no window"), "{why}");
-    }
 }

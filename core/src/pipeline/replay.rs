@@ -195,7 +195,7 @@ pub fn replay(path: &Path, rule: StepRule, epoch_events: u64) -> Result<Outputs,
 }
 
 /// As [`replay`], writing the outputs into `dir` as the recording is attributed
-/// ([`Streamer`]); [`write_outputs`] completes them.
+/// ([`super::Streamer`]); [`super::write_outputs`] completes them.
 pub fn replay_into(
     path: &Path,
     rule: StepRule,

@@ -227,7 +227,7 @@ impl<R: BufRead> Reader<R> {
         })
     }
 
-    /// Reads bare records (no file header) from `input`, as [`Writer::take_unwritten`]
+    /// Reads bare records (no file header) from `input`, as [`super::Writer::take_unwritten`]
     /// gives them; `header` is the recording's.
     pub fn records_only(input: R, path: &Path, header: Header) -> Self {
         Reader {

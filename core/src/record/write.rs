@@ -23,7 +23,7 @@ pub struct Writer {
 }
 
 /// How far a recording being written holds whole records, and whether more will come:
-/// what a [`Follow`] reader may read.
+/// what a [`super::Follow`] reader may read.
 #[derive(Debug, Default)]
 pub struct Progress {
     pub(super) durable: std::sync::atomic::AtomicU64,
@@ -104,7 +104,7 @@ impl Writer {
         Ok(())
     }
 
-    /// What a reader following this recording ([`Follow`]) goes by.
+    /// What a reader following this recording ([`super::Follow`]) goes by.
     #[must_use]
     pub fn progress(&self) -> std::sync::Arc<Progress> {
         self.progress.clone()
@@ -195,7 +195,7 @@ impl Writer {
     }
 
     /// After a failed write: the records that are not in the file, in the recording's
-    /// record framing (read them with [`Reader::records_only`]).
+    /// record framing (read them with [`super::Reader::records_only`]).
     pub fn take_unwritten(&mut self) -> Vec<u8> {
         std::mem::take(&mut self.buf)
     }

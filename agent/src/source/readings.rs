@@ -1,0 +1,164 @@
+//! What a session reads beside the rings, as it drains them: each target's resident memory
+//! per node, InfiniBand counters, the PMU's memory samples and node-load counters, and the
+//! threads those follow.
+
+use super::{Attached, Host, Instant, Sink, agent_record, host, kind, pmu};
+
+impl Attached {
+    /// Every [`host::NUMA_MAPS_EVERY`], where enabled: each target's resident memory per
+    /// node as a `NUMA_PAGES` record.
+    pub(super) fn read_resident(
+        &mut self,
+        sink: &mut impl Sink,
+        host: &Host,
+    ) -> Result<(), crate::Error> {
+        if !self.resident
+            || self
+                .resident_read
+                .is_some_and(|t| t.elapsed() < host::NUMA_MAPS_EVERY)
+        {
+            return Ok(());
+        }
+        self.resident_read = Some(Instant::now());
+        for &pid in &self.pids {
+            let Some(kib) = host.numa_maps_kib(pid) else {
+                continue;
+            };
+            let mut record = nccltrace_common::NumaPagesEvent {
+                hdr: agent_record(
+                    host::clock_ns(libc::CLOCK_MONOTONIC),
+                    pid,
+                    pid,
+                    kind::NUMA_PAGES,
+                ),
+                ..Default::default()
+            };
+            let room = record.kib.len();
+            for (node, k) in kib.iter().enumerate() {
+                record.kib[node.min(room - 1)] += k;
+            }
+            record.nodes = u32::try_from(kib.len().min(room)).unwrap_or(0);
+            sink.record(&crate::decode::as_bytes(&record))?;
+        }
+        Ok(())
+    }
+
+    /// The InfiniBand ports' counters as `IB_COUNTERS` records: the data and packet
+    /// counters, or all of them (`full`).
+    pub(super) fn read_infiniband(
+        &self,
+        sink: &mut impl Sink,
+        host: &Host,
+        full: bool,
+    ) -> Result<(), crate::Error> {
+        use nccltrace_common::{IB_COUNTER_NAMES, IB_FAST_COUNTERS};
+        let names = if full {
+            &IB_COUNTER_NAMES[..]
+        } else {
+            &IB_COUNTER_NAMES[..IB_FAST_COUNTERS]
+        };
+        for (index, port) in self.header.infiniband_ports.iter().enumerate() {
+            let before = host::clock_ns(libc::CLOCK_MONOTONIC);
+            let mut record = nccltrace_common::IbCountersEvent {
+                port: u32::try_from(index).unwrap_or(u32::MAX),
+                ..Default::default()
+            };
+            for (i, name) in names.iter().enumerate() {
+                if let Some(v) = host.ib_counter(port, name) {
+                    record.values[i] = v;
+                    record.present |= 1 << i;
+                }
+            }
+            if record.present == 0 {
+                continue;
+            }
+            // Reading a port's counters may take a while (each file is a query of the
+            // adapter): the reading is dated at its middle.
+            let after = host::clock_ns(libc::CLOCK_MONOTONIC);
+            let at = before + (after.saturating_sub(before)) / 2;
+            record.hdr = agent_record(at, 0, 0, kind::IB_COUNTERS);
+            sink.record(&crate::decode::as_bytes(&record))?;
+        }
+        Ok(())
+    }
+
+    /// Hands on the loads the PMU sampled since the last call, as `MEM_SAMPLE` records.
+    pub(super) fn drain_mem(&mut self, sink: &mut impl Sink) -> Result<(), crate::Error> {
+        let Some(mem) = self.mem.as_mut() else {
+            return Ok(());
+        };
+        let mut samples = Vec::new();
+        mem.drain(&mut samples);
+        samples.sort_unstable_by_key(|s| s.time_ns);
+        for s in samples {
+            let record = nccltrace_common::MemSampleEvent {
+                hdr: agent_record(s.time_ns, s.pid, s.tid, kind::MEM_SAMPLE),
+                weight: s.weight,
+                _pad: 0,
+                data_src: s.data_src,
+            };
+            sink.record(&crate::decode::as_bytes(&record))?;
+        }
+        Ok(())
+    }
+
+    /// Every counter steps are interpolated between, in full: the InfiniBand ports', the
+    /// node-load counters', the nodes' numastat (at the start and at the end).
+    pub(super) fn read_counters(
+        &mut self,
+        sink: &mut impl Sink,
+        host: &Host,
+    ) -> Result<(), crate::Error> {
+        self.read_infiniband(sink, host, true)?;
+        self.read_node_loads(sink, true)?;
+        sink.numastat(host::clock_ns(libc::CLOCK_MONOTONIC), host.numastat());
+        Ok(())
+    }
+
+    /// Threads the targets started since: their loads sampled or counted too.
+    pub(super) fn follow_threads(&mut self, host: &Host) {
+        if self.mem.is_none() && self.counting.is_none() {
+            return;
+        }
+        let threads = pmu::target_threads(host, self.pids.iter().copied());
+        if let Some(mem) = self.mem.as_mut() {
+            mem.follow(threads.iter().copied());
+        }
+        if let Some(counting) = self.counting.as_mut() {
+            counting.follow(threads);
+        }
+    }
+
+    /// Hands on a reading of every counted thread's node loads, as `NODE_LOADS` records.
+    /// `full`: every thread, moved or not (each second and at the end); otherwise those
+    /// whose counts moved.
+    pub(super) fn read_node_loads(
+        &mut self,
+        sink: &mut impl Sink,
+        full: bool,
+    ) -> Result<(), crate::Error> {
+        let Some(counting) = self.counting.as_mut() else {
+            return Ok(());
+        };
+        let mut readings = Vec::new();
+        let at = host::clock_ns(libc::CLOCK_MONOTONIC);
+        counting.read(at, full, &mut readings);
+        for (ts, r) in readings {
+            let record = nccltrace_common::NodeLoadsEvent {
+                hdr: agent_record(ts, r.tgid, r.tid, kind::NODE_LOADS),
+                dram: r.dram,
+                remote: r.remote,
+                enabled_ns: r.enabled_ns,
+                running_ns: r.running_ns,
+                flags: if full && ts == at {
+                    nccltrace_common::node_loads::FULL
+                } else {
+                    0
+                },
+                _pad: 0,
+            };
+            sink.record(&crate::decode::as_bytes(&record))?;
+        }
+        Ok(())
+    }
+}
