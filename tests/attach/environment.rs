@@ -89,3 +89,48 @@ fn works_without_kernel_btf() {
         "the host's BTF is untouched"
     );
 }
+
+/// Runs the agent (profile `profile`) on a waiting trainer from a private mount namespace
+/// prepared by the shell commands `prepare`, and requires every collective counted.
+fn attach_in_private_mounts(dir: &Path, prepare: &str, profile: &str) {
+    let trainer = waiting_trainer(dir, 10, 500);
+    let out = dir.join("out");
+    let script = format!(
+        "{prepare}; exec {agent} attach --profile {profile} --pid {pid} --out {out}",
+        agent = env!("CARGO_BIN_EXE_nccltrace"),
+        pid = trainer.child.id(),
+        out = out.display()
+    );
+    let mut child = Command::new("unshare")
+        .args(["--mount", "--propagation", "private", "sh", "-c", &script])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = BufReader::new(child.stderr.take().unwrap()).lines();
+    let mut said = Vec::new();
+    for line in stderr.by_ref() {
+        let line = line.unwrap();
+        let attached = line.contains("attached to pid");
+        said.push(line);
+        if attached {
+            break;
+        }
+    }
+    assert!(
+        said.iter().any(|l| l.contains("attached to pid")),
+        "never attached: {said:?}"
+    );
+    trainer.release();
+    let truth = trainer.finish();
+    said.extend(stderr.map_while(Result::ok));
+    assert!(child.wait().unwrap().success(), "{said:?}");
+    let summary: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    for (op, calls) in truth["total"]["calls"].as_object().unwrap() {
+        assert_eq!(
+            summary["nccl"]["by_op"][op]["calls"], *calls,
+            "{op} calls: {said:?}"
+        );
+    }
+}

@@ -399,7 +399,7 @@ fn python_frames_in_the_guest() {
     in_guest();
     let python = Path::new("/usr/bin/python3.11");
     let dir = tempfile::tempdir().unwrap();
-    let unrolled = crate::counts::default_profile_with(
+    let unrolled = default_profile_with(
         dir.path(),
         "unrolled.toml",
         &[("python_loop = true", "python_loop = false")],

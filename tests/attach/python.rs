@@ -207,7 +207,7 @@ fn python_frames_name_the_lines_that_wait() {
 fn python_frames_walked_by_the_unrolled_loop() {
     let _serial = privileged();
     let dir = tempfile::tempdir().unwrap();
-    let profile = crate::counts::default_profile_with(
+    let profile = default_profile_with(
         dir.path(),
         "unrolled.toml",
         &[("python_loop = true", "python_loop = false")],

@@ -1,0 +1,150 @@
+//! Which processes are traced: only the one asked for, and later ones with `--follow`.
+
+use super::*;
+
+/// Tracing one process (`--pid`) does not probe the others that map the same libraries
+/// (the untraced ranks of a node): the uprobes are made for the target (uprobe-multi
+/// links with its pid, Linux 6.6+; per-function uprobes for the one target otherwise),
+/// so the entry program runs exactly once per call of the target, while an untraced
+/// trainer beside it makes as many calls. Before, every process mapping libnccl trapped
+/// on each call (~0.8 µs here) and the program checked whether it was a target.
+#[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
+fn other_processes_of_the_library_are_not_probed() {
+    let _serial = privileged();
+    let dir = tempfile::tempdir().unwrap();
+    let per_function = dir.path().join("per-function.toml");
+    let minimal = std::fs::read_to_string(workspace().join("profiles/minimal.toml")).unwrap();
+    std::fs::write(
+        &per_function,
+        minimal.replace(
+            "call_returns = \"all\"",
+            "call_returns = \"all\"\nuprobe_multi = false",
+        ),
+    )
+    .unwrap();
+    for (profile, multi) in [(Path::new("minimal"), true), (&*per_function, false)] {
+        let run = dir.path().join(format!("run-{multi}"));
+        let other_dir = run.join("other");
+        std::fs::create_dir_all(&other_dir).unwrap();
+        let traced = waiting_trainer(&run, 20, 300);
+        let other = waiting_trainer(&other_dir, 20, 300);
+        let out = run.join("out");
+        let agent = Agent::attach(
+            traced.child.id(),
+            &out,
+            &["--profile", profile.to_str().unwrap()],
+        );
+        other.release();
+        traced.release();
+        let (other_truth, truth) = (other.finish(), traced.finish());
+        let (code, summary, stderr) = agent.wait(Duration::from_secs(60));
+        assert_eq!(code, 0, "{stderr}");
+        uprobes_attached_as(&summary, multi);
+        let made = |truth: &Value| -> u64 {
+            truth["total"]["calls"]
+                .as_object()
+                .unwrap()
+                .values()
+                .map(|v| v.as_u64().unwrap())
+                .sum()
+        };
+        let calls = summary["nccl"]["calls"].as_u64().unwrap()
+            + summary["cuda_sync"]["calls"].as_u64().unwrap();
+        assert!(
+            calls >= made(&truth),
+            "{calls} calls traced: {}",
+            summary["nccl"]
+        );
+        let others = made(&other_truth);
+        assert!(
+            others >= made(&truth),
+            "the untraced trainer made {others} calls"
+        );
+        let entry = summary["agent"]["bpf"]["programs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["name"] == "uprobe_lib_call")
+            .cloned()
+            .unwrap();
+        assert_eq!(
+            entry["runs"].as_u64(),
+            Some(calls),
+            "the untraced trainer's calls ran the program ({multi}): {entry}"
+        );
+        // Made for the target, the program does not time itself: counted whole.
+        assert_eq!(entry["traced_runs"], Value::Null, "{entry}");
+    }
+}
+
+/// `--all --follow`: a trainer that starts after the agent is attached too, its calls all
+/// counted, its pid in the summary's targets; the run ends at --duration, not when the
+/// first trainer exits.
+#[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
+fn follow_attaches_to_later_processes() {
+    let _guard = privileged();
+    let dir = tempfile::tempdir().unwrap();
+    let first = waiting_trainer(dir.path(), 5, 500);
+    let out = dir.path().join("out");
+    let traced = Agent::attach_many(
+        &[],
+        &out,
+        &[
+            "--all",
+            "--follow",
+            "--duration",
+            "8s",
+            "--profile",
+            "minimal",
+        ],
+    );
+    first.release();
+    first.finish();
+    // The second one starts after the first has exited: an elastic restart.
+    let later_dir = dir.path().join("later");
+    std::fs::create_dir(&later_dir).unwrap();
+    let later = waiting_trainer(&later_dir, 20, 500);
+    let later_pid = later.child.id();
+    // Released once the agent has had time to find it (it scans every second).
+    std::thread::sleep(Duration::from_millis(2500));
+    later.release();
+    let truth = later.finish();
+    let (code, summary, stderr) = traced.wait(Duration::from_secs(60));
+    assert_eq!(code, 0, "{stderr}");
+    assert!(
+        stderr.contains(&format!("--follow: attached to pid {later_pid}")),
+        "{stderr}"
+    );
+    assert_eq!(summary["stop_reason"], "--duration elapsed", "{summary}");
+    let pids: Vec<u64> = summary["targets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["pid"].as_u64().unwrap())
+        .collect();
+    assert!(pids.contains(&u64::from(later_pid)), "{pids:?}");
+    let rank = summary["ranks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["pid"] == later_pid)
+        .unwrap_or_else(|| panic!("no rank for pid {later_pid}: {summary}"))
+        .clone();
+    // Every collective and point-to-point call it made (a rank's `nccl` counts those, not
+    // the group calls).
+    let expected: u64 = truth["total"]["calls"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(op, _)| !op.starts_with("Group"))
+        .map(|(_, v)| v.as_u64().unwrap())
+        .sum();
+    assert_eq!(
+        rank["nccl"]["collectives"].as_u64().unwrap(),
+        expected,
+        "{rank}"
+    );
+    no_programs_left();
+}
