@@ -233,6 +233,19 @@ impl Host {
         })
     }
 
+    /// Where the process's job met to start, from its environment: `MASTER_ADDR:MASTER_PORT`
+    /// where both are set (torch.distributed's `env://`, set by torchrun and most launchers).
+    #[must_use]
+    pub fn env_rendezvous(&self, pid: u32) -> Option<String> {
+        let vars = self.environ(pid);
+        let get = |name: &str| {
+            vars.iter()
+                .find(|(k, _)| k == name)
+                .map(|(_, v)| v.as_str())
+        };
+        Some(format!("{}:{}", get("MASTER_ADDR")?, get("MASTER_PORT")?))
+    }
+
     /// Thread ids with their names.
     #[must_use]
     pub fn thread_names(&self, pid: u32) -> Vec<(u32, String)> {

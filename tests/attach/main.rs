@@ -179,8 +179,20 @@ impl Target {
 /// when all three have arrived (shared memory named by the returned string, to remove
 /// after), rank 1 sleeps 3 ms a step, ranks given by `RANK`.
 fn straggler_job(dir: &Path, steps: &str, extra: &[&str]) -> (Vec<Target>, String) {
+    straggler_job_named(dir, steps, extra, "", &[])
+}
+
+/// As [`straggler_job`], the job's shared memory named with `tag` (jobs started beside
+/// each other need their own) and `env` set in every rank's environment.
+fn straggler_job_named(
+    dir: &Path,
+    steps: &str,
+    extra: &[&str],
+    tag: &str,
+    env: &[(&str, &str)],
+) -> (Vec<Target>, String) {
     let go = dir.join("go");
-    let shm = format!("/nccltrace-test-{}-{steps}", std::process::id());
+    let shm = format!("/nccltrace-test-{}-{steps}{tag}", std::process::id());
     let mut trainers = Vec::new();
     for rank in 0..3 {
         let rank_s = rank.to_string();
@@ -190,7 +202,7 @@ fn straggler_job(dir: &Path, steps: &str, extra: &[&str]) -> (Vec<Target>, Strin
         if rank == 1 {
             args.extend(["--step-sleep-us", "3000"]);
         }
-        let env = [
+        let mut all = vec![
             ("FAKE_NCCL_WORLD", "3"),
             ("FAKE_NCCL_RANK", rank_s.as_str()),
             ("FAKE_NCCL_SHM", shm.as_str()),
@@ -198,7 +210,8 @@ fn straggler_job(dir: &Path, steps: &str, extra: &[&str]) -> (Vec<Target>, Strin
             ("FAKE_NCCL_US", "100"),
             ("FAKE_NCCL_UID", shm.as_str()),
         ];
-        trainers.push(Target::spawn(&fixtures().join("trainer"), &args, &env, dir));
+        all.extend(env);
+        trainers.push(Target::spawn(&fixtures().join("trainer"), &args, &all, dir));
     }
     (trainers, shm)
 }

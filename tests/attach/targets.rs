@@ -148,3 +148,54 @@ fn follow_attaches_to_later_processes() {
     );
     no_programs_left();
 }
+
+/// Two jobs of three ranks each, started side by side on one host (their launchers' rendezvous
+/// differ: `MASTER_PORT` 29500 and 29501), rank 1 of each slowed by 3 ms a step, all six
+/// traced by one agent: each job's ranks are matched among themselves only, so each job
+/// names its own rank 1 the straggler, about 3 ms late, and neither is charged the other's
+/// pace. Matched as one job (as before), the six gave one straggler for both.
+#[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
+fn ranks_of_two_jobs_are_matched_apart() {
+    let _serial = privileged();
+    let dir = tempfile::tempdir().unwrap();
+    let rendezvous = |port| [("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", port)];
+    let (mut trainers, shm_a) =
+        straggler_job_named(dir.path(), "20", &[], "a", &rendezvous("29500"));
+    let (job_b, shm_b) = straggler_job_named(dir.path(), "20", &[], "b", &rendezvous("29501"));
+    trainers.extend(job_b);
+    let pids: Vec<u32> = trainers.iter().map(|t| t.child.id()).collect();
+    let out = dir.path().join("out");
+    let agent = Agent::attach_many(&pids, &out, &["--profile", "minimal"]);
+    std::fs::write(dir.path().join("go"), b"").unwrap();
+    for t in trainers {
+        t.finish();
+    }
+    let (code, summary, stderr) = agent.wait(Duration::from_secs(60));
+    for shm in [shm_a, shm_b] {
+        let _ = std::fs::remove_file(format!("/dev/shm{shm}"));
+    }
+    assert_eq!(code, 0, "{stderr}");
+    assert!(summary["straggler"].is_null(), "{:#}", summary["straggler"]);
+    let by_job = summary["stragglers_by_job"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no stragglers_by_job: {summary:#}"));
+    assert_eq!(by_job.len(), 2, "{by_job:#?}");
+    for (s, (pid, port)) in by_job.iter().zip([(pids[1], "29500"), (pids[4], "29501")]) {
+        assert_eq!(s["pid"], pid, "{s:#}");
+        assert_eq!(s["rank"], 1, "{s:#}");
+        assert_eq!(
+            s["job"],
+            format!("MASTER_ADDR:MASTER_PORT=127.0.0.1:{port}"),
+            "{s:#}"
+        );
+        assert!(s["share_of_waits"].as_f64().unwrap() > 0.5, "{s:#}");
+        // About the 3 ms it sleeps a step, spread over the step's collectives: well under
+        // a step, where matching across jobs drifts by whole steps.
+        let late = s["mean_lateness_ns"].as_u64().unwrap();
+        assert!(late > 100_000 && late < 10_000_000, "{s:#}");
+    }
+    let steps: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("steps.json")).unwrap()).unwrap();
+    assert_eq!(steps["stragglers_by_job"], summary["stragglers_by_job"]);
+}

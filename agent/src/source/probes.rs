@@ -177,6 +177,7 @@ pub(super) fn target_info(
         threads: host.thread_names(t.pid),
         env_rank: host.env_rank(t.pid),
         job: host.env_job(t.pid),
+        rendezvous: host.env_rendezvous(t.pid),
         maps_text: std::fs::read_to_string(host.path(&format!("proc/{}/maps", t.pid)))
             .unwrap_or_default(),
     }

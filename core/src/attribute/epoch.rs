@@ -64,7 +64,7 @@ pub(super) struct Attributed {
     threads: BTreeMap<u32, ThreadTotals>,
     rank_categories: BTreeMap<u32, Categories>,
     rank_nccl: BTreeMap<u32, ranks::RankNccl>,
-    matcher: ranks::Matcher,
+    pub(super) matcher: ranks::Matcher,
     /// Lateness of matched collectives (see [`ranks::lateness`]) the steps to come use.
     lateness: Vec<(u64, u32, u64)>,
     detail: BTreeMap<u32, ThreadDetail>,
@@ -433,6 +433,10 @@ impl Timeline {
         mark_unmeasured(&mut steps_out, unmeasured);
         let (ranks_out, threads) = self.reports(&identities, unmeasured);
         let straggler = self.done.matcher.straggler(&identities);
+        let mut stragglers_by_job = self.done.matcher.stragglers(&identities);
+        if stragglers_by_job.len() < 2 {
+            stragglers_by_job.clear();
+        }
         let (method, mut reason, period) = self
             .done
             .found
@@ -489,6 +493,7 @@ impl Timeline {
             nccl_wait_top_stacks: Vec::new(),
             ranks: ranks_out,
             straggler,
+            stragglers_by_job,
         };
         (report, detail)
     }

@@ -271,6 +271,9 @@ pub struct Target {
     pub env_rank: Option<(String, i32)>,
     /// Whether its CUDA syncs are probed (where a host waits for the GPU is seen).
     pub syncs_probed: bool,
+    /// The job its launcher started it in, as its environment names it (job id,
+    /// rendezvous): only ranks of one job are matched for the straggler.
+    pub job: Option<String>,
 }
 
 /// What the attribution is told of the run before its first event: when tracing began,
@@ -323,7 +326,7 @@ pub struct Setup {
 impl Timeline {
     #[must_use]
     pub fn new(setup: &Setup) -> Timeline {
-        Timeline {
+        let mut timeline = Timeline {
             threads: BTreeMap::new(),
             page_migrations: Vec::new(),
             numa_moves: Vec::new(),
@@ -331,23 +334,15 @@ impl Timeline {
             fault_ranges: setup.fault_handler_ranges.clone(),
             sample_period_ns: setup.sample_period_ns,
             offcpu_min_ns: setup.offcpu_min_ns,
-            thread_names: setup
-                .targets
-                .iter()
-                .flat_map(|t| t.threads.iter().cloned())
-                .collect(),
+            thread_names: BTreeMap::new(),
             first_ns: setup.start_ns,
             last_ns: setup.start_ns,
             stacks: Vec::new(),
             stack_ids: StackIds::default(),
             py_pending: std::collections::HashMap::default(),
             calls: Vec::new(),
-            target_pids: setup.targets.iter().map(|t| t.pid).collect(),
-            env_ranks: setup
-                .targets
-                .iter()
-                .filter_map(|t| t.env_rank.clone().map(|r| (t.pid, r)))
-                .collect(),
+            target_pids: Vec::new(),
+            env_ranks: BTreeMap::new(),
             faults_timed: setup.faults_timed,
             fault_timing_refused: setup.fault_timing_refused.clone(),
             node_distances: setup.node_distances.clone(),
@@ -363,7 +358,7 @@ impl Timeline {
             node_loads_latest: None,
             node_loads_seen: 0,
             node_loads_multiplexed: 0,
-            sync_probed: setup.targets.iter().any(|t| t.syncs_probed),
+            sync_probed: false,
             infiniband: infiniband::Readings::new(setup.infiniband_ports.clone()),
             infiniband_every_ms: setup.infiniband_every_ms,
             infiniband_refused: setup.infiniband_refused.clone(),
@@ -377,7 +372,11 @@ impl Timeline {
             late_events: 0,
             done: epoch::Attributed::default(),
             emit: false,
+        };
+        for t in &setup.targets {
+            timeline.add_target(t);
         }
+        timeline
     }
 
     /// Finds steps by `rule` and attributes the run as it goes, an epoch of at least
@@ -414,6 +413,9 @@ impl Timeline {
         self.target_pids.push(t.pid);
         if let Some(r) = t.env_rank.clone() {
             self.env_ranks.insert(t.pid, r);
+        }
+        if let Some(job) = &t.job {
+            self.done.matcher.job(t.pid, job);
         }
     }
 

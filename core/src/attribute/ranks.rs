@@ -7,6 +7,11 @@
 //! collective the last rank to arrive makes every other rank wait from its own arrival
 //! until then; those waits are charged to the last rank. The straggler is the rank charged
 //! the most.
+//!
+//! Only ranks of one job are matched: processes that a launcher started in different jobs
+//! (their environment names different jobs or rendezvous, [`Matcher::job`]) share no
+//! collective, and matching them would charge one job's ranks with the other's pace. Each
+//! job gets its own straggler.
 
 use std::collections::BTreeMap;
 
@@ -54,6 +59,10 @@ pub struct Straggler {
     pub share_of_waits: f64,
     /// Mean of its arrival minus the earliest arrival, over matched collectives.
     pub mean_lateness_ns: u64,
+    /// The job its ranks were matched in, as their environment names it (a launcher's
+    /// job id and rendezvous); absent where no traced process named one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub job: Option<String>,
 }
 
 /// One rank's cross-rank tallies so far ([`Matcher::lateness`]).
@@ -112,10 +121,35 @@ pub struct Matcher {
     charged: BTreeMap<u32, u64>,
     /// Per pid: summed lateness behind the first arrival, and matched collectives.
     behind: BTreeMap<u32, (u64, u64)>,
-    total: u64,
+    /// Per job: every wait charged in it.
+    total: BTreeMap<String, u64>,
+    /// The job of each pid that named one ([`Matcher::job`]); the others are one job, "".
+    jobs: BTreeMap<u32, String>,
 }
 
 impl Matcher {
+    /// The job `pid` belongs to (its launcher's job id and rendezvous, as its environment
+    /// names them): it is matched only with the pids of that job. Pids never named are
+    /// one job together.
+    pub fn job(&mut self, pid: u32, job: &str) {
+        self.jobs.insert(pid, job.to_owned());
+    }
+
+    fn job_of(&self, pid: u32) -> &str {
+        self.jobs.get(&pid).map_or("", String::as_str)
+    }
+
+    /// The pids with collectives, by job.
+    fn by_job(&self) -> BTreeMap<String, Vec<u32>> {
+        let mut out: BTreeMap<String, Vec<u32>> = BTreeMap::new();
+        for pid in self.ranks.keys() {
+            out.entry(self.job_of(*pid).to_owned())
+                .or_default()
+                .push(*pid);
+        }
+        out
+    }
+
     /// One collective of `pid`, after the earlier ones of that pid.
     pub fn add(&mut self, pid: u32, c: &Collective) {
         let (order, queues) = self.ranks.entry(pid).or_default();
@@ -143,22 +177,35 @@ impl Matcher {
 
     /// Every collective that all ranks have now reached, matched: per collective, each
     /// pid's arrival (call entry). Nothing with fewer than two ranks.
+    /// Each job's ranks are matched among themselves only.
     pub fn matched(&mut self) -> Vec<BTreeMap<u32, u64>> {
         let mut out = Vec::new();
-        if self.ranks.len() < 2 {
-            return out;
-        }
-        let comms = self.ranks.values().map(|r| r.0.len()).min().unwrap_or(0);
-        for k in 0..comms {
-            let n = self.ranks.values().map(|r| r.1[k].len()).min().unwrap_or(0);
-            for _ in 0..n {
-                let arrivals: BTreeMap<u32, u64> = self
-                    .ranks
-                    .iter_mut()
-                    .filter_map(|(pid, r)| r.1[k].pop_front().map(|t| (*pid, t)))
-                    .collect();
-                self.record(&arrivals);
-                out.push(arrivals);
+        for pids in self.by_job().into_values() {
+            if pids.len() < 2 {
+                continue;
+            }
+            let comms = pids
+                .iter()
+                .map(|p| self.ranks[p].0.len())
+                .min()
+                .unwrap_or(0);
+            for k in 0..comms {
+                let n = pids
+                    .iter()
+                    .map(|p| self.ranks[p].1[k].len())
+                    .min()
+                    .unwrap_or(0);
+                for _ in 0..n {
+                    let arrivals: BTreeMap<u32, u64> = pids
+                        .iter()
+                        .filter_map(|p| {
+                            let t = self.ranks.get_mut(p)?.1[k].pop_front()?;
+                            Some((*p, t))
+                        })
+                        .collect();
+                    self.record(&arrivals);
+                    out.push(arrivals);
+                }
             }
         }
         out
@@ -175,7 +222,8 @@ impl Matcher {
         };
         let waits: u64 = arrivals.values().map(|t| last - t).sum();
         *self.charged.entry(last_pid).or_default() += waits;
-        self.total += waits;
+        let job = self.job_of(last_pid).to_owned();
+        *self.total.entry(job).or_default() += waits;
         for (pid, t) in arrivals {
             let e = self.behind.entry(*pid).or_default();
             e.0 += t - first;
@@ -198,22 +246,42 @@ impl Matcher {
             .collect()
     }
 
-    /// The rank charged the most waits so far, when at least two ranks issued collectives
-    /// and one made another wait.
+    /// The rank charged the most waits so far, when at least two ranks of a job issued
+    /// collectives and one made another wait, in one job only. Where several jobs have
+    /// one, none: [`Matcher::stragglers`] names each job's.
     #[must_use]
     pub fn straggler(&self, ids: &[RankIdentity]) -> Option<Straggler> {
-        // Nobody made anybody wait: no straggler to name.
-        if self.behind.len() < 2 || self.total == 0 {
-            return None;
-        }
-        let (&pid, &waits) = self.charged.iter().max_by_key(|(_, w)| **w)?;
-        let (sum, n) = self.behind.get(&pid).copied().unwrap_or((0, 1));
-        Some(Straggler {
-            rank: ids.iter().find(|r| r.pid == pid).map_or(-1, |r| r.rank),
-            pid,
-            share_of_waits: waits as f64 / self.total as f64,
-            mean_lateness_ns: sum / n.max(1),
-        })
+        let mut all = self.stragglers(ids);
+        if all.len() == 1 { all.pop() } else { None }
+    }
+
+    /// Each job's straggler (the rank charged the most waits in it), for the jobs where at
+    /// least two ranks issued collectives and one made another wait; by job.
+    #[must_use]
+    pub fn stragglers(&self, ids: &[RankIdentity]) -> Vec<Straggler> {
+        self.by_job()
+            .into_iter()
+            .filter_map(|(job, pids)| {
+                let total = self.total.get(&job).copied().unwrap_or(0);
+                let matched = pids.iter().filter(|p| self.behind.contains_key(p)).count();
+                // Nobody made anybody wait: no straggler to name.
+                if matched < 2 || total == 0 {
+                    return None;
+                }
+                let (pid, waits) = pids
+                    .iter()
+                    .map(|p| (*p, self.charged.get(p).copied().unwrap_or(0)))
+                    .max_by_key(|(_, w)| *w)?;
+                let (sum, n) = self.behind.get(&pid).copied().unwrap_or((0, 1));
+                Some(Straggler {
+                    rank: ids.iter().find(|r| r.pid == pid).map_or(-1, |r| r.rank),
+                    pid,
+                    share_of_waits: waits as f64 / total as f64,
+                    mean_lateness_ns: sum / n.max(1),
+                    job: (!job.is_empty()).then_some(job),
+                })
+            })
+            .collect()
     }
 }
 
@@ -367,6 +435,64 @@ mod tests {
         let s = straggler(&c, &ids).unwrap();
         assert_eq!(s.pid, 101);
         assert_eq!(s.mean_lateness_ns, 3_500_000);
+    }
+
+    /// Two jobs side by side (job b's collectives at three times job a's pace) and a lone
+    /// rank of a third: each job's ranks are matched among themselves, each job names its
+    /// own straggler with its own lateness, and no single straggler is named for all. The
+    /// lone rank is matched with nobody. Matched as one job, b's ranks drift whole
+    /// periods against a's.
+    #[test]
+    fn ranks_of_different_jobs_are_not_matched() {
+        let coll = |t: u64| Collective {
+            func: Func::AllReduce,
+            bytes: 4,
+            start_ns: t,
+            end_ns: t + 1,
+            comm: 1,
+        };
+        let ms = 1_000_000;
+        let mut m = Matcher::default();
+        for (pid, job) in [(100, "a"), (101, "a"), (200, "b"), (201, "b"), (300, "c")] {
+            m.job(pid, job);
+        }
+        for i in 0..20u64 {
+            m.add(100, &coll(i * ms));
+            m.add(101, &coll(i * ms + 300_000));
+            m.add(200, &coll(i * 3 * ms + 50_000));
+            m.add(201, &coll(i * 3 * ms));
+            m.add(300, &coll(i * 7 * ms));
+        }
+        let matched = m.matched();
+        assert_eq!(matched.len(), 40);
+        assert!(matched.iter().all(|a| {
+            let pids: Vec<u32> = a.keys().copied().collect();
+            pids == [100, 101] || pids == [200, 201]
+        }));
+        let ids = identify(
+            &[100, 101, 200, 201, 300],
+            &BTreeMap::new(),
+            &BTreeMap::new(),
+        );
+        let all = m.stragglers(&ids);
+        let got: Vec<(u32, u64, Option<&str>)> = all
+            .iter()
+            .map(|s| (s.pid, s.mean_lateness_ns, s.job.as_deref()))
+            .collect();
+        assert_eq!(got, [(101, 300_000, Some("a")), (200, 50_000, Some("b"))]);
+        assert!(all.iter().all(|s| (s.share_of_waits - 1.0).abs() < 1e-9));
+        assert_eq!(m.straggler(&ids), None);
+        // One job with a straggler: it is the straggler.
+        let mut one = Matcher::default();
+        for i in 0..5u64 {
+            one.add(100, &coll(i * ms));
+            one.add(101, &coll(i * ms + 300_000));
+        }
+        one.matched();
+        assert_eq!(
+            one.straggler(&ids).map(|s| (s.pid, s.job)),
+            Some((101, None))
+        );
     }
 
     /// CommInitRank beats the environment, which beats pid order.

@@ -141,7 +141,12 @@ pub struct StepsReport {
     pub nccl_wait_top_stacks: Vec<BlockingStack>,
     /// Every traced rank (one per target process).
     pub ranks: Vec<ranks::RankReport>,
+    /// The straggler, where the traced ranks are one job.
     pub straggler: Option<ranks::Straggler>,
+    /// Where the traced ranks are of several jobs (the launchers' environment names them):
+    /// each job's straggler, matched among its own ranks only; `straggler` is then null.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub stragglers_by_job: Vec<ranks::Straggler>,
 }
 
 /// A stack the rank thread blocked in, with the time it accounts for in its steps.

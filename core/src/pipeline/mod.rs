@@ -399,6 +399,7 @@ impl Aggregator {
             counters,
             ranks: steps.ranks.clone(),
             straggler: steps.straggler.clone(),
+            stragglers_by_job: steps.stragglers_by_job.clone(),
             agent,
             incomplete,
             attributed,

@@ -19,6 +19,7 @@ impl From<&TargetInfo> for Target {
                 .probes
                 .iter()
                 .any(|p| Func::from_name(&p.func).is_some_and(|f| f.library() == Library::Cuda)),
+            job: t.job_key(),
         }
     }
 }

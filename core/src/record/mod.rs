@@ -120,9 +120,34 @@ pub struct TargetInfo {
     /// The job from the launcher's environment at attach: (variable, value).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub job: Option<(String, String)>,
+    /// Where the job's ranks met to start, from the environment at attach
+    /// (`MASTER_ADDR:MASTER_PORT`, torch.distributed's `env://`): two jobs on one host
+    /// never share it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rendezvous: Option<String>,
     /// The CPython interpreter found in the target, and whether its frames are walked.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub python: Option<crate::python::PythonInfo>,
+}
+
+impl TargetInfo {
+    /// The job as its launcher's environment names it (job id and rendezvous, where set),
+    /// for matching only the ranks of one job: `SLURM_JOB_ID=4711, MASTER_ADDR:MASTER_PORT=
+    /// 10.0.0.1:29500`.
+    #[must_use]
+    pub fn job_key(&self) -> Option<String> {
+        let parts: Vec<String> = self
+            .job
+            .iter()
+            .map(|(var, value)| format!("{var}={value}"))
+            .chain(
+                self.rendezvous
+                    .iter()
+                    .map(|r| format!("MASTER_ADDR:MASTER_PORT={r}")),
+            )
+            .collect();
+        (!parts.is_empty()).then(|| parts.join(", "))
+    }
 }
 
 /// What a recording starts with.

@@ -128,6 +128,7 @@ pub fn without_steps(report: &StepsReport) -> StepsReport {
         nccl_wait_top_stacks: report.nccl_wait_top_stacks.clone(),
         ranks: report.ranks.clone(),
         straggler: report.straggler.clone(),
+        stragglers_by_job: report.stragglers_by_job.clone(),
         reason: report.reason.clone(),
         methods: report.methods.clone(),
         ..*report

@@ -219,8 +219,13 @@ pub struct Summary {
     /// Every traced rank: its number and where it came from, its NCCL traffic, its
     /// training-loop thread's categories.
     pub ranks: Vec<crate::attribute::ranks::RankReport>,
-    /// With several ranks: the one whose late arrivals make the others wait most.
+    /// With several ranks of one job: the one whose late arrivals make the others wait
+    /// most.
     pub straggler: Option<crate::attribute::ranks::Straggler>,
+    /// With ranks of several jobs (as their launchers' environment names them): each job's
+    /// straggler, its ranks matched among themselves; `straggler` is then null.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub stragglers_by_job: Vec<crate::attribute::ranks::Straggler>,
     /// The agent's own cost in the live run.
     pub agent: AgentStats,
     /// Set when the recording ended without its closing record (the agent was killed, or

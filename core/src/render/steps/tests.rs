@@ -189,6 +189,7 @@ fn csv_columns_match_rows() {
         nccl_wait_top_stacks: Vec::new(),
         ranks: vec![],
         straggler: None,
+        stragglers_by_job: Vec::new(),
     };
     let mut out = Vec::new();
     write_csv(&report, &mut out).unwrap();

@@ -115,6 +115,7 @@ fn trace_golden() {
             categories: Categories::default(),
         }],
         straggler: None,
+        stragglers_by_job: Vec::new(),
     };
     let mut out = Vec::new();
     write(&run, &detail, &steps, &mut out).unwrap();
