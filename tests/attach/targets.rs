@@ -171,7 +171,9 @@ fn ranks_of_two_jobs_are_matched_apart() {
     for t in trainers {
         t.finish();
     }
-    let (code, summary, stderr) = agent.wait(Duration::from_secs(60));
+    let (code, stdout, stderr) = agent.wait_for_exit(Duration::from_secs(60));
+    let summary: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
     for shm in [shm_a, shm_b] {
         let _ = std::fs::remove_file(format!("/dev/shm{shm}"));
     }
@@ -198,4 +200,12 @@ fn ranks_of_two_jobs_are_matched_apart() {
     let steps: Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("steps.json")).unwrap()).unwrap();
     assert_eq!(steps["stragglers_by_job"], summary["stragglers_by_job"]);
+    // On stdout: the six ranks, and a straggler line per job.
+    assert!(stdout.contains("Ranks: 6"), "{stdout}");
+    for (pid, port) in [(pids[1], "29500"), (pids[4], "29501")] {
+        let line = format!(
+            "  straggler of MASTER_ADDR:MASTER_PORT=127.0.0.1:{port}: rank 1 (pid {pid}): "
+        );
+        assert!(stdout.contains(&line), "{line} not in {stdout}");
+    }
 }

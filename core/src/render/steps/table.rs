@@ -451,5 +451,53 @@ pub fn write_table(
         )?;
     }
     write_top_stacks(report, out)?;
+    write_ranks(report, out)?;
     writeln!(out, "{}", verdict(report, table))
+}
+
+/// With several ranks: each rank's NCCL traffic and where its training-loop thread's time
+/// went over the run, then the straggler (each job's, where the ranks are of several).
+fn write_ranks(report: &StepsReport, out: &mut impl Write) -> io::Result<()> {
+    if report.ranks.len() < 2 {
+        return Ok(());
+    }
+    writeln!(out, "Ranks: {}", report.ranks.len())?;
+    for r in &report.ranks {
+        let total = r.categories.total();
+        let (name, value) = dominant(&r.categories);
+        writeln!(
+            out,
+            "  rank {} (pid {}, {}): {} collectives, {} bytes; compute {:.1}%, {} {:.1}%",
+            r.rank,
+            r.pid,
+            r.rank_source,
+            r.nccl.collectives,
+            r.nccl.bytes,
+            pct(r.categories.compute, total),
+            name,
+            pct(value, total)
+        )?;
+    }
+    let line = |s: &crate::attribute::ranks::Straggler| {
+        format!(
+            "rank {} (pid {}): {:.0}% of the waits at collectives, {} ms late on average",
+            s.rank,
+            s.pid,
+            s.share_of_waits * 100.0,
+            ms(s.mean_lateness_ns)
+        )
+    };
+    match &report.straggler {
+        Some(s) => writeln!(out, "  straggler: {}", line(s))?,
+        None if report.stragglers_by_job.is_empty() => writeln!(
+            out,
+            "  straggler: none (no rank made another wait at a collective they all reached)"
+        )?,
+        None => {}
+    }
+    for s in &report.stragglers_by_job {
+        let job = s.job.as_deref().unwrap_or("unnamed job");
+        writeln!(out, "  straggler of {job}: {}", line(s))?;
+    }
+    Ok(())
 }

@@ -160,13 +160,9 @@ fn blocked_stack_names_the_user_frame() {
     );
 }
 
-/// steps.csv: the header, from the category names written once, has as many columns
-/// as every row; an unmeasured category is an empty cell, not 0.
-#[test]
-fn csv_columns_match_rows() {
-    let mut one = step(0, 3_000_000, 2_000_000);
-    one.categories.unmeasured.page_fault = true;
-    let report = StepsReport {
+/// A report of `steps` and nothing else.
+fn report_of(steps: Vec<Step>) -> StepsReport {
+    StepsReport {
         clock: "",
         partial_steps_left_out: 0,
         epochs: 1,
@@ -183,14 +179,23 @@ fn csv_columns_match_rows() {
             remote_memory_estimated: false,
             infiniband: String::new(),
         },
-        steps: vec![one],
+        steps,
         threads: vec![],
         other_offcpu_top_stacks: vec![],
         nccl_wait_top_stacks: Vec::new(),
         ranks: vec![],
         straggler: None,
         stragglers_by_job: Vec::new(),
-    };
+    }
+}
+
+/// steps.csv: the header, from the category names written once, has as many columns
+/// as every row; an unmeasured category is an empty cell, not 0.
+#[test]
+fn csv_columns_match_rows() {
+    let mut one = step(0, 3_000_000, 2_000_000);
+    one.categories.unmeasured.page_fault = true;
+    let report = report_of(vec![one]);
     let mut out = Vec::new();
     write_csv(&report, &mut out).unwrap();
     let text = String::from_utf8(out).unwrap();
@@ -204,4 +209,74 @@ fn csv_columns_match_rows() {
     assert_eq!(cell("remote_memory"), "");
     // No hinting fault seen: no share (empty, not 0).
     assert_eq!(cell("remote_share"), "");
+}
+
+/// Several ranks on stdout: a line per rank (its collectives and its thread's largest
+/// categories), then the straggler; ranks of several jobs get a straggler line per job and
+/// no single one; ranks nobody waited for, "none".
+#[test]
+fn ranks_and_straggler_on_stdout() {
+    use crate::attribute::ranks::{RankNccl, RankReport, Straggler};
+    let steps: Vec<Step> = (0..4).map(|i| step(i, 3_000_000, 1_000_000)).collect();
+    let rank = |rank: i32, pid: u32, compute: u64, nccl_wait: u64| RankReport {
+        pid,
+        rank,
+        rank_source: "environment RANK".into(),
+        nccl: RankNccl {
+            collectives: 40,
+            bytes: 4096,
+        },
+        categories: step(0, compute, nccl_wait).categories,
+    };
+    let late = |pid: u32, job: Option<&str>| Straggler {
+        rank: 1,
+        pid,
+        share_of_waits: 0.97,
+        mean_lateness_ns: 312_000,
+        job: job.map(str::to_owned),
+    };
+    let text = |report: &StepsReport| {
+        let mut out = Vec::new();
+        write_table(report, &StepTable::of(&report.steps), &mut out).unwrap();
+        String::from_utf8(out).unwrap()
+    };
+    let mut report = report_of(steps);
+    // One rank: no rank lines.
+    report.ranks = vec![rank(0, 100, 3_000_000, 1_000_000)];
+    assert!(!text(&report).contains("Ranks:"), "{}", text(&report));
+    report.ranks.push(rank(1, 101, 3_900_000, 100_000));
+    let none = text(&report);
+    assert!(
+        none.contains("straggler: none (no rank made another wait"),
+        "{none}"
+    );
+    report.straggler = Some(late(101, None));
+    let one = text(&report);
+    assert!(one.contains("Ranks: 2"), "{one}");
+    assert!(
+        one.contains(
+            "  rank 0 (pid 100, environment RANK): 40 collectives, 4096 bytes; compute 75.0%, \
+             nccl_wait 25.0%"
+        ),
+        "{one}"
+    );
+    assert!(
+        one.contains(
+            "  straggler: rank 1 (pid 101): 97% of the waits at collectives, 0.312 ms late on \
+             average"
+        ),
+        "{one}"
+    );
+    report.straggler = None;
+    report.stragglers_by_job = vec![late(101, Some("SLURM_JOB_ID=7")), late(201, None)];
+    let two = text(&report);
+    assert!(!two.contains("  straggler: "), "{two}");
+    assert!(
+        two.contains("  straggler of SLURM_JOB_ID=7: rank 1 (pid 101)"),
+        "{two}"
+    );
+    assert!(
+        two.contains("  straggler of unnamed job: rank 1 (pid 201)"),
+        "{two}"
+    );
 }
