@@ -467,7 +467,8 @@ fn write_ranks(report: &StepsReport, out: &mut impl Write) -> io::Result<()> {
         let (name, value) = dominant(&r.categories);
         writeln!(
             out,
-            "  rank {} (pid {}, {}): {} collectives, {} bytes; compute {:.1}%, {} {:.1}%",
+            "  rank {} (pid {}, {}): {} collectives, {} bytes; over the run compute {:.1}%, \
+             {} {:.1}%",
             r.rank,
             r.pid,
             r.rank_source,

@@ -255,7 +255,8 @@ fn ranks_and_straggler_on_stdout() {
     assert!(one.contains("Ranks: 2"), "{one}");
     assert!(
         one.contains(
-            "  rank 0 (pid 100, environment RANK): 40 collectives, 4096 bytes; compute 75.0%, \
+            "  rank 0 (pid 100, environment RANK): 40 collectives, 4096 bytes; over the run \
+             compute 75.0%, \
              nccl_wait 25.0%"
         ),
         "{one}"
