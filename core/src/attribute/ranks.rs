@@ -139,10 +139,10 @@ impl Matcher {
         self.jobs.get(&pid).map_or("", String::as_str)
     }
 
-    /// The pids with collectives, by job.
-    fn by_job(&self) -> BTreeMap<String, Vec<u32>> {
+    /// `pids` (sorted, each once) by job.
+    fn by_job<'a>(&self, pids: impl Iterator<Item = &'a u32>) -> BTreeMap<String, Vec<u32>> {
         let mut out: BTreeMap<String, Vec<u32>> = BTreeMap::new();
-        for pid in self.ranks.keys() {
+        for pid in pids {
             out.entry(self.job_of(*pid).to_owned())
                 .or_default()
                 .push(*pid);
@@ -180,7 +180,7 @@ impl Matcher {
     /// Each job's ranks are matched among themselves only.
     pub fn matched(&mut self) -> Vec<BTreeMap<u32, u64>> {
         let mut out = Vec::new();
-        for pids in self.by_job().into_values() {
+        for pids in self.by_job(self.ranks.keys()).into_values() {
             if pids.len() < 2 {
                 continue;
             }
@@ -259,11 +259,13 @@ impl Matcher {
     /// least two ranks issued collectives and one made another wait; by job.
     #[must_use]
     pub fn stragglers(&self, ids: &[RankIdentity]) -> Vec<Straggler> {
-        self.by_job()
+        // The pids matched so far (by [`Matcher::matched`], or handed to
+        // [`Matcher::record`] directly).
+        self.by_job(self.behind.keys())
             .into_iter()
             .filter_map(|(job, pids)| {
                 let total = self.total.get(&job).copied().unwrap_or(0);
-                let matched = pids.iter().filter(|p| self.behind.contains_key(p)).count();
+                let matched = pids.len();
                 // Nobody made anybody wait: no straggler to name.
                 if matched < 2 || total == 0 {
                     return None;
@@ -493,6 +495,20 @@ mod tests {
             one.straggler(&ids).map(|s| (s.pid, s.job)),
             Some((101, None))
         );
+    }
+
+    /// Arrivals handed to `record` directly (as `nccltrace merge` pairs them across hosts)
+    /// name a straggler as matched ones do: the merge's straggler was lost once the
+    /// stragglers were looked up among the pids given to `add` only.
+    #[test]
+    fn recorded_arrivals_name_the_straggler() {
+        let mut m = Matcher::default();
+        for i in 0..4u64 {
+            m.record(&[(0, i * 1_000), (1, i * 1_000 + 300)].into());
+        }
+        let ids = identify(&[0, 1], &BTreeMap::new(), &BTreeMap::new());
+        let s = m.straggler(&ids).unwrap();
+        assert_eq!((s.pid, s.mean_lateness_ns, s.job), (1, 300, None));
     }
 
     /// CommInitRank beats the environment, which beats pid order.
