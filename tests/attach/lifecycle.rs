@@ -43,7 +43,12 @@ fn peak_memory_covers_the_end_of_the_run() {
     let read =
         |p: &Path| -> Value { serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap() };
     let summary = read(&out.join("summary.json"));
-    assert_eq!(summary["nccl"]["calls"], 300_000);
+    // Every call counted, or counted as lost (a debug agent under a loaded suite lost
+    // 4,893 of them once, at its first second; the exact counts are the counting tests').
+    let calls = summary["nccl"]["calls"].as_u64().unwrap();
+    let lost = summary["lost_by_kind"]["call"].as_u64().unwrap();
+    assert_eq!(calls + lost, 300_000, "{calls} calls, {lost} lost");
+    assert!(calls > 250_000, "{calls} calls, {lost} lost");
     let peak = summary["agent"]["peak_rss_kb"].as_f64().unwrap();
     assert!(
         (peak - maxrss).abs() <= 0.1 * maxrss,
