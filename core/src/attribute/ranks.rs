@@ -222,8 +222,14 @@ impl Matcher {
         };
         let waits: u64 = arrivals.values().map(|t| last - t).sum();
         *self.charged.entry(last_pid).or_default() += waits;
-        let job = self.job_of(last_pid).to_owned();
-        *self.total.entry(job).or_default() += waits;
+        // The job's name is copied only the first time it is charged.
+        let job = self.jobs.get(&last_pid).map_or("", String::as_str);
+        match self.total.get_mut(job) {
+            Some(total) => *total += waits,
+            None => {
+                self.total.insert(job.to_owned(), waits);
+            }
+        }
         for (pid, t) in arrivals {
             let e = self.behind.entry(*pid).or_default();
             e.0 += t - first;
