@@ -195,55 +195,22 @@ impl Host {
         tids
     }
 
-    /// The rank a launcher gave the process, from its environment: the first of RANK,
-    /// OMPI_COMM_WORLD_RANK, SLURM_PROCID, PMI_RANK, LOCAL_RANK that is set.
+    /// What the process's launcher says of it in its environment (`/proc/PID/environ`,
+    /// read once): its rank, its job and its job's rendezvous.
     #[must_use]
-    pub fn env_rank(&self, pid: u32) -> Option<(String, i32)> {
+    pub fn launcher(&self, pid: u32) -> Launcher {
         let vars = self.environ(pid);
-        [
-            "RANK",
-            "OMPI_COMM_WORLD_RANK",
-            "SLURM_PROCID",
-            "PMI_RANK",
-            "LOCAL_RANK",
-        ]
-        .iter()
-        .find_map(|name| {
-            let value = vars.iter().find(|(k, _)| k == name)?.1.parse().ok()?;
-            Some(((*name).to_owned(), value))
-        })
+        Launcher {
+            rank: env_rank(&vars),
+            job: env_job(&vars),
+            rendezvous: env_rendezvous(&vars),
+        }
     }
 
-    /// The job a launcher started the process in, from its environment: the first of
-    /// SLURM_JOB_ID, TORCHELASTIC_RUN_ID, PBS_JOBID, LSB_JOBID, JOB_ID that is set.
+    /// The job a launcher started the process in (see [`Launcher::job`]).
     #[must_use]
     pub fn env_job(&self, pid: u32) -> Option<(String, String)> {
-        let vars = self.environ(pid);
-        [
-            "SLURM_JOB_ID",
-            "TORCHELASTIC_RUN_ID",
-            "PBS_JOBID",
-            "LSB_JOBID",
-            "JOB_ID",
-        ]
-        .iter()
-        .find_map(|name| {
-            let value = &vars.iter().find(|(k, _)| k == name)?.1;
-            Some(((*name).to_owned(), value.clone()))
-        })
-    }
-
-    /// Where the process's job met to start, from its environment: `MASTER_ADDR:MASTER_PORT`
-    /// where both are set (torch.distributed's `env://`, set by torchrun and most launchers).
-    #[must_use]
-    pub fn env_rendezvous(&self, pid: u32) -> Option<String> {
-        let vars = self.environ(pid);
-        let get = |name: &str| {
-            vars.iter()
-                .find(|(k, _)| k == name)
-                .map(|(_, v)| v.as_str())
-        };
-        Some(format!("{}:{}", get("MASTER_ADDR")?, get("MASTER_PORT")?))
+        env_job(&self.environ(pid))
     }
 
     /// Thread ids with their names.
@@ -388,6 +355,59 @@ pub fn release_free_memory() {
     }
 }
 
+/// What a launcher put in a process's environment about it ([`Host::launcher`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Launcher {
+    /// Its rank: (variable, value), the first of RANK, OMPI_COMM_WORLD_RANK, SLURM_PROCID,
+    /// PMI_RANK, LOCAL_RANK that is set.
+    pub rank: Option<(String, i32)>,
+    /// Its job: (variable, value), the first of SLURM_JOB_ID, TORCHELASTIC_RUN_ID,
+    /// PBS_JOBID, LSB_JOBID, JOB_ID that is set.
+    pub job: Option<(String, String)>,
+    /// Where its job met to start: `MASTER_ADDR:MASTER_PORT` where both are set
+    /// (torch.distributed's `env://`, set by torchrun and most launchers).
+    pub rendezvous: Option<String>,
+}
+
+/// The value of `name` in environment `vars`.
+fn env_var<'a>(vars: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    vars.iter()
+        .find(|(k, _)| k == name)
+        .map(|(_, v)| v.as_str())
+}
+
+fn env_rank(vars: &[(String, String)]) -> Option<(String, i32)> {
+    [
+        "RANK",
+        "OMPI_COMM_WORLD_RANK",
+        "SLURM_PROCID",
+        "PMI_RANK",
+        "LOCAL_RANK",
+    ]
+    .iter()
+    .find_map(|name| Some(((*name).to_owned(), env_var(vars, name)?.parse().ok()?)))
+}
+
+fn env_job(vars: &[(String, String)]) -> Option<(String, String)> {
+    [
+        "SLURM_JOB_ID",
+        "TORCHELASTIC_RUN_ID",
+        "PBS_JOBID",
+        "LSB_JOBID",
+        "JOB_ID",
+    ]
+    .iter()
+    .find_map(|name| Some(((*name).to_owned(), env_var(vars, name)?.to_owned())))
+}
+
+fn env_rendezvous(vars: &[(String, String)]) -> Option<String> {
+    Some(format!(
+        "{}:{}",
+        env_var(vars, "MASTER_ADDR")?,
+        env_var(vars, "MASTER_PORT")?
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -438,6 +458,44 @@ mod tests {
         assert!(!host.process_alive(44));
         assert_eq!(host.comm(42), "python3");
         assert_eq!(host.threads(42), vec![42, 50]);
+    }
+
+    /// What a launcher says of a process, from one read of its environment: the first
+    /// rank variable that parses, the first job variable set, the rendezvous only where
+    /// both halves are set.
+    #[test]
+    fn launcher_from_the_environment() {
+        let dir = tempfile::tempdir().unwrap();
+        let write = |pid: u32, vars: &[&str]| {
+            let p = dir.path().join(format!("proc/{pid}/environ"));
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(p, vars.join("\0")).unwrap();
+        };
+        write(
+            7,
+            &[
+                "RANK=x",
+                "SLURM_PROCID=3",
+                "LOCAL_RANK=1",
+                "JOB_ID=j",
+                "TORCHELASTIC_RUN_ID=r1",
+                "MASTER_ADDR=10.0.0.1",
+                "MASTER_PORT=29500",
+            ],
+        );
+        write(8, &["MASTER_PORT=29500"]);
+        let host = Host::at(dir.path());
+        assert_eq!(
+            host.launcher(7),
+            Launcher {
+                rank: Some(("SLURM_PROCID".into(), 3)),
+                job: Some(("TORCHELASTIC_RUN_ID".into(), "r1".into())),
+                rendezvous: Some("10.0.0.1:29500".into()),
+            }
+        );
+        assert_eq!(host.env_job(7), host.launcher(7).job);
+        assert_eq!(host.launcher(8), Launcher::default());
+        assert_eq!(host.launcher(9), Launcher::default());
     }
 
     #[test]

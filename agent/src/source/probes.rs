@@ -165,6 +165,7 @@ pub(super) fn target_info(
     probes: Vec<ProbeInfo>,
     python: Option<crate::python::PythonInfo>,
 ) -> TargetInfo {
+    let launcher = host.launcher(t.pid);
     TargetInfo {
         python,
         pid: t.pid,
@@ -175,9 +176,9 @@ pub(super) fn target_info(
         probes,
         maps: t.maps.clone(),
         threads: host.thread_names(t.pid),
-        env_rank: host.env_rank(t.pid),
-        job: host.env_job(t.pid),
-        rendezvous: host.env_rendezvous(t.pid),
+        env_rank: launcher.rank,
+        job: launcher.job,
+        rendezvous: launcher.rendezvous,
         maps_text: std::fs::read_to_string(host.path(&format!("proc/{}/maps", t.pid)))
             .unwrap_or_default(),
     }
