@@ -36,7 +36,10 @@ pub fn run(root: &Path, minutes: u32, fuzz_seconds: u32, daemon: bool) -> anyhow
         bail!("the soak test loads eBPF programs: run `sudo -E cargo xtask soak`");
     }
     let fixtures = super::build_fixtures(root)?;
-    let (agent, work) = super::release_agent(root, "soak")?;
+    let (built, work) = super::release_agent(root, "soak")?;
+    // A copy, so that the release binary can be rebuilt while a long soak runs.
+    let agent = work.join("nccltrace");
+    std::fs::copy(&built, &agent).with_context(|| format!("copying {}", built.display()))?;
     let go = work.join("go");
     // Short steps, many faults and collectives: tens of thousands of events a second.
     let mut trainer = Command::new(fixtures.join("trainer"))
