@@ -59,7 +59,8 @@ pub fn run(root: &Path, minutes: u32, fuzz_seconds: u32, daemon: bool) -> anyhow
     let out = work.join("out");
     let _ = std::fs::remove_dir_all(&out);
     let mut a = Command::new(&agent);
-    a.args(["attach", "--duration", &format!("{minutes}m"), "--pid"])
+    // The trainer may not have loaded NCCL yet when the agent starts.
+    a.args(["attach", "--wait-for-nccl", "--duration", &format!("{minutes}m"), "--pid"])
         .arg(trainer.id().to_string())
         .arg("--out")
         .arg(&out);
