@@ -114,7 +114,7 @@ fn pinned_trainer(node: &str, steps: u32, compute_us: &str) -> (Value, Vec<Value
         &[],
     );
     assert_eq!(summary["lost_events"], 0);
-    offcpu_stacks_as_taken(&out, &summary, false);
+    offcpu_stacks_as_taken(&out, &summary);
     let steps: Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("steps.json")).unwrap()).unwrap();
     (steps, truth)

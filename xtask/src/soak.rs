@@ -60,10 +60,16 @@ pub fn run(root: &Path, minutes: u32, fuzz_seconds: u32, daemon: bool) -> anyhow
     let _ = std::fs::remove_dir_all(&out);
     let mut a = Command::new(&agent);
     // The trainer may not have loaded NCCL yet when the agent starts.
-    a.args(["attach", "--wait-for-nccl", "--duration", &format!("{minutes}m"), "--pid"])
-        .arg(trainer.id().to_string())
-        .arg("--out")
-        .arg(&out);
+    a.args([
+        "attach",
+        "--wait-for-nccl",
+        "--duration",
+        &format!("{minutes}m"),
+        "--pid",
+    ])
+    .arg(trainer.id().to_string())
+    .arg("--out")
+    .arg(&out);
     if daemon {
         a.args(["--metrics", "127.0.0.1:0", "--rotate", "1m", "--keep", "3"]);
     }
