@@ -372,29 +372,24 @@ fn outputs_match_the_golden_files() {
 /// and packet ones: port 0 sends one 4-byte word a microsecond and receives one every two,
 /// with a symbol error a second; port 1 moves nothing.
 fn ib_reading(writer: &mut nccltrace::record::Writer, t0: u64, at: u64, full: bool) {
-    use nccltrace_common::{IB_COUNTER_NAMES, IB_FAST_COUNTERS, IbCountersEvent, kind};
-    let n = if full {
-        IB_COUNTER_NAMES.len()
-    } else {
-        IB_FAST_COUNTERS
-    };
+    use nccltrace_common::{IB_COUNTER_NAMES, IB_FAST};
+    let read = |i: usize| full || IB_FAST & (1 << i) != 0;
     for port in 0..2u32 {
-        let mut r = IbCountersEvent {
-            port,
-            present: (1 << n) - 1,
-            ..Default::default()
-        };
-        r.hdr.ts_ns = at;
-        r.hdr.kind = kind::IB_COUNTERS;
-        r.hdr.cpu = u16::MAX;
-        if port == 0 {
-            r.values[0] = (at - t0) / 1000;
-            r.values[1] = (at - t0) / 2000;
-            r.values[7] = (at - t0) / 1_000_000_000;
-        } else {
-            r.values[0] = 5;
-        }
-        writer.kernel(&nccltrace::decode::as_bytes(&r)).unwrap();
+        let counters: Vec<(u8, u64)> = (0..IB_COUNTER_NAMES.len())
+            .filter(|&i| read(i))
+            .map(|i| {
+                let value = match (port, i) {
+                    (0, 0) => (at - t0) / 1000,
+                    (0, 1) => (at - t0) / 2000,
+                    (0, 7) => (at - t0) / 1_000_000_000,
+                    (1, 0) => 5,
+                    _ => 0,
+                };
+                (i as u8, value)
+            })
+            .collect();
+        let record = nccltrace::decode::ib_reading(at, port, &counters);
+        writer.kernel(&record).unwrap();
     }
 }
 

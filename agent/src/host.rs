@@ -102,11 +102,40 @@ impl Host {
     /// Counter `name` of an InfiniBand port (`device/port`), where it reads as a number.
     #[must_use]
     pub fn ib_counter(&self, port: &str, name: &str) -> Option<u64> {
+        self.ib_value(&format!("{}/counters/{name}", Self::ib_port_dir(port)))
+    }
+
+    /// The number a counter file (a path from [`Host::ib_counter_files`]) holds.
+    #[must_use]
+    pub fn ib_value(&self, path: &str) -> Option<u64> {
+        self.read(path)?.trim().parse().ok()
+    }
+
+    /// The files of an InfiniBand port (`device/port`) that hold the counters of
+    /// [`nccltrace_common::IB_COUNTER_NAMES`]: (index, path), each from `counters/` where
+    /// the port has it there, else from `hw_counters/`.
+    #[must_use]
+    pub fn ib_counter_files(&self, port: &str) -> Vec<(u8, String)> {
         let dir = Self::ib_port_dir(port);
-        self.read(&format!("{dir}/counters/{name}"))?
-            .trim()
-            .parse()
-            .ok()
+        let (pma, hw) = (
+            self.list(&format!("{dir}/counters")),
+            self.list(&format!("{dir}/hw_counters")),
+        );
+        let has = |names: &[String], name: &str| names.iter().any(|n| n == name);
+        nccltrace_common::IB_COUNTER_NAMES
+            .iter()
+            .enumerate()
+            .filter_map(|(i, name)| {
+                let folder = if has(&pma, name) {
+                    "counters"
+                } else if has(&hw, name) {
+                    "hw_counters"
+                } else {
+                    return None;
+                };
+                Some((u8::try_from(i).ok()?, format!("{dir}/{folder}/{name}")))
+            })
+            .collect()
     }
 
     /// The NUMA nodes the kernel has (`sys/devices/system/node/nodeN`), in order.
@@ -496,6 +525,39 @@ mod tests {
         assert_eq!(host.env_job(7), host.launcher(7).job);
         assert_eq!(host.launcher(8), Launcher::default());
         assert_eq!(host.launcher(9), Launcher::default());
+    }
+
+    /// A port's counters from `counters/`, those it lacks there from `hw_counters/`
+    /// (soft-RoCE has only these), names nccltrace does not know left out.
+    #[test]
+    fn infiniband_counter_files_from_both_folders() {
+        let dir = tempfile::tempdir().unwrap();
+        let port = "sys/class/infiniband/rxe0/ports/1";
+        for (file, value) in [
+            ("counters/port_xmit_data", "10"),
+            ("counters/link_downed", "1"),
+            ("hw_counters/link_downed", "2"),
+            ("hw_counters/sent_pkts", "30"),
+            ("hw_counters/lifespan", "12"),
+        ] {
+            let p = dir.path().join(port).join(file);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(p, format!("{value}\n")).unwrap();
+        }
+        let host = Host::at(dir.path());
+        let files = host.ib_counter_files("rxe0/1");
+        let with = |f: &str| format!("{port}/{f}");
+        assert_eq!(
+            files,
+            [
+                (0, with("counters/port_xmit_data")),
+                (8, with("counters/link_downed")),
+                (17, with("hw_counters/sent_pkts")),
+            ]
+        );
+        let values: Vec<_> = files.iter().map(|(_, p)| host.ib_value(p)).collect();
+        assert_eq!(values, [Some(10), Some(1), Some(30)]);
+        assert!(host.ib_counter_files("mlx5_0/1").is_empty());
     }
 
     #[test]

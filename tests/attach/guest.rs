@@ -5,6 +5,8 @@
 
 use super::*;
 
+mod rdma;
+
 /// Fails unless this is the two-node guest (`cargo xtask vm-test` sets NCCLTRACE_GUEST).
 fn in_guest() {
     let nodes = std::fs::read_dir("/sys/devices/system/node").map_or(0, |d| {

@@ -70,7 +70,12 @@ pub(super) struct IbPorts {
     pub data_bytes: Vec<(Labels, f64)>,
     /// Every other counter of `counters/`, by name.
     pub counters: Vec<(Labels, f64)>,
+    /// Every counter of the adapter's `hw_counters/`, by name.
+    pub hw_counters: Vec<(Labels, f64)>,
 }
+
+/// Files of `hw_counters/` that are settings, not counts.
+const HW_SETTINGS: [&str; 1] = ["lifespan"];
 
 /// Every port of every InfiniBand device under `sys/class/infiniband`.
 pub(super) fn infiniband(host: &Host) -> IbPorts {
@@ -107,6 +112,17 @@ pub(super) fn infiniband(host: &Host) -> IbPorts {
             } else {
                 l.push(("counter", counter));
                 out.counters.push((l, value as f64));
+            }
+        }
+        for counter in host.list(&format!("{dir}/hw_counters")) {
+            let path = format!("{dir}/hw_counters/{counter}");
+            let Some(value) = host.ib_value(&path) else {
+                continue;
+            };
+            if !HW_SETTINGS.contains(&counter.as_str()) {
+                let mut l = labels.clone();
+                l.push(("counter", counter));
+                out.hw_counters.push((l, value as f64));
             }
         }
     }
@@ -251,6 +267,15 @@ fn node(host: &Host, e: &mut DescriptorEncoder) -> Result<(), std::fmt::Error> {
         None,
         &ib.counters,
     )?;
+    family(
+        e,
+        MetricType::Counter,
+        "infiniband_port_hw_counter",
+        "The adapter's own counters of the port (hw_counters: packets, retransmissions, \
+         congestion notifications), by name",
+        None,
+        &ib.hw_counters,
+    )?;
     Ok(())
 }
 
@@ -295,6 +320,8 @@ mod tests {
         write(root, &format!("{port}/rate"), "200 Gb/sec (4X HDR)\n");
         write(root, &format!("{port}/counters/port_xmit_data"), "1000\n");
         write(root, &format!("{port}/counters/port_rcv_errors"), "2\n");
+        write(root, &format!("{port}/hw_counters/np_cnp_sent"), "9\n");
+        write(root, &format!("{port}/hw_counters/lifespan"), "12\n");
         write(
             root,
             "sys/class/infiniband/mlx5_1/ports/1/state",
@@ -314,6 +341,14 @@ mod tests {
             ib.counters[0]
                 .0
                 .contains(&("counter", "port_rcv_errors".into()))
+        );
+        // hw_counters/ in a family of its own, its settings left out.
+        assert_eq!(ib.hw_counters.len(), 1);
+        assert_eq!(ib.hw_counters[0].1, 9.0);
+        assert!(
+            ib.hw_counters[0]
+                .0
+                .contains(&("counter", "np_cnp_sent".into()))
         );
     }
 }

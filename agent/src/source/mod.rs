@@ -291,6 +291,8 @@ pub struct Attached {
     /// and when it was last read.
     resident: bool,
     resident_read: Option<Instant>,
+    /// Per InfiniBand port of the header, the files of its counters (index, path).
+    ib_files: Vec<Vec<(u8, String)>>,
 }
 
 /// Each program's runs and run time (ns) as the kernel counts them, by name.

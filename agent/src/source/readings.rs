@@ -43,41 +43,36 @@ impl Attached {
         Ok(())
     }
 
-    /// The InfiniBand ports' counters as `IB_COUNTERS` records: the data and packet
-    /// counters, or all of them (`full`).
+    /// The InfiniBand ports' counters as `IB_READING` records: the data and packet
+    /// counters, or all of them (`full`). Which files a port has is looked up once.
     pub(super) fn read_infiniband(
-        &self,
+        &mut self,
         sink: &mut impl Sink,
         host: &Host,
         full: bool,
     ) -> Result<(), crate::Error> {
-        use nccltrace_common::{IB_COUNTER_NAMES, IB_FAST_COUNTERS};
-        let names = if full {
-            &IB_COUNTER_NAMES[..]
-        } else {
-            &IB_COUNTER_NAMES[..IB_FAST_COUNTERS]
-        };
-        for (index, port) in self.header.infiniband_ports.iter().enumerate() {
+        if self.ib_files.len() != self.header.infiniband_ports.len() {
+            self.ib_files = (self.header.infiniband_ports.iter())
+                .map(|port| host.ib_counter_files(port))
+                .collect();
+        }
+        for (index, files) in self.ib_files.iter().enumerate() {
             let before = host::clock_ns(libc::CLOCK_MONOTONIC);
-            let mut record = nccltrace_common::IbCountersEvent {
-                port: u32::try_from(index).unwrap_or(u32::MAX),
-                ..Default::default()
-            };
-            for (i, name) in names.iter().enumerate() {
-                if let Some(v) = host.ib_counter(port, name) {
-                    record.values[i] = v;
-                    record.present |= 1 << i;
-                }
-            }
-            if record.present == 0 {
+            let wanted = files
+                .iter()
+                .filter(|(i, _)| full || nccltrace_common::IB_FAST & (1u64 << i) != 0);
+            let values: Vec<(u8, u64)> = wanted
+                .filter_map(|(i, path)| Some((*i, host.ib_value(path)?)))
+                .collect();
+            if values.is_empty() {
                 continue;
             }
             // Reading a port's counters may take a while (each file is a query of the
             // adapter): the reading is dated at its middle.
             let after = host::clock_ns(libc::CLOCK_MONOTONIC);
             let at = before + (after.saturating_sub(before)) / 2;
-            record.hdr = agent_record(at, 0, 0, kind::IB_COUNTERS);
-            sink.record(&crate::decode::as_bytes(&record))?;
+            let port = u32::try_from(index).unwrap_or(u32::MAX);
+            sink.record(&crate::decode::ib_reading(at, port, &values))?;
         }
         Ok(())
     }

@@ -462,6 +462,7 @@ fn attach_all(prepared: Prepared, targets: &[Target]) -> Result<Attached, Source
         counting,
         resident,
         resident_read: None,
+        ib_files: Vec::new(),
         ebpf: Some(ebpf),
         uprobes,
         links,

@@ -23,14 +23,14 @@ pub(crate) struct Readings {
 struct Port {
     readings: Vec<Reading>,
     /// Every counter any reading of the port had (bit `i`: [`IB_COUNTER_NAMES`]`[i]`).
-    seen: u32,
+    seen: u64,
 }
 
 #[derive(Clone, Copy, Debug)]
 struct Reading {
     ts_ns: u64,
     /// Bit `i`: `values[i]` was read.
-    present: u32,
+    present: u64,
     /// Every counter the port had so far was read.
     full: bool,
     values: [u64; IB_COUNTER_NAMES.len()],
@@ -38,7 +38,7 @@ struct Reading {
 
 impl Reading {
     fn has(&self, i: usize) -> bool {
-        self.present & (1 << i) != 0
+        self.present & (1u64 << i) != 0
     }
 }
 
@@ -101,7 +101,7 @@ impl Readings {
         for &(i, v) in counters {
             if let Some(slot) = r.values.get_mut(usize::from(i)) {
                 *slot = v;
-                r.present |= 1 << i;
+                r.present |= 1u64 << i;
             }
         }
         port.seen |= r.present;

@@ -2,10 +2,11 @@
 //! the event model. Pure; the only place that knows the record layouts and the NCCL ABI.
 
 use nccltrace_common::{
-    CallEvent, FaultEvent, FaultTimeEvent, Header, IbCountersEvent, KSTACK_DEPTH, MemSampleEvent,
-    MigrateEvent, NOT_READ, NodeLoadsEvent, NumaHintEvent, NumaPagesEvent, NumaTaskEvent, PY_DEPTH,
-    PageMigrationEvent, PyFramesEvent, PyStackEvent, SampleEvent, StackSameEvent, SwitchEvent,
-    TaskEvent, USTACK_DEPTH, WakeupEvent, kind, numa_hint, numa_task, switch_flags,
+    CallEvent, FaultEvent, FaultTimeEvent, Header, IbCountersEvent, IbReadingEvent, KSTACK_DEPTH,
+    MemSampleEvent, MigrateEvent, NOT_READ, NodeLoadsEvent, NumaHintEvent, NumaPagesEvent,
+    NumaTaskEvent, PY_DEPTH, PageMigrationEvent, PyFramesEvent, PyStackEvent, SampleEvent,
+    StackSameEvent, SwitchEvent, TaskEvent, USTACK_DEPTH, WakeupEvent, kind, numa_hint, numa_task,
+    switch_flags,
 };
 
 use crate::event::{Call, Event, Func, NumaTaskKind, PyFrame, Task, datatype_size};
@@ -341,6 +342,29 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
                     .collect(),
             }
         }
+        kind::IB_READING => {
+            let e = read::<IbReadingEvent>(bytes, "InfiniBand reading")?;
+            let head = size_of::<IbReadingEvent>();
+            let values = &bytes[head..];
+            let n = e.present.count_ones() as usize;
+            if values.len() < n * 8 {
+                return Err(DecodeError::TooShort {
+                    what: "InfiniBand reading's values",
+                    len: bytes.len(),
+                    expected: head + n * 8,
+                });
+            }
+            let bits = (0..64u8).filter(|&i| e.present & (1 << i) != 0);
+            Event::IbCounters {
+                ts_ns: h.ts_ns,
+                task: t,
+                port: e.port,
+                counters: bits
+                    .zip(values.chunks_exact(8))
+                    .map(|(i, v)| (i, u64::from_le_bytes(v.try_into().unwrap_or_default())))
+                    .collect(),
+            }
+        }
         kind::STACK_SAME => {
             let e = read::<StackSameEvent>(bytes, "stack-same record")?;
             let of = u16::try_from(e.of)
@@ -495,6 +519,30 @@ pub fn as_bytes<T: nccltrace_common::Record>(record: &T) -> Vec<u8> {
     // SAFETY: a `Record` is #[repr(C)] with every byte a field (no implicit padding).
     unsafe { std::slice::from_raw_parts(std::ptr::from_ref(record).cast::<u8>(), size_of::<T>()) }
         .to_vec()
+}
+
+/// An `IB_READING` record: port `port`'s counters `(index in IB_COUNTER_NAMES, value)`,
+/// read at `ts_ns` (indexes of 64 and above are left out).
+#[must_use]
+pub fn ib_reading(ts_ns: u64, port: u32, counters: &[(u8, u64)]) -> Vec<u8> {
+    let mut head = IbReadingEvent {
+        port,
+        ..Default::default()
+    };
+    head.hdr.ts_ns = ts_ns;
+    head.hdr.kind = kind::IB_READING;
+    head.hdr.cpu = u16::MAX;
+    let mut sorted: Vec<(u8, u64)> = counters.iter().copied().filter(|c| c.0 < 64).collect();
+    sorted.sort_unstable_by_key(|c| c.0);
+    sorted.dedup_by_key(|c| c.0);
+    for &(i, _) in &sorted {
+        head.present |= 1 << i;
+    }
+    let mut out = as_bytes(&head);
+    for (_, v) in sorted {
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+    out
 }
 
 #[cfg(test)]

@@ -90,6 +90,50 @@ fn mem_sample_round_trip() {
     assert!(decode(&bytes[..32]).is_err());
 }
 
+/// An InfiniBand reading carries the counters it read, `counters/` and `hw_counters/`
+/// alike, in index order; one cut short is refused; the older fixed record of
+/// `counters/` alone still decodes.
+#[test]
+fn infiniband_readings_old_and_new() {
+    let counters = |e: Event| match e {
+        Event::IbCounters {
+            ts_ns,
+            port,
+            counters,
+            ..
+        } => (ts_ns, port, counters),
+        other => panic!("not a reading: {other:?}"),
+    };
+    // hw_counters' np_cnp_sent is the last name; given out of order, and one twice.
+    let last = u8::try_from(nccltrace_common::IB_COUNTER_NAMES.len() - 1).unwrap();
+    let bytes = ib_reading(7_000, 3, &[(last, 9), (0, 1_000), (17, 40), (0, 1_000)]);
+    assert_eq!(
+        bytes.len(),
+        size_of::<nccltrace_common::IbReadingEvent>() + 3 * 8
+    );
+    assert_eq!(
+        counters(decode(&bytes).unwrap()),
+        (7_000, 3, vec![(0, 1_000), (17, 40), (last, 9)])
+    );
+    assert!(matches!(
+        decode(&bytes[..bytes.len() - 1]),
+        Err(DecodeError::TooShort { .. })
+    ));
+    let mut old = IbCountersEvent {
+        port: 1,
+        present: 0b1000_0001,
+        ..Default::default()
+    };
+    old.hdr.kind = kind::IB_COUNTERS;
+    old.hdr.ts_ns = 5;
+    old.values[0] = 4;
+    old.values[7] = 2;
+    assert_eq!(
+        counters(decode(&as_bytes(&old)).unwrap()),
+        (5, 1, vec![(0, 4), (7, 2)])
+    );
+}
+
 /// A stack-same record names the kind of stack it stands for; any other kind is
 /// refused, as is a short record.
 #[test]

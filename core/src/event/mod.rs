@@ -349,7 +349,7 @@ impl Event {
             k::NUMA_HINT => "numa_hint_fault",
             k::MEM_SAMPLE => "mem_sample",
             k::NUMA_PAGES => "numa_pages",
-            k::IB_COUNTERS => "infiniband_counters",
+            k::IB_COUNTERS | k::IB_READING => "infiniband_counters",
             k::STACK_SAME => "stack_same",
             k::NODE_LOADS => "node_loads",
             _ => "unknown",

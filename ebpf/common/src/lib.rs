@@ -55,8 +55,8 @@ pub mod kind {
     /// Where a target's resident memory is, per NUMA node (`NumaPagesEvent`): made by the
     /// agent from `/proc/PID/numa_maps` while NUMA balancing is off, beyond [`COUNT`] too.
     pub const NUMA_PAGES: u16 = 17;
-    /// An InfiniBand port's counters (`IbCountersEvent`): read by the agent from
-    /// `/sys/class/infiniband/*/ports/*/counters` while tracing, beyond [`COUNT`] too.
+    /// An InfiniBand port's `counters/` (`IbCountersEvent`), as recordings before
+    /// [`IB_READING`] have them: decoded, no longer written.
     pub const IB_COUNTERS: u16 = 18;
     /// The native stack a target thread was written with last time (`StackSameEvent`),
     /// for an `OFFCPU` or `CALL_STACK` record: the thread is at the same instruction,
@@ -74,6 +74,10 @@ pub mod kind {
     /// agent from per-thread perf counters where the PMU counts loads by the node that
     /// served them but samples none, beyond [`COUNT`] too.
     pub const NODE_LOADS: u16 = 21;
+    /// A reading of an InfiniBand port's counters (`IbReadingEvent` and its values):
+    /// read by the agent from `/sys/class/infiniband/*/ports/*/{counters,hw_counters}`
+    /// while tracing, beyond [`COUNT`] too.
+    pub const IB_READING: u16 = 22;
     /// One past the largest kind: the size of per-kind tables.
     pub const COUNT: usize = 16;
 }
@@ -230,6 +234,7 @@ unsafe impl Record for NumaHintEvent {}
 unsafe impl Record for MemSampleEvent {}
 unsafe impl Record for NumaPagesEvent {}
 unsafe impl Record for IbCountersEvent {}
+unsafe impl Record for IbReadingEvent {}
 unsafe impl Record for NodeLoadsEvent {}
 unsafe impl Record for StackSameEvent {}
 unsafe impl Record for SampleEvent {}

@@ -138,10 +138,14 @@ pub struct NumaPagesEvent {
 }
 const _: () = assert!(core::mem::size_of::<NumaPagesEvent>() == 160);
 
-/// The counters of an InfiniBand port's `counters/` folder an [`IbCountersEvent`] carries,
-/// in its order (the IBA's PortCounters and PortCountersExtended as Linux names them).
-/// The two data counters count 4-byte words.
-pub const IB_COUNTER_NAMES: [&str; 17] = [
+/// The counters of an InfiniBand port an [`IbReadingEvent`] can carry, in its order (bit
+/// `i` of its `present`). The first [`IB_PMA_COUNTERS`] are the port's `counters/` folder
+/// (the IBA's PortCounters and PortCountersExtended as Linux names them; the two data
+/// counters count 4-byte words); the rest are the adapter's own `hw_counters/` (RDMA
+/// transport: retransmissions, sequence errors, RoCE congestion notifications; mlx5 and
+/// the kernel's soft-RoCE `rdma_rxe` name them so). A name is read from `counters/` where
+/// the port has it there, else from `hw_counters/`.
+pub const IB_COUNTER_NAMES: [&str; 44] = [
     "port_xmit_data",
     "port_rcv_data",
     "port_xmit_packets",
@@ -159,14 +163,63 @@ pub const IB_COUNTER_NAMES: [&str; 17] = [
     "local_link_integrity_errors",
     "excessive_buffer_overrun_errors",
     "VL15_dropped",
+    // hw_counters/: packets (soft-RoCE has no `counters/`)
+    "sent_pkts",
+    "rcvd_pkts",
+    "rdma_sends",
+    "rdma_recvs",
+    // retransmissions and the requests and responses that caused them
+    "duplicate_request",
+    "out_of_sequence",
+    "out_of_seq_request",
+    "packet_seq_err",
+    "implied_nak_seq_err",
+    "rcvd_seq_err",
+    "local_ack_timeout_err",
+    "retry_exceeded_err",
+    "retry_rnr_exceeded_err",
+    "completer_retry_err",
+    "rnr_nak_retry_err",
+    "rcvd_rnr_err",
+    "send_rnr_err",
+    "roce_adp_retrans",
+    "roce_slow_restart",
+    // receive buffers and completions in error
+    "out_of_buffer",
+    "send_err",
+    "req_cqe_error",
+    "resp_cqe_error",
+    "ack_deferred",
+    // RoCE congestion control (ECN marks, congestion notification packets)
+    "np_ecn_marked_roce_packets",
+    "np_cnp_sent",
+    "rp_cnp_handled",
 ];
 
-/// The first this many of [`IB_COUNTER_NAMES`] (data and packets) are read more often
-/// than the rest.
-pub const IB_FAST_COUNTERS: usize = 4;
+/// The first this many of [`IB_COUNTER_NAMES`] are the port's `counters/` (all an
+/// [`IbCountersEvent`], the record of recordings before `hw_counters/`, has).
+pub const IB_PMA_COUNTERS: usize = 17;
+
+/// The counters read more often than the rest (bit `i`: [`IB_COUNTER_NAMES`]`[i]`): data
+/// and packets.
+pub const IB_FAST: u64 = 0b1111 | 1 << 17 | 1 << 18;
 
 /// One reading of an InfiniBand port's counters (the header's tgid and tid 0, its CPU
-/// `u16::MAX`): `port` indexes the recording header's port list.
+/// `u16::MAX`): `port` indexes the recording header's port list. The record is this head
+/// followed by one `u64` value for each bit set in `present`, in bit order.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct IbReadingEvent {
+    pub hdr: Header,
+    pub port: u32,
+    pub _pad: u32,
+    /// Bit `i` set: the port's [`IB_COUNTER_NAMES`]`[i]` was read, its value follows.
+    pub present: u64,
+}
+const _: () = assert!(core::mem::size_of::<IbReadingEvent>() == 40);
+
+/// One reading of an InfiniBand port's `counters/` as recordings before `hw_counters/`
+/// have it ([`crate::kind::IB_COUNTERS`]): still decoded, no longer written.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct IbCountersEvent {
@@ -174,7 +227,7 @@ pub struct IbCountersEvent {
     pub port: u32,
     /// Bit `i` set: `values[i]` was read (the port has [`IB_COUNTER_NAMES`]`[i]`).
     pub present: u32,
-    pub values: [u64; IB_COUNTER_NAMES.len()],
+    pub values: [u64; IB_PMA_COUNTERS],
 }
 const _: () = assert!(core::mem::size_of::<IbCountersEvent>() == 168);
 

@@ -48,11 +48,21 @@ fn say(what: &str, status: &str) {
 }
 
 /// Installs what booting a guest needs: QEMU, kmod (virtme-ng runs depmod), udev and
-/// busybox (its initramfs), virtme-ng in a virtual environment of its own.
+/// busybox (its initramfs), virtme-ng in a virtual environment of its own; and what the
+/// soft-RoCE test runs in it (the guest shares this machine's root).
 pub fn setup() -> anyhow::Result<PathBuf> {
     super::setup::apt_packages(
         "QEMU guest tools",
-        &["qemu-system-x86", "kmod", "udev", "busybox-static"],
+        &[
+            "qemu-system-x86",
+            "kmod",
+            "udev",
+            "busybox-static",
+            // A soft-RoCE port in the guest: `rdma link`, the rxe verbs provider, rping.
+            "iproute2",
+            "ibverbs-providers",
+            "rdmacm-utils",
+        ],
     )?;
     let venv = super::setup::cache_dir().join(format!("virtme-ng-{VIRTME_NG_VERSION}"));
     let vng = venv.join("bin/vng");
