@@ -191,6 +191,18 @@ fn straggler_job_named(
     tag: &str,
     env: &[(&str, &str)],
 ) -> (Vec<Target>, String) {
+    straggler_job_late(dir, steps, extra, tag, env, "3000")
+}
+
+/// As [`straggler_job_named`], rank 1 sleeping `late_us` a step.
+fn straggler_job_late(
+    dir: &Path,
+    steps: &str,
+    extra: &[&str],
+    tag: &str,
+    env: &[(&str, &str)],
+    late_us: &str,
+) -> (Vec<Target>, String) {
     let go = dir.join("go");
     let shm = format!("/nccltrace-test-{}-{steps}{tag}", std::process::id());
     let mut trainers = Vec::new();
@@ -200,7 +212,7 @@ fn straggler_job_named(
         args.extend(["--go-file", go.to_str().unwrap()]);
         args.extend(extra);
         if rank == 1 {
-            args.extend(["--step-sleep-us", "3000"]);
+            args.extend(["--step-sleep-us", late_us]);
         }
         let mut all = vec![
             ("FAKE_NCCL_WORLD", "3"),

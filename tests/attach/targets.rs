@@ -209,3 +209,46 @@ fn ranks_of_two_jobs_are_matched_apart() {
         assert!(stdout.contains(&line), "{line} not in {stdout}");
     }
 }
+
+/// Three ranks already running, rank 1 sleeping 20 ms before each step's collectives while
+/// the others wait for it inside the first (the stand-in's collectives return once all
+/// three arrived): the agent arms the probes at some instant of that wait nearly every
+/// time, so ranks 0 and 2 are first traced one collective after rank 1. Lined up by
+/// causality, rank 1 is the straggler, about 20 ms late once a step; matched by position
+/// (before), every pair was one off and rank 0 or 2 was named.
+#[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
+fn ranks_attached_mid_collective_are_lined_up() {
+    let _serial = privileged();
+    let dir = tempfile::tempdir().unwrap();
+    let (trainers, shm) = straggler_job_late(dir.path(), "100000", &[], "mid", &[], "20000");
+    std::fs::write(dir.path().join("go"), b"").unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let pids: Vec<u32> = trainers.iter().map(|t| t.child.id()).collect();
+    let out = dir.path().join("out");
+    let agent = Agent::attach_many(&pids, &out, &["--duration", "3s"]);
+    let (code, summary, stderr) = agent.wait(Duration::from_secs(60));
+    for mut t in trainers {
+        let _ = t.child.kill();
+        let _ = t.child.wait();
+    }
+    let _ = std::fs::remove_file(format!("/dev/shm{shm}"));
+    assert_eq!(code, 0, "{stderr}");
+    let s = &summary["straggler"];
+    assert_eq!(s["pid"], pids[1], "{summary:#}");
+    assert_eq!(s["rank"], 1, "{s:#}");
+    // 20 ms at the step's first collective, none at the others.
+    let late = s["mean_lateness_ns"].as_u64().unwrap();
+    assert!(late > 1_000_000 && late < 20_000_000, "{s:#}");
+    let ranks = summary["ranks"].as_array().unwrap();
+    let how: Vec<&str> = ranks
+        .iter()
+        .map(|r| r["matched"].as_str().unwrap())
+        .collect();
+    eprintln!("{how:#?}");
+    assert!(how[0].starts_with("the reference"), "{how:?}");
+    assert!(
+        how[1..].iter().all(|h| h.contains("the only pairing")),
+        "{how:?}"
+    );
+}

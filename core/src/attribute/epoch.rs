@@ -424,6 +424,7 @@ impl Timeline {
     /// Attributes what is left (the run ended at `end_ns`) and returns the run's reports.
     #[must_use]
     pub fn finish(mut self, end_ns: u64, rule: StepRule) -> (StepsReport, Detail) {
+        self.done.matcher.finishing();
         self.end(end_ns, rule);
         let end_ns = end_ns.max(self.last_ns);
         let rank = self.done.rank;

@@ -18,6 +18,7 @@
 //!   handler (or that sit on the instruction that just faulted, being retried), times
 //!   the on-CPU time since the previous sample, are `page_fault`.
 
+pub mod align;
 pub mod categories;
 mod cut;
 mod detail;
@@ -135,6 +136,8 @@ struct ThreadLog {
     total_collectives: u64,
     /// This epoch's collectives already given to the cross-rank matcher.
     fed: usize,
+    /// The start of the last sync given to the cross-rank matcher.
+    synced_to: u64,
     tail: Tail,
     /// Blocked at an earlier cut with no wakeup yet: (switch-out time, ns charged to
     /// `other_offcpu` since), moved to `compute` if another thread of the process ends it.
@@ -409,6 +412,9 @@ impl Timeline {
     /// A target that joined during the run (`--follow`).
     pub fn add_target(&mut self, t: &Target) {
         self.sync_probed |= t.syncs_probed;
+        if t.syncs_probed {
+            self.done.matcher.syncs_probed();
+        }
         self.thread_names.extend(t.threads.iter().cloned());
         self.target_pids.push(t.pid);
         if let Some(r) = t.env_rank.clone() {

@@ -12,12 +12,18 @@
 //! (their environment names different jobs or rendezvous, [`Matcher::job`]) share no
 //! collective, and matching them would charge one job's ranks with the other's pace. Each
 //! job gets its own straggler.
+//!
+//! Before a job's collectives are matched, its ranks' first ones are lined up
+//! ([`super::align`]): a rank the probes caught one collective earlier than the others
+//! (it had not entered it when they were armed, the others had) would otherwise be
+//! matched one off throughout.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use serde::Serialize;
 
 use super::Categories;
+use super::align::{self, Alignment, Seen};
 use super::steps::Collective;
 
 /// How a rank's number was found.
@@ -48,6 +54,10 @@ pub struct RankReport {
     /// Its training-loop thread over the traced interval, ns per category.
     #[serde(rename = "categories_ns")]
     pub categories: Categories,
+    /// How its collectives were lined up with the other ranks' of its job; absent where
+    /// it was not matched with any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub matched: Option<String>,
 }
 
 /// The rank whose late arrivals make the others wait most.
@@ -108,6 +118,9 @@ pub fn identify(
 
 /// Arrivals kept per rank and communicator until the other ranks reach them.
 const MAX_PENDING: usize = 65_536;
+/// A job's ranks are lined up once each has this many collectives waiting on its first
+/// communicator, whether or not their completions are known by then.
+const ALIGN_BY: usize = 4_096;
 
 /// Matches collectives across ranks as they come (each rank's in the order it issued
 /// them), and keeps the straggler's tallies: the same matching at any run length, in
@@ -125,6 +138,17 @@ pub struct Matcher {
     total: BTreeMap<String, u64>,
     /// The job of each pid that named one ([`Matcher::job`]); the others are one job, "".
     jobs: BTreeMap<u32, String>,
+    /// Per pid not lined up yet: its first collectives on its first communicator.
+    probes: BTreeMap<u32, Vec<Seen>>,
+    /// Completions are seen at CUDA synchronisations ([`Matcher::synced`]), not at the
+    /// calls' returns.
+    syncs_probed: bool,
+    /// Per pid lined up: how.
+    aligned: BTreeMap<u32, Alignment>,
+    /// Jobs whose ranks are lined up.
+    decided: BTreeSet<String>,
+    /// Line every job up with what it has (the run ended).
+    finishing: bool,
 }
 
 impl Matcher {
@@ -150,6 +174,38 @@ impl Matcher {
         out
     }
 
+    /// The targets' CUDA synchronisations are traced: a collective is seen complete when
+    /// the first synchronisation its process began after it returns
+    /// ([`Matcher::synced`]), not when its call returns (NCCL's calls return once the
+    /// work is queued).
+    pub fn syncs_probed(&mut self) {
+        self.syncs_probed = true;
+    }
+
+    /// A CUDA synchronisation of `pid` from `start_ns` to `end_ns` (in the order they
+    /// began, after the collectives that began before it).
+    pub fn synced(&mut self, pid: u32, start_ns: u64, end_ns: u64) {
+        if let Some(probe) = self.probes.get_mut(&pid) {
+            for s in probe
+                .iter_mut()
+                .filter(|s| s.done_ns == 0 && s.arrival_ns < start_ns)
+            {
+                s.done_ns = end_ns;
+            }
+        }
+    }
+
+    /// The run ended: the next [`Matcher::matched`] lines every job up with what it has.
+    pub fn finishing(&mut self) {
+        self.finishing = true;
+    }
+
+    /// How `pid`'s collectives were lined up with its job's other ranks, once they were.
+    #[must_use]
+    pub fn alignment(&self, pid: u32) -> Option<&Alignment> {
+        self.aligned.get(&pid)
+    }
+
     /// One collective of `pid`, after the earlier ones of that pid.
     pub fn add(&mut self, pid: u32, c: &Collective) {
         let (order, queues) = self.ranks.entry(pid).or_default();
@@ -159,6 +215,17 @@ impl Matcher {
             order.len() - 1
         });
         queues[k].push_back(c.start_ns);
+        if k == 0 && !self.aligned.contains_key(&pid) {
+            let probe = self.probes.entry(pid).or_default();
+            if probe.len() < align::PROBE {
+                probe.push(Seen {
+                    func: c.func,
+                    bytes: c.bytes,
+                    arrival_ns: c.start_ns,
+                    done_ns: if self.syncs_probed { 0 } else { c.end_ns },
+                });
+            }
+        }
         // A rank alone (or one the others never reach) is not matched: keep only its last
         // arrivals, so that a long single-rank run does not hold every collective.
         if queues[k].len() > MAX_PENDING {
@@ -180,8 +247,8 @@ impl Matcher {
     /// Each job's ranks are matched among themselves only.
     pub fn matched(&mut self) -> Vec<BTreeMap<u32, u64>> {
         let mut out = Vec::new();
-        for pids in self.by_job(self.ranks.keys()).into_values() {
-            if pids.len() < 2 {
+        for (job, pids) in self.by_job(self.ranks.keys()) {
+            if pids.len() < 2 || !self.lined_up(&job, &pids) {
                 continue;
             }
             let comms = pids
@@ -209,6 +276,61 @@ impl Matcher {
             }
         }
         out
+    }
+
+    /// Whether `job`'s ranks (`pids`) are lined up. Each is aligned with the first as soon
+    /// as every one has [`align::MIN_PAIRS`] collectives with their completions seen and
+    /// causality allows one pairing for each (else once each has [`align::PROBE`], or
+    /// many are waiting, or the run ended: in order, saying why); the ranks ahead drop
+    /// the collectives the others missed. A rank of the job traced later is matched in
+    /// order from its first.
+    fn lined_up(&mut self, job: &str, pids: &[u32]) -> bool {
+        if self.decided.contains(job) {
+            for pid in pids {
+                if !self.aligned.contains_key(pid) {
+                    self.probes.remove(pid);
+                    let why = "traced after the job's other ranks were lined up".to_owned();
+                    self.aligned.insert(*pid, Alignment::ByOrder { why });
+                }
+            }
+            return true;
+        }
+        let probe = |p: &u32| self.probes.get(p).map_or(&[][..], Vec::as_slice);
+        let known = |p: &u32| probe(p).iter().filter(|s| s.done_ns != 0).count();
+        if pids.iter().any(|p| known(p) < align::MIN_PAIRS) && !self.finishing {
+            return false;
+        }
+        let reference = probe(&pids[0]).to_vec();
+        let found: Vec<Alignment> = pids[1..]
+            .iter()
+            .map(|p| align::align(&reference, probe(p)))
+            .collect();
+        // Undecided (none fits, or several) while more collectives may tell: wait for
+        // them, up to a full probe each with its completions, or many waiting.
+        let full = pids.iter().all(|p| known(p) >= align::PROBE);
+        let waiting = |p: &u32| {
+            self.ranks
+                .get(p)
+                .and_then(|r| r.1.first())
+                .map_or(0, std::collections::VecDeque::len)
+        };
+        let undecided = found.iter().any(|a| matches!(a, Alignment::ByOrder { .. }));
+        if undecided && !full && !self.finishing && pids.iter().all(|p| waiting(p) < ALIGN_BY) {
+            return false;
+        }
+        let of: Vec<Option<&Alignment>> = std::iter::once(None)
+            .chain(found.iter().map(Some))
+            .collect();
+        for (pid, drop) in pids.iter().zip(align::dropped(&of)) {
+            if let Some(q) = self.ranks.get_mut(pid).and_then(|r| r.1.first_mut()) {
+                q.drain(..drop.min(q.len()));
+            }
+            self.probes.remove(pid);
+        }
+        self.aligned.insert(pids[0], Alignment::Reference);
+        self.aligned.extend(pids[1..].iter().copied().zip(found));
+        self.decided.insert(job.to_owned());
+        true
     }
 
     /// Charges one matched collective (each pid's arrival): the last to arrive made the
@@ -301,6 +423,7 @@ fn matched(collectives: &BTreeMap<u32, Vec<Collective>>) -> (Matcher, Vec<BTreeM
             m.add(*pid, c);
         }
     }
+    m.finishing();
     let out = m.matched();
     (m, out)
 }
@@ -414,6 +537,81 @@ mod tests {
         assert_eq!(straggler(&ranks(&[0]), &ids), None);
     }
 
+    /// Three ranks whose stand-in collectives return once all three arrived; rank 1
+    /// arrives 3 ms late at each step's first. The probes were armed while ranks 0 and 2
+    /// waited in a step's first collective and rank 1 had not entered it: their first
+    /// traced collective is one later than rank 1's. Lined up by causality, rank 1 drops
+    /// its first and is the straggler, 3 ms late at one collective in four; matched by
+    /// position, every pair would be one off and rank 1 would arrive first throughout.
+    #[test]
+    fn a_rank_armed_one_collective_earlier_is_lined_up() {
+        let ms = 1_000_000;
+        let mut m = Matcher::default();
+        for pid in [100, 101, 102] {
+            let mut n = 0;
+            for step in 0..30u64 {
+                let t0 = step * 10 * ms;
+                for k in 0..4u64 {
+                    // Everyone returns 50 µs after rank 1 arrives.
+                    let last = t0 + 3 * ms + k * 100_000;
+                    let arrival = if pid == 101 || k > 0 { last } else { t0 };
+                    n += 1;
+                    if pid != 101 && n == 1 {
+                        continue;
+                    }
+                    let c = Collective {
+                        func: Func::AllReduce,
+                        bytes: 4096 * (k + 1),
+                        start_ns: arrival,
+                        end_ns: last + 50_000,
+                        comm: 7 + u64::from(pid),
+                    };
+                    m.add(pid, &c);
+                }
+            }
+        }
+        let groups = m.matched();
+        assert_eq!(groups.len(), 119);
+        assert_eq!(m.alignment(101), Some(&Alignment::Causal { shift: 1 }));
+        assert_eq!(m.alignment(102), Some(&Alignment::Causal { shift: 0 }));
+        assert_eq!(m.alignment(100), Some(&Alignment::Reference));
+        let ids = identify(&[100, 101, 102], &BTreeMap::new(), &BTreeMap::new());
+        let s = m.straggler(&ids).unwrap();
+        assert_eq!((s.pid, s.rank), (101, 1));
+        assert!((s.share_of_waits - 1.0).abs() < 1e-9);
+        assert_eq!(s.mean_lateness_ns, 3 * ms * 29 / 119);
+    }
+
+    /// With the CUDA syncs traced, a collective is seen complete when the first sync its
+    /// process began after it returns: until then the ranks are not lined up.
+    #[test]
+    fn completions_from_syncs() {
+        let mut m = Matcher::default();
+        m.syncs_probed();
+        for pid in [100, 101] {
+            for i in 0..align::PROBE as u64 {
+                let t = i * 1_000_000;
+                let c = Collective {
+                    func: Func::AllReduce,
+                    bytes: 4,
+                    start_ns: t,
+                    end_ns: t + 10,
+                    comm: 1,
+                };
+                m.add(pid, &c);
+            }
+        }
+        assert!(m.matched().is_empty(), "completions not seen yet");
+        for pid in [100, 101] {
+            for i in 0..align::PROBE as u64 {
+                let t = i * 1_000_000;
+                m.synced(pid, t + 100, t + 500_000);
+            }
+        }
+        assert_eq!(m.matched().len(), align::PROBE);
+        assert_eq!(m.alignment(101), Some(&Alignment::Causal { shift: 0 }));
+    }
+
     /// Two communicators whose collectives the ranks interleave differently (rank 1 issues
     /// each one on its second communicator 7 ms late, after its next one on the first):
     /// matched per communicator (by first-use order, the handles differing), rank 1 is
@@ -452,11 +650,12 @@ mod tests {
     /// periods against a's.
     #[test]
     fn ranks_of_different_jobs_are_not_matched() {
-        let coll = |t: u64| Collective {
+        // Each call returns 10 µs after its job's last rank arrived (`done`).
+        let coll = |t: u64, done: u64| Collective {
             func: Func::AllReduce,
             bytes: 4,
             start_ns: t,
-            end_ns: t + 1,
+            end_ns: done + 10_000,
             comm: 1,
         };
         let ms = 1_000_000;
@@ -465,11 +664,12 @@ mod tests {
             m.job(pid, job);
         }
         for i in 0..20u64 {
-            m.add(100, &coll(i * ms));
-            m.add(101, &coll(i * ms + 300_000));
-            m.add(200, &coll(i * 3 * ms + 50_000));
-            m.add(201, &coll(i * 3 * ms));
-            m.add(300, &coll(i * 7 * ms));
+            let (a, b) = (i * ms + 300_000, i * 3 * ms + 50_000);
+            m.add(100, &coll(i * ms, a));
+            m.add(101, &coll(a, a));
+            m.add(200, &coll(b, b));
+            m.add(201, &coll(i * 3 * ms, b));
+            m.add(300, &coll(i * 7 * ms, i * 7 * ms));
         }
         let matched = m.matched();
         assert_eq!(matched.len(), 40);
@@ -493,10 +693,17 @@ mod tests {
         // One job with a straggler: it is the straggler.
         let mut one = Matcher::default();
         for i in 0..5u64 {
-            one.add(100, &coll(i * ms));
-            one.add(101, &coll(i * ms + 300_000));
+            one.add(100, &coll(i * ms, i * ms + 300_000));
+            one.add(101, &coll(i * ms + 300_000, i * ms + 300_000));
         }
+        // Too few to line up until the run ends.
+        assert!(one.matched().is_empty());
+        one.finishing();
         one.matched();
+        assert!(matches!(
+            one.alignment(101),
+            Some(Alignment::ByOrder { .. })
+        ));
         assert_eq!(
             one.straggler(&ids).map(|s| (s.pid, s.job)),
             Some((101, None))

@@ -8,20 +8,30 @@ use super::{
 };
 
 impl Timeline {
-    /// Gives the cross-rank matcher every collective not given yet.
+    /// Gives the cross-rank matcher every collective and CUDA sync not given yet.
     pub(super) fn match_ranks(&mut self) {
         let mut per_pid: BTreeMap<u32, Vec<Collective>> = BTreeMap::new();
+        let mut syncs: BTreeMap<u32, Vec<(u64, u64)>> = BTreeMap::new();
         for log in self.threads.values_mut() {
             per_pid
                 .entry(log.pid)
                 .or_default()
                 .extend(log.collectives.get(log.fed..).unwrap_or(&[]));
             log.fed = log.collectives.len();
+            let new = log.syncs.iter().filter(|s| s.0 > log.synced_to);
+            syncs.entry(log.pid).or_default().extend(new);
+            log.synced_to = log.syncs.iter().map(|s| s.0).fold(log.synced_to, u64::max);
         }
         for (pid, mut cs) in per_pid {
             cs.sort_by_key(|c| c.start_ns);
             for c in &cs {
                 self.done.matcher.add(pid, c);
+            }
+        }
+        for (pid, mut ss) in syncs {
+            ss.sort_unstable();
+            for (start, end) in ss {
+                self.done.matcher.synced(pid, start, end);
             }
         }
         let Some((_, rank_pid)) = self.done.rank else {
@@ -338,6 +348,11 @@ impl Timeline {
                         .remove(&id.pid)
                         .unwrap_or_default()
                 },
+                matched: self
+                    .done
+                    .matcher
+                    .alignment(id.pid)
+                    .map(super::super::align::Alignment::describe),
             })
             .collect();
         let threads = self

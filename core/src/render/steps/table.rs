@@ -458,6 +458,7 @@ pub fn write_table(
 /// With several ranks: each rank's NCCL traffic and where its training-loop thread's time
 /// went over the run, then the straggler (each job's, where the ranks are of several).
 fn write_ranks(report: &StepsReport, out: &mut impl Write) -> io::Result<()> {
+    use crate::attribute::align::{IN_ORDER, REFERENCE};
     if report.ranks.len() < 2 {
         return Ok(());
     }
@@ -478,6 +479,15 @@ fn write_ranks(report: &StepsReport, out: &mut impl Write) -> io::Result<()> {
             name,
             pct(value, total)
         )?;
+        // Lined up other than in plain order (docs/ranks.md): said, as it bears on the
+        // straggler.
+        if let Some(how) = r
+            .matched
+            .as_deref()
+            .filter(|h| ![IN_ORDER, REFERENCE].contains(h))
+        {
+            writeln!(out, "    matched {how}")?;
+        }
     }
     let line = |s: &crate::attribute::ranks::Straggler| {
         format!(

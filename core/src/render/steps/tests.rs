@@ -216,6 +216,7 @@ fn csv_columns_match_rows() {
 /// no single one; ranks nobody waited for, "none".
 #[test]
 fn ranks_and_straggler_on_stdout() {
+    use crate::attribute::align::{IN_ORDER, REFERENCE};
     use crate::attribute::ranks::{RankNccl, RankReport, Straggler};
     let steps: Vec<Step> = (0..4).map(|i| step(i, 3_000_000, 1_000_000)).collect();
     let rank = |rank: i32, pid: u32, compute: u64, nccl_wait: u64| RankReport {
@@ -227,6 +228,7 @@ fn ranks_and_straggler_on_stdout() {
             bytes: 4096,
         },
         categories: step(0, compute, nccl_wait).categories,
+        matched: None,
     };
     let late = |pid: u32, job: Option<&str>| Straggler {
         rank: 1,
@@ -267,6 +269,16 @@ fn ranks_and_straggler_on_stdout() {
              average"
         ),
         "{one}"
+    );
+    // How ranks were lined up: said where other than in plain order.
+    report.ranks[0].matched = Some(REFERENCE.into());
+    report.ranks[1].matched = Some(IN_ORDER.into());
+    assert!(!text(&report).contains("    matched "), "{}", text(&report));
+    report.ranks[1].matched = Some("in order from the first traced: none fits".into());
+    assert!(
+        text(&report).contains("    matched in order from the first traced: none fits\n"),
+        "{}",
+        text(&report)
     );
     report.straggler = None;
     report.stragglers_by_job = vec![late(101, Some("SLURM_JOB_ID=7")), late(201, None)];

@@ -113,6 +113,7 @@ fn trace_golden() {
                 bytes: 4096,
             },
             categories: Categories::default(),
+            matched: None,
         }],
         straggler: None,
         stragglers_by_job: Vec::new(),
