@@ -223,6 +223,7 @@ fn served() -> Vec<String> {
     write(root, &format!("{port}/rate"), "400 Gb/sec (4X NDR)\n");
     write(root, &format!("{port}/counters/port_xmit_data"), "8\n");
     write(root, &format!("{port}/counters/symbol_error"), "0\n");
+    write(root, &format!("{port}/hw_counters/np_cnp_sent"), "0\n");
     let pid = std::process::id();
     let own = |f: &str| std::fs::read_to_string(format!("/proc/{pid}/{f}")).unwrap();
     write(root, &format!("proc/{pid}/stat"), &own("stat"));
