@@ -120,7 +120,10 @@ pub fn identify(
 const MAX_PENDING: usize = 65_536;
 /// A job's ranks are lined up once each has this many collectives waiting on its first
 /// communicator, whether or not their completions are known by then.
-const ALIGN_BY: usize = 4_096;
+const ALIGN_BY: usize = 1_024;
+/// Communicators lined up per rank (each on its own: ranks may be caught at different
+/// collectives of each); the later ones are matched in order.
+const ALIGNED_COMMS: usize = 4;
 
 /// Matches collectives across ranks as they come (each rank's in the order it issued
 /// them), and keeps the straggler's tallies: the same matching at any run length, in
@@ -138,15 +141,16 @@ pub struct Matcher {
     total: BTreeMap<String, u64>,
     /// The job of each pid that named one ([`Matcher::job`]); the others are one job, "".
     jobs: BTreeMap<u32, String>,
-    /// Per pid not lined up yet: its first collectives on its first communicator.
-    probes: BTreeMap<u32, Vec<Seen>>,
+    /// Per pid and communicator (in first-use order) not lined up yet: its first
+    /// collectives on it.
+    probes: BTreeMap<(u32, usize), Vec<Seen>>,
     /// Completions are seen at CUDA synchronisations ([`Matcher::synced`]), not at the
     /// calls' returns.
     syncs_probed: bool,
-    /// Per pid lined up: how.
-    aligned: BTreeMap<u32, Alignment>,
-    /// Jobs whose ranks are lined up.
-    decided: BTreeSet<String>,
+    /// Per pid and communicator lined up: how.
+    aligned: BTreeMap<(u32, usize), Alignment>,
+    /// Jobs and communicators whose ranks are lined up.
+    decided: BTreeSet<(String, usize)>,
     /// Line every job up with what it has (the run ended).
     finishing: bool,
 }
@@ -185,8 +189,9 @@ impl Matcher {
     /// A CUDA synchronisation of `pid` from `start_ns` to `end_ns` (in the order they
     /// began, after the collectives that began before it).
     pub fn synced(&mut self, pid: u32, start_ns: u64, end_ns: u64) {
-        if let Some(probe) = self.probes.get_mut(&pid) {
+        for probe in self.probes.range_mut((pid, 0)..(pid + 1, 0)) {
             for s in probe
+                .1
                 .iter_mut()
                 .filter(|s| s.done_ns == 0 && s.arrival_ns < start_ns)
             {
@@ -200,10 +205,11 @@ impl Matcher {
         self.finishing = true;
     }
 
-    /// How `pid`'s collectives were lined up with its job's other ranks, once they were.
+    /// How `pid`'s collectives on its first communicator were lined up with its job's
+    /// other ranks', once they were.
     #[must_use]
     pub fn alignment(&self, pid: u32) -> Option<&Alignment> {
-        self.aligned.get(&pid)
+        self.aligned.get(&(pid, 0))
     }
 
     /// One collective of `pid`, after the earlier ones of that pid.
@@ -215,8 +221,8 @@ impl Matcher {
             order.len() - 1
         });
         queues[k].push_back(c.start_ns);
-        if k == 0 && !self.aligned.contains_key(&pid) {
-            let probe = self.probes.entry(pid).or_default();
+        if k < ALIGNED_COMMS && !self.aligned.contains_key(&(pid, k)) {
+            let probe = self.probes.entry((pid, k)).or_default();
             if probe.len() < align::PROBE {
                 probe.push(Seen {
                     func: c.func,
@@ -248,7 +254,7 @@ impl Matcher {
     pub fn matched(&mut self) -> Vec<BTreeMap<u32, u64>> {
         let mut out = Vec::new();
         for (job, pids) in self.by_job(self.ranks.keys()) {
-            if pids.len() < 2 || !self.lined_up(&job, &pids) {
+            if pids.len() < 2 {
                 continue;
             }
             let comms = pids
@@ -257,6 +263,9 @@ impl Matcher {
                 .min()
                 .unwrap_or(0);
             for k in 0..comms {
+                if k < ALIGNED_COMMS && !self.lined_up(&job, &pids, k) {
+                    continue;
+                }
                 let n = pids
                     .iter()
                     .map(|p| self.ranks[p].1[k].len())
@@ -278,24 +287,25 @@ impl Matcher {
         out
     }
 
-    /// Whether `job`'s ranks (`pids`) are lined up. Each is aligned with the first as soon
+    /// Whether `job`'s ranks (`pids`) are lined up on their `k`-th communicator. Each is
+    /// aligned with the first as soon
     /// as every one has [`align::MIN_PAIRS`] collectives with their completions seen and
     /// causality allows one pairing for each (else once each has [`align::PROBE`], or
     /// many are waiting, or the run ended: in order, saying why); the ranks ahead drop
     /// the collectives the others missed. A rank of the job traced later is matched in
     /// order from its first.
-    fn lined_up(&mut self, job: &str, pids: &[u32]) -> bool {
-        if self.decided.contains(job) {
+    fn lined_up(&mut self, job: &str, pids: &[u32], k: usize) -> bool {
+        if self.decided.contains(&(job.to_owned(), k)) {
             for pid in pids {
-                if !self.aligned.contains_key(pid) {
-                    self.probes.remove(pid);
+                if !self.aligned.contains_key(&(*pid, k)) {
+                    self.probes.remove(&(*pid, k));
                     let why = "traced after the job's other ranks were lined up".to_owned();
-                    self.aligned.insert(*pid, Alignment::ByOrder { why });
+                    self.aligned.insert((*pid, k), Alignment::ByOrder { why });
                 }
             }
             return true;
         }
-        let probe = |p: &u32| self.probes.get(p).map_or(&[][..], Vec::as_slice);
+        let probe = |p: &u32| self.probes.get(&(*p, k)).map_or(&[][..], Vec::as_slice);
         let known = |p: &u32| probe(p).iter().filter(|s| s.done_ns != 0).count();
         if pids.iter().any(|p| known(p) < align::MIN_PAIRS) && !self.finishing {
             return false;
@@ -311,7 +321,7 @@ impl Matcher {
         let waiting = |p: &u32| {
             self.ranks
                 .get(p)
-                .and_then(|r| r.1.first())
+                .and_then(|r| r.1.get(k))
                 .map_or(0, std::collections::VecDeque::len)
         };
         let undecided = found.iter().any(|a| matches!(a, Alignment::ByOrder { .. }));
@@ -322,14 +332,15 @@ impl Matcher {
             .chain(found.iter().map(Some))
             .collect();
         for (pid, drop) in pids.iter().zip(align::dropped(&of)) {
-            if let Some(q) = self.ranks.get_mut(pid).and_then(|r| r.1.first_mut()) {
+            if let Some(q) = self.ranks.get_mut(pid).and_then(|r| r.1.get_mut(k)) {
                 q.drain(..drop.min(q.len()));
             }
-            self.probes.remove(pid);
+            self.probes.remove(&(*pid, k));
         }
-        self.aligned.insert(pids[0], Alignment::Reference);
-        self.aligned.extend(pids[1..].iter().copied().zip(found));
-        self.decided.insert(job.to_owned());
+        self.aligned.insert((pids[0], k), Alignment::Reference);
+        self.aligned
+            .extend(pids[1..].iter().map(|p| (*p, k)).zip(found));
+        self.decided.insert((job.to_owned(), k));
         true
     }
 
@@ -580,6 +591,44 @@ mod tests {
         assert_eq!((s.pid, s.rank), (101, 1));
         assert!((s.share_of_waits - 1.0).abs() < 1e-9);
         assert_eq!(s.mean_lateness_ns, 3 * ms * 29 / 119);
+    }
+
+    /// Each communicator is lined up on its own: two ranks in step on their first one,
+    /// rank 1 arriving 3 ms late on the second, where rank 0 was caught one collective
+    /// later (it had entered the second communicator's first, rank 1 had not).
+    #[test]
+    fn each_communicator_lined_up() {
+        let ms = 1_000_000;
+        let coll = |t: u64, done: u64, bytes: u64, comm: u64| Collective {
+            func: Func::AllReduce,
+            bytes,
+            start_ns: t,
+            end_ns: done,
+            comm,
+        };
+        let mut m = Matcher::default();
+        for step in 0..30u64 {
+            let t0 = step * 10 * ms;
+            for (pid, comms) in [(100u32, (0xa, 0xb)), (101, (0xc, 0xd))] {
+                for k in 0..2 {
+                    let t = t0 + k * 100_000;
+                    m.add(pid, &coll(t, t + 10_000, 4096, comms.0));
+                }
+                let (late, done) = (t0 + 8 * ms, t0 + 8 * ms + 10_000);
+                if pid == 101 {
+                    m.add(pid, &coll(late, done, 64, comms.1));
+                } else if step > 0 {
+                    m.add(pid, &coll(t0 + 5 * ms, done, 64, comms.1));
+                }
+            }
+        }
+        m.finishing();
+        assert_eq!(m.matched().len(), 60 + 29);
+        assert_eq!(m.aligned[&(101, 0)], Alignment::Causal { shift: 0 });
+        assert_eq!(m.aligned[&(101, 1)], Alignment::Causal { shift: 1 });
+        let ids = identify(&[100, 101], &BTreeMap::new(), &BTreeMap::new());
+        let s = m.straggler(&ids).unwrap();
+        assert_eq!((s.pid, s.mean_lateness_ns), (101, 3 * ms * 29 / 89));
     }
 
     /// With the CUDA syncs traced, a collective is seen complete when the first sync its
