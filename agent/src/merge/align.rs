@@ -16,19 +16,9 @@
 //! function with the same bytes and causality holds; a periodic job lines up as well one
 //! step later, and then only the wall clocks can choose.
 
-use crate::event::Func;
-
-/// One collective as one rank saw it, on its host's clock (ns).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Seen {
-    pub func: Func,
-    pub bytes: u64,
-    /// Call entry.
-    pub arrival_ns: u64,
-    /// When the rank saw it complete: the end of the call when the call waits for its
-    /// peers, else of the first CUDA synchronisation of that thread after it.
-    pub done_ns: u64,
-}
+/// One collective as one rank saw it, on its host's clock (ns): the same as on one host
+/// (where the ranks' collectives are lined up before they are matched).
+pub use crate::attribute::align::Seen;
 
 /// A rank's collectives: every one, or, past what is kept, runs of them in windows spread
 /// over the run (`Sequence` in input.rs).
@@ -350,6 +340,7 @@ fn estimate(refs: &Kept, other: &Kept, shift: i64, guess_ns: i64) -> Alignment {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::event::Func;
 
     /// Aligns two ranks that kept every collective.
     fn fit(

@@ -16,14 +16,17 @@
 
 use crate::event::Func;
 
-/// One collective of one rank, for the alignment.
+/// One collective of one rank, for the alignment (here and by `nccltrace merge`, across
+/// hosts).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Seen {
     pub func: Func,
     pub bytes: u64,
     /// Call entry.
     pub arrival_ns: u64,
-    /// When the rank saw it complete; 0 while not known yet.
+    /// When the rank saw it complete: the end of the call when the call waits for its
+    /// peers, else of the first CUDA synchronisation of its process after it; 0 while not
+    /// known yet.
     pub done_ns: u64,
 }
 
