@@ -311,7 +311,7 @@ impl Timeline {
             log.carry = Some(state);
             from.insert(*tid, a);
         }
-        self.match_ranks();
+        self.match_ranks(until);
         // Who is who, once for the epoch: the counts they follow do not change in it.
         let identities = self.identities();
         let loop_threads: BTreeMap<u32, u32> = identities

@@ -299,6 +299,11 @@ impl Timeline {
                 counters,
                 ..
             } => self.infiniband.add(*ts_ns, *port, counters),
+            Event::Exit {
+                ts_ns,
+                task,
+                group_dead: true,
+            } => self.exited.push((*ts_ns, task.tgid)),
             Event::Fork { .. } | Event::Exit { .. } => {}
         }
     }

@@ -191,6 +191,8 @@ pub struct Timeline {
     threads: BTreeMap<u32, ThreadLog>,
     page_migrations: Vec<(u32, u64, u64)>,
     numa_moves: Vec<(u32, u64)>,
+    /// Processes that exited, not yet told to the cross-rank matcher: (time, pid).
+    exited: Vec<(u64, u32)>,
     cpu_nodes: Vec<i32>,
     fault_ranges: Vec<(u64, u64)>,
     sample_period_ns: u64,
@@ -333,6 +335,7 @@ impl Timeline {
             threads: BTreeMap::new(),
             page_migrations: Vec::new(),
             numa_moves: Vec::new(),
+            exited: Vec::new(),
             cpu_nodes: setup.cpu_nodes.clone(),
             fault_ranges: setup.fault_handler_ranges.clone(),
             sample_period_ns: setup.sample_period_ns,

@@ -200,6 +200,18 @@ impl Matcher {
         }
     }
 
+    /// `pid` exited: its collectives not matched yet never will be (its peers' are matched
+    /// with the other ranks' only). When the last rank of its job has gone (an elastic
+    /// restart), the job's next ranks are lined up afresh.
+    pub fn exited(&mut self, pid: u32) {
+        self.ranks.remove(&pid);
+        self.probes.retain(|k, _| k.0 != pid);
+        let job = self.job_of(pid).to_owned();
+        if !self.ranks.keys().any(|p| self.job_of(*p) == job) {
+            self.decided.retain(|d| d.0 != job);
+        }
+    }
+
     /// The run ended: the next [`Matcher::matched`] lines every job up with what it has.
     pub fn finishing(&mut self) {
         self.finishing = true;
@@ -629,6 +641,44 @@ mod tests {
         let ids = identify(&[100, 101], &BTreeMap::new(), &BTreeMap::new());
         let s = m.straggler(&ids).unwrap();
         assert_eq!((s.pid, s.mean_lateness_ns), (101, 3 * ms * 29 / 89));
+    }
+
+    /// An elastic restart: the job's ranks exit and new processes of the same job take
+    /// over. The new ranks are matched among themselves (while the old ones were kept,
+    /// their empty queues matched nothing ever again), lined up afresh.
+    #[test]
+    fn ranks_after_a_restart_are_matched() {
+        let ms = 1_000_000;
+        let coll = |t: u64, done: u64| Collective {
+            func: Func::AllReduce,
+            bytes: 4,
+            start_ns: t,
+            end_ns: done,
+            comm: 1,
+        };
+        let mut m = Matcher::default();
+        let generation = |m: &mut Matcher, pids: [u32; 2], from: u64, late: u64| {
+            for i in 0..20u64 {
+                let t = from + i * ms;
+                m.add(pids[0], &coll(t, t + late + 10_000));
+                m.add(pids[1], &coll(t + late, t + late + 10_000));
+            }
+        };
+        generation(&mut m, [100, 101], 0, 300_000);
+        assert_eq!(m.matched().len(), 20);
+        m.exited(100);
+        m.exited(101);
+        // Rank 0 is now the late one.
+        generation(&mut m, [201, 200], 100 * ms, 200_000);
+        assert_eq!(m.matched().len(), 20);
+        assert_eq!(m.alignment(201), Some(&Alignment::Causal { shift: 0 }));
+        let ids = identify(&[100, 101, 200, 201], &BTreeMap::new(), &BTreeMap::new());
+        let s = m.straggler(&ids).unwrap();
+        // 20 × 300 µs caused by 101 against 20 × 200 µs by 200.
+        assert_eq!(s.pid, 101);
+        let behind: BTreeMap<u32, u64> =
+            m.lateness().iter().map(|l| (l.pid, l.caused_ns)).collect();
+        assert_eq!(behind[&200], 20 * 200_000);
     }
 
     /// With the CUDA syncs traced, a collective is seen complete when the first sync its

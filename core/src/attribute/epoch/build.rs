@@ -8,8 +8,9 @@ use super::{
 };
 
 impl Timeline {
-    /// Gives the cross-rank matcher every collective and CUDA sync not given yet.
-    pub(super) fn match_ranks(&mut self) {
+    /// Gives the cross-rank matcher every collective and CUDA sync not given yet, and the
+    /// processes that exited before `until` (all their collectives given by then).
+    pub(super) fn match_ranks(&mut self, until: u64) {
         let mut per_pid: BTreeMap<u32, Vec<Collective>> = BTreeMap::new();
         let mut syncs: BTreeMap<u32, Vec<(u64, u64)>> = BTreeMap::new();
         for log in self.threads.values_mut() {
@@ -34,10 +35,15 @@ impl Timeline {
                 self.done.matcher.synced(pid, start, end);
             }
         }
+        let groups = self.done.matcher.matched();
+        let (gone, later): (Vec<_>, Vec<_>) = self.exited.iter().partition(|e| e.0 < until);
+        self.exited = later;
+        for (_, pid) in gone {
+            self.done.matcher.exited(pid);
+        }
         let Some((_, rank_pid)) = self.done.rank else {
             return;
         };
-        let groups = self.done.matcher.matched();
         self.done
             .lateness
             .extend(groups.iter().filter_map(|g| ranks::late_entry(g, rank_pid)));
