@@ -118,8 +118,8 @@ pub fn identify(
 
 /// Arrivals kept per rank and communicator until the other ranks reach them.
 const MAX_PENDING: usize = 65_536;
-/// A job's ranks are lined up once each has this many collectives waiting on its first
-/// communicator, whether or not their completions are known by then.
+/// A job's ranks are lined up on a communicator once one of them has this many
+/// collectives waiting on it, whether or not their completions are known by then.
 const ALIGN_BY: usize = 1_024;
 /// Communicators lined up per rank (each on its own: ranks may be caught at different
 /// collectives of each); the later ones are matched in order.
@@ -189,7 +189,7 @@ impl Matcher {
     /// A CUDA synchronisation of `pid` from `start_ns` to `end_ns` (in the order they
     /// began, after the collectives that began before it).
     pub fn synced(&mut self, pid: u32, start_ns: u64, end_ns: u64) {
-        for probe in self.probes.range_mut((pid, 0)..(pid + 1, 0)) {
+        for probe in self.probes.range_mut((pid, 0)..=(pid, usize::MAX)) {
             for s in probe
                 .1
                 .iter_mut()
