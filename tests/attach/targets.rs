@@ -252,3 +252,45 @@ fn ranks_attached_mid_collective_are_lined_up() {
         "{how:?}"
     );
 }
+
+/// An elastic restart under `--all --follow`: a three-rank job (rank 1 sleeping 3 ms a
+/// step) runs and exits, then its next generation (same rendezvous, rank 1 now sleeping
+/// 9 ms) starts. The new ranks are matched among themselves, so the run's straggler is the
+/// new rank 1, which made the others wait the most. While the exited ranks stayed in the
+/// match, nothing of the second generation was matched and the first one's rank 1 was
+/// named.
+#[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
+fn ranks_after_a_restart_are_matched_again() {
+    let _serial = privileged();
+    let dir = tempfile::tempdir().unwrap();
+    let env = [("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29600")];
+    let (first, shm_1) = straggler_job_late(dir.path(), "30", &[], "g1", &env, "3000");
+    let out = dir.path().join("out");
+    let agent = Agent::attach_many(&[], &out, &["--all", "--follow", "--duration", "9s"]);
+    std::fs::write(dir.path().join("go"), b"").unwrap();
+    for t in first {
+        t.finish();
+    }
+    let later = dir.path().join("later");
+    std::fs::create_dir(&later).unwrap();
+    let (second, shm_2) = straggler_job_late(&later, "30", &[], "g2", &env, "9000");
+    let late_pid = second[1].child.id();
+    // Released once the agent has found them (it scans every second).
+    std::thread::sleep(Duration::from_millis(2500));
+    std::fs::write(later.join("go"), b"").unwrap();
+    for t in second {
+        t.finish();
+    }
+    let (code, summary, stderr) = agent.wait(Duration::from_secs(60));
+    for shm in [shm_1, shm_2] {
+        let _ = std::fs::remove_file(format!("/dev/shm{shm}"));
+    }
+    assert_eq!(code, 0, "{stderr}");
+    let s = &summary["straggler"];
+    assert_eq!(s["pid"], late_pid, "{summary:#}");
+    assert!(
+        stderr.contains(&format!("--follow: attached to pid {late_pid}")),
+        "{stderr}"
+    );
+}
