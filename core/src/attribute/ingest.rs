@@ -299,11 +299,13 @@ impl Timeline {
                 counters,
                 ..
             } => self.infiniband.add(*ts_ns, *port, counters),
+            // The process ended: its last thread, or its main thread where the kernel's
+            // tracepoint has no `group_dead` field (older kernels: it reads false).
             Event::Exit {
                 ts_ns,
                 task,
-                group_dead: true,
-            } => self.exited.push((*ts_ns, task.tgid)),
+                group_dead,
+            } if *group_dead || task.tid == task.tgid => self.exited.push((*ts_ns, task.tgid)),
             Event::Fork { .. } | Event::Exit { .. } => {}
         }
     }
