@@ -289,8 +289,17 @@ fn ranks_after_a_restart_are_matched_again() {
     assert_eq!(code, 0, "{stderr}");
     let s = &summary["straggler"];
     assert_eq!(s["pid"], late_pid, "{summary:#}");
+    // Late by a few ms (9 ms at one collective of the step's ten): matched with the last
+    // collectives of the exited ranks instead, by the seconds between the generations.
+    let late = s["mean_lateness_ns"].as_u64().unwrap();
+    assert!(late > 100_000 && late < 9_000_000, "{s:#}");
     assert!(
         stderr.contains(&format!("--follow: attached to pid {late_pid}")),
         "{stderr}"
     );
+    // The new ranks were lined up afresh, not matched in order as latecomers.
+    let ranks = summary["ranks"].as_array().unwrap();
+    let late_rank = ranks.iter().find(|r| r["pid"] == late_pid).unwrap();
+    let how = late_rank["matched"].as_str().unwrap();
+    assert!(how.contains("the only pairing"), "{how}");
 }

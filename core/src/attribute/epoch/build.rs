@@ -9,38 +9,41 @@ use super::{
 
 impl Timeline {
     /// Gives the cross-rank matcher every collective and CUDA sync not given yet, and the
-    /// processes that exited before `until` (all their collectives given by then).
+    /// processes that exited before `until`, in time order: a process's exit after its
+    /// collectives and before those of any process started after it (an elastic
+    /// restart's next ranks are never matched with the last collectives of the ranks they
+    /// replace).
     pub(super) fn match_ranks(&mut self, until: u64) {
-        let mut per_pid: BTreeMap<u32, Vec<Collective>> = BTreeMap::new();
-        let mut syncs: BTreeMap<u32, Vec<(u64, u64)>> = BTreeMap::new();
+        enum Feed {
+            Call(u32, Collective),
+            Sync(u32, u64),
+            Exit(u32),
+        }
+        let mut feed: Vec<(u64, Feed)> = Vec::new();
         for log in self.threads.values_mut() {
-            per_pid
-                .entry(log.pid)
-                .or_default()
-                .extend(log.collectives.get(log.fed..).unwrap_or(&[]));
+            let calls = log.collectives.get(log.fed..).unwrap_or(&[]);
+            feed.extend(calls.iter().map(|c| (c.start_ns, Feed::Call(log.pid, *c))));
             log.fed = log.collectives.len();
             let new = log.syncs.iter().filter(|s| s.0 > log.synced_to);
-            syncs.entry(log.pid).or_default().extend(new);
+            feed.extend(new.map(|s| (s.0, Feed::Sync(log.pid, s.1))));
             log.synced_to = log.syncs.iter().map(|s| s.0).fold(log.synced_to, u64::max);
         }
-        for (pid, mut cs) in per_pid {
-            cs.sort_by_key(|c| c.start_ns);
-            for c in &cs {
-                self.done.matcher.add(pid, c);
-            }
-        }
-        for (pid, mut ss) in syncs {
-            ss.sort_unstable();
-            for (start, end) in ss {
-                self.done.matcher.synced(pid, start, end);
-            }
-        }
-        let groups = self.done.matcher.matched();
         let (gone, later): (Vec<_>, Vec<_>) = self.exited.iter().partition(|e| e.0 < until);
         self.exited = later;
-        for (_, pid) in gone {
-            self.done.matcher.exited(pid);
+        feed.extend(gone.into_iter().map(|(ts, pid)| (ts, Feed::Exit(pid))));
+        feed.sort_by_key(|f| f.0);
+        let mut groups = Vec::new();
+        for (ts, f) in feed {
+            match f {
+                Feed::Call(pid, c) => self.done.matcher.add(pid, &c),
+                Feed::Sync(pid, end) => self.done.matcher.synced(pid, ts, end),
+                Feed::Exit(pid) => {
+                    groups.extend(self.done.matcher.matched());
+                    self.done.matcher.exited(pid);
+                }
+            }
         }
+        groups.extend(self.done.matcher.matched());
         let Some((_, rank_pid)) = self.done.rank else {
             return;
         };
