@@ -69,22 +69,41 @@ fn monotonic_ns() -> u64 {
     u64::try_from(ts.tv_sec).unwrap() * 1_000_000_000 + u64::try_from(ts.tv_nsec).unwrap()
 }
 
-/// `rping` server and client on the port until dropped.
+/// `rping` server and a client making `count` round trips; killed if still there when
+/// dropped.
 struct Pings(Vec<Child>);
 
 impl Pings {
-    fn start() -> Pings {
-        let rping = |role: &str| {
+    fn start(count: u32) -> Pings {
+        let rping = |args: &[&str]| {
             Command::new("rping")
-                .args([role, "-a", ADDRESS, "-S", "1024"])
+                .args(args)
+                .args(["-a", ADDRESS, "-S", "1024"])
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
                 .spawn()
                 .expect("rping (rdmacm-utils; cargo xtask setup installs it)")
         };
-        let server = rping("-s");
+        let server = rping(&["-s"]);
         std::thread::sleep(Duration::from_millis(500));
-        Pings(vec![server, rping("-c")])
+        Pings(vec![server, rping(&["-c", "-C", &count.to_string()])])
+    }
+
+    /// Waits (at most a minute) for the client to finish and disconnect, and the server
+    /// to exit with it: a connection torn down by killing its ends has the kernel's
+    /// connection manager retry its disconnect for seconds after (seen: packets 1.5 s
+    /// and more after the kill).
+    fn finish(&mut self) {
+        let started = Instant::now();
+        for child in self.0.iter_mut().rev() {
+            while child.try_wait().unwrap().is_none() {
+                assert!(
+                    started.elapsed() < Duration::from_secs(60),
+                    "rping did not finish"
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
     }
 }
 
@@ -95,6 +114,24 @@ impl Drop for Pings {
             let _ = child.wait();
         }
     }
+}
+
+/// The moment the port's `sent_pkts` last moved, once it has stood still for a second.
+fn quiet_since() -> u64 {
+    let (mut last, mut moved) = (SoftRoce::counter("sent_pkts"), monotonic_ns());
+    let started = Instant::now();
+    while monotonic_ns() - moved < 1_000_000_000 {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the port never went quiet"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+        let now = SoftRoce::counter("sent_pkts");
+        if now != last {
+            (last, moved) = (now, monotonic_ns());
+        }
+    }
+    moved
 }
 
 /// A traced trainer while the port is quiet, busy, then quiet again: each step gets the
@@ -117,22 +154,28 @@ fn infiniband_counters_of_a_live_port() {
     let sent_before = SoftRoce::counter("sent_pkts");
     let agent = Agent::attach(trainer.child.id(), &out, &[]);
     trainer.release();
-    // A quiet second and a half, pings for two seconds once they flow, quiet again.
-    std::thread::sleep(Duration::from_millis(1500));
+    // Quiet for 3.5 s, 200 round trips, the connection closed by the client, quiet again
+    // for 3.5 s.
+    std::thread::sleep(Duration::from_millis(3500));
     let pings_from = monotonic_ns();
-    let pings = Pings::start();
+    let mut pings = Pings::start(200);
     let flowing = Instant::now();
     while SoftRoce::counter("sent_pkts") == sent_before {
         assert!(
             flowing.elapsed() < Duration::from_secs(30),
             "rping sent nothing"
         );
-        std::thread::sleep(Duration::from_millis(50));
+        std::thread::sleep(Duration::from_millis(20));
     }
-    std::thread::sleep(Duration::from_secs(2));
+    let pings_first = monotonic_ns();
+    pings.finish();
+    let pings_until = quiet_since();
+    assert!(
+        SoftRoce::counter("sent_pkts") > sent_before,
+        "rping sent nothing"
+    );
+    std::thread::sleep(Duration::from_millis(3500));
     drop(pings);
-    let pings_until = monotonic_ns();
-    std::thread::sleep(Duration::from_millis(1500));
     let _ = trainer.child.kill();
     let _ = trainer.child.wait();
     let (code, summary, stderr) = agent.wait(Duration::from_secs(120));
@@ -150,8 +193,11 @@ fn infiniband_counters_of_a_live_port() {
     );
     let steps = steps["steps"].as_array().unwrap();
     let of = |s: &Value, name: &str| s["infiniband"][&port][name].as_u64();
-    // Further than a few of the agent's 100-ms readings from the pings' ends.
-    let margin = 500_000_000;
+    // Quiet steps: 2 s from the pings' ends, as a reading interval is spread evenly over
+    // the steps in it and the emulated guest's debug agent reads every few hundred ms
+    // (seen: a packet 0.5 s after the last one, smeared over the interval that held it).
+    // Busy steps: 200 ms inside them.
+    let (margin, inside) = (2_000_000_000, 200_000_000);
     let (mut before, mut during, mut after, mut total) = (0, 0, 0, 0);
     // Steps with no reading on one side: the first ones (the trainer starts when the
     // agent says it attached, its first reading comes ~0.4 s later in the emulated
@@ -182,7 +228,7 @@ fn infiniband_counters_of_a_live_port() {
         } else if a > pings_until + margin {
             assert_eq!(packets, 0, "{s}");
             after += 1;
-        } else if a > pings_from + margin && b + margin < pings_until {
+        } else if a > pings_first + inside && b + inside < pings_until {
             during += u64::from(packets > 0);
         }
     }
