@@ -99,12 +99,6 @@ impl Host {
         format!("{IB}/{device}/ports/{port}")
     }
 
-    /// Counter `name` of an InfiniBand port (`device/port`), where it reads as a number.
-    #[must_use]
-    pub fn ib_counter(&self, port: &str, name: &str) -> Option<u64> {
-        self.ib_value(&format!("{}/counters/{name}", Self::ib_port_dir(port)))
-    }
-
     /// The number a counter file (a path from [`Host::ib_counter_files`]) holds.
     #[must_use]
     pub fn ib_value(&self, path: &str) -> Option<u64> {

@@ -96,33 +96,34 @@ pub(super) fn infiniband(host: &Host) -> IbPorts {
         {
             out.rate_bytes.push((labels.clone(), gbits * 1e9 / 8.0));
         }
-        for counter in host.list(&format!("{dir}/counters")) {
-            let Some(value) = host.ib_counter(&name, &counter) else {
-                continue;
-            };
-            let direction = match counter.as_str() {
-                "port_xmit_data" => Some("transmit"),
-                "port_rcv_data" => Some("receive"),
-                _ => None,
-            };
-            let mut l = labels.clone();
-            if let Some(d) = direction {
-                l.push(("direction", d.to_owned()));
-                out.data_bytes.push((l, value as f64 * 4.0));
-            } else {
-                l.push(("counter", counter));
-                out.counters.push((l, value as f64));
-            }
-        }
-        for counter in host.list(&format!("{dir}/hw_counters")) {
-            let path = format!("{dir}/hw_counters/{counter}");
-            let Some(value) = host.ib_value(&path) else {
-                continue;
-            };
-            if !HW_SETTINGS.contains(&counter.as_str()) {
+        // `counters/` (the IBA PortCounters: data moved in a family of its own), then the
+        // adapter's `hw_counters/` (its settings left out).
+        for (folder, pma) in [("counters", true), ("hw_counters", false)] {
+            for counter in host.list(&format!("{dir}/{folder}")) {
+                if !pma && HW_SETTINGS.contains(&counter.as_str()) {
+                    continue;
+                }
+                let Some(value) = host.ib_value(&format!("{dir}/{folder}/{counter}")) else {
+                    continue;
+                };
+                let direction = match (pma, counter.as_str()) {
+                    (true, "port_xmit_data") => Some("transmit"),
+                    (true, "port_rcv_data") => Some("receive"),
+                    _ => None,
+                };
                 let mut l = labels.clone();
-                l.push(("counter", counter));
-                out.hw_counters.push((l, value as f64));
+                if let Some(d) = direction {
+                    l.push(("direction", d.to_owned()));
+                    out.data_bytes.push((l, value as f64 * 4.0));
+                } else {
+                    l.push(("counter", counter));
+                    let family = if pma {
+                        &mut out.counters
+                    } else {
+                        &mut out.hw_counters
+                    };
+                    family.push((l, value as f64));
+                }
             }
         }
     }

@@ -293,6 +293,8 @@ pub struct Attached {
     resident_read: Option<Instant>,
     /// Per InfiniBand port of the header, the files of its counters (index, path).
     ib_files: Vec<Vec<(u8, String)>>,
+    /// The ports' reading taken before any probe was attached, written first.
+    ib_early: Vec<Vec<u8>>,
 }
 
 /// Each program's runs and run time (ns) as the kernel counts them, by name.

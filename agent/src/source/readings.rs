@@ -44,35 +44,20 @@ impl Attached {
     }
 
     /// The InfiniBand ports' counters as `IB_READING` records: the data and packet
-    /// counters, or all of them (`full`). Which files a port has is looked up once.
+    /// counters, or all of them (`full`). The reading taken before the probes were
+    /// attached goes first.
     pub(super) fn read_infiniband(
         &mut self,
         sink: &mut impl Sink,
         host: &Host,
         full: bool,
     ) -> Result<(), crate::Error> {
-        if self.ib_files.len() != self.header.infiniband_ports.len() {
-            self.ib_files = (self.header.infiniband_ports.iter())
-                .map(|port| host.ib_counter_files(port))
-                .collect();
+        for record in std::mem::take(&mut self.ib_early) {
+            sink.record(&record)?;
         }
-        for (index, files) in self.ib_files.iter().enumerate() {
-            let before = host::clock_ns(libc::CLOCK_MONOTONIC);
-            let wanted = files
-                .iter()
-                .filter(|(i, _)| full || nccltrace_common::IB_FAST & (1u64 << i) != 0);
-            let values: Vec<(u8, u64)> = wanted
-                .filter_map(|(i, path)| Some((*i, host.ib_value(path)?)))
-                .collect();
-            if values.is_empty() {
-                continue;
-            }
-            // Reading a port's counters may take a while (each file is a query of the
-            // adapter): the reading is dated at its middle.
-            let after = host::clock_ns(libc::CLOCK_MONOTONIC);
-            let at = before + (after.saturating_sub(before)) / 2;
-            let port = u32::try_from(index).unwrap_or(u32::MAX);
-            sink.record(&crate::decode::ib_reading(at, port, &values))?;
+        let ports = &self.header.infiniband_ports;
+        for record in ib_readings(host, ports, &mut self.ib_files, full) {
+            sink.record(&record)?;
         }
         Ok(())
     }
@@ -156,4 +141,41 @@ impl Attached {
         }
         Ok(())
     }
+}
+
+/// One reading of each port of `ports` as an `IB_READING` record: the data and packet
+/// counters, or all of them (`full`). Which files a port has is looked up once, into
+/// `files` (one entry a port).
+pub(super) fn ib_readings(
+    host: &Host,
+    ports: &[String],
+    files: &mut Vec<Vec<(u8, String)>>,
+    full: bool,
+) -> Vec<Vec<u8>> {
+    if files.len() != ports.len() {
+        *files = ports
+            .iter()
+            .map(|port| host.ib_counter_files(port))
+            .collect();
+    }
+    let mut records = Vec::new();
+    for (index, files) in files.iter().enumerate() {
+        let before = host::clock_ns(libc::CLOCK_MONOTONIC);
+        let wanted = files
+            .iter()
+            .filter(|(i, _)| full || nccltrace_common::IB_FAST & (1u64 << i) != 0);
+        let values: Vec<(u8, u64)> = wanted
+            .filter_map(|(i, path)| Some((*i, host.ib_value(path)?)))
+            .collect();
+        if values.is_empty() {
+            continue;
+        }
+        // Reading a port's counters may take a while (each file is a query of the
+        // adapter): the reading is dated at its middle.
+        let after = host::clock_ns(libc::CLOCK_MONOTONIC);
+        let at = before + (after.saturating_sub(before)) / 2;
+        let port = u32::try_from(index).unwrap_or(u32::MAX);
+        records.push(crate::decode::ib_reading(at, port, &values));
+    }
+    records
 }

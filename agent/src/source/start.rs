@@ -202,6 +202,20 @@ fn attach_all(prepared: Prepared, targets: &[Target]) -> Result<Attached, Source
     }
 
     phases.mark("python");
+    // The InfiniBand ports, whose counters the session reads: read once before any probe
+    // is attached, so that the steps traced while attaching lie between two readings.
+    let (infiniband_ports, infiniband_refused) = if profile.probes.infiniband {
+        let ports = host.ib_ports();
+        let why = ports
+            .is_empty()
+            .then(|| "no InfiniBand port under /sys/class/infiniband".to_owned());
+        (ports, why)
+    } else {
+        let why = "the profile has infiniband off".to_owned();
+        (Vec::new(), Some(why))
+    };
+    let mut ib_files = Vec::new();
+    let ib_early = super::readings::ib_readings(&host, &infiniband_ports, &mut ib_files, true);
     let mut links = Vec::new();
     let infos: Vec<(&Target, Vec<&FoundLibrary>, Vec<ProbeInfo>)> = targets
         .iter()
@@ -384,17 +398,6 @@ fn attach_all(prepared: Prepared, targets: &[Target]) -> Result<Attached, Source
     let resident = profile.probes.numa
         && node_distances.len() > 1
         && (numa_balancing == Some(0) || numa_hints_refused.is_some());
-    // The InfiniBand ports, whose counters the session reads.
-    let (infiniband_ports, infiniband_refused) = if profile.probes.infiniband {
-        let ports = host.ib_ports();
-        let why = ports
-            .is_empty()
-            .then(|| "no InfiniBand port under /sys/class/infiniband".to_owned());
-        (ports, why)
-    } else {
-        let why = "the profile has infiniband off".to_owned();
-        (Vec::new(), Some(why))
-    };
     let (kernel_release, hostname) = host::uname();
     let mut header = Header {
         format_version: FORMAT_VERSION,
@@ -462,7 +465,8 @@ fn attach_all(prepared: Prepared, targets: &[Target]) -> Result<Attached, Source
         counting,
         resident,
         resident_read: None,
-        ib_files: Vec::new(),
+        ib_files,
+        ib_early,
         ebpf: Some(ebpf),
         uprobes,
         links,

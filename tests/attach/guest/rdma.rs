@@ -199,11 +199,12 @@ fn infiniband_counters_of_a_live_port() {
     // Busy steps: 200 ms inside them.
     let (margin, inside) = (2_000_000_000, 200_000_000);
     let (mut before, mut during, mut after, mut total) = (0, 0, 0, 0);
-    // Steps with no reading on one side: the first ones (the trainer starts when the
-    // agent says it attached, its first reading comes ~0.4 s later in the emulated
-    // guest), and those in a stretch where the agent's loop read nothing for more than
-    // two seconds (seen in the guest while the trap calibration's rounds ran, each
-    // seconds long under emulation): counted apart, without a value, never as 0.
+    // Steps with no reading on one side: those in a stretch where the agent's loop read
+    // nothing for more than two seconds (seen in the guest while the trap calibration's
+    // rounds ran, each seconds long under emulation): counted apart, without a value,
+    // never as 0. The first steps have one: the ports are read before any probe is
+    // attached (the loop's first reading comes ~0.4 s after the trainer starts in the
+    // emulated guest).
     let (mut unread, mut unread_inside, mut errors_read) = (0, 0, 0);
     for s in steps {
         let (a, b) = (
@@ -238,6 +239,10 @@ fn infiniband_counters_of_a_live_port() {
          {errors_read} with the error counters; {total} packets in steps, {sent} counted by \
          the port",
         steps.len()
+    );
+    assert_eq!(
+        unread, unread_inside,
+        "the first steps have no reading: the ports were not read before attaching"
     );
     assert!(
         before >= 3 && after >= 3 && during >= 3,
