@@ -17,6 +17,14 @@ running_ddp "$OUT"
 "$BIN" attach --pid "$train" --duration "${SECS}s" --metrics 127.0.0.1:9464 --rotate 15s \
   --out "$OUT/live" > "$OUT/live.txt" 2> "$OUT/live.err" &
 agent=$!
+# The agent's memory every 50 ms: seconds since start, VmRSS, RssAnon, RssFile, VmHWM (kB).
+( t0=$(date +%s.%N)
+  while kill -0 "$agent" 2>/dev/null; do
+    awk -v now="$(date +%s.%N)" -v t0="$t0" \
+      '/^(VmRSS|RssAnon|RssFile|VmHWM):/ {v[$1]=$2} END {print now - t0, v["VmRSS:"], v["RssAnon:"], v["RssFile:"], v["VmHWM:"]}' \
+      "/proc/$agent/status" 2>/dev/null
+    sleep 0.05
+  done > "$OUT/mem.txt" ) &
 sleep 3
 for i in $(seq 1 $(((SECS - 5) / 5))); do
   "$PY" -c "import urllib.request,sys; sys.stdout.write(urllib.request.urlopen('http://127.0.0.1:9464/metrics', timeout=5).read().decode())" \
@@ -39,6 +47,17 @@ def series(path, name, **labels):
         if all(got.get(k) == f'"{v}"' for k, v in labels.items()):
             total = (total or 0) + float(m.group(3))
     return total
+def memory(path):
+    rows = [l.split() for l in open(path) if len(l.split()) == 5]
+    rows = [[float(x) for x in r] for r in rows]
+    if not rows: return None
+    top = lambda i: max(rows, key=lambda r: r[i])
+    mb = lambda kb: round(kb / 1024, 1)
+    return {"samples": len(rows), "rss_max": mb(top(1)[1]), "rss_max_at_s": round(top(1)[0], 1),
+            "anon_max": mb(top(2)[2]), "anon_max_at_s": round(top(2)[0], 1),
+            "file_max": mb(top(3)[3]), "file_max_at_s": round(top(3)[0], 1),
+            "vmhwm_last": mb(rows[-1][4]),
+            "rss_by_5s": [mb(max(r[1] for r in rows if int(r[0] // 5) == b)) for b in sorted({int(r[0] // 5) for r in rows})]}
 scrapes = sorted(glob.glob(f"{d}/scrape-*.txt"), key=lambda p: int(re.findall(r"\d+", os.path.basename(p))[0]))
 counts = [series(p, "nccltrace_step_seconds_count", rank="0", local_rank="0", job_id="h200-check") for p in scrapes]
 last = scrapes[-1]
@@ -64,5 +83,6 @@ print(json.dumps({
   "numa_series": series(last, "nccltrace_numa_pages_total") is not None,
   "infiniband_series": series(last, "nccltrace_infiniband_port_up") is not None,
   "doctor": [l.strip() for l in open(last) if l.startswith("nccltrace_doctor_finding")],
+  "memory_sampled_every_50ms_mb": memory(f"{d}/mem.txt"),
 }))
 PY

@@ -294,7 +294,11 @@ pub struct Attached {
     /// Per InfiniBand port of the header, the files of its counters (index, path).
     ib_files: Vec<Vec<(u8, String)>>,
     /// The ports' reading taken before any probe was attached, written first.
-    ib_early: Vec<Vec<u8>>,
+    ib_early: Vec<readings::IbRecord>,
+    /// Per port, the time of the newest reading written.
+    ib_written: Vec<u64>,
+    /// The ports read while tracing (started by the first drain).
+    ib_reader: Option<readings::IbReader>,
 }
 
 /// Each program's runs and run time (ns) as the kernel counts them, by name.

@@ -43,8 +43,8 @@ impl Attached {
         Ok(())
     }
 
-    /// The InfiniBand ports' counters as `IB_READING` records: the data and packet
-    /// counters, or all of them (`full`). The reading taken before the probes were
+    /// The InfiniBand ports' counters as `IB_READING` records, read now: the data and
+    /// packet counters, or all of them (`full`). The reading taken before the probes were
     /// attached goes first.
     pub(super) fn read_infiniband(
         &mut self,
@@ -52,12 +52,45 @@ impl Attached {
         host: &Host,
         full: bool,
     ) -> Result<(), crate::Error> {
-        for record in std::mem::take(&mut self.ib_early) {
-            sink.record(&record)?;
+        for reading in std::mem::take(&mut self.ib_early) {
+            self.push_ib(sink, &reading)?;
         }
         let ports = &self.header.infiniband_ports;
-        for record in ib_readings(host, ports, &mut self.ib_files, full) {
-            sink.record(&record)?;
+        for reading in ib_readings(host, ports, &mut self.ib_files, full) {
+            self.push_ib(sink, &reading)?;
+        }
+        Ok(())
+    }
+
+    /// Writes one port's reading, unless an as recent one of that port was written (the
+    /// reader's readings come late, and a window starts and ends with one read at once):
+    /// each port's readings are written in time order.
+    fn push_ib(&mut self, sink: &mut impl Sink, reading: &IbRecord) -> Result<(), crate::Error> {
+        let (port, at, record) = reading;
+        let index = *port as usize;
+        if self.ib_written.len() <= index {
+            self.ib_written.resize(index + 1, 0);
+        }
+        if *at <= self.ib_written[index] {
+            return Ok(());
+        }
+        self.ib_written[index] = *at;
+        sink.record(record)
+    }
+
+    /// Hands on the readings [`IbReader`] took since the last call; starts it at the
+    /// first call where there are ports to read.
+    pub(super) fn pull_infiniband(&mut self, sink: &mut impl Sink) -> Result<(), crate::Error> {
+        let ports = &self.header.infiniband_ports;
+        if ports.is_empty() {
+            return Ok(());
+        }
+        let reader = self
+            .ib_reader
+            .get_or_insert_with(|| IbReader::start(ports.clone(), self.ib_files.clone()));
+        let readings: Vec<IbRecord> = reader.records.try_iter().collect();
+        for reading in readings {
+            self.push_ib(sink, &reading)?;
         }
         Ok(())
     }
@@ -143,15 +176,17 @@ impl Attached {
     }
 }
 
-/// One reading of each port of `ports` as an `IB_READING` record: the data and packet
-/// counters, or all of them (`full`). Which files a port has is looked up once, into
-/// `files` (one entry a port).
+/// A port's reading: (port index, when, its `IB_READING` record).
+pub(super) type IbRecord = (u32, u64, Vec<u8>);
+
+/// One reading of each port of `ports`: the data and packet counters, or all of them
+/// (`full`). Which files a port has is looked up once, into `files` (one entry a port).
 pub(super) fn ib_readings(
     host: &Host,
     ports: &[String],
     files: &mut Vec<Vec<(u8, String)>>,
     full: bool,
-) -> Vec<Vec<u8>> {
+) -> Vec<IbRecord> {
     if files.len() != ports.len() {
         *files = ports
             .iter()
@@ -175,7 +210,69 @@ pub(super) fn ib_readings(
         let after = host::clock_ns(libc::CLOCK_MONOTONIC);
         let at = before + (after.saturating_sub(before)) / 2;
         let port = u32::try_from(index).unwrap_or(u32::MAX);
-        records.push(crate::decode::ib_reading(at, port, &values));
+        records.push((port, at, crate::decode::ib_reading(at, port, &values)));
     }
     records
+}
+
+/// The InfiniBand ports read on a thread of their own, the data and packet counters every
+/// [`super::IB_FAST_EVERY`] and all of them every [`super::IB_FULL_EVERY`]: a port's files
+/// are queries of the adapter (of its firmware, for `counters/`), which must not hold up
+/// the drain, and the drain's pauses (a round of the trap calibration) must not leave
+/// steps without a reading. Stopped and joined when dropped.
+pub(super) struct IbReader {
+    records: std::sync::mpsc::Receiver<IbRecord>,
+    /// Dropped to stop the thread.
+    stop: Option<std::sync::mpsc::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl IbReader {
+    fn start(ports: Vec<String>, mut files: Vec<Vec<(u8, String)>>) -> IbReader {
+        let (tx, records) = std::sync::mpsc::channel();
+        let (stop, stopped) = std::sync::mpsc::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name("nccltrace-ib".to_owned())
+            .spawn(move || {
+                let host = Host::live();
+                let mut full_at = Instant::now() + super::IB_FULL_EVERY;
+                while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
+                    stopped.recv_timeout(super::IB_FAST_EVERY)
+                {
+                    let full = Instant::now() >= full_at;
+                    if full {
+                        full_at = Instant::now() + super::IB_FULL_EVERY;
+                    }
+                    for record in ib_readings(&host, &ports, &mut files, full) {
+                        if tx.send(record).is_err() {
+                            return;
+                        }
+                    }
+                }
+            });
+        match thread {
+            Ok(thread) => IbReader {
+                records,
+                stop: Some(stop),
+                thread: Some(thread),
+            },
+            Err(e) => {
+                log::warn!("cannot start the InfiniBand reader: {e}");
+                IbReader {
+                    records,
+                    stop: None,
+                    thread: None,
+                }
+            }
+        }
+    }
+}
+
+impl Drop for IbReader {
+    fn drop(&mut self) {
+        drop(self.stop.take());
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
 }

@@ -192,6 +192,8 @@ impl Attached {
         }
         self.read_counters(sink, &host)?;
         let reason = loop {
+            // The ports' readings first: they date from before the records drained next.
+            self.pull_infiniband(sink)?;
             if more {
                 let mut naming = python::Naming {
                     inner: &mut *sink,
@@ -225,10 +227,6 @@ impl Attached {
                     if sink.rotate_due() {
                         break StopReason::Rotate;
                     }
-                    // The data counters every 100 ms; all of them at the second below.
-                    if last_tick.elapsed() < IB_FULL_EVERY {
-                        self.read_infiniband(sink, &host, false)?;
-                    }
                     if let Some(logger) = self.logger.as_mut() {
                         logger.flush();
                     }
@@ -246,7 +244,6 @@ impl Attached {
                             python::refresh(ebpf, &mut self.python);
                         }
                         self.read_resident(sink, &host)?;
-                        self.read_infiniband(sink, &host, true)?;
                         self.follow_threads(&host);
                         self.accounting.new_second();
                         self.read_program_stats(sink);
@@ -265,8 +262,11 @@ impl Attached {
                 }
             }
         };
+        self.pull_infiniband(sink)?;
         if !matches!(reason, StopReason::Rotate) {
             self.disarm();
+            // Its last readings are in; the last of all is taken below.
+            self.ib_reader = None;
         }
         // Everything drained so far goes to this sink (a window's last records included).
         let mut naming = python::Naming {

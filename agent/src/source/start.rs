@@ -467,6 +467,8 @@ fn attach_all(prepared: Prepared, targets: &[Target]) -> Result<Attached, Source
         resident_read: None,
         ib_files,
         ib_early,
+        ib_reader: None,
+        ib_written: Vec::new(),
         ebpf: Some(ebpf),
         uprobes,
         links,
