@@ -95,7 +95,7 @@ pub fn serve(
             };
             let metrics = metrics.clone();
             tokio::spawn(async move {
-                let _ = answer(stream, &metrics).await;
+                let _ = answer(stream, metrics).await;
             });
         }
     }))
@@ -146,7 +146,7 @@ fn accepts_openmetrics(head: &[u8]) -> bool {
     })
 }
 
-async fn answer(mut stream: tokio::net::TcpStream, metrics: &Metrics) -> std::io::Result<()> {
+async fn answer(mut stream: tokio::net::TcpStream, metrics: Arc<Metrics>) -> std::io::Result<()> {
     let mut head = Vec::with_capacity(512);
     let mut buf = [0u8; 1024];
     let read = async {
@@ -165,7 +165,14 @@ async fn answer(mut stream: tokio::net::TcpStream, metrics: &Metrics) -> std::io
     if head.is_empty() {
         return Ok(());
     }
-    let (status, content_type, body) = respond(&head, metrics);
+    // Off the runtime's thread, which drains the rings: a scrape reads the node's files,
+    // and an InfiniBand port's counters are queries of the adapter's firmware. (The
+    // runtime is shut down without waiting for a read that never returns.)
+    let request = head.clone();
+    let answered = tokio::task::spawn_blocking(move || respond(&request, &metrics)).await;
+    let Ok((status, content_type, body)) = answered else {
+        return Ok(());
+    };
     let reason = match status {
         200 => "OK",
         404 => "Not Found",
@@ -272,6 +279,67 @@ mod tests {
         assert!(bad.starts_with("HTTP/1.1 400 "), "{bad}");
         assert!(good.starts_with("HTTP/1.1 200 OK\r\n"), "{good}");
         assert!(good.contains("nccltrace_agent_cpu_seconds_total"), "{good}");
+    }
+
+    /// A scrape that waits on a slow file of the node (a counter of an adapter's firmware;
+    /// here a FIFO nobody writes to for 2 s) does not hold up the runtime that drains the
+    /// rings, and is answered once the file reads.
+    #[test]
+    fn a_slow_scrape_does_not_hold_up_the_drain() {
+        use std::io::{Read as _, Write as _};
+        let dir = tempfile::tempdir().unwrap();
+        let counters = dir
+            .path()
+            .join("sys/class/infiniband/mlx5_0/ports/1/counters");
+        std::fs::create_dir_all(&counters).unwrap();
+        let fifo = counters.join("port_xmit_data");
+        let path = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a valid path.
+        assert_eq!(unsafe { libc::mkfifo(path.as_ptr(), 0o600) }, 0);
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let listener = bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let metrics = Metrics::new(crate::host::Host::at(dir.path()));
+        let _server = {
+            let _inside = runtime.enter();
+            serve(listener, Arc::new(metrics)).unwrap()
+        };
+        let client = std::thread::spawn(move || {
+            let mut s = std::net::TcpStream::connect(addr).unwrap();
+            s.write_all(b"GET /metrics HTTP/1.1\r\n\r\n").unwrap();
+            let mut answer = String::new();
+            s.read_to_string(&mut answer).unwrap();
+            answer
+        });
+        let writer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_secs(2));
+            std::fs::write(fifo, "7\n").unwrap();
+        });
+        // The runtime goes on while the scrape waits: 20 ticks of 10 ms, well before the
+        // file reads.
+        let started = std::time::Instant::now();
+        runtime.block_on(async {
+            for _ in 0..20 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        });
+        let ticking = started.elapsed();
+        let answer = runtime.block_on(async {
+            while !client.is_finished() {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            client.join().unwrap()
+        });
+        writer.join().unwrap();
+        assert!(
+            ticking < Duration::from_millis(1500),
+            "the runtime stood still for {ticking:?} while a scrape read a slow file"
+        );
+        assert!(answer.starts_with("HTTP/1.1 200 OK\r\n"), "{answer}");
+        assert!(answer.contains("direction=\"transmit\"} 28"), "{answer}");
     }
 
     /// A taken port is bad input naming the address; so is an address that is not one.

@@ -160,7 +160,10 @@ pub fn run(args: AttachArgs) -> Result<(), Error> {
         .enable_all()
         .build()
         .map_err(Error::Runtime)?;
-    runtime.block_on(trace(settings, &targets, stop, prepared))
+    let traced = runtime.block_on(trace(settings, &targets, stop, prepared));
+    // Without waiting for a scrape stuck on a file that never reads.
+    runtime.shutdown_timeout(std::time::Duration::from_millis(500));
+    traced
 }
 
 /// The health report at attach: `OUT/doctor.json` and the warnings on stderr.
