@@ -219,12 +219,12 @@ pub(super) fn ib_readings(
 /// [`super::IB_FAST_EVERY`] and all of them every [`super::IB_FULL_EVERY`]: a port's files
 /// are queries of the adapter (of its firmware, for `counters/`), which must not hold up
 /// the drain, and the drain's pauses (a round of the trap calibration) must not leave
-/// steps without a reading. Stopped and joined when dropped.
+/// steps without a reading. Dropping it stops the thread, without waiting for a read
+/// under way (one that never returns must not keep the agent from exiting).
 pub(super) struct IbReader {
     records: std::sync::mpsc::Receiver<IbRecord>,
-    /// Dropped to stop the thread.
-    stop: Option<std::sync::mpsc::Sender<()>>,
-    thread: Option<std::thread::JoinHandle<()>>,
+    /// Dropped (with the reader) to stop the thread.
+    _stop: std::sync::mpsc::Sender<()>,
 }
 
 impl IbReader {
@@ -250,29 +250,12 @@ impl IbReader {
                     }
                 }
             });
-        match thread {
-            Ok(thread) => IbReader {
-                records,
-                stop: Some(stop),
-                thread: Some(thread),
-            },
-            Err(e) => {
-                log::warn!("cannot start the InfiniBand reader: {e}");
-                IbReader {
-                    records,
-                    stop: None,
-                    thread: None,
-                }
-            }
+        if let Err(e) = thread {
+            log::warn!("cannot start the InfiniBand reader: {e}");
         }
-    }
-}
-
-impl Drop for IbReader {
-    fn drop(&mut self) {
-        drop(self.stop.take());
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
+        IbReader {
+            records,
+            _stop: stop,
         }
     }
 }
