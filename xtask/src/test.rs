@@ -7,15 +7,14 @@ use anyhow::bail;
 
 /// The guest tests of a full run, in one 6.12 guest with the debug agent: the remote-memory
 /// estimate (hinting faults, and counted loads), page migrations in their step, the
-/// doctor on a real two-node /sys. (The soft-RoCE port's test runs in `cargo xtask
-/// vm-test`: it failed once in this set, and is kept out of it until it has run clean
-/// more often.) `cargo xtask vm-test` runs every guest test on 6.1 and
-/// 6.12 with the release agent.
-const GUEST_SMOKE: [&str; 4] = [
+/// doctor on a real two-node /sys, and a live soft-RoCE port's counters per step.
+/// `cargo xtask vm-test` runs every guest test on 6.1 and 6.12 with the release agent.
+const GUEST_SMOKE: [&str; 5] = [
     "guest::remote_memory_far_and_near",
     "guest::remote_memory_from_counted_loads",
     "guest::migrate_pages_in_their_step",
     "guest::doctor_names_far_memory",
+    "guest::rdma::infiniband_counters_of_a_live_port",
 ];
 
 pub fn run(root: &Path, args: &[String]) -> anyhow::Result<()> {
