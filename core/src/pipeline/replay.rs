@@ -118,8 +118,12 @@ impl Aggregator {
     }
 }
 
-/// Records per batch handed from the reading thread to the attribution.
-const BATCH: usize = 4096;
+/// Records per batch handed from the reading thread to the attribution. Each record is
+/// held as a decoded event (~150 bytes), and up to five batches are in flight (two
+/// waiting, one being read, one being filled, one coming back): 4,096 a batch made these
+/// the largest part of a node daemon's heap (7.3 MB of 17.7 at its peak, two windows
+/// overlapping at a rotation); at 1,024 `report` is as fast.
+const BATCH: usize = 1024;
 
 /// Reads and decodes every record `reader` has left, in batches sent to `full`; batches
 /// come back through `empty` to be refilled. Stops at the end, at damage, or when the
