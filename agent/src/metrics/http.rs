@@ -201,6 +201,28 @@ mod tests {
         Metrics::new(crate::host::Host::live())
     }
 
+    /// `metrics` served on a loopback port by a current-thread runtime, as the agent
+    /// serves them: the runtime, the address, the server's task.
+    fn served(
+        metrics: Metrics,
+    ) -> (
+        tokio::runtime::Runtime,
+        SocketAddr,
+        tokio::task::JoinHandle<()>,
+    ) {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let listener = bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = {
+            let _inside = runtime.enter();
+            serve(listener, Arc::new(metrics)).unwrap()
+        };
+        (runtime, addr, server)
+    }
+
     /// Bad requests get 400, other paths 404, other methods 405; Prometheus (which asks
     /// for OpenMetrics) gets OpenMetrics, anyone else the 0.0.4 text format.
     #[test]
@@ -247,16 +269,7 @@ mod tests {
     #[test]
     fn serves_over_tcp() {
         use std::io::{Read as _, Write as _};
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        let listener = bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
-        let _server = {
-            let _inside = runtime.enter();
-            serve(listener, Arc::new(metrics())).unwrap()
-        };
+        let (runtime, addr, _server) = served(metrics());
         let thread = std::thread::spawn(move || {
             let ask = |request: &[u8]| -> String {
                 let mut s = std::net::TcpStream::connect(addr).unwrap();
@@ -296,17 +309,7 @@ mod tests {
         let path = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
         // SAFETY: a valid path.
         assert_eq!(unsafe { libc::mkfifo(path.as_ptr(), 0o600) }, 0);
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        let listener = bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
-        let metrics = Metrics::new(crate::host::Host::at(dir.path()));
-        let _server = {
-            let _inside = runtime.enter();
-            serve(listener, Arc::new(metrics)).unwrap()
-        };
+        let (runtime, addr, _server) = served(Metrics::new(crate::host::Host::at(dir.path())));
         let client = std::thread::spawn(move || {
             let mut s = std::net::TcpStream::connect(addr).unwrap();
             s.write_all(b"GET /metrics HTTP/1.1\r\n\r\n").unwrap();
