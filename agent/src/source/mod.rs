@@ -296,7 +296,7 @@ pub struct Attached {
     /// The ports' reading taken before any probe was attached, written first.
     ib_early: Vec<readings::IbRecord>,
     /// Per port, the time of the newest reading written.
-    ib_written: Vec<u64>,
+    ib_written: readings::IbWritten,
     /// The ports read while tracing (started by the first drain).
     ib_reader: Option<readings::IbReader>,
 }

@@ -62,20 +62,13 @@ impl Attached {
         Ok(())
     }
 
-    /// Writes one port's reading, unless an as recent one of that port was written (the
-    /// reader's readings come late, and a window starts and ends with one read at once):
-    /// each port's readings are written in time order.
+    /// Writes one port's reading, unless an as recent one of that port was written.
     fn push_ib(&mut self, sink: &mut impl Sink, reading: &IbRecord) -> Result<(), crate::Error> {
         let (port, at, record) = reading;
-        let index = *port as usize;
-        if self.ib_written.len() <= index {
-            self.ib_written.resize(index + 1, 0);
+        if self.ib_written.newer(*port, *at) {
+            sink.record(record)?;
         }
-        if *at <= self.ib_written[index] {
-            return Ok(());
-        }
-        self.ib_written[index] = *at;
-        sink.record(record)
+        Ok(())
     }
 
     /// Hands on the readings [`IbReader`] took since the last call; starts it at the
@@ -85,9 +78,9 @@ impl Attached {
         if ports.is_empty() {
             return Ok(());
         }
-        let reader = self
-            .ib_reader
-            .get_or_insert_with(|| IbReader::start(ports.clone(), self.ib_files.clone()));
+        let reader = self.ib_reader.get_or_insert_with(|| {
+            IbReader::start(Host::live(), ports.clone(), self.ib_files.clone())
+        });
         let readings: Vec<IbRecord> = reader.records.try_iter().collect();
         for reading in readings {
             self.push_ib(sink, &reading)?;
@@ -228,13 +221,12 @@ pub(super) struct IbReader {
 }
 
 impl IbReader {
-    fn start(ports: Vec<String>, mut files: Vec<Vec<(u8, String)>>) -> IbReader {
+    fn start(host: Host, ports: Vec<String>, mut files: Vec<Vec<(u8, String)>>) -> IbReader {
         let (tx, records) = std::sync::mpsc::channel();
         let (stop, stopped) = std::sync::mpsc::channel::<()>();
         let thread = std::thread::Builder::new()
             .name("nccltrace-ib".to_owned())
             .spawn(move || {
-                let host = Host::live();
                 let mut full_at = Instant::now() + super::IB_FULL_EVERY;
                 while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
                     stopped.recv_timeout(super::IB_FAST_EVERY)
@@ -257,5 +249,92 @@ impl IbReader {
             records,
             _stop: stop,
         }
+    }
+}
+
+/// Per port, the time of the newest reading written: the reader's readings come late, and
+/// a window starts and ends with one read at once, so a port's readings are kept in time
+/// order by leaving out any not newer than the last one written.
+#[derive(Debug, Default)]
+pub(super) struct IbWritten(Vec<u64>);
+
+impl IbWritten {
+    /// Whether a reading of `port` at `at` is newer than the last one written (and is
+    /// now the last one).
+    fn newer(&mut self, port: u32, at: u64) -> bool {
+        let index = port as usize;
+        if self.0.len() <= index {
+            self.0.resize(index + 1, 0);
+        }
+        if at <= self.0[index] {
+            return false;
+        }
+        self.0[index] = at;
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each port's readings go out in time order, whatever order they come in.
+    #[test]
+    fn a_ports_readings_in_time_order() {
+        let mut w = IbWritten::default();
+        assert!(w.newer(0, 100));
+        assert!(w.newer(1, 50), "ports are apart");
+        assert!(!w.newer(0, 100), "the same reading twice");
+        assert!(!w.newer(0, 90), "an older one, late");
+        assert!(w.newer(0, 101));
+        assert!(w.newer(3, 1));
+    }
+
+    /// The reader reads a port's data and packet counters every 100 ms and all of them
+    /// every second, on its own, and stops when dropped.
+    #[test]
+    fn the_reader_reads_fast_and_full() {
+        let dir = tempfile::tempdir().unwrap();
+        let port = dir.path().join("sys/class/infiniband/mlx5_0/ports/1");
+        for (folder, name, value) in [
+            ("counters", "port_xmit_data", "1000"),
+            ("counters", "symbol_error", "3"),
+            ("hw_counters", "rnr_nak_retry_err", "2"),
+        ] {
+            std::fs::create_dir_all(port.join(folder)).unwrap();
+            std::fs::write(port.join(folder).join(name), format!("{value}\n")).unwrap();
+        }
+        let host = Host::at(dir.path());
+        let ports = host.ib_ports();
+        assert_eq!(ports, ["mlx5_0/1"]);
+        let reader = IbReader::start(host, ports, Vec::new());
+        std::thread::sleep(std::time::Duration::from_millis(1500));
+        let readings: Vec<IbRecord> = reader.records.try_iter().collect();
+        drop(reader);
+        let counters: Vec<Vec<(u8, u64)>> = readings
+            .iter()
+            .map(|(port, _, record)| {
+                assert_eq!(*port, 0);
+                match crate::decode::decode(record).unwrap() {
+                    crate::event::Event::IbCounters { counters, .. } => counters,
+                    other => panic!("{other:?}"),
+                }
+            })
+            .collect();
+        let name = |i: u8| nccltrace_common::IB_COUNTER_NAMES[usize::from(i)];
+        let full: Vec<_> = counters.iter().filter(|c| c.len() == 3).collect();
+        let fast: Vec<_> = counters.iter().filter(|c| c.len() == 1).collect();
+        assert_eq!(full.len(), 1, "{counters:?}");
+        assert!((5..=15).contains(&fast.len()), "{counters:?}");
+        assert_eq!(name(fast[0][0].0), "port_xmit_data");
+        assert_eq!(fast[0][0].1, 1000);
+        let mut names: Vec<&str> = full[0].iter().map(|c| name(c.0)).collect();
+        names.sort_unstable();
+        assert_eq!(
+            names,
+            ["port_xmit_data", "rnr_nak_retry_err", "symbol_error"]
+        );
+        // In time order.
+        assert!(readings.windows(2).all(|w| w[0].1 < w[1].1));
     }
 }

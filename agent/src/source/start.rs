@@ -468,7 +468,7 @@ fn attach_all(prepared: Prepared, targets: &[Target]) -> Result<Attached, Source
         ib_files,
         ib_early,
         ib_reader: None,
-        ib_written: Vec::new(),
+        ib_written: super::readings::IbWritten::default(),
         ebpf: Some(ebpf),
         uprobes,
         links,
