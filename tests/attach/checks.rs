@@ -244,14 +244,16 @@ pub(crate) fn offcpu_stacks_as_taken(out: &Path, summary: &Value) {
         assert!(folded.lines().any(|l| !l.contains(short_frame)), "{folded}");
         // The scheduler's view: off-CPU slices of the traced threads, clearly under
         // (90 µs) and up to just over (110 µs) the minimum; a stretch near it may fall
-        // either side, its ends read by different programs.
+        // either side, its ends read by different programs. Two either way for the
+        // stretches cut by the run's start and end (seen in the guest: 2 counted by the
+        // kernel, 3 slices under 90 µs).
         let (under, near) = (
             offcpu_slices_shorter(out, 90.0),
             offcpu_slices_shorter(out, 110.0),
         );
         eprintln!("trace.json: {under} off-CPU slices under 90 µs, {near} under 110 µs");
         assert!(
-            skipped * 10 >= under * 8 && skipped <= near + near / 5 + 2,
+            skipped * 10 + 20 >= under * 8 && skipped <= near + near / 5 + 2,
             "{skipped} short stretches counted by the kernel; trace.json has {under} under \
              90 µs and {near} under 110 µs"
         );
