@@ -168,8 +168,8 @@ async fn answer(mut stream: tokio::net::TcpStream, metrics: Arc<Metrics>) -> std
     // Off the runtime's thread, which drains the rings: a scrape reads the node's files,
     // and an InfiniBand port's counters are queries of the adapter's firmware. (The
     // runtime is shut down without waiting for a read that never returns.)
-    let request = head.clone();
-    let answered = tokio::task::spawn_blocking(move || respond(&request, &metrics)).await;
+    let is_head = head.starts_with(b"HEAD ");
+    let answered = tokio::task::spawn_blocking(move || respond(&head, &metrics)).await;
     let Ok((status, content_type, body)) = answered else {
         return Ok(());
     };
@@ -179,7 +179,6 @@ async fn answer(mut stream: tokio::net::TcpStream, metrics: Arc<Metrics>) -> std
         405 => "Method Not Allowed",
         _ => "Bad Request",
     };
-    let is_head = head.starts_with(b"HEAD ");
     let mut response = format!(
         "HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\n\
          Connection: close\r\n\r\n",

@@ -43,30 +43,15 @@ impl Attached {
         Ok(())
     }
 
-    /// The InfiniBand ports' counters as `IB_READING` records, read now: the data and
-    /// packet counters, or all of them (`full`). The reading taken before the probes were
-    /// attached goes first.
-    pub(super) fn read_infiniband(
-        &mut self,
-        sink: &mut impl Sink,
-        host: &Host,
-        full: bool,
-    ) -> Result<(), crate::Error> {
-        for reading in std::mem::take(&mut self.ib_early) {
-            self.push_ib(sink, &reading)?;
-        }
+    /// Every counter of the InfiniBand ports as `IB_READING` records, read now. The
+    /// reading taken before the probes were attached goes first.
+    fn read_infiniband(&mut self, sink: &mut impl Sink, host: &Host) -> Result<(), crate::Error> {
         let ports = &self.header.infiniband_ports;
-        for reading in ib_readings(host, ports, &mut self.ib_files, full) {
-            self.push_ib(sink, &reading)?;
-        }
-        Ok(())
-    }
-
-    /// Writes one port's reading, unless an as recent one of that port was written.
-    fn push_ib(&mut self, sink: &mut impl Sink, reading: &IbRecord) -> Result<(), crate::Error> {
-        let (port, at, record) = reading;
-        if self.ib_written.newer(*port, *at) {
-            sink.record(record)?;
+        let now = ib_readings(host, ports, &mut self.ib_files, true);
+        for (port, at, record) in std::mem::take(&mut self.ib_early).into_iter().chain(now) {
+            if self.ib_written.newer(port, at) {
+                sink.record(&record)?;
+            }
         }
         Ok(())
     }
@@ -81,9 +66,10 @@ impl Attached {
         let reader = self.ib_reader.get_or_insert_with(|| {
             IbReader::start(Host::live(), ports.clone(), self.ib_files.clone())
         });
-        let readings: Vec<IbRecord> = reader.records.try_iter().collect();
-        for reading in readings {
-            self.push_ib(sink, &reading)?;
+        for (port, at, record) in reader.records.try_iter() {
+            if self.ib_written.newer(port, at) {
+                sink.record(&record)?;
+            }
         }
         Ok(())
     }
@@ -115,7 +101,7 @@ impl Attached {
         sink: &mut impl Sink,
         host: &Host,
     ) -> Result<(), crate::Error> {
-        self.read_infiniband(sink, host, true)?;
+        self.read_infiniband(sink, host)?;
         self.read_node_loads(sink, true)?;
         sink.numastat(host::clock_ns(libc::CLOCK_MONOTONIC), host.numastat());
         Ok(())
