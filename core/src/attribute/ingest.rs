@@ -107,6 +107,14 @@ impl Timeline {
                 last.0.clone_from(kstack);
                 last.1.clone_from(ustack);
             }
+            Event::StackSame { ts_ns, task, of } if *of == nccltrace_common::kind::PY_FRAMES => {
+                // The thread's previous Python frames, for the stack record that follows;
+                // none when that walk was lost or is in an earlier recording window.
+                let log = self.log(task.tid, task.tgid);
+                if let Some(frames) = log.last_py.clone() {
+                    self.py_pending.insert(task.tid, (*ts_ns, frames));
+                }
+            }
             Event::StackSame { ts_ns, task, of } => {
                 // The native frames of the thread's previous record of that kind; none
                 // when that record was lost or is in an earlier recording window.
@@ -151,8 +159,12 @@ impl Timeline {
                 ts_ns,
                 task,
                 frames,
+                keyed,
                 ..
             } => {
+                if *keyed {
+                    self.log(task.tid, task.tgid).last_py = Some(frames.clone());
+                }
                 self.py_pending.insert(task.tid, (*ts_ns, frames.clone()));
             }
             Event::CallStack {

@@ -114,6 +114,9 @@ struct ThreadLog {
     /// frames of its last call-entry stack: what a `StackSame` record stands for.
     last_offcpu: Option<(Vec<u64>, Vec<u64>)>,
     last_call: Option<Vec<u64>>,
+    /// The thread's last Python frames walked whole: what a `StackSame` record of Python
+    /// frames stands for.
+    last_py: Option<Vec<PyFrame>>,
     /// Wakeups: (time, waker tid, waker tgid).
     wakeups: Vec<(u64, u32, u32)>,
     /// Migrations: (time, from CPU, to CPU).
@@ -471,7 +474,7 @@ impl Timeline {
                 Event::OffCpu { .. }
                     | Event::PyStack { .. }
                     | Event::StackSame {
-                        of: nccltrace_common::kind::OFFCPU,
+                        of: nccltrace_common::kind::OFFCPU | nccltrace_common::kind::PY_FRAMES,
                         ..
                     }
             )

@@ -369,7 +369,7 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
             let e = read::<StackSameEvent>(bytes, "stack-same record")?;
             let of = u16::try_from(e.of)
                 .ok()
-                .filter(|of| matches!(*of, kind::OFFCPU | kind::CALL_STACK))
+                .filter(|of| matches!(*of, kind::OFFCPU | kind::CALL_STACK | kind::PY_FRAMES))
                 .ok_or(DecodeError::NotAStack { of: e.of })?;
             Event::StackSame {
                 ts_ns: h.ts_ns,
@@ -435,11 +435,14 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
                     });
                 }
             }
+            // Before format version 4 the field was 0 or 1 (truncated).
+            let flags = word(std::mem::offset_of!(PyStackEvent, truncated), 4);
             Event::PyStack {
                 ts_ns: h.ts_ns,
                 task: t,
                 frames,
-                truncated: word(std::mem::offset_of!(PyStackEvent, truncated), 4) != 0,
+                truncated: flags & u64::from(nccltrace_common::PY_TRUNCATED) != 0,
+                keyed: flags & u64::from(nccltrace_common::PY_KEYED) != 0,
             }
         }
         other => return Err(DecodeError::UnknownKind { kind: other }),

@@ -157,6 +157,12 @@ fn stack_same_names_a_stack_kind() {
         (ts_ns, task.tid, task.tgid, of),
         (5_000, 11, 10, kind::CALL_STACK)
     );
+    // Python frames reused (format version 4).
+    rec.of = u32::from(kind::PY_FRAMES);
+    let Event::StackSame { of, .. } = decode(&as_bytes(&rec)).unwrap() else {
+        panic!("not a stack-same record")
+    };
+    assert_eq!(of, kind::PY_FRAMES);
     rec.of = u32::from(kind::SWITCH);
     assert_eq!(
         decode(&as_bytes(&rec)),

@@ -261,6 +261,9 @@ pub enum Event {
         frames: Vec<PyFrame>,
         /// Outer frames are missing (the walk's bound, or an unreadable frame).
         truncated: bool,
+        /// What the thread's later `StackSame` records of Python frames stand for (the
+        /// walk of an off-CPU or call-entry stack whose frames the kernel keyed).
+        keyed: bool,
     },
 }
 

@@ -50,7 +50,8 @@ pub struct Aggregator {
     threads: BTreeSet<u32>,
     samples: u64,
     stacks: StackCounts,
-    python_stacks_by_pid: BTreeMap<u32, u64>,
+    /// Python stacks by pid: (all, reused).
+    python_stacks_by_pid: BTreeMap<u32, (u64, u64)>,
     /// The first numastat reading and the last after it.
     numastat: Option<(NodeCounters, Option<NodeCounters>)>,
     /// Each InfiniBand port's first and last readings: the run's totals.

@@ -95,12 +95,10 @@ impl Aggregator {
                 );
             }
             Event::Sample { .. } => self.samples += 1,
-            Event::OffCpu { task, .. } => self.stacks.whole(task.tid, kind::OFFCPU),
-            Event::CallStack { task, .. } => self.stacks.whole(task.tid, kind::CALL_STACK),
-            Event::StackSame { task, of, .. } => self.stacks.reused(task.tid, *of),
-            Event::PyStack { task, .. } => {
-                *self.python_stacks_by_pid.entry(task.tgid).or_default() += 1;
-            }
+            Event::OffCpu { .. }
+            | Event::CallStack { .. }
+            | Event::StackSame { .. }
+            | Event::PyStack { .. } => self.count_stack(event),
             Event::IbCounters {
                 ts_ns,
                 port,
@@ -110,6 +108,29 @@ impl Aggregator {
                 self.infiniband.add(*ts_ns, *port, counters);
                 self.infiniband.keep_ends();
             }
+        }
+    }
+
+    /// Off-CPU, call-entry and Python stack records, whole or reused.
+    fn count_stack(&mut self, event: &Event) {
+        match event {
+            Event::OffCpu { task, .. } => self.stacks.whole(task.tid, kind::OFFCPU),
+            Event::CallStack { task, .. } => self.stacks.whole(task.tid, kind::CALL_STACK),
+            Event::StackSame { task, of, .. } => {
+                if *of == kind::PY_FRAMES {
+                    let n = self.python_stacks_by_pid.entry(task.tgid).or_default();
+                    n.0 += 1;
+                    n.1 += 1;
+                }
+                self.stacks.reused(task.tid, *of);
+            }
+            Event::PyStack { task, keyed, .. } => {
+                self.python_stacks_by_pid.entry(task.tgid).or_default().0 += 1;
+                if *keyed {
+                    self.stacks.whole(task.tid, kind::PY_FRAMES);
+                }
+            }
+            _ => {}
         }
     }
 }
@@ -145,7 +166,7 @@ pub(super) struct StackCounts {
     pub(super) offcpu: u64,
     pub(super) call: u64,
     pub(super) reused: u64,
-    /// Reused with no whole stack of their thread and kind before them.
+    /// Reused with no whole record of their thread and kind before them.
     pub(super) unresolved: u64,
     /// Threads (and stack kinds) with a whole stack record so far.
     bases: std::collections::HashSet<(u32, u16), foldhash::fast::FixedState>,
@@ -155,7 +176,7 @@ impl StackCounts {
     fn add(&mut self, of: u16) {
         if of == kind::CALL_STACK {
             self.call += 1;
-        } else {
+        } else if of == kind::OFFCPU {
             self.offcpu += 1;
         }
     }
@@ -167,7 +188,9 @@ impl StackCounts {
 
     fn reused(&mut self, tid: u32, of: u16) {
         self.add(of);
-        self.reused += 1;
+        if of != kind::PY_FRAMES {
+            self.reused += 1;
+        }
         if !self.bases.contains(&(tid, of)) {
             self.unresolved += 1;
         }

@@ -116,9 +116,15 @@ pub struct TargetSummary {
     /// and why not.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub python: Option<crate::python::PythonInfo>,
-    /// Python stacks (frames walked) taken of its threads.
+    /// Python stacks taken of its threads.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub python_stacks: Option<u64>,
+    /// Of those, the ones not walked again: the thread's current frame, innermost frame
+    /// and its caller (each with its code object and instruction) were those of its
+    /// previous off-CPU or call-entry walk, under a second before (profile
+    /// `reuse_stacks`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub python_stacks_reused: Option<u64>,
 }
 
 /// What the agent itself cost.
@@ -207,10 +213,11 @@ pub struct Summary {
     /// Of `offcpu_stacks` and `call_stacks` (user frames only), those whose native frames
     /// were not unwound again: the thread was where it had been at its previous stack of
     /// that kind (same instruction, stack and frame pointers, innermost frame link),
-    /// taken under a second before. Their Python frames are walked every time.
+    /// taken under a second before. Their Python frames are reused likewise (per target,
+    /// `python_stacks_reused`).
     pub stacks_reused: u64,
-    /// Of those, the ones whose earlier stack is not in the recording (lost, or in an
-    /// earlier window of a rotated recording): drawn without a stack.
+    /// Reused native or Python frames whose earlier record is not in the recording (lost,
+    /// or in an earlier window of a rotated recording): drawn without those frames.
     pub stacks_reused_unresolved: u64,
     pub undecodable_records: u64,
     pub lost_events: u64,
@@ -238,10 +245,11 @@ pub struct Summary {
     pub damaged: Option<String>,
 }
 
-/// What summary.json says of each target (`python_stacks`: Python stacks by pid).
+/// What summary.json says of each target (`python_stacks`: Python stacks by pid, and
+/// of them reused).
 pub(crate) fn target_summaries(
     targets: &[crate::record::TargetInfo],
-    python_stacks: &BTreeMap<u32, u64>,
+    python_stacks: &BTreeMap<u32, (u64, u64)>,
 ) -> Vec<TargetSummary> {
     targets
         .iter()
@@ -255,7 +263,11 @@ pub(crate) fn target_summaries(
             python_stacks: t
                 .python
                 .as_ref()
-                .map(|_| python_stacks.get(&t.pid).copied().unwrap_or(0)),
+                .map(|_| python_stacks.get(&t.pid).map_or(0, |n| n.0)),
+            python_stacks_reused: t
+                .python
+                .as_ref()
+                .map(|_| python_stacks.get(&t.pid).map_or(0, |n| n.1)),
         })
         .collect()
 }

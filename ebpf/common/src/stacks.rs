@@ -59,6 +59,27 @@ pub struct StackKey {
 /// Slots of the per-thread stack keys (a power of two).
 pub const STACK_KEY_SLOTS: u32 = 4096;
 
+/// The key a thread's Python frames are reused under (a `STACK_SAME` record of
+/// [`crate::kind::PY_FRAMES`]): where the thread state says the current frame is, and the
+/// innermost frame and its caller, each by address, code object and instruction word.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PyKey {
+    /// The thread the slot holds (slots are indexed by tid modulo [`STACK_KEY_SLOTS`]).
+    pub tid: u32,
+    pub _pad: u32,
+    /// When the frames were walked whole.
+    pub taken_ns: u64,
+    /// `tstate->cframe` (the C frame of the running interpreter loop, 3.11 and 3.12) or
+    /// `tstate->current_frame` (3.13).
+    pub holder: u64,
+    /// The innermost frame and its caller (0: none).
+    pub frames: [u64; 2],
+    pub codes: [u64; 2],
+    pub instrs: [u64; 2],
+}
+const _: () = assert!(core::mem::size_of::<PyKey>() == 72);
+
 /// Python frames kept per stack (innermost first, entry markers included).
 pub const PY_DEPTH: usize = 40;
 
@@ -92,14 +113,22 @@ pub struct PyFramesEvent {
     pub hdr: Header,
     /// Frames in use.
     pub len: u32,
-    /// Nonzero: the walk stopped at [`PY_DEPTH`] with frames left (the outermost are
-    /// missing).
+    /// [`PY_TRUNCATED`]: the walk stopped at [`PY_DEPTH`] with frames left (the outermost
+    /// are missing); [`PY_KEYED`]: what later `STACK_SAME` records of the thread's Python
+    /// frames stand for.
     pub truncated: u32,
     pub entries: u64,
     pub codes: [u64; PY_DEPTH],
     pub offsets: [u32; PY_DEPTH],
 }
 const _: () = assert!(core::mem::size_of::<PyFramesEvent>() == 520);
+
+/// [`PyFramesEvent::truncated`] bit: outer frames are missing.
+pub const PY_TRUNCATED: u32 = 1;
+/// [`PyFramesEvent::truncated`] bit: the frames were kept as the thread's [`PyKey`]
+/// (an off-CPU or call-entry stack's walk, not a sample's): the `STACK_SAME` records of
+/// Python frames that follow for the thread stand for these.
+pub const PY_KEYED: u32 = 2;
 
 /// Where a CPython interpreter keeps what the frame walk reads (per target process,
 /// `PY_LAYOUTS`; byte offsets, [`crate::FIELD_ABSENT`] for a field the version lacks).

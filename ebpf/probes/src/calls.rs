@@ -34,9 +34,16 @@ pub fn uprobe_lib_call(ctx: ProbeContext) -> u32 {
         // The timer's start is the call's (one clock read, ~40 ns, fewer).
         start_ns: run.start_ns,
         args: [
-            regs.rdi, regs.rsi, regs.rdx, regs.rcx, regs.r8, regs.r9, NOT_READ, NOT_READ,
+            regs.rdi, regs.rsi, regs.rdx, regs.rcx, regs.r8, regs.r9, 0, 0,
         ],
     };
+    // Two stores: written in the literal, the two words of all ones became a call of the
+    // program's `memset` (a BPF-to-BPF call on every traced call).
+    // SAFETY: fields of a live local.
+    unsafe {
+        (&raw mut pending.args[6]).write_volatile(NOT_READ);
+        (&raw mut pending.args[7]).write_volatile(NOT_READ);
+    }
     // SAFETY: a plain read of a read-only global.
     let stacks = unsafe { core::ptr::read_volatile(&raw const CONFIG.call_stacks) };
     if call_stacks::wanted(stacks, func_id) {

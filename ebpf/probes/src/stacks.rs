@@ -28,10 +28,10 @@ pub fn perf_event_cpu_clock(ctx: PerfEventContext) -> u32 {
 pub(crate) fn emit_entry_stack(ctx: *mut core::ffi::c_void, regs: &pt_regs, tgid: u32, tid: u32) {
     // The Python frames first: the record they belong to comes next in the buffer.
     let hdr = header(kind::CALL_STACK, tgid, tid);
-    emit_py_stack(&hdr);
+    let reuse = reuse_stacks();
+    emit_py_stack(&hdr, reuse);
     // SAFETY: bpf_probe_read_user checks the addresses.
     let caller = unsafe { bpf_probe_read_user(regs.rsp as *const u64) }.unwrap_or(0);
-    let reuse = reuse_stacks();
     let link = if reuse {
         unsafe { bpf_probe_read_user(regs.rbp as *const [u64; 2]) }.unwrap_or([0, 0])
     } else {
@@ -112,22 +112,32 @@ pub(crate) fn same_stack(keys: &Array<StackKey>, key: &StackKey, hdr: &Header) -
         && slot.sp == key.sp
         && slot.bp == key.bp
         && slot.words == key.words;
-    if !same {
-        return false;
+    if same {
+        emit_same(hdr, hdr.kind);
     }
-    // Lost, it counts under the kind it stands for.
+    same
+}
+
+/// Writes a `STACK_SAME` record standing for a record of kind `of` under `hdr`'s time and
+/// thread. Lost, it counts under `of` (Python frames under `PY_STACK`).
+#[inline(always)]
+fn emit_same(hdr: &Header, of: u16) {
+    let lost_as = if of == kind::PY_FRAMES {
+        kind::PY_STACK
+    } else {
+        of
+    };
     emit(
-        hdr.kind,
+        lost_as,
         StackSameEvent {
             hdr: Header {
                 kind: kind::STACK_SAME,
                 ..*hdr
             },
-            of: u32::from(hdr.kind),
+            of: u32::from(of),
             _pad: 0,
         },
     );
-    true
 }
 
 /// Keeps `key` as the thread's last written native stack (after its record was written).
@@ -175,7 +185,7 @@ pub(crate) fn offcpu_kernel() -> bool {
 #[inline(always)]
 pub(crate) fn emit_stacks(ctx: *mut core::ffi::c_void, hdr: Header, kernel: bool, reuse: bool) {
     // The Python frames first: the record they belong to comes next in the buffer.
-    emit_py_stack(&hdr);
+    emit_py_stack(&hdr, reuse && reuse_stacks());
     let key = if reuse && !kernel && reuse_stacks() {
         user_key(hdr.tid, hdr.ts_ns)
     } else {
@@ -339,9 +349,11 @@ fn py_frame(
 /// `stack`'s time, before the stack record itself: nothing when the thread is not a known
 /// Python thread or runs no Python code. Walks the interpreter frame chain from the
 /// thread state (`tstate->cframe->current_frame`, then `previous`), one user read per
-/// frame, at most `PY_DEPTH` entries; code objects are named in user space.
+/// frame, at most `PY_DEPTH` entries; code objects are named in user space. With `reuse`,
+/// frames that are where they were at the thread's previous walk ([`PyKey`]) are written
+/// as a `STACK_SAME` record instead of being walked again.
 #[inline(always)]
-pub(crate) fn emit_py_stack(stack: &Header) {
+pub(crate) fn emit_py_stack(stack: &Header, reuse: bool) {
     // SAFETY: copied out at once.
     let Some(tstate) = (unsafe { PY_THREADS.get(&stack.tid) }).copied() else {
         return;
@@ -375,6 +387,16 @@ pub(crate) fn emit_py_stack(stack: &Header) {
     };
     // SAFETY: this CPU's slot, written and read within one turn of the walk.
     let window = unsafe { &mut *window };
+    let key = if reuse {
+        py_key(stack, cframe, frame, window, &layout)
+    } else {
+        None
+    };
+    if let Some(key) = &key
+        && same_py(key, stack)
+    {
+        return;
+    }
     let ring = ring();
     let Some(mut entry) = ring.reserve::<PyFramesEvent>(0) else {
         bump(u32::from(kind::PY_STACK));
@@ -414,6 +436,81 @@ pub(crate) fn emit_py_stack(stack: &Header) {
         py_walk_unrolled(event, window, frame, &layout, entry_flag)
     };
     // Frames left: the walk hit its bound, or a frame could not be read.
-    event.truncated = u32::from(frame != 0);
+    event.truncated =
+        if frame != 0 { PY_TRUNCATED } else { 0 } | if key.is_some() { PY_KEYED } else { 0 };
     entry.submit(wake_flags(ring, 0));
+    if let Some(key) = &key
+        && let Some(slot) = PY_KEYS.get_ptr_mut(key.tid & (STACK_KEY_SLOTS - 1))
+    {
+        // SAFETY: a live map value; a thread sharing the slot only makes the next
+        // comparison fail.
+        unsafe { *slot = *key };
+    }
+}
+
+/// Per-thread keys of the last Python frames walked whole for an off-CPU or call-entry
+/// stack.
+#[map]
+pub(crate) static PY_KEYS: Array<PyKey> = Array::with_max_entries(STACK_KEY_SLOTS, 0);
+
+/// The key of the thread's Python frames: `holder` (what the thread state points at), the
+/// innermost frame `frame` and its caller, read into `window`; none when a frame cannot be
+/// read.
+#[inline(always)]
+fn py_key(
+    stack: &Header,
+    holder: u64,
+    frame: u64,
+    window: &mut [u64; 16],
+    layout: &PyLayout,
+) -> Option<PyKey> {
+    let mut key = PyKey {
+        tid: stack.tid,
+        _pad: 0,
+        taken_ns: stack.ts_ns,
+        holder,
+        frames: [frame, 0],
+        codes: [0, 0],
+        instrs: [0, 0],
+    };
+    for i in 0..2 {
+        let at = key.frames[i];
+        if at == 0 {
+            break;
+        }
+        // SAFETY: the helper checks the user address; the buffer holds the window.
+        let bytes = unsafe {
+            core::slice::from_raw_parts_mut(window.as_mut_ptr().cast::<u8>(), PY_FRAME_WINDOW)
+        };
+        if unsafe { aya_ebpf::helpers::bpf_probe_read_user_buf(at as *const u8, bytes) }.is_err() {
+            return None;
+        }
+        let word = |at: u32| window[(at as usize >> 3) & 15];
+        key.codes[i] = word(layout.frame_code);
+        key.instrs[i] = word(layout.frame_instr);
+        if i == 0 {
+            key.frames[1] = word(layout.frame_previous);
+        }
+    }
+    Some(key)
+}
+
+/// Whether the thread's Python frames are where they were at its previous whole walk,
+/// under `STACK_REUSE_NS` ago: then a `STACK_SAME` record of `PY_FRAMES` stands for them
+/// (written here) and true is returned.
+#[inline(always)]
+fn same_py(key: &PyKey, stack: &Header) -> bool {
+    let Some(slot) = PY_KEYS.get(key.tid & (STACK_KEY_SLOTS - 1)) else {
+        return false;
+    };
+    let same = slot.tid == key.tid
+        && key.taken_ns.wrapping_sub(slot.taken_ns) < STACK_REUSE_NS
+        && slot.holder == key.holder
+        && slot.frames == key.frames
+        && slot.codes == key.codes
+        && slot.instrs == key.instrs;
+    if same {
+        emit_same(stack, kind::PY_FRAMES);
+    }
+    same
 }

@@ -526,6 +526,7 @@ fn reused_stacks_take_the_threads_previous_native_frames() {
         task: task(tid),
         frames: vec![PyFrame { code, offset: 4 }],
         truncated: false,
+        keyed: true,
     };
     let same = |ts: u64, tid: u32| Event::StackSame {
         ts_ns: ts,
@@ -576,4 +577,87 @@ fn reused_stacks_take_the_threads_previous_native_frames() {
             .filter(|t| t.tid == 11)
             .all(|t| t.offcpu.iter().all(|o| o.stack.is_none()))
     );
+}
+
+/// `StackSame` records of Python frames stand for the thread's previous keyed walk (an
+/// off-CPU or call-entry stack's, not a sample's); one with no earlier walk of its thread
+/// leaves the stack without Python frames.
+#[test]
+fn reused_python_frames_take_the_threads_previous_walk() {
+    let mut tl = Timeline::new(&Setup::from(&header()));
+    let same = |ts: u64, tid: u32, of: u16| Event::StackSame {
+        ts_ns: ts,
+        task: task(tid),
+        of,
+    };
+    let mut events = vec![];
+    for k in 0..4u64 {
+        let out = 1_000_000 + k * 2_000_000;
+        events.push(switch(out, true, 1));
+        // Walked whole at the first and third stretches, reused at the others.
+        events.push(if k % 2 == 0 {
+            Event::PyStack {
+                ts_ns: out,
+                task: task(10),
+                frames: vec![PyFrame {
+                    code: 0x100 * (k + 1),
+                    offset: 4,
+                }],
+                truncated: false,
+                keyed: true,
+            }
+        } else {
+            same(out, 10, nccltrace_common::kind::PY_FRAMES)
+        });
+        // An on-CPU sample's walk in between: not what the reused frames stand for.
+        events.push(Event::PyStack {
+            ts_ns: out + 1_500_000,
+            task: task(10),
+            frames: vec![PyFrame {
+                code: 0x999,
+                offset: 4,
+            }],
+            truncated: false,
+            keyed: false,
+        });
+        events.push(Event::Sample {
+            ts_ns: out + 1_500_000,
+            task: task(10),
+            kstack: vec![],
+            ustack: vec![5],
+        });
+        events.push(Event::OffCpu {
+            ts_ns: out,
+            task: task(10),
+            kstack: vec![],
+            ustack: vec![7, 8 + k],
+        });
+        events.push(switch(out + 1_000_000, false, 0));
+    }
+    // Another thread's reused Python frames with no walk before them.
+    events.push(same(2_500_000, 11, nccltrace_common::kind::PY_FRAMES));
+    events.push(Event::OffCpu {
+        ts_ns: 2_500_000,
+        task: task(11),
+        kstack: vec![],
+        ustack: vec![9],
+    });
+    events.sort_by_key(Event::ts_ns);
+    for e in &events {
+        tl.push(e);
+    }
+    let (_, detail) = tl.finish(10_000_000, StepRule::Window(1_000_000));
+    let thread = detail.threads.iter().find(|t| t.tid == 10).unwrap();
+    let py: Vec<&Vec<PyFrame>> = thread
+        .offcpu
+        .iter()
+        .map(|o| &detail.stacks[o.stack.expect("every stretch has its stack") as usize].py)
+        .collect();
+    let frame = |code: u64| vec![PyFrame { code, offset: 4 }];
+    assert_eq!(
+        py,
+        vec![&frame(0x100), &frame(0x100), &frame(0x300), &frame(0x300)]
+    );
+    let other = detail.stacks.iter().find(|s| s.ustack == vec![9]).unwrap();
+    assert!(other.py.is_empty(), "{other:?}");
 }
