@@ -46,7 +46,7 @@ pub(crate) fn emit_entry_stack(ctx: *mut core::ffi::c_void, regs: &pt_regs, tgid
         bp: regs.rbp,
         words: [caller, link[0], link[1]],
     };
-    if reuse && same_stack(&CALL_KEYS, &key, &hdr) {
+    if reuse && same_as_kept(&CALL_KEYS, &key, &hdr, kind::CALL_STACK) {
         return;
     }
     let ring = ring();
@@ -79,7 +79,7 @@ pub(crate) fn emit_entry_stack(ctx: *mut core::ffi::c_void, regs: &pt_regs, tgid
     }
     entry.submit(wake_flags(ring, 0));
     if reuse {
-        remember_stack(&CALL_KEYS, &key);
+        keep(&CALL_KEYS, &key);
     }
 }
 
@@ -98,22 +98,68 @@ pub(crate) static CALL_KEYS: Array<StackKey> = Array::with_max_entries(STACK_KEY
 #[map]
 pub(crate) static OFFCPU_KEYS: Array<StackKey> = Array::with_max_entries(STACK_KEY_SLOTS, 0);
 
-/// Whether the thread's native stack is the one last written for it under `keys` (same
-/// place, same innermost frame link, taken less than `STACK_REUSE_NS` ago): then a
-/// `STACK_SAME` record stands for it (written here) and true is returned.
+/// A thread's frames as a key: where they are, not what they are. Where a key equals the
+/// one kept for its thread (under `STACK_REUSE_NS` ago), a `STACK_SAME` record stands for
+/// the frames.
+pub(crate) trait ReuseKey: Copy + 'static {
+    fn tid(&self) -> u32;
+    fn taken_ns(&self) -> u64;
+    /// Whether the frames are where they were at `kept` (all but the time).
+    fn same_place(&self, kept: &Self) -> bool;
+}
+
+impl ReuseKey for StackKey {
+    #[inline(always)]
+    fn tid(&self) -> u32 {
+        self.tid
+    }
+
+    #[inline(always)]
+    fn taken_ns(&self) -> u64 {
+        self.taken_ns
+    }
+
+    /// Same place, same innermost frame link.
+    #[inline(always)]
+    fn same_place(&self, kept: &Self) -> bool {
+        kept.ip == self.ip && kept.sp == self.sp && kept.bp == self.bp && kept.words == self.words
+    }
+}
+
+impl ReuseKey for PyKey {
+    #[inline(always)]
+    fn tid(&self) -> u32 {
+        self.tid
+    }
+
+    #[inline(always)]
+    fn taken_ns(&self) -> u64 {
+        self.taken_ns
+    }
+
+    /// The same current frame holder, innermost frame and caller.
+    #[inline(always)]
+    fn same_place(&self, kept: &Self) -> bool {
+        kept.holder == self.holder
+            && kept.frames == self.frames
+            && kept.codes == self.codes
+            && kept.instrs == self.instrs
+    }
+}
+
+/// Whether `key` is where the frames last written for its thread under `keys` were, taken
+/// less than `STACK_REUSE_NS` ago: then a `STACK_SAME` record standing for a record of
+/// kind `of` is written (with `hdr`'s time and thread) and true is returned.
 #[inline(always)]
-pub(crate) fn same_stack(keys: &Array<StackKey>, key: &StackKey, hdr: &Header) -> bool {
-    let Some(slot) = keys.get(key.tid & (STACK_KEY_SLOTS - 1)) else {
+pub(crate) fn same_as_kept<K: ReuseKey>(keys: &Array<K>, key: &K, hdr: &Header, of: u16) -> bool {
+    let Some(kept) = keys.get(key.tid() & (STACK_KEY_SLOTS - 1)) else {
         return false;
     };
-    let same = slot.tid == key.tid
-        && key.taken_ns.wrapping_sub(slot.taken_ns) < STACK_REUSE_NS
-        && slot.ip == key.ip
-        && slot.sp == key.sp
-        && slot.bp == key.bp
-        && slot.words == key.words;
+    let same = kept.tid() == key.tid()
+        && key.taken_ns().wrapping_sub(kept.taken_ns()) < STACK_REUSE_NS
+        && key.same_place(kept);
     if same {
-        emit_same(hdr, hdr.kind);
+        emit_same(hdr, of);
     }
     same
 }
@@ -140,10 +186,10 @@ fn emit_same(hdr: &Header, of: u16) {
     );
 }
 
-/// Keeps `key` as the thread's last written native stack (after its record was written).
+/// Keeps `key` as its thread's last written frames (after their record was written).
 #[inline(always)]
-pub(crate) fn remember_stack(keys: &Array<StackKey>, key: &StackKey) {
-    if let Some(slot) = keys.get_ptr_mut(key.tid & (STACK_KEY_SLOTS - 1)) {
+pub(crate) fn keep<K: ReuseKey>(keys: &Array<K>, key: &K) {
+    if let Some(slot) = keys.get_ptr_mut(key.tid() & (STACK_KEY_SLOTS - 1)) {
         // SAFETY: a live map value; a thread sharing the slot only makes the next
         // comparison fail.
         unsafe { *slot = *key };
@@ -192,7 +238,7 @@ pub(crate) fn emit_stacks(ctx: *mut core::ffi::c_void, hdr: Header, kernel: bool
         None
     };
     if let Some(key) = &key
-        && same_stack(&OFFCPU_KEYS, key, &hdr)
+        && same_as_kept(&OFFCPU_KEYS, key, &hdr, hdr.kind)
     {
         return;
     }
@@ -227,7 +273,7 @@ pub(crate) fn emit_stacks(ctx: *mut core::ffi::c_void, hdr: Header, kernel: bool
     }
     entry.submit(wake_flags(ring, 0));
     if let Some(key) = &key {
-        remember_stack(&OFFCPU_KEYS, key);
+        keep(&OFFCPU_KEYS, key);
     }
 }
 
@@ -393,7 +439,7 @@ pub(crate) fn emit_py_stack(stack: &Header, reuse: bool) {
         None
     };
     if let Some(key) = &key
-        && same_py(key, stack)
+        && same_as_kept(&PY_KEYS, key, stack, kind::PY_FRAMES)
     {
         return;
     }
@@ -439,12 +485,8 @@ pub(crate) fn emit_py_stack(stack: &Header, reuse: bool) {
     event.truncated =
         if frame != 0 { PY_TRUNCATED } else { 0 } | if key.is_some() { PY_KEYED } else { 0 };
     entry.submit(wake_flags(ring, 0));
-    if let Some(key) = &key
-        && let Some(slot) = PY_KEYS.get_ptr_mut(key.tid & (STACK_KEY_SLOTS - 1))
-    {
-        // SAFETY: a live map value; a thread sharing the slot only makes the next
-        // comparison fail.
-        unsafe { *slot = *key };
+    if let Some(key) = &key {
+        keep(&PY_KEYS, key);
     }
 }
 
@@ -493,24 +535,4 @@ fn py_key(
         }
     }
     Some(key)
-}
-
-/// Whether the thread's Python frames are where they were at its previous whole walk,
-/// under `STACK_REUSE_NS` ago: then a `STACK_SAME` record of `PY_FRAMES` stands for them
-/// (written here) and true is returned.
-#[inline(always)]
-fn same_py(key: &PyKey, stack: &Header) -> bool {
-    let Some(slot) = PY_KEYS.get(key.tid & (STACK_KEY_SLOTS - 1)) else {
-        return false;
-    };
-    let same = slot.tid == key.tid
-        && key.taken_ns.wrapping_sub(slot.taken_ns) < STACK_REUSE_NS
-        && slot.holder == key.holder
-        && slot.frames == key.frames
-        && slot.codes == key.codes
-        && slot.instrs == key.instrs;
-    if same {
-        emit_same(stack, kind::PY_FRAMES);
-    }
-    same
 }
