@@ -108,16 +108,23 @@ pub(crate) trait ReuseKey: Copy + 'static {
     fn same_place(&self, kept: &Self) -> bool;
 }
 
-impl ReuseKey for StackKey {
-    #[inline(always)]
-    fn tid(&self) -> u32 {
-        self.tid
-    }
+/// The thread and time fields every key has.
+macro_rules! key_head {
+    () => {
+        #[inline(always)]
+        fn tid(&self) -> u32 {
+            self.tid
+        }
 
-    #[inline(always)]
-    fn taken_ns(&self) -> u64 {
-        self.taken_ns
-    }
+        #[inline(always)]
+        fn taken_ns(&self) -> u64 {
+            self.taken_ns
+        }
+    };
+}
+
+impl ReuseKey for StackKey {
+    key_head!();
 
     /// Same place, same innermost frame link.
     #[inline(always)]
@@ -127,15 +134,7 @@ impl ReuseKey for StackKey {
 }
 
 impl ReuseKey for PyKey {
-    #[inline(always)]
-    fn tid(&self) -> u32 {
-        self.tid
-    }
-
-    #[inline(always)]
-    fn taken_ns(&self) -> u64 {
-        self.taken_ns
-    }
+    key_head!();
 
     /// The same current frame holder, innermost frame and caller.
     #[inline(always)]
