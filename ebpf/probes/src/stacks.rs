@@ -32,7 +32,9 @@ pub(crate) fn emit_entry_stack(ctx: *mut core::ffi::c_void, regs: &pt_regs, tgid
     emit_py_stack(&hdr, reuse);
     // SAFETY: bpf_probe_read_user checks the addresses.
     let caller = unsafe { bpf_probe_read_user(regs.rsp as *const u64) }.unwrap_or(0);
-    let link = if reuse {
+    let framed = frame_pointer(regs.rsp, regs.rbp);
+    let link = if reuse && framed {
+        // SAFETY: bpf_probe_read_user checks the address.
         unsafe { bpf_probe_read_user(regs.rbp as *const [u64; 2]) }.unwrap_or([0, 0])
     } else {
         [0, 0]
@@ -61,12 +63,18 @@ pub(crate) fn emit_entry_stack(ctx: *mut core::ffi::c_void, regs: &pt_regs, tgid
         (*event).hdr = hdr;
         (*event).kstack_len = 0;
         let stack = &raw mut (*event).ustack;
-        let u = bpf_get_stack(
-            ctx,
-            stack.cast::<u64>().add(1).cast(),
-            ((USTACK_DEPTH - 1) * 8) as u32,
-            u64::from(BPF_F_USER_STACK),
-        );
+        let u = if framed {
+            bpf_get_stack(
+                ctx,
+                stack.cast::<u64>().add(1).cast(),
+                ((USTACK_DEPTH - 1) * 8) as u32,
+                u64::from(BPF_F_USER_STACK),
+            )
+        } else {
+            // No frame pointer to follow: the unwinder would stop after the instruction.
+            (*stack)[1] = regs.rip;
+            8
+        };
         let frames = if u > 0 { (u / 8) as usize } else { 0 };
         if frames > 0 && caller != 0 {
             // [function, caller, the caller's callers...]
@@ -195,6 +203,33 @@ pub(crate) fn keep<K: ReuseKey>(keys: &Array<K>, key: &K) {
     }
 }
 
+/// How far above the stack pointer a frame pointer is looked for ([`frame_link`]).
+const FRAME_SPAN: u64 = 1 << 20;
+
+/// Whether `bp` can be a frame pointer of the stack at `sp`: an aligned address less than
+/// `FRAME_SPAN` above it. Code built without frame pointers keeps anything in that
+/// register, and reading where nothing is mapped takes a page fault inside the program
+/// (the frame link of the reuse key, and the kernel's unwinder, which then stops after
+/// the instruction): on this VM's Python rank (Debian's CPython 3.11) that made every
+/// off-CPU stack ~1 µs dearer, reused or not (docs/benchmarks.md, session 30). Where it
+/// cannot be one, the link is not read and the user stack is the instruction alone, as
+/// the unwinder would have made it.
+#[inline(always)]
+fn frame_pointer(sp: u64, bp: u64) -> bool {
+    bp & 7 == 0 && bp.wrapping_sub(sp) < FRAME_SPAN
+}
+
+/// The two words at the frame pointer `bp` (the innermost frame link: the caller's frame
+/// pointer and its return address) where it can be one ([`frame_pointer`]); else zeros.
+#[inline(always)]
+fn frame_link(sp: u64, bp: u64) -> [u64; 2] {
+    if !frame_pointer(sp, bp) {
+        return [0, 0];
+    }
+    // SAFETY: bpf_probe_read_user checks the address.
+    unsafe { bpf_probe_read_user(bp as *const [u64; 2]) }.unwrap_or([0, 0])
+}
+
 /// The current task's user registers (where it entered the kernel) as a stack key.
 #[inline(always)]
 pub(crate) fn user_key(tid: u32, ts_ns: u64) -> Option<StackKey> {
@@ -204,7 +239,7 @@ pub(crate) fn user_key(tid: u32, ts_ns: u64) -> Option<StackKey> {
     let words = unsafe { bpf_probe_read_kernel((regs + 4 * 8) as *const [u64; 16]) }.ok()?;
     // x86-64 pt_regs: bp is word 4, ip word 16 (`PT_REGS_IP`), sp word 19.
     let (bp, ip, sp) = (words[0], words[12], words[15]);
-    let link = unsafe { bpf_probe_read_user(bp as *const [u64; 2]) }.unwrap_or([0, 0]);
+    let link = frame_link(sp, bp);
     Some(StackKey {
         tid,
         _pad: 0,
@@ -262,12 +297,20 @@ pub(crate) fn emit_stacks(ctx: *mut core::ffi::c_void, hdr: Header, kernel: bool
             0
         };
         (*event).kstack_len = if k > 0 { (k / 8) as u32 } else { 0 };
-        let u = bpf_get_stack(
-            ctx,
-            (&raw mut (*event).ustack).cast(),
-            (USTACK_DEPTH * 8) as u32,
-            u64::from(BPF_F_USER_STACK),
-        );
+        let u = match &key {
+            Some(key) if !frame_pointer(key.sp, key.bp) => {
+                // No frame pointer to follow: the unwinder would stop after the
+                // instruction.
+                (*event).ustack[0] = key.ip;
+                8
+            }
+            _ => bpf_get_stack(
+                ctx,
+                (&raw mut (*event).ustack).cast(),
+                (USTACK_DEPTH * 8) as u32,
+                u64::from(BPF_F_USER_STACK),
+            ),
+        };
         (*event).ustack_len = if u > 0 { (u / 8) as u32 } else { 0 };
     }
     entry.submit(wake_flags(ring, 0));
