@@ -33,9 +33,8 @@ pub(crate) fn emit_entry_stack(ctx: *mut core::ffi::c_void, regs: &pt_regs, tgid
     // SAFETY: bpf_probe_read_user checks the addresses.
     let caller = unsafe { bpf_probe_read_user(regs.rsp as *const u64) }.unwrap_or(0);
     let framed = frame_pointer(regs.rsp, regs.rbp);
-    let link = if reuse && framed {
-        // SAFETY: bpf_probe_read_user checks the address.
-        unsafe { bpf_probe_read_user(regs.rbp as *const [u64; 2]) }.unwrap_or([0, 0])
+    let link = if reuse {
+        frame_link(regs.rsp, regs.rbp)
     } else {
         [0, 0]
     };
