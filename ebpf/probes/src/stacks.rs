@@ -393,6 +393,17 @@ fn py_walk_unrolled(
     frame
 }
 
+/// Reads the interpreter frame at `at` into `window` (its first `PY_FRAME_WINDOW` bytes);
+/// false when it cannot be read.
+#[inline(always)]
+fn read_frame(window: &mut [u64; 16], at: u64) -> bool {
+    // SAFETY: the helper checks the user address; the buffer holds the window.
+    let bytes = unsafe {
+        core::slice::from_raw_parts_mut(window.as_mut_ptr().cast::<u8>(), PY_FRAME_WINDOW)
+    };
+    unsafe { aya_ebpf::helpers::bpf_probe_read_user_buf(at as *const u8, bytes) }.is_ok()
+}
+
 /// Reads the frame `frame` into `window`, adds it to `event` and moves `frame` to the one
 /// it was called from; false when the walk is over (no frame left, an unreadable frame, a
 /// full record).
@@ -407,11 +418,7 @@ fn py_frame(
     if *frame == 0 {
         return false;
     }
-    // SAFETY: the helper checks the user address; the buffer holds the window.
-    let bytes = unsafe {
-        core::slice::from_raw_parts_mut(window.as_mut_ptr().cast::<u8>(), PY_FRAME_WINDOW)
-    };
-    if unsafe { aya_ebpf::helpers::bpf_probe_read_user_buf(*frame as *const u8, bytes) }.is_err() {
+    if !read_frame(window, *frame) {
         return false;
     }
     let word = |at: u32| window[(at as usize >> 3) & 15];
@@ -561,11 +568,7 @@ fn py_key(
         if at == 0 {
             break;
         }
-        // SAFETY: the helper checks the user address; the buffer holds the window.
-        let bytes = unsafe {
-            core::slice::from_raw_parts_mut(window.as_mut_ptr().cast::<u8>(), PY_FRAME_WINDOW)
-        };
-        if unsafe { aya_ebpf::helpers::bpf_probe_read_user_buf(at as *const u8, bytes) }.is_err() {
+        if !read_frame(window, at) {
             return None;
         }
         let word = |at: u32| window[(at as usize >> 3) & 15];
