@@ -72,7 +72,8 @@ pub fn write_outputs(
 /// steps.json, the table) is written at [`Streamer::finish`].
 pub struct Streamer {
     dir: std::path::PathBuf,
-    steps: Option<Worker<StepFiles>>,
+    steps: Option<Worker<StepsJsonFile>>,
+    csv: Option<Worker<StepsCsvFile>>,
     trace: Option<Worker<TraceFile>>,
     flamegraphs: Option<Worker<Flamegraphs>>,
     table: crate::render::steps::StepTable,
@@ -157,58 +158,49 @@ impl<O: Output> Worker<O> {
     }
 }
 
-/// steps.json and steps.csv, a row per step; one failing does not stop the other.
-struct StepFiles {
-    dir: std::path::PathBuf,
-    json: Option<crate::render::steps::StepsJson<io::BufWriter<std::fs::File>>>,
-    csv: Option<io::BufWriter<std::fs::File>>,
-    failed: Option<Failure>,
+/// steps.json, a row per step, then the rest of the report.
+struct StepsJsonFile {
+    path: std::path::PathBuf,
+    json: crate::render::steps::StepsJson<io::BufWriter<std::fs::File>>,
 }
 
-impl StepFiles {
-    fn fail(&mut self, name: &str, e: io::Error) {
-        self.failed.get_or_insert((self.dir.join(name), e));
-    }
-}
-
-impl Output for StepFiles {
+impl Output for StepsJsonFile {
     /// The rest of steps.json: the report but its steps.
     type End = Box<crate::attribute::StepsReport>;
 
     fn epoch(&mut self, epoch: &crate::attribute::Epoch) -> Result<(), Failure> {
-        let steps = &epoch.steps;
-        // Flushed each epoch: a run can be followed in the files as it goes.
-        if let Some(json) = &mut self.json
-            && let Err(e) = steps
-                .iter()
-                .try_for_each(|s| json.step(s))
-                .and_then(|()| json.flush())
-        {
-            self.json = None;
-            self.fail("steps.json", e);
-        }
-        if let Some(out) = &mut self.csv
-            && let Err(e) = crate::render::steps::write_csv_rows(steps, out)
-                .and_then(|()| io::Write::flush(out))
-        {
-            self.csv = None;
-            self.fail("steps.csv", e);
-        }
-        Ok(())
+        // Flushed each epoch: a run can be followed in the file as it goes.
+        epoch
+            .steps
+            .iter()
+            .try_for_each(|s| self.json.step(s))
+            .and_then(|()| self.json.flush())
+            .map_err(|e| (self.path.clone(), e))
     }
 
-    fn end(mut self, report: Self::End) -> Result<(), Failure> {
-        if let Some(mut out) = self.csv.take()
-            && let Err(e) = io::Write::flush(&mut out)
-        {
-            self.fail("steps.csv", e);
-        }
-        if let Some(json) = self.json.take()
-            && let Err(e) = json.finish(&report)
-        {
-            self.fail("steps.json", e);
-        }
-        self.failed.map_or(Ok(()), Err)
+    fn end(self, report: Self::End) -> Result<(), Failure> {
+        self.json.finish(&report).map_err(|e| (self.path, e))
+    }
+}
+
+/// steps.csv, a row per step. On a thread of its own beside steps.json's: together they
+/// were the slowest writer of a run of short steps.
+struct StepsCsvFile {
+    path: std::path::PathBuf,
+    out: io::BufWriter<std::fs::File>,
+}
+
+impl Output for StepsCsvFile {
+    type End = ();
+
+    fn epoch(&mut self, epoch: &crate::attribute::Epoch) -> Result<(), Failure> {
+        crate::render::steps::write_csv_rows(&epoch.steps, &mut self.out)
+            .and_then(|()| io::Write::flush(&mut self.out))
+            .map_err(|e| (self.path.clone(), e))
+    }
+
+    fn end(mut self, (): ()) -> Result<(), Failure> {
+        io::Write::flush(&mut self.out).map_err(|e| (self.path, e))
     }
 }
 
@@ -398,11 +390,13 @@ impl Streamer {
             format!("{}\n", crate::render::steps::csv_columns().join(",")).as_bytes(),
         )
         .map_err(|e| (dir.join("steps.csv"), e))?;
-        let steps = StepFiles {
-            dir: dir.to_owned(),
-            json: Some(json),
-            csv: Some(csv),
-            failed: None,
+        let steps = StepsJsonFile {
+            path: dir.join("steps.json"),
+            json,
+        };
+        let csv = StepsCsvFile {
+            path: dir.join("steps.csv"),
+            out: csv,
         };
         let trace = TraceFile {
             out: Some(open("trace.json")?),
@@ -412,6 +406,7 @@ impl Streamer {
         Ok(Streamer {
             dir: dir.to_owned(),
             steps: Some(Worker::start("steps", dir.join("steps.json"), steps)?),
+            csv: Some(Worker::start("csv", dir.join("steps.csv"), csv)?),
             trace: Some(Worker::start("trace", dir.join("trace.json"), trace)?),
             flamegraphs: Some(Worker::start(
                 "flamegraphs",
@@ -446,6 +441,7 @@ impl Streamer {
     pub fn epoch(&mut self, epoch: crate::attribute::Epoch) {
         let epoch = std::sync::Arc::new(epoch);
         Self::hand(&mut self.steps, epoch.clone(), &mut self.failed);
+        Self::hand(&mut self.csv, epoch.clone(), &mut self.failed);
         Self::hand(&mut self.trace, epoch.clone(), &mut self.failed);
         Self::hand(&mut self.flamegraphs, epoch.clone(), &mut self.failed);
         for s in &epoch.steps {
@@ -512,6 +508,9 @@ impl Streamer {
         if let Some(steps) = &self.steps {
             steps.end(Box::new(report.clone()));
         }
+        if let Some(csv) = &self.csv {
+            csv.end(());
+        }
         let stdout = Path::new("(standard output)");
         let share = render::flamegraph::short_stack_share(stacks, &weighed.samples);
         let mut print = || -> io::Result<()> {
@@ -541,6 +540,7 @@ impl Streamer {
         }
         for done in [
             self.steps.take().map(Worker::finished),
+            self.csv.take().map(Worker::finished),
             self.trace.take().map(Worker::finished),
             self.flamegraphs.take().map(Worker::finished),
         ]
