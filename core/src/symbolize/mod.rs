@@ -234,7 +234,14 @@ pub fn symbolize(
                     ));
                     vec![None; offsets.len()]
                 }
-                _ => file_names(&symbolizer, *pid, path, &offsets, &mut stale),
+                _ => file_names(
+                    &symbolizer,
+                    *pid,
+                    path,
+                    &offsets,
+                    &mut stale,
+                    symtab::LARGE_SYMTAB_BYTES,
+                ),
             };
             let base = Path::new(path).file_name().map_or(path.clone(), |n| {
                 n.to_string_lossy()
@@ -354,6 +361,7 @@ fn file_names(
     path: &str,
     offsets: &[u64],
     errors: &mut Vec<String>,
+    large_symtab: u64,
 ) -> Vec<Option<String>> {
     // The kernel's own mappings ([vdso], [stack], [uprobes]: the page a uprobe runs the
     // probed instruction from) have no file to read: named by offset, without a warning.
@@ -362,6 +370,22 @@ fn file_names(
     }
     let file = readable(pid, path);
     let mut failed: Option<String> = None;
+    // A symbol table of `large_symtab` bytes or more is read here, through `pread`
+    // (symtab.rs): mapped by blazesym, its pages counted in the agent's memory.
+    let read_here = symtab::tables(&file)
+        .filter(|t| t.symtab_bytes() >= large_symtab)
+        .and_then(|t| Some((t, virtual_addresses(&file, offsets)?)))
+        .map(|(tables, virt)| {
+            let names = std::fs::File::open(&file)
+                .and_then(|f| symtab::names(&f, tables, &virt))
+                .unwrap_or_else(|e| {
+                    failed.get_or_insert_with(|| e.to_string());
+                    vec![None; offsets.len()]
+                });
+            (names, tables.dwarf)
+        });
+    // Read here, and without DWARF to look in.
+    let no_dwarf_here = read_here.as_ref().is_some_and(|(_, dwarf)| !dwarf);
     let mut lookup = |elf: PathBuf, dwarf: bool, input: Input<&[u64]>| -> Vec<Option<String>> {
         let mut source = Elf::new(elf);
         source.debug_syms = dwarf;
@@ -378,7 +402,10 @@ fn file_names(
             })
             .collect()
     };
-    let mut names = lookup(file.clone(), false, Input::FileOffset(offsets));
+    let mut names = read_here.map_or_else(
+        || lookup(file.clone(), false, Input::FileOffset(offsets)),
+        |(names, _)| names,
+    );
     let missing: Vec<usize> = (0..names.len()).filter(|i| names[*i].is_none()).collect();
     if missing.is_empty() {
         return names;
@@ -391,6 +418,9 @@ fn file_names(
         .filter(|p| p.is_file());
     let more = match (debug_file, virtual_addresses(&file, &wanted)) {
         (Some(debug), Some(virt)) => lookup(debug, false, Input::VirtOffset(&virt)),
+        // A file whose symbols were read here and that has no DWARF: blazesym would map
+        // its symbol table again to find nothing more.
+        _ if no_dwarf_here => vec![None; wanted.len()],
         _ => lookup(file, true, Input::FileOffset(&wanted)),
     };
     for (i, name) in missing.into_iter().zip(more) {
@@ -437,6 +467,8 @@ fn virtual_addresses(path: &Path, offsets: &[u64]) -> Option<Vec<u64>> {
     };
     Some(offsets.iter().map(|o| virt(*o)).collect())
 }
+
+mod symtab;
 
 #[cfg(test)]
 mod tests;

@@ -165,6 +165,53 @@ fn virtual_address_of_a_file_offset() {
     );
 }
 
+/// A file whose symbol table is read through `pread` (any size, here) has its frames,
+/// given by file offset as the maps give them, named by that reader, and named where
+/// blazesym names them: the system's libc (many aliases, on which the two readers pick
+/// differently) every 4 KiB of its code, and this test binary's `main`.
+#[test]
+fn large_symbol_tables_read_here_name_as_blazesym() {
+    use object::{Object as _, ObjectSegment as _};
+    let libc = Path::new("/lib/x86_64-linux-gnu/libc.so.6");
+    let bytes = std::fs::read(libc).unwrap();
+    let obj = object::File::parse(&*bytes).unwrap();
+    let mut offsets = Vec::new();
+    for seg in obj.segments() {
+        let (start, size) = seg.file_range();
+        offsets.extend((start..start + size).step_by(4096).map(|o| o + 0x123));
+    }
+    let symbolizer = Symbolizer::builder()
+        .enable_code_info(false)
+        .enable_inlined_fns(false)
+        .build();
+    let pid = std::process::id();
+    let mut errors = Vec::new();
+    let mut both = |path: &str, offsets: &[u64]| {
+        (
+            file_names(&symbolizer, pid, path, offsets, &mut errors, 0),
+            file_names(&symbolizer, pid, path, offsets, &mut errors, u64::MAX),
+        )
+    };
+    let (exe, main_off) = main_of_this_test();
+    let (main_here, _) = both(exe.to_str().unwrap(), &[main_off]);
+    assert_eq!(main_here, [Some("main".to_owned())]);
+    let (here, theirs) = both(libc.to_str().unwrap(), &offsets);
+    assert!(errors.is_empty(), "{errors:?}");
+    let virt = virtual_addresses(libc, &offsets).unwrap();
+    let file = std::fs::File::open(libc).unwrap();
+    let direct = symtab::names(&file, symtab::tables(libc).unwrap(), &virt).unwrap();
+    // The debug file's symbols (where libc6-dbg is installed) name what it left.
+    for ((h, d), t) in here.iter().zip(&direct).zip(&theirs) {
+        assert!(d.is_none() || h == d, "{h:?} / {d:?}");
+        assert_eq!(h.is_some(), t.is_some(), "{h:?} / {t:?}");
+    }
+    let named = here.iter().filter(|n| n.is_some()).count();
+    let differ = here.iter().zip(&theirs).filter(|(a, b)| a != b).count();
+    assert!(named > 100, "{named} of {} named", offsets.len());
+    // Without the reader the names would be blazesym's.
+    assert!(differ > 0, "the same {named} names");
+}
+
 /// This test binary's own code symbolizes to a demangled Rust name through a fake
 /// maps line covering the file.
 #[test]
