@@ -372,18 +372,18 @@ fn file_names(
     let mut failed: Option<String> = None;
     // A symbol table of `large_symtab` bytes or more is read here, through `pread`
     // (symtab.rs): mapped by blazesym, its pages counted in the agent's memory.
-    let read_here = symtab::tables(&file)
-        .filter(|t| t.symtab_bytes() >= large_symtab)
-        .and_then(|t| Some((t, virtual_addresses(&file, offsets)?)))
-        .map(|(tables, virt)| {
-            let names = std::fs::File::open(&file)
-                .and_then(|f| symtab::names(&f, tables, &virt))
-                .unwrap_or_else(|e| {
-                    failed.get_or_insert_with(|| e.to_string());
-                    vec![None; offsets.len()]
-                });
-            (names, tables.dwarf)
-        });
+    let layout = read_elf(&file, |obj| (symtab::tables(obj), segments(obj)));
+    let read_here = layout.as_ref().and_then(|(tables, segments)| {
+        let tables = tables.filter(|t| t.symtab_bytes() >= large_symtab)?;
+        let virt = to_virtual(segments, offsets);
+        let names = std::fs::File::open(&file)
+            .and_then(|f| symtab::names(&f, tables, &virt))
+            .unwrap_or_else(|e| {
+                failed.get_or_insert_with(|| e.to_string());
+                vec![None; offsets.len()]
+            });
+        Some((names, tables.dwarf))
+    });
     // Read here, and without DWARF to look in.
     let no_dwarf_here = read_here.as_ref().is_some_and(|(_, dwarf)| !dwarf);
     let mut lookup = |elf: PathBuf, dwarf: bool, input: Input<&[u64]>| -> Vec<Option<String>> {
@@ -416,7 +416,8 @@ fn file_names(
         .flatten()
         .map(|id| readable(pid, &build_id_path(&id)))
         .filter(|p| p.is_file());
-    let more = match (debug_file, virtual_addresses(&file, &wanted)) {
+    let virt = layout.map(|(_, segments)| to_virtual(&segments, &wanted));
+    let more = match (debug_file, virt) {
         (Some(debug), Some(virt)) => lookup(debug, false, Input::VirtOffset(&virt)),
         // A file whose symbols were read here and that has no DWARF: blazesym would map
         // its symbol table again to find nothing more.
@@ -442,30 +443,39 @@ fn build_id_path(id: &[u8]) -> String {
     format!("/usr/lib/debug/.build-id/{dir}/{rest}.debug")
 }
 
-/// The virtual addresses of file offsets of ELF file `path` (a loadable segment's address
-/// plus the offset into it; `u64::MAX` outside every segment), read as `discover` reads
-/// objects; `None` when the file is not an ELF object.
-fn virtual_addresses(path: &Path, offsets: &[u64]) -> Option<Vec<u64>> {
-    use object::{Object as _, ObjectSegment as _};
+/// What `f` makes of the ELF file `path`, its headers read once (mapped; only the
+/// headers are touched); `None` when the file is not an ELF object.
+fn read_elf<T>(path: &Path, f: impl FnOnce(&object::File<'_>) -> T) -> Option<T> {
     let file = std::fs::File::open(path).ok()?;
     // SAFETY: a read-only map, used only within this call.
     let map = unsafe { memmap2::Mmap::map(&file) }.ok()?;
     let obj = object::File::parse(&*map).ok()?;
-    // The loadable segments: (file offset, size, address).
-    let segments: Vec<(u64, u64, u64)> = obj
-        .segments()
+    Some(f(&obj))
+}
+
+/// A file's loadable segments: (file offset, size, address).
+type Segments = Vec<(u64, u64, u64)>;
+
+fn segments(obj: &object::File<'_>) -> Segments {
+    use object::{Object as _, ObjectSegment as _};
+    obj.segments()
         .map(|s| {
             let (start, size) = s.file_range();
             (start, size, s.address())
         })
-        .collect();
+        .collect()
+}
+
+/// The virtual addresses of file offsets (a loadable segment's address plus the offset
+/// into it; `u64::MAX` outside every segment), as `discover` reads objects.
+fn to_virtual(segments: &Segments, offsets: &[u64]) -> Vec<u64> {
     let virt = |offset: u64| {
         segments
             .iter()
             .find(|(start, size, _)| offset >= *start && offset - start < *size)
             .map_or(u64::MAX, |(start, _, address)| address + (offset - start))
     };
-    Some(offsets.iter().map(|o| virt(*o)).collect())
+    offsets.iter().map(|o| virt(*o)).collect()
 }
 
 mod symtab;

@@ -18,7 +18,6 @@
 
 use std::io;
 use std::os::unix::fs::FileExt as _;
-use std::path::Path;
 
 /// `.symtab` from this size on is read here, smaller ones by blazesym.
 pub(super) const LARGE_SYMTAB_BYTES: u64 = 4 << 20;
@@ -48,12 +47,8 @@ pub(super) struct Tables {
 
 /// The file's `.symtab` and `.dynsym` (each with its string table), where it is a
 /// little-endian ELF64 file; read from its section headers.
-pub(super) fn tables(path: &Path) -> Option<Tables> {
+pub(super) fn tables(obj: &object::File<'_>) -> Option<Tables> {
     use object::{Object as _, ObjectSection as _};
-    let file = std::fs::File::open(path).ok()?;
-    // SAFETY: a read-only map, used only within this call (the headers are read).
-    let map = unsafe { memmap2::Mmap::map(&file) }.ok()?;
-    let obj = object::File::parse(&*map).ok()?;
     if !obj.is_64() || !obj.is_little_endian() || obj.format() != object::BinaryFormat::Elf {
         return None;
     }

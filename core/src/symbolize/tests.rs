@@ -124,6 +124,11 @@ fn unreadable_symbols_are_said() {
     );
 }
 
+/// The virtual addresses of file offsets of the ELF file `path`.
+fn virtual_addresses(path: &Path, offsets: &[u64]) -> Option<Vec<u64>> {
+    read_elf(path, |obj| to_virtual(&segments(obj), offsets))
+}
+
 /// This test binary and the file offset of its `main`.
 fn main_of_this_test() -> (PathBuf, u64) {
     use object::{Object as _, ObjectSegment as _, ObjectSymbol as _};
@@ -199,7 +204,8 @@ fn large_symbol_tables_read_here_name_as_blazesym() {
     assert!(errors.is_empty(), "{errors:?}");
     let virt = virtual_addresses(libc, &offsets).unwrap();
     let file = std::fs::File::open(libc).unwrap();
-    let direct = symtab::names(&file, symtab::tables(libc).unwrap(), &virt).unwrap();
+    let tables = read_elf(libc, symtab::tables).flatten().unwrap();
+    let direct = symtab::names(&file, tables, &virt).unwrap();
     // The debug file's symbols (where libc6-dbg is installed) name what it left.
     for ((h, d), t) in here.iter().zip(&direct).zip(&theirs) {
         assert!(d.is_none() || h == d, "{h:?} / {d:?}");

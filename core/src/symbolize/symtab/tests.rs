@@ -3,6 +3,12 @@
 use super::*;
 use blazesym::symbolize::{Input, Symbolized, Symbolizer, source};
 use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+/// The symbol tables of the ELF file `path`.
+fn tables_of(path: &Path) -> Tables {
+    super::super::read_elf(path, tables).flatten().unwrap()
+}
 
 /// What names an address, as (symbol address, size, name).
 type Named = Option<(u64, u64, String)>;
@@ -64,7 +70,7 @@ fn by_blazesym(path: &Path, addrs: &[u64]) -> Vec<Named> {
 /// What this reader names `addrs` with.
 fn by_pread(path: &Path, addrs: &[u64]) -> Vec<Named> {
     let file = std::fs::File::open(path).unwrap();
-    let t = tables(path).unwrap();
+    let t = tables_of(path);
     let mut sorted = addrs.to_vec();
     sorted.sort_unstable();
     sorted.dedup();
@@ -135,7 +141,7 @@ fn as_blazesym_names_them() {
             path.display()
         );
         let file = std::fs::File::open(path).unwrap();
-        let plain = names(&file, tables(path).unwrap(), &addrs).unwrap();
+        let plain = names(&file, tables_of(path), &addrs).unwrap();
         let expected: Vec<Option<String>> = ours.iter().map(|o| o.clone().map(|o| o.2)).collect();
         assert_eq!(plain, expected);
     }
