@@ -251,6 +251,26 @@ fn switch(ts: u64, out: bool, state: i64) -> Event {
     }
 }
 
+/// A `StackSame` record of thread `tid`: its stack of kind `of` is the previous one's.
+fn stack_same(ts: u64, tid: u32, of: u16) -> Event {
+    Event::StackSame {
+        ts_ns: ts,
+        task: task(tid),
+        of,
+    }
+}
+
+/// A Python walk of thread `tid`: one frame of code object `code`.
+fn py_stack(ts: u64, tid: u32, code: u64, keyed: bool) -> Event {
+    Event::PyStack {
+        ts_ns: ts,
+        task: task(tid),
+        frames: vec![PyFrame { code, offset: 4 }],
+        truncated: false,
+        keyed,
+    }
+}
+
 /// With µs-long steps an epoch waits until its buffer spans twice the reorder horizon
 /// (else most of each try's buffer was held back and searched again at the next): 40 ms
 /// of 2-µs calls in epochs of 2,048 events make at most three epochs (eight before), and
@@ -521,18 +541,8 @@ fn timed_faults_replace_samples() {
 #[test]
 fn reused_stacks_take_the_threads_previous_native_frames() {
     let mut tl = Timeline::new(&Setup::from(&header()));
-    let py = |code: u64, ts: u64, tid: u32| Event::PyStack {
-        ts_ns: ts,
-        task: task(tid),
-        frames: vec![PyFrame { code, offset: 4 }],
-        truncated: false,
-        keyed: true,
-    };
-    let same = |ts: u64, tid: u32| Event::StackSame {
-        ts_ns: ts,
-        task: task(tid),
-        of: nccltrace_common::kind::OFFCPU,
-    };
+    let py = |code: u64, ts: u64, tid: u32| py_stack(ts, tid, code, true);
+    let same = |ts: u64, tid: u32| stack_same(ts, tid, nccltrace_common::kind::OFFCPU);
     let mut events = vec![];
     for k in 0..4u64 {
         let out = 1_000_000 + k * 2_000_000;
@@ -585,41 +595,19 @@ fn reused_stacks_take_the_threads_previous_native_frames() {
 #[test]
 fn reused_python_frames_take_the_threads_previous_walk() {
     let mut tl = Timeline::new(&Setup::from(&header()));
-    let same = |ts: u64, tid: u32, of: u16| Event::StackSame {
-        ts_ns: ts,
-        task: task(tid),
-        of,
-    };
+    let same = |ts: u64, tid: u32| stack_same(ts, tid, nccltrace_common::kind::PY_FRAMES);
     let mut events = vec![];
     for k in 0..4u64 {
         let out = 1_000_000 + k * 2_000_000;
         events.push(switch(out, true, 1));
         // Walked whole at the first and third stretches, reused at the others.
         events.push(if k % 2 == 0 {
-            Event::PyStack {
-                ts_ns: out,
-                task: task(10),
-                frames: vec![PyFrame {
-                    code: 0x100 * (k + 1),
-                    offset: 4,
-                }],
-                truncated: false,
-                keyed: true,
-            }
+            py_stack(out, 10, 0x100 * (k + 1), true)
         } else {
-            same(out, 10, nccltrace_common::kind::PY_FRAMES)
+            same(out, 10)
         });
         // An on-CPU sample's walk in between: not what the reused frames stand for.
-        events.push(Event::PyStack {
-            ts_ns: out + 1_500_000,
-            task: task(10),
-            frames: vec![PyFrame {
-                code: 0x999,
-                offset: 4,
-            }],
-            truncated: false,
-            keyed: false,
-        });
+        events.push(py_stack(out + 1_500_000, 10, 0x999, false));
         events.push(Event::Sample {
             ts_ns: out + 1_500_000,
             task: task(10),
@@ -635,7 +623,7 @@ fn reused_python_frames_take_the_threads_previous_walk() {
         events.push(switch(out + 1_000_000, false, 0));
     }
     // Another thread's reused Python frames with no walk before them.
-    events.push(same(2_500_000, 11, nccltrace_common::kind::PY_FRAMES));
+    events.push(same(2_500_000, 11));
     events.push(Event::OffCpu {
         ts_ns: 2_500_000,
         task: task(11),
