@@ -7,13 +7,13 @@
 //! different buffers; a pass merges them by their timestamp (the first field of every
 //! record), so the recording stays in time order as the attribution needs.
 //!
-//! The merge looks at each buffer's oldest record and hands on the oldest of them. A
-//! buffer found empty can still receive records older than another buffer's oldest (a
-//! writer took its time before the reader looked, or the reader was preempted on a busy
-//! host: CI saw 1.1 ms). An empty buffer therefore has a watermark: the time the pass
-//! began, less a margin for writers that took the time but had not yet committed. A record
-//! newer than an empty buffer's watermark waits, in its own buffer, for a later pass; the
-//! last pass hands on everything.
+//! A pass reads the buffers one after the other, so a buffer read early can still receive
+//! records older than the newest of a buffer read later (the pass was slow, or preempted
+//! on a busy host: CI saw 1.1 ms). Each buffer therefore has a watermark: the time before
+//! it was read (less a margin for writers that took the time but had not yet committed)
+//! when it was read to the end, else the time of the last record taken from it. A pass
+//! hands on what is no newer than the lowest watermark and holds the rest for the next
+//! pass; the last pass hands on everything.
 
 use std::os::fd::{AsFd as _, AsRawFd as _, FromRawFd as _, OwnedFd};
 
@@ -56,38 +56,15 @@ pub struct Rings {
     merge: Merge,
 }
 
-/// Where the records of one buffer come from ([`RingBuf`]; a queue in the tests).
-trait Queue {
-    /// Copies the oldest record into `out` and takes it out; false when there is none.
-    fn pop_into(&mut self, out: &mut Vec<u8>) -> bool;
-}
-
-impl Queue for RingBuf<MapData> {
-    fn pop_into(&mut self, out: &mut Vec<u8>) -> bool {
-        let Some(item) = self.next() else {
-            return false;
-        };
-        out.clear();
-        out.extend_from_slice(&item);
-        true
-    }
-}
-
-/// Several buffers merged in time order (see the module's text): each buffer's oldest
-/// record not yet handed on is copied out (its head), the oldest head goes next. What
-/// must wait for a later pass waits in its buffer, so the merge holds one record a buffer
-/// whatever the pass: copying a pass's records out to sort them had held up to 16,384
-/// records, 3 to 6 MB once a burst had passed through.
+/// Records of several buffers put in time order across passes (see the module's text).
 #[derive(Default)]
 struct Merge {
-    heads: Vec<Head>,
-}
-
-#[derive(Default)]
-struct Head {
+    /// This pass's records, the held ones first: (time, start in `bytes`, length).
     bytes: Vec<u8>,
-    /// The head's time; None: no head (its buffer was empty when last looked at).
-    ts: Option<u64>,
+    index: Vec<(u64, usize, usize)>,
+    /// Records newer than a pass's watermark, handed on by a later pass.
+    held_bytes: Vec<u8>,
+    held_index: Vec<(u64, usize, usize)>,
 }
 
 /// How long before a buffer was found empty a writer may have taken its record's time
@@ -95,65 +72,43 @@ struct Head {
 const COMMIT_SLACK_NS: u64 = 200_000;
 
 impl Merge {
-    /// Hands on about `budget` records of `queues` in time order (all of them when it is
-    /// `usize::MAX`, the last pass); true when the budget ran out first. A head newer than
-    /// an empty buffer's watermark (`now` when it was found empty, less the slack) could
-    /// still be preceded by a record that buffer has yet to receive: the pass ends there,
-    /// unless it is the last. `now` is CLOCK_MONOTONIC, the records' clock.
-    fn drain<Q: Queue>(
-        &mut self,
-        queues: &mut [Q],
-        sink: &mut impl Sink,
-        budget: usize,
-        mut now: impl FnMut() -> u64,
-    ) -> Result<bool, crate::Error> {
-        self.heads.resize_with(queues.len(), Head::default);
-        let last_pass = budget == usize::MAX;
-        // Read before the buffers: a buffer found empty later was empty then too.
-        let mut watermark = now().saturating_sub(COMMIT_SLACK_NS);
-        let mut looked_again = false;
-        for _ in 0..budget {
-            let mut lowest_empty = u64::MAX;
-            let mut next: Option<(usize, u64)> = None;
-            for (i, (queue, head)) in queues.iter_mut().zip(&mut self.heads).enumerate() {
-                if head.ts.is_none() {
-                    if !queue.pop_into(&mut head.bytes) {
-                        lowest_empty = watermark;
-                        continue;
-                    }
-                    head.ts = Some(record_time(&head.bytes));
-                }
-                let ts = head.ts.unwrap_or_default();
-                // Equal times: the lower buffer first, as the stable sort did.
-                if next.is_none_or(|(_, t)| ts < t) {
-                    next = Some((i, ts));
-                }
-            }
-            let Some((i, ts)) = next else {
-                return Ok(false);
-            };
-            if !last_pass && ts > lowest_empty {
-                // The empty buffers looked at once more, with a newer watermark.
-                if looked_again {
-                    return Ok(false);
-                }
-                looked_again = true;
-                watermark = now().saturating_sub(COMMIT_SLACK_NS);
-                continue;
-            }
-            let head = &mut self.heads[i];
-            sink.record(&head.bytes)?;
-            head.ts = None;
-        }
-        Ok(true)
+    /// Starts a pass with the records the last one held.
+    fn start(&mut self) {
+        self.bytes.clear();
+        self.index.clear();
+        std::mem::swap(&mut self.bytes, &mut self.held_bytes);
+        std::mem::swap(&mut self.index, &mut self.held_index);
     }
-}
 
-/// A record's time: its first field.
-fn record_time(record: &[u8]) -> u64 {
-    record
-        .get(..8)
-        .map_or(0, |b| u64::from_le_bytes(b.try_into().unwrap_or_default()))
+    fn push(&mut self, item: &[u8]) -> u64 {
+        let ts = item
+            .get(..8)
+            .map_or(0, |b| u64::from_le_bytes(b.try_into().unwrap_or_default()));
+        self.index.push((ts, self.bytes.len(), item.len()));
+        self.bytes.extend_from_slice(item);
+        ts
+    }
+
+    /// Hands on, in time order, the records no newer than `watermark` (all of them when
+    /// `None`) and holds the others.
+    fn finish(&mut self, watermark: Option<u64>, sink: &mut impl Sink) -> Result<(), crate::Error> {
+        // Stable: records of one buffer with equal times keep their order.
+        self.index.sort_by_key(|(ts, _, _)| *ts);
+        let ready = watermark.map_or(self.index.len(), |w| {
+            self.index.partition_point(|(ts, _, _)| *ts <= w)
+        });
+        for &(_, start, len) in &self.index[..ready] {
+            sink.record(&self.bytes[start..start + len])?;
+        }
+        self.held_bytes.clear();
+        self.held_index.clear();
+        for &(ts, start, len) in &self.index[ready..] {
+            self.held_index.push((ts, self.held_bytes.len(), len));
+            self.held_bytes
+                .extend_from_slice(&self.bytes[start..start + len]);
+        }
+        Ok(())
+    }
 }
 
 impl Rings {
@@ -218,8 +173,9 @@ impl Rings {
         Ok(())
     }
 
-    /// Hands at most `budget` records to `sink`, in time order; true when the budget ran
-    /// out first. With `budget` `usize::MAX` (the last pass) nothing is held back.
+    /// Hands at most about `budget` records to `sink`, in time order; true when a buffer
+    /// had more than its share left. With `budget` `usize::MAX` (the last pass) nothing is
+    /// held back.
     pub fn drain(&mut self, sink: &mut impl Sink, budget: usize) -> Result<bool, crate::Error> {
         if let [ring] = self.buffers.as_mut_slice() {
             // One buffer: already in order, handed on without a copy.
@@ -231,10 +187,27 @@ impl Rings {
             }
             return Ok(true);
         }
-        self.merge.drain(&mut self.buffers, sink, budget, || {
+        let share = (budget / self.buffers.len()).max(1);
+        let mut more = false;
+        let mut watermark = u64::MAX;
+        self.merge.start();
+        for ring in &mut self.buffers {
             // The programs stamp records with `bpf_ktime_get_ns`: CLOCK_MONOTONIC.
-            crate::host::clock_ns(libc::CLOCK_MONOTONIC)
-        })
+            let before =
+                crate::host::clock_ns(libc::CLOCK_MONOTONIC).saturating_sub(COMMIT_SLACK_NS);
+            let (mut taken, mut last) = (0, 0);
+            while taken < share {
+                let Some(item) = ring.next() else { break };
+                last = self.merge.push(&item);
+                taken += 1;
+            }
+            let full = taken == share;
+            more |= full;
+            watermark = watermark.min(if full { last } else { before });
+        }
+        let last_pass = budget == usize::MAX;
+        self.merge.finish((!last_pass).then_some(watermark), sink)?;
+        Ok(more)
     }
 }
 
@@ -257,73 +230,42 @@ mod tests {
 
     impl Sink for Times {
         fn record(&mut self, bytes: &[u8]) -> Result<(), crate::Error> {
-            self.0.push(record_time(bytes));
+            self.0
+                .push(u64::from_le_bytes(bytes[..8].try_into().unwrap()));
             Ok(())
         }
         fn target_added(&mut self, _: &super::super::TargetInfo) {}
         fn tick(&mut self, _: &std::collections::BTreeMap<String, u64>, _: usize) {}
     }
 
-    /// A buffer's records, oldest first.
-    #[derive(Default)]
-    struct Fifo(std::collections::VecDeque<Vec<u8>>);
-
-    impl Queue for Fifo {
-        fn pop_into(&mut self, out: &mut Vec<u8>) -> bool {
-            let Some(r) = self.0.pop_front() else {
-                return false;
-            };
-            *out = r;
-            true
-        }
+    fn record(ts: u64) -> Vec<u8> {
+        let mut r = ts.to_le_bytes().to_vec();
+        r.extend_from_slice(b"payload");
+        r
     }
 
-    impl Fifo {
-        fn write(&mut self, times: &[u64]) {
-            for ts in times {
-                let mut r = ts.to_le_bytes().to_vec();
-                r.extend_from_slice(b"payload");
-                self.0.push_back(r);
-            }
-        }
-    }
-
-    /// A record newer than an empty buffer's watermark waits in its buffer for the pass
-    /// that can put it in order; the last pass hands on everything.
+    /// Records newer than the watermark wait for the pass that can put them in order;
+    /// the last pass hands on everything.
     #[test]
-    fn records_an_empty_buffer_may_still_precede_wait() {
-        // Times in the slack's units past it: `at(n)` is n (the clock reads at(n) + slack).
-        const S: u64 = COMMIT_SLACK_NS;
+    fn passes_hold_what_a_slower_buffer_may_still_precede() {
         let (mut merge, mut out) = (Merge::default(), Times::default());
-        let mut q = [Fifo::default(), Fifo::default()];
-        q[0].write(&[10, 30, 40, 50]);
-        // Buffer 1, empty at 25 + S, may still receive records from 25 on.
-        assert!(!merge.drain(&mut q, &mut out, 100, || 25 + S).unwrap());
-        assert_eq!(out.0, [10]);
-        // 30 is the head; what follows it is still in its buffer.
-        assert_eq!(q[0].0.len(), 2);
-        // Written while the first pass ran, older than the head.
-        q[1].write(&[26, 60]);
-        assert!(!merge.drain(&mut q, &mut out, 100, || 55 + S).unwrap());
-        assert_eq!(out.0, [10, 26, 30, 40, 50]);
-        q[0].write(&[58]);
-        assert!(!merge.drain(&mut q, &mut out, usize::MAX, || 0).unwrap());
-        assert_eq!(out.0, [10, 26, 30, 40, 50, 58, 60]);
-        assert!(merge.heads.iter().all(|h| h.ts.is_none()));
-        assert!(q.iter().all(|q| q.0.is_empty()));
-    }
-
-    /// The budget ends a pass with the rest left in the buffers, in order for the next.
-    #[test]
-    fn a_pass_stops_at_its_budget() {
-        let (mut merge, mut out) = (Merge::default(), Times::default());
-        let mut q = [Fifo::default(), Fifo::default(), Fifo::default()];
-        q[0].write(&[1, 4, 7]);
-        q[1].write(&[2, 5, 8]);
-        q[2].write(&[3, 6, 9]);
-        assert!(merge.drain(&mut q, &mut out, 4, || u64::MAX).unwrap());
-        assert_eq!(out.0, [1, 2, 3, 4]);
-        assert!(!merge.drain(&mut q, &mut out, 100, || u64::MAX).unwrap());
-        assert_eq!(out.0, (1..=9).collect::<Vec<_>>());
+        merge.start();
+        for ts in [10, 30, 20, 50] {
+            merge.push(&record(ts));
+        }
+        merge.finish(Some(25), &mut out).unwrap();
+        assert_eq!(out.0, [10, 20]);
+        // Written while the first pass ran, older than what it held.
+        merge.start();
+        for ts in [26, 60] {
+            merge.push(&record(ts));
+        }
+        merge.finish(Some(55), &mut out).unwrap();
+        assert_eq!(out.0, [10, 20, 26, 30, 50]);
+        merge.start();
+        merge.push(&record(58));
+        merge.finish(None, &mut out).unwrap();
+        assert_eq!(out.0, [10, 20, 26, 30, 50, 58, 60]);
+        assert!(merge.held_index.is_empty() && merge.held_bytes.is_empty());
     }
 }
