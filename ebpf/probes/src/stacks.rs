@@ -62,18 +62,13 @@ pub(crate) fn emit_entry_stack(ctx: *mut core::ffi::c_void, regs: &pt_regs, tgid
         (*event).hdr = hdr;
         (*event).kstack_len = 0;
         let stack = &raw mut (*event).ustack;
-        let u = if framed {
-            bpf_get_stack(
-                ctx,
-                stack.cast::<u64>().add(1).cast(),
-                ((USTACK_DEPTH - 1) * 8) as u32,
-                u64::from(BPF_F_USER_STACK),
-            )
-        } else {
-            // No frame pointer to follow: the unwinder would stop after the instruction.
-            (*stack)[1] = regs.rip;
-            8
-        };
+        let u = user_stack(
+            ctx,
+            stack.cast::<u64>().add(1),
+            ((USTACK_DEPTH - 1) * 8) as u32,
+            framed,
+            regs.rip,
+        );
         let frames = if u > 0 { (u / 8) as usize } else { 0 };
         if frames > 0 && caller != 0 {
             // [function, caller, the caller's callers...]
@@ -218,6 +213,31 @@ fn frame_pointer(sp: u64, bp: u64) -> bool {
     bp & 7 == 0 && bp.wrapping_sub(sp) < FRAME_SPAN
 }
 
+/// Writes the user stack into `buf` (`bytes` long) as the kernel's unwinder takes it;
+/// where `framed` is false (no frame pointer to follow: [`frame_pointer`]) the
+/// instruction `ip` alone, where the unwinder would have stopped. The bytes written, or
+/// the helper's error.
+///
+/// # Safety
+/// `buf` points at `bytes` bytes of writable memory (at least 8).
+#[inline(always)]
+unsafe fn user_stack(
+    ctx: *mut core::ffi::c_void,
+    buf: *mut u64,
+    bytes: u32,
+    framed: bool,
+    ip: u64,
+) -> i64 {
+    if framed {
+        // SAFETY: the caller's buffer; the helper checks what it reads.
+        unsafe { bpf_get_stack(ctx, buf.cast(), bytes, u64::from(BPF_F_USER_STACK)) }
+    } else {
+        // SAFETY: the caller's buffer holds at least one word.
+        unsafe { *buf = ip };
+        8
+    }
+}
+
 /// The two words at the frame pointer `bp` (the innermost frame link: the caller's frame
 /// pointer and its return address) where it can be one ([`frame_pointer`]); else zeros.
 #[inline(always)]
@@ -296,20 +316,17 @@ pub(crate) fn emit_stacks(ctx: *mut core::ffi::c_void, hdr: Header, kernel: bool
             0
         };
         (*event).kstack_len = if k > 0 { (k / 8) as u32 } else { 0 };
-        let u = match &key {
-            Some(key) if !frame_pointer(key.sp, key.bp) => {
-                // No frame pointer to follow: the unwinder would stop after the
-                // instruction.
-                (*event).ustack[0] = key.ip;
-                8
-            }
-            _ => bpf_get_stack(
-                ctx,
-                (&raw mut (*event).ustack).cast(),
-                (USTACK_DEPTH * 8) as u32,
-                u64::from(BPF_F_USER_STACK),
-            ),
-        };
+        // Without a key (reuse off), the unwinder decides.
+        let (framed, ip) = key
+            .as_ref()
+            .map_or((true, 0), |k| (frame_pointer(k.sp, k.bp), k.ip));
+        let u = user_stack(
+            ctx,
+            (&raw mut (*event).ustack).cast(),
+            (USTACK_DEPTH * 8) as u32,
+            framed,
+            ip,
+        );
         (*event).ustack_len = if u > 0 { (u / 8) as u32 } else { 0 };
     }
     entry.submit(wake_flags(ring, 0));
