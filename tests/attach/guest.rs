@@ -27,9 +27,10 @@ fn in_guest() {
 
 /// In an emulated guest a step is 20 ms of compute, ~300 faults and 10 collectives of
 /// 400 µs; the agent samples at 999 Hz. Faults are timed by fentry/fexit (both guest
-/// kernels allow it) from the exception's entry to the handler's return: the return to
-/// user mode and the retried access, emulated and untraced, are 15-17% of the trainer's
-/// fault time on 6.12 (measured 2026-12-04; 30% before the entry path was counted).
+/// kernels allow it) from the exception's entry to the handler's return; the return to
+/// user mode and the retried access, emulated and untraced, from the samples there. They
+/// were 15-17% of the trainer's fault time on 6.12 and 23-31% on 6.1 before those samples
+/// counted; with them 2% and 3-17% (docs/attribution.md, 2026-12-06).
 const IN_THE_GUEST: Accuracy = Accuracy {
     steps: 15,
     compute_us: "20000",

@@ -6,7 +6,8 @@ use std::collections::BTreeSet;
 use super::{Cat, Categories, Change, ThreadLog};
 
 /// `[a, b)` of one thread by category: its pieces clipped to the interval, page faults
-/// (on-CPU samples in the fault handler, outside NCCL waits) and remote-memory stalls
+/// (on-CPU samples in the fault handler or on the instruction that just faulted, outside
+/// NCCL waits and timed faults) and remote-memory stalls
 /// carved out of compute (measured ones taken while spinning for NCCL out of nccl_wait).
 pub(super) fn categories(log: &ThreadLog, a: u64, b: u64) -> Categories {
     let mut cat = Categories::default();
@@ -22,7 +23,10 @@ pub(super) fn categories(log: &ThreadLog, a: u64, b: u64) -> Categories {
     let fault_ns: u64 = log.fault_time[lo..]
         .iter()
         .take_while(|(ts, _)| *ts < b)
-        .filter(|(ts, _)| category_at(segs, *ts) != Some(Cat::NcclWait))
+        // Not while spinning for NCCL, nor inside a fault timed by fentry/fexit (its
+        // piece is page_fault already): a sample after the handler's return, on the
+        // faulting instruction, stands for the untraced return and retried access.
+        .filter(|(ts, _)| !matches!(category_at(segs, *ts), Some(Cat::NcclWait | Cat::PageFault)))
         .map(|(_, weight)| weight)
         .sum();
     let fault_ns = fault_ns.min(cat.compute);

@@ -272,9 +272,9 @@ impl Timeline {
             log.call_stacks.sort_unstable();
             log.offcpu_stacks.sort_unstable();
             log.migrations.sort_unstable_by_key(|m| m.0);
-            if !self.faults_timed {
-                log.fault_time = weigh_samples(log, period);
-            }
+            // Timed faults: only the samples outside the timed pieces count (see
+            // `cut::categories`), the return to user mode that no probe sees.
+            log.fault_time = weigh_samples(log, period);
             log.fault_time.sort_unstable();
         }
     }

@@ -214,12 +214,13 @@ impl Timeline {
                 // In user mode on the instruction that just faulted, or right after it:
                 // the return from the fault (a pending timer interrupt is delivered
                 // there) and the retried access with its TLB refill are the fault's cost.
+                // Near its entry, or its handler's return where fentry/fexit timed it.
                 let retrying = kstack.is_empty()
                     && log.last_fault.is_some_and(|(at, ip)| {
                         ustack
                             .first()
                             .is_some_and(|u| (ip..ip + RETRY_BYTES).contains(u))
-                            && ts_ns.saturating_sub(at) < window
+                            && ts_ns.saturating_sub(at.max(log.last_fault_end)) < window
                     });
                 let in_fault = in_handler || retrying;
                 if in_fault {

@@ -198,9 +198,22 @@ impl Timeline {
             .as_deref()
             .unwrap_or("fentry/fexit not tried");
         if self.faults_timed {
-            "fentry/fexit on handle_mm_fault: each user fault of a target thread timed from \
-             the handler's entry to its return, on the CPU or blocked inside it"
-                .into()
+            let timed = "fentry/fexit on handle_mm_fault: each user fault of a target thread \
+                         timed from the exception's entry (page_fault_user) to the handler's \
+                         return, on the CPU or blocked inside it";
+            if self.sample_period_ns > 0 {
+                format!(
+                    "{timed}; the return to user mode and the retried access, which no probe \
+                     sees, estimated from on-CPU samples every {} µs on the instruction that \
+                     just faulted, times the period",
+                    self.sample_period_ns / 1000
+                )
+            } else {
+                format!(
+                    "{timed}; the return to user mode and the retried access are not counted \
+                     (on-CPU sampling is off in this profile)"
+                )
+            }
         } else if self.sample_period_ns > 0 && self.fault_ranges.is_empty() {
             "not measured: the page-fault handler's addresses were not found in \
              /proc/kallsyms (unreadable, or kernel.kptr_restrict hides them), so samples in \

@@ -230,7 +230,8 @@ const PRE_ARM: &str = "T=/sys/kernel/tracing; [ -d $T/events ] || mount -t trace
 /// The script a guest runs: each test alone, in a session of its own, killed with all it
 /// started when it runs past [`TEST_BOUND`] — after what the guest was running at that
 /// moment (processes and kernel stacks) is written to the log. One line per test in
-/// `results`: the exit status or `hung`.
+/// `results`: the exit status or `hung`. Output is not captured, so that the log keeps
+/// what passing tests print too (the breakdown's figures against the trainer's).
 fn guest_script(env: &str, tests: &Path, names: &[String], log: &Path, results: &Path) -> String {
     let bound = TEST_BOUND.as_secs();
     let (log, results, tests) = (log.display(), results.display(), tests.display());
@@ -243,7 +244,7 @@ fn guest_script(env: &str, tests: &Path, names: &[String], log: &Path, results: 
         let _ = write!(
             script,
             "echo \"vm-test: ---- {name}\" >> {log}\n\
-             setsid {tests} --exact {name} --include-ignored --test-threads 1 >> {log} 2>&1 &\n\
+             setsid {tests} --exact {name} --include-ignored --test-threads 1 --nocapture >> {log} 2>&1 &\n\
              pid=$!; waited=0\n\
              while kill -0 $pid 2>/dev/null && [ $waited -lt {bound} ]; do sleep 1; waited=$((waited+1)); done\n\
              if kill -0 $pid 2>/dev/null; then\n\

@@ -535,6 +535,61 @@ fn timed_faults_replace_samples() {
     assert_eq!(detail.threads[0].samples[0].2, Cat::PageFault);
 }
 
+/// What no probe sees of a timed fault, the return to user mode and the retried access,
+/// is estimated from samples: one on the instruction that just faulted, after the
+/// handler's return, stands for a period of fault time taken from compute (a pending
+/// timer interrupt is delivered there). The fault's piece runs from the exception's entry
+/// (the tracepoint's record), not the handler's.
+#[test]
+fn timed_faults_count_the_return_from_samples() {
+    let mut h = header();
+    h.fault_timing = Some("fentry/fexit on handle_mm_fault".into());
+    let mut tl = Timeline::new(&Setup::from(&h));
+    let at_ip = |ts: u64, ip: u64| Event::Sample {
+        ts_ns: ts,
+        task: task(10),
+        kstack: vec![],
+        ustack: vec![ip],
+    };
+    let mut events = vec![
+        switch(0, false, 0),
+        Event::Fault {
+            ts_ns: 1_000_000,
+            task: task(10),
+            address: 0x1000,
+            ip: 0x4000,
+            error_code: 6,
+        },
+        Event::FaultTime {
+            ts_ns: 1_300_000,
+            task: task(10),
+            start_ns: 1_050_000,
+            address: 0x1000,
+        },
+        // On the faulting store after the handler returned: the untraced return.
+        at_ip(1_350_000, 0x4004),
+        // Elsewhere in user code, or too long after the fault: compute.
+        at_ip(1_450_000, 0x9000),
+        at_ip(5_000_000, 0x4004),
+    ];
+    events.sort_by_key(Event::ts_ns);
+    for e in &events {
+        tl.push(e);
+    }
+    let (report, _) = tl.finish(10_000_000, StepRule::Window(10_000_000));
+    let c = &report.threads[0].categories;
+    assert_eq!(c.page_fault, 300_000 + 100_000);
+    assert_eq!(c.total(), 10_000_000);
+    assert!(
+        report
+            .methods
+            .page_fault
+            .contains("estimated from on-CPU samples every 100 µs"),
+        "{}",
+        report.methods.page_fault
+    );
+}
+
 /// `StackSame` records (`reuse_stacks`) stand for the native frames of the thread's
 /// previous stack of that kind, with the Python frames walked for them; one with no
 /// earlier stack of its thread leaves its stretch without a stack.
