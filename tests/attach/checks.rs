@@ -170,7 +170,10 @@ pub(crate) fn breakdown_run(
             mean(theirs_of("compute_ns")),
         ),
     ];
-    let line = format!("{env:?}: {checks:?}");
+    let line = format!(
+        "{env:?}: {checks:?}; by step [wall, page_fault, compute]: {:?}",
+        by_step(found, truth)
+    );
     eprintln!("{line}");
     for (name, ours, truth) in checks {
         let err = (ours - truth).abs() / truth;
@@ -187,6 +190,28 @@ pub(crate) fn breakdown_run(
         }
     }
     Ok(())
+}
+
+/// Step by step, ms (ours, the trainer's): wall, page_fault, and compute with the
+/// scheduler's categories; printed with the figures, to tell noise from a bias.
+fn by_step(found: &[Value], truth: &[Value]) -> Vec<[(f64, f64); 3]> {
+    let ms = |v: f64| (v / 1e5).round() / 10.0;
+    found
+        .iter()
+        .zip(truth)
+        .map(|(s, t)| {
+            let c = &s["categories_ns"];
+            let ours = |k: &str| c[k].as_f64().unwrap_or(0.0);
+            let theirs = |k: &str| t[k].as_f64().unwrap();
+            let compute =
+                ours("compute") + ours("runqueue") + ours("cpu_migration") + ours("other_offcpu");
+            [
+                (ms(s["wall_ns"].as_f64().unwrap()), ms(theirs("wall_ns"))),
+                (ms(ours("page_fault")), ms(theirs("fault_ns"))),
+                (ms(compute), ms(theirs("compute_ns"))),
+            ]
+        })
+        .collect()
 }
 
 /// The off-CPU stacks as the run says it took them (summary.json `offcpu_stacks_taken`;
