@@ -416,7 +416,7 @@ fn python_frames_in_the_guest() {
     ] {
         let run = tempfile::tempdir().unwrap();
         let (code, summary, stderr, out) =
-            crate::python::traced_rank_with(&[], python, run.path(), &args);
+            crate::python::traced_rank_with(&[], python, run.path(), &args, &[]);
         assert_eq!(code, 0, "{stderr}");
         assert_eq!(
             summary["agent"]["python_walk"], walk,

@@ -20,7 +20,13 @@ fn marked_line_of(file: &str, name: &str) -> usize {
 
 /// The stand-in Python rank run by `python` (under the command `wrap`, when not empty),
 /// waiting for `dir/go`.
-fn python_rank(wrap: &[&str], python: &Path, dir: &Path, steps: u32) -> Target {
+fn python_rank(
+    wrap: &[&str],
+    python: &Path,
+    dir: &Path,
+    steps: u32,
+    env: &[(&str, &str)],
+) -> Target {
     let go = dir.join("go");
     let script = workspace().join("tests/fixtures/py_rank.py");
     let (fixtures, steps) = (fixtures(), steps.to_string());
@@ -35,13 +41,10 @@ fn python_rank(wrap: &[&str], python: &Path, dir: &Path, steps: u32) -> Target {
         go.to_str().unwrap(),
     ]);
     let program = wrap.first().map_or(python, |w| Path::new(*w));
-    Target::spawn(
-        program,
-        &args,
-        // 3 ms of "GPU work" per collective: the sync waits for it.
-        &[("FAKE_NCCL_US", "3000")],
-        dir,
-    )
+    // 3 ms of "GPU work" per collective: the sync waits for it.
+    let mut all = vec![("FAKE_NCCL_US", "3000")];
+    all.extend(env);
+    Target::spawn(program, &args, &all, dir)
 }
 
 /// CPython interpreters on this machine, by minor version: Debian's python3.11 (a static
@@ -75,17 +78,19 @@ pub(crate) fn traced_python_rank(python: &Path, dir: &Path) -> (i32, Value, Stri
 
 /// [`traced_python_rank`] with the rank started under `wrap` (the rank is its only child).
 fn traced_wrapped_rank(wrap: &[&str], python: &Path, dir: &Path) -> (i32, Value, String, PathBuf) {
-    traced_rank_with(wrap, python, dir, &[])
+    traced_rank_with(wrap, python, dir, &[], &[])
 }
 
-/// [`traced_wrapped_rank`] with `args` added to the attach command.
+/// [`traced_wrapped_rank`] with `args` added to the attach command and `env` to the
+/// rank's.
 pub(crate) fn traced_rank_with(
     wrap: &[&str],
     python: &Path,
     dir: &Path,
     args: &[&str],
+    env: &[(&str, &str)],
 ) -> (i32, Value, String, PathBuf) {
-    let mut rank = python_rank(wrap, python, dir, 100_000);
+    let mut rank = python_rank(wrap, python, dir, 100_000, env);
     rank.release();
     std::thread::sleep(Duration::from_millis(300));
     let out = dir.join("out");
@@ -236,6 +241,7 @@ fn python_frames_walked_by_the_unrolled_loop() {
             python,
             run.path(),
             &["--profile", profile.to_str().unwrap()],
+            &[],
         );
         assert_eq!(code, 0, "{}: {stderr}", python.display());
         assert_eq!(
@@ -247,6 +253,57 @@ fn python_frames_walked_by_the_unrolled_loop() {
         assert!(target["python_stacks"].as_u64().unwrap() > 100, "{target}");
         check_python_frames(&out, python);
     }
+}
+
+/// A rank that enters its sync at one line and leaves the CPU at another (it spins in
+/// the sync and sleeps after it, as a DDP rank blocks in backward()): its call-entry and
+/// off-CPU stacks keep a Python walk each, so both are reused from step to step. With
+/// one walk kept a thread, each replaced the other and none was reused.
+#[test]
+#[ignore = "needs root: cargo xtask test"]
+fn python_frames_reused_by_stack_kind() {
+    let _serial = privileged();
+    let python = Path::new("/usr/bin/python3.11");
+    let dir = tempfile::tempdir().unwrap();
+    let (code, summary, stderr, out) = traced_rank_with(
+        &[],
+        python,
+        dir.path(),
+        &[],
+        &[("FAKE_CUDA_SPIN", "1"), ("PY_RANK_NAP", "1")],
+    );
+    assert_eq!(code, 0, "{stderr}");
+    // Every sync's entry after the first of each second reuses the walk of the one
+    // before (with one walk kept, the nap in between had replaced it: 14-16 of ~1,360
+    // stacks were reused, against ~1,050 now, 2026-12-06). Preemptions, frequent on a
+    // 2-vCPU machine, take walks of their own.
+    let target = &summary["targets"][0];
+    let walked = target["python_stacks"].as_u64().unwrap();
+    let reused = target["python_stacks_reused"].as_u64().unwrap();
+    let calls = summary["call_stacks"].as_u64().unwrap();
+    assert!(calls > 100, "{summary}");
+    assert!(
+        reused * 10 >= calls * 9,
+        "{reused} of {walked} Python stacks reused, {calls} sync entries"
+    );
+    assert_eq!(summary["stacks_reused_unresolved"], 0, "{summary}");
+    // The reused frames are the right ones: the main thread's sleeps name the nap's line,
+    // none the sync's (where its call-entry stacks are).
+    let nap = format!("train_step (py_rank.py:{})", marked_line("nap"));
+    let slept: Vec<(String, u64)> = folded(&out, "offcpu")
+        .into_iter()
+        .filter(|(l, _)| l.contains("(main (rank))") && l.contains("clock_nanosleep"))
+        .collect();
+    let named: u64 = slept
+        .iter()
+        .filter(|(l, _)| l.contains(&nap))
+        .map(|(_, w)| w)
+        .sum();
+    let all: u64 = slept.iter().map(|(_, w)| w).sum();
+    assert!(
+        all > 0 && named == all,
+        "{named} of {all} µs of sleep at {nap}: {slept:?}"
+    );
 }
 
 /// The frames `python_frames_name_the_lines_that_wait` expects in `out`'s flamegraphs.

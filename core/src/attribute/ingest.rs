@@ -1,6 +1,6 @@
 //! Each event into the thread logs: what every kind of record changes on the timeline.
 
-use super::{Call, Change, Collective, Event, Library, RETRY_BYTES, Timeline, remote};
+use super::{Call, Change, Collective, Event, Library, RETRY_BYTES, Timeline, py_slot, remote};
 
 impl Timeline {
     pub(super) fn call(&mut self, c: &Call) {
@@ -107,15 +107,23 @@ impl Timeline {
                 last.0.clone_from(kstack);
                 last.1.clone_from(ustack);
             }
-            Event::StackSame { ts_ns, task, of } if *of == nccltrace_common::kind::PY_FRAMES => {
-                // The thread's previous Python frames, for the stack record that follows;
-                // none when that walk was lost or is in an earlier recording window.
+            Event::StackSame {
+                ts_ns,
+                task,
+                of,
+                with,
+            } if *of == nccltrace_common::kind::PY_FRAMES => {
+                // The thread's previous Python frames for that stack kind, for the stack
+                // record that follows; none when that walk was lost or is in an earlier
+                // recording window.
                 let log = self.log(task.tid, task.tgid);
-                if let Some(frames) = log.last_py.clone() {
+                if let Some(frames) = log.last_py[py_slot(*with)].clone() {
                     self.py_pending.insert(task.tid, (*ts_ns, frames));
                 }
             }
-            Event::StackSame { ts_ns, task, of } => {
+            Event::StackSame {
+                ts_ns, task, of, ..
+            } => {
                 // The native frames of the thread's previous record of that kind; none
                 // when that record was lost or is in an earlier recording window.
                 let log = self.log(task.tid, task.tgid);
@@ -162,8 +170,8 @@ impl Timeline {
                 keyed,
                 ..
             } => {
-                if *keyed {
-                    self.log(task.tid, task.tgid).last_py = Some(frames.clone());
+                if let Some(with) = keyed {
+                    self.log(task.tid, task.tgid).last_py[py_slot(*with)] = Some(frames.clone());
                 }
                 self.py_pending.insert(task.tid, (*ts_ns, frames.clone()));
             }

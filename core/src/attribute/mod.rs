@@ -116,7 +116,9 @@ struct ThreadLog {
     last_call: Option<Vec<u64>>,
     /// The thread's last Python frames walked whole: what a `StackSame` record of Python
     /// frames stands for.
-    last_py: Option<Vec<PyFrame>>,
+    /// By [`py_slot`]: of its call-entry stacks, of its off-CPU stacks, and of both
+    /// (recordings before format 5).
+    last_py: [Option<Vec<PyFrame>>; 3],
     /// Wakeups: (time, waker tid, waker tgid).
     wakeups: Vec<(u64, u32, u32)>,
     /// Migrations: (time, from CPU, to CPU).
@@ -520,6 +522,16 @@ pub fn node_of(cpu_nodes: &[i32], cpu: i32) -> i32 {
 /// How far past a faulting instruction a user-mode sample still counts as the fault's
 /// return path (x86 store instructions and the loop step after them).
 const RETRY_BYTES: u64 = 16;
+
+/// Where a thread keeps the Python frames that a `StackSame` record with `with` (or a
+/// keyed walk for that stack kind) stands for.
+fn py_slot(with: u16) -> usize {
+    match with {
+        nccltrace_common::kind::CALL_STACK => 0,
+        nccltrace_common::kind::OFFCPU => 1,
+        _ => 2,
+    }
+}
 
 /// What a thread does, from its name (NCCL names its threads only with
 /// NCCL_SET_THREAD_NAME=1; PyTorch and CUDA name theirs).

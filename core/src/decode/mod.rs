@@ -371,10 +371,16 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
                 .ok()
                 .filter(|of| matches!(*of, kind::OFFCPU | kind::CALL_STACK | kind::PY_FRAMES))
                 .ok_or(DecodeError::NotAStack { of: e.of })?;
+            // Before format 5 the field was padding (0); of native frames, `of` itself.
+            let with = u16::try_from(e.with)
+                .ok()
+                .filter(|w| matches!(*w, 0 | kind::OFFCPU | kind::CALL_STACK))
+                .ok_or(DecodeError::NotAStack { of: e.with })?;
             Event::StackSame {
                 ts_ns: h.ts_ns,
                 task: t,
                 of,
+                with: if of == kind::PY_FRAMES { with } else { 0 },
             }
         }
         kind::SAMPLE | kind::OFFCPU | kind::CALL_STACK => {
@@ -442,7 +448,15 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
                 task: t,
                 frames,
                 truncated: flags & u64::from(nccltrace_common::PY_TRUNCATED) != 0,
-                keyed: flags & u64::from(nccltrace_common::PY_KEYED) != 0,
+                keyed: (flags & u64::from(nccltrace_common::PY_KEYED) != 0).then(|| {
+                    if flags & u64::from(nccltrace_common::PY_KEYED_OFFCPU) != 0 {
+                        kind::OFFCPU
+                    } else if flags & u64::from(nccltrace_common::PY_KEYED_CALL) != 0 {
+                        kind::CALL_STACK
+                    } else {
+                        0
+                    }
+                }),
             }
         }
         other => return Err(DecodeError::UnknownKind { kind: other }),

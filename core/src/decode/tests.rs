@@ -148,21 +148,33 @@ fn stack_same_names_a_stack_kind() {
             _pad: 0,
         },
         of: u32::from(kind::CALL_STACK),
-        _pad: 0,
+        with: u32::from(kind::CALL_STACK),
     };
-    let Event::StackSame { ts_ns, task, of } = decode(&as_bytes(&rec)).unwrap() else {
+    let Event::StackSame {
+        ts_ns,
+        task,
+        of,
+        with,
+    } = decode(&as_bytes(&rec)).unwrap()
+    else {
         panic!("not a stack-same record")
     };
     assert_eq!(
-        (ts_ns, task.tid, task.tgid, of),
-        (5_000, 11, 10, kind::CALL_STACK)
+        (ts_ns, task.tid, task.tgid, of, with),
+        (5_000, 11, 10, kind::CALL_STACK, 0)
     );
-    // Python frames reused (format version 4).
+    // Python frames reused: format 4 (one walk kept a thread), then 5 (one per stack kind).
     rec.of = u32::from(kind::PY_FRAMES);
-    let Event::StackSame { of, .. } = decode(&as_bytes(&rec)).unwrap() else {
-        panic!("not a stack-same record")
-    };
-    assert_eq!(of, kind::PY_FRAMES);
+    for with in [0, kind::OFFCPU, kind::CALL_STACK] {
+        rec.with = u32::from(with);
+        let Event::StackSame { of, with: w, .. } = decode(&as_bytes(&rec)).unwrap() else {
+            panic!("not a stack-same record")
+        };
+        assert_eq!((of, w), (kind::PY_FRAMES, with));
+    }
+    rec.with = u32::from(kind::SWITCH);
+    assert!(decode(&as_bytes(&rec)).is_err());
+    rec.with = 0;
     rec.of = u32::from(kind::SWITCH);
     assert_eq!(
         decode(&as_bytes(&rec)),
@@ -261,4 +273,48 @@ fn bad_records() {
     );
     let short = &as_bytes(&call_record(func::NCCL_SEND, [0; 8]))[..60];
     assert!(matches!(decode(short), Err(DecodeError::TooShort { .. })));
+}
+
+/// A keyed Python walk says which of its thread's kept walks it is: format 4's one for
+/// both (`PY_KEYED` alone), or since format 5 its call-entry or its off-CPU stacks'.
+#[test]
+fn keyed_python_walks_name_their_stack_kind() {
+    use nccltrace_common::{
+        PY_DEPTH, PY_KEYED, PY_KEYED_CALL, PY_KEYED_OFFCPU, PY_TRUNCATED, PyFramesEvent,
+    };
+    let mut e = PyFramesEvent {
+        hdr: Header {
+            ts_ns: 7_000,
+            tgid: 10,
+            tid: 11,
+            kind: kind::PY_FRAMES,
+            cpu: 0,
+            _pad: 0,
+        },
+        len: 1,
+        truncated: 0,
+        entries: 0,
+        codes: [0x100; PY_DEPTH],
+        offsets: [4; PY_DEPTH],
+    };
+    for (flags, want) in [
+        (0, None),
+        (PY_KEYED, Some(0)),
+        (PY_KEYED | PY_KEYED_CALL, Some(kind::CALL_STACK)),
+        (PY_KEYED | PY_KEYED_OFFCPU, Some(kind::OFFCPU)),
+        (
+            PY_TRUNCATED | PY_KEYED | PY_KEYED_OFFCPU,
+            Some(kind::OFFCPU),
+        ),
+    ] {
+        e.truncated = flags;
+        let Event::PyStack {
+            keyed, truncated, ..
+        } = decode(&as_bytes(&e)).unwrap()
+        else {
+            panic!("not a Python stack")
+        };
+        assert_eq!(keyed, want, "flags {flags:#b}");
+        assert_eq!(truncated, flags & PY_TRUNCATED != 0);
+    }
 }

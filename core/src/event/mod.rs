@@ -244,8 +244,12 @@ pub enum Event {
     StackSame {
         ts_ns: u64,
         task: Task,
-        /// `kind::OFFCPU` or `kind::CALL_STACK`.
+        /// `kind::OFFCPU`, `kind::CALL_STACK` or `kind::PY_FRAMES`.
         of: u16,
+        /// Of Python frames, which of the thread's kept walks they are: those of its
+        /// `kind::CALL_STACK` or its `kind::OFFCPU` stacks, or 0 (recordings before format
+        /// 5: one for both).
+        with: u16,
     },
     /// The user stack at the entry of a traced call (made just after the call's start).
     CallStack {
@@ -261,9 +265,11 @@ pub enum Event {
         frames: Vec<PyFrame>,
         /// Outer frames are missing (the walk's bound, or an unreadable frame).
         truncated: bool,
-        /// What the thread's later `StackSame` records of Python frames stand for (the
-        /// walk of an off-CPU or call-entry stack whose frames the kernel keyed).
-        keyed: bool,
+        /// What the thread's later `StackSame` records of Python frames with this `with`
+        /// stand for: the walk of a call-entry (`kind::CALL_STACK`) or off-CPU
+        /// (`kind::OFFCPU`) stack whose frames the kernel keyed, or before format 5 (0)
+        /// of either.
+        keyed: Option<u16>,
     },
 }
 

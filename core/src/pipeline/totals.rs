@@ -114,20 +114,20 @@ impl Aggregator {
     /// Off-CPU, call-entry and Python stack records, whole or reused.
     fn count_stack(&mut self, event: &Event) {
         match event {
-            Event::OffCpu { task, .. } => self.stacks.whole(task.tid, kind::OFFCPU),
-            Event::CallStack { task, .. } => self.stacks.whole(task.tid, kind::CALL_STACK),
-            Event::StackSame { task, of, .. } => {
+            Event::OffCpu { task, .. } => self.stacks.whole(task.tid, kind::OFFCPU, 0),
+            Event::CallStack { task, .. } => self.stacks.whole(task.tid, kind::CALL_STACK, 0),
+            Event::StackSame { task, of, with, .. } => {
                 if *of == kind::PY_FRAMES {
                     let n = self.python_stacks_by_pid.entry(task.tgid).or_default();
                     n.0 += 1;
                     n.1 += 1;
                 }
-                self.stacks.reused(task.tid, *of);
+                self.stacks.reused(task.tid, *of, *with);
             }
             Event::PyStack { task, keyed, .. } => {
                 self.python_stacks_by_pid.entry(task.tgid).or_default().0 += 1;
-                if *keyed {
-                    self.stacks.whole(task.tid, kind::PY_FRAMES);
+                if let Some(with) = keyed {
+                    self.stacks.whole(task.tid, kind::PY_FRAMES, *with);
                 }
             }
             _ => {}
@@ -168,8 +168,9 @@ pub(super) struct StackCounts {
     pub(super) reused: u64,
     /// Reused with no whole record of their thread and kind before them.
     pub(super) unresolved: u64,
-    /// Threads (and stack kinds) with a whole stack record so far.
-    bases: std::collections::HashSet<(u32, u16), foldhash::fast::FixedState>,
+    /// Threads (and stack kinds, and for Python frames the stack kind they were kept
+    /// for) with a whole stack record so far.
+    bases: std::collections::HashSet<(u32, u16, u16), foldhash::fast::FixedState>,
 }
 
 impl StackCounts {
@@ -181,17 +182,17 @@ impl StackCounts {
         }
     }
 
-    fn whole(&mut self, tid: u32, of: u16) {
+    fn whole(&mut self, tid: u32, of: u16, with: u16) {
         self.add(of);
-        self.bases.insert((tid, of));
+        self.bases.insert((tid, of, with));
     }
 
-    fn reused(&mut self, tid: u32, of: u16) {
+    fn reused(&mut self, tid: u32, of: u16, with: u16) {
         self.add(of);
         if of != kind::PY_FRAMES {
             self.reused += 1;
         }
-        if !self.bases.contains(&(tid, of)) {
+        if !self.bases.contains(&(tid, of, with)) {
             self.unresolved += 1;
         }
     }

@@ -11,8 +11,9 @@
 //! unused slots (`decode::compact`: 10× smaller on the demo trainer's recording); since
 //! version 3, record kinds an older reader does not know (`STACK_SAME`, `PY_FRAMES`), so
 //! that it refuses the file by its version instead of counting them undecodable; since
-//! version 4, `STACK_SAME` records that stand for a thread's previous Python frames. Version
-//! 1 to 3 recordings are read too.
+//! version 4, `STACK_SAME` records that stand for a thread's previous Python frames; since
+//! version 5, two such walks kept a thread (of its call-entry and of its off-CPU stacks),
+//! the record saying which. Version 1 to 4 recordings are read too.
 //! A truncated or damaged file is detected by the lengths and checksums; past damage in
 //! the middle, reading resumes at the next record whose length and checksum hold, and the
 //! bytes skipped are counted ([`Reader::damage`]).
@@ -24,7 +25,7 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 pub const MAGIC: &[u8; 8] = b"NCCLTRC\0";
-pub const FORMAT_VERSION: u32 = 4;
+pub const FORMAT_VERSION: u32 = 5;
 /// The oldest format version this reader reads.
 pub const OLDEST_FORMAT_VERSION: u32 = 1;
 /// Records larger than this are taken as damage, not allocated.

@@ -27,9 +27,13 @@ const _: () = assert!(core::mem::size_of::<SampleEvent>() == 800);
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct StackSameEvent {
     pub hdr: Header,
-    /// The kind of stack record it stands for: [`crate::kind::OFFCPU`] or [`crate::kind::CALL_STACK`].
+    /// The kind of stack record it stands for: [`crate::kind::OFFCPU`],
+    /// [`crate::kind::CALL_STACK`] or [`crate::kind::PY_FRAMES`].
     pub of: u32,
-    pub _pad: u32,
+    /// Of Python frames: the kind of the stack record they go with, whose kept walk they
+    /// are ([`crate::kind::OFFCPU`] or [`crate::kind::CALL_STACK`]); 0 before format 5,
+    /// when a thread kept one walk for both.
+    pub with: u32,
 }
 const _: () = assert!(core::mem::size_of::<StackSameEvent>() == 32);
 
@@ -129,6 +133,11 @@ pub const PY_TRUNCATED: u32 = 1;
 /// (an off-CPU or call-entry stack's walk, not a sample's): the `STACK_SAME` records of
 /// Python frames that follow for the thread stand for these.
 pub const PY_KEYED: u32 = 2;
+/// With [`PY_KEYED`]: kept as the walk of the thread's call-entry stacks.
+pub const PY_KEYED_CALL: u32 = 4;
+/// With [`PY_KEYED`]: kept as the walk of the thread's off-CPU stacks. With neither bit
+/// (before format 5) the thread kept one walk for both.
+pub const PY_KEYED_OFFCPU: u32 = 8;
 
 /// Where a CPython interpreter keeps what the frame walk reads (per target process,
 /// `PY_LAYOUTS`; byte offsets, [`crate::FIELD_ABSENT`] for a field the version lacks).

@@ -43,10 +43,11 @@ use aya_log_ebpf::warn;
 use nccltrace_common::{
     CALL_SLOTS, CallEvent, CallSlot, Config, FAULT_FLAG_USER, FIELD_ABSENT, FaultEvent,
     FaultTimeEvent, Header, KSTACK_DEPTH, MAX_ARGS, MigrateEvent, NOT_READ, NumaHintEvent,
-    NumaTaskEvent, PY_DEPTH, PY_ENTRY, PY_FRAME_WINDOW, PY_KEYED, PY_TRUNCATED, PageMigrationEvent,
-    PendingCall, PyFramesEvent, PyKey, PyLayout, RING_SHARDS, STACK_KEY_SLOTS, STACK_REUSE_NS,
-    SampleEvent, StackKey, StackSameEvent, SwitchEvent, TaskEvent, TpOffsets, USTACK_DEPTH,
-    WakeupEvent, call_stacks, counter, func, kind, maybe, numa_task, offcpu, switch_flags, timed,
+    NumaTaskEvent, PY_DEPTH, PY_ENTRY, PY_FRAME_WINDOW, PY_KEYED, PY_KEYED_CALL, PY_KEYED_OFFCPU,
+    PY_TRUNCATED, PageMigrationEvent, PendingCall, PyFramesEvent, PyKey, PyLayout, RING_SHARDS,
+    STACK_KEY_SLOTS, STACK_REUSE_NS, SampleEvent, StackKey, StackSameEvent, SwitchEvent, TaskEvent,
+    TpOffsets, USTACK_DEPTH, WakeupEvent, call_stacks, counter, func, kind, maybe, numa_task,
+    offcpu, switch_flags, timed,
 };
 
 /// Every record, in ring buffers shared by groups of CPUs (`CONFIG.shards` of them in use,

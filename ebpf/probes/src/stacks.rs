@@ -47,7 +47,7 @@ pub(crate) fn emit_entry_stack(ctx: *mut core::ffi::c_void, regs: &pt_regs, tgid
         bp: regs.rbp,
         words: [caller, link[0], link[1]],
     };
-    if reuse && same_as_kept(&CALL_KEYS, &key, &hdr, kind::CALL_STACK) {
+    if reuse && same_as_kept(&CALL_KEYS, native_slot(tid), &key, &hdr, kind::CALL_STACK) {
         return;
     }
     let ring = ring();
@@ -81,7 +81,7 @@ pub(crate) fn emit_entry_stack(ctx: *mut core::ffi::c_void, regs: &pt_regs, tgid
     }
     entry.submit(wake_flags(ring, 0));
     if reuse {
-        keep(&CALL_KEYS, &key);
+        keep(&CALL_KEYS, native_slot(tid), &key);
     }
 }
 
@@ -148,12 +148,32 @@ impl ReuseKey for PyKey {
     }
 }
 
-/// Whether `key` is where the frames last written for its thread under `keys` were, taken
-/// less than `STACK_REUSE_NS` ago: then a `STACK_SAME` record standing for a record of
-/// kind `of` is written (with `hdr`'s time and thread) and true is returned.
+/// A thread's slot in a map of native stack keys.
 #[inline(always)]
-pub(crate) fn same_as_kept<K: ReuseKey>(keys: &Array<K>, key: &K, hdr: &Header, of: u16) -> bool {
-    let Some(kept) = keys.get(key.tid() & (STACK_KEY_SLOTS - 1)) else {
+pub(crate) fn native_slot(tid: u32) -> u32 {
+    tid & (STACK_KEY_SLOTS - 1)
+}
+
+/// A thread's slot in [`PY_KEYS`]: one for the walks of its call-entry stacks, one for
+/// its off-CPU stacks' (a thread that blocks elsewhere than in the call it enters, a
+/// training loop's sync, would otherwise replace one with the other at every step).
+#[inline(always)]
+fn py_slot(tid: u32, with: u16) -> u32 {
+    (native_slot(tid) << 1) | u32::from(with == kind::OFFCPU)
+}
+
+/// Whether `key` is where the frames last written for its thread in slot `slot` of `keys`
+/// were, taken less than `STACK_REUSE_NS` ago: then a `STACK_SAME` record standing for a
+/// record of kind `of` is written (with `hdr`'s time and thread) and true is returned.
+#[inline(always)]
+pub(crate) fn same_as_kept<K: ReuseKey>(
+    keys: &Array<K>,
+    slot: u32,
+    key: &K,
+    hdr: &Header,
+    of: u16,
+) -> bool {
+    let Some(kept) = keys.get(slot) else {
         return false;
     };
     let same = kept.tid() == key.tid()
@@ -166,7 +186,8 @@ pub(crate) fn same_as_kept<K: ReuseKey>(keys: &Array<K>, key: &K, hdr: &Header, 
 }
 
 /// Writes a `STACK_SAME` record standing for a record of kind `of` under `hdr`'s time and
-/// thread. Lost, it counts under `of` (Python frames under `PY_STACK`).
+/// thread (Python frames: with `hdr`'s kind, the stack they go with). Lost, it counts
+/// under `of` (Python frames under `PY_STACK`).
 #[inline(always)]
 fn emit_same(hdr: &Header, of: u16) {
     let lost_as = if of == kind::PY_FRAMES {
@@ -182,15 +203,16 @@ fn emit_same(hdr: &Header, of: u16) {
                 ..*hdr
             },
             of: u32::from(of),
-            _pad: 0,
+            with: u32::from(hdr.kind),
         },
     );
 }
 
-/// Keeps `key` as its thread's last written frames (after their record was written).
+/// Keeps `key` in `slot` as its thread's last written frames (after their record was
+/// written).
 #[inline(always)]
-pub(crate) fn keep<K: ReuseKey>(keys: &Array<K>, key: &K) {
-    if let Some(slot) = keys.get_ptr_mut(key.tid() & (STACK_KEY_SLOTS - 1)) {
+pub(crate) fn keep<K: ReuseKey>(keys: &Array<K>, slot: u32, key: &K) {
+    if let Some(slot) = keys.get_ptr_mut(slot) {
         // SAFETY: a live map value; a thread sharing the slot only makes the next
         // comparison fail.
         unsafe { *slot = *key };
@@ -291,7 +313,7 @@ pub(crate) fn emit_stacks(ctx: *mut core::ffi::c_void, hdr: Header, kernel: bool
         None
     };
     if let Some(key) = &key
-        && same_as_kept(&OFFCPU_KEYS, key, &hdr, hdr.kind)
+        && same_as_kept(&OFFCPU_KEYS, native_slot(hdr.tid), key, &hdr, hdr.kind)
     {
         return;
     }
@@ -331,7 +353,7 @@ pub(crate) fn emit_stacks(ctx: *mut core::ffi::c_void, hdr: Header, kernel: bool
     }
     entry.submit(wake_flags(ring, 0));
     if let Some(key) = &key {
-        keep(&OFFCPU_KEYS, key);
+        keep(&OFFCPU_KEYS, native_slot(hdr.tid), key);
     }
 }
 
@@ -498,14 +520,15 @@ pub(crate) fn emit_py_stack(stack: &Header, reuse: bool) {
     };
     // SAFETY: this CPU's slot, written and read within one turn of the walk.
     let window = unsafe { &mut *window };
-    let key = if reuse {
+    // A key whole either way: an `Option` left its payload undefined on the failed read's
+    // path, and the compiler then stored a register the verifier had not seen written.
+    let (keyed, key) = if reuse {
         py_key(stack, cframe, frame, window, &layout)
     } else {
-        None
+        (false, PyKey::default())
     };
-    if let Some(key) = &key
-        && same_as_kept(&PY_KEYS, key, stack, kind::PY_FRAMES)
-    {
+    let slot = py_slot(stack.tid, stack.kind);
+    if keyed && same_as_kept(&PY_KEYS, slot, &key, stack, kind::PY_FRAMES) {
         return;
     }
     let ring = ring();
@@ -547,22 +570,26 @@ pub(crate) fn emit_py_stack(stack: &Header, reuse: bool) {
         py_walk_unrolled(event, window, frame, &layout, entry_flag)
     };
     // Frames left: the walk hit its bound, or a frame could not be read.
-    event.truncated =
-        if frame != 0 { PY_TRUNCATED } else { 0 } | if key.is_some() { PY_KEYED } else { 0 };
+    let key_flags = if stack.kind == kind::OFFCPU {
+        PY_KEYED | PY_KEYED_OFFCPU
+    } else {
+        PY_KEYED | PY_KEYED_CALL
+    };
+    event.truncated = if frame != 0 { PY_TRUNCATED } else { 0 } | if keyed { key_flags } else { 0 };
     entry.submit(wake_flags(ring, 0));
-    if let Some(key) = &key {
-        keep(&PY_KEYS, key);
+    if keyed {
+        keep(&PY_KEYS, slot, &key);
     }
 }
 
-/// Per-thread keys of the last Python frames walked whole for an off-CPU or call-entry
-/// stack.
+/// Per-thread keys of the last Python frames walked whole, two slots a thread
+/// ([`py_slot`]): for its call-entry stacks and for its off-CPU stacks.
 #[map]
-pub(crate) static PY_KEYS: Array<PyKey> = Array::with_max_entries(STACK_KEY_SLOTS, 0);
+pub(crate) static PY_KEYS: Array<PyKey> = Array::with_max_entries(2 * STACK_KEY_SLOTS, 0);
 
 /// The key of the thread's Python frames: `holder` (what the thread state points at), the
-/// innermost frame `frame` and its caller, read into `window`; none when a frame cannot be
-/// read.
+/// innermost frame `frame` and its caller, read into `window`; false with it when a frame
+/// cannot be read.
 #[inline(always)]
 fn py_key(
     stack: &Header,
@@ -570,7 +597,7 @@ fn py_key(
     frame: u64,
     window: &mut [u64; 16],
     layout: &PyLayout,
-) -> Option<PyKey> {
+) -> (bool, PyKey) {
     let mut key = PyKey {
         tid: stack.tid,
         _pad: 0,
@@ -586,7 +613,7 @@ fn py_key(
             break;
         }
         if !read_frame(window, at) {
-            return None;
+            return (false, key);
         }
         let word = |at: u32| window[(at as usize >> 3) & 15];
         key.codes[i] = word(layout.frame_code);
@@ -595,5 +622,5 @@ fn py_key(
             key.frames[1] = word(layout.frame_previous);
         }
     }
-    Some(key)
+    (true, key)
 }
