@@ -103,7 +103,6 @@ pub fn offsets(root: &Path) -> Result<(TpOffsets, Vec<&'static str>), TracefsErr
             }
             "sched_waking" => {
                 o.wakeup_pid = get("pid")?;
-                o.wakeup_target_cpu = get("target_cpu")?;
             }
             "sched_migrate_task" => {
                 o.migrate_pid = get("pid")?;

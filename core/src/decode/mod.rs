@@ -214,7 +214,6 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
                 task: t,
                 waker_tid: e.waker_tid,
                 waker_tgid: e.waker_tgid,
-                target_cpu: e.target_cpu as i32,
             }
         }
         kind::MIGRATE => {

@@ -125,7 +125,6 @@ pub enum Event {
         task: Task,
         waker_tid: u32,
         waker_tgid: u32,
-        target_cpu: i32,
     },
     Migrate {
         ts_ns: u64,

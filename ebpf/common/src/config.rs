@@ -54,7 +54,6 @@ pub struct TpOffsets {
     pub switch_prev_state: u32,
     pub switch_next_pid: u32,
     pub wakeup_pid: u32,
-    pub wakeup_target_cpu: u32,
     pub migrate_pid: u32,
     pub migrate_orig_cpu: u32,
     pub migrate_dest_cpu: u32,
@@ -86,4 +85,4 @@ pub struct TpOffsets {
     pub task_pid: u32,
     pub task_cpu: u32,
 }
-const _: () = assert!(core::mem::size_of::<TpOffsets>() == 120);
+const _: () = assert!(core::mem::size_of::<TpOffsets>() == 116);

@@ -35,6 +35,9 @@ pub struct WakeupEvent {
     pub hdr: Header,
     pub waker_tid: u32,
     pub waker_tgid: u32,
+    /// The CPU the woken thread was to run on, before format 5; `u32::MAX` since (not
+    /// read: nothing used it, and reading it cost the program a load from the woken
+    /// task's `task_struct`, often another CPU's).
     pub target_cpu: u32,
     pub _pad: u32,
 }

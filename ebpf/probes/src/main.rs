@@ -170,7 +170,6 @@ pub(crate) static OFFSETS: TpOffsets = TpOffsets {
     switch_prev_state: 0,
     switch_next_pid: 0,
     wakeup_pid: 0,
-    wakeup_target_cpu: 0,
     migrate_pid: 0,
     migrate_orig_cpu: 0,
     migrate_dest_cpu: 0,

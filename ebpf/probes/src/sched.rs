@@ -168,9 +168,7 @@ pub fn tracepoint_sched_waking(ctx: TracePointContext) -> u32 {
     let Some(pid) = read_tp::<i32>(&ctx, offset!(wakeup_pid)) else {
         return 0;
     };
-    on_waking(pid as u32, || {
-        read_tp::<i32>(&ctx, offset!(wakeup_target_cpu)).unwrap_or(-1)
-    })
+    on_waking(pid as u32)
 }
 
 /// `sched_waking` as a raw tracepoint: `(p)`.
@@ -180,27 +178,24 @@ pub fn raw_sched_waking(ctx: RawTracePointContext) -> i32 {
     let Some(pid) = task_field::<i32>(task, offset!(task_pid)) else {
         return 0;
     };
-    on_waking(pid as u32, || {
-        task_field::<i32>(task, offset!(task_cpu)).unwrap_or(-1)
-    }) as i32
+    on_waking(pid as u32) as i32
 }
 
-/// A wake-up of thread `tid`, to run on the CPU `target_cpu` gives (read only for targets).
+/// A wake-up of thread `tid`.
 #[inline(always)]
-fn on_waking(tid: u32, target_cpu: impl FnOnce() -> i32) -> u32 {
+fn on_waking(tid: u32) -> u32 {
     let Some(tgid) = target_of_thread(tid) else {
         return 0;
     };
     let timed = TargetRun::start(timed::SCHED_WAKING);
     let (waker_tgid, waker_tid) = current();
-    let target_cpu = target_cpu();
     emit(
         kind::WAKEUP,
         WakeupEvent {
             hdr: header_at(kind::WAKEUP, tgid, tid, timed.start_ns),
             waker_tid,
             waker_tgid,
-            target_cpu: target_cpu as u32,
+            target_cpu: u32::MAX,
             _pad: 0,
         },
     );

@@ -374,7 +374,6 @@ fn stack_taken_at_the_switch_in_finds_its_stretch_across_epochs() {
             task: task(10),
             waker_tid: 11,
             waker_tgid: 10,
-            target_cpu: 0,
         },
     );
     for e in &events {
@@ -440,7 +439,6 @@ fn one_step_partitioned() {
             task: task(10),
             waker_tid: 1,
             waker_tgid: 1,
-            target_cpu: 0,
         });
         events.push(switch(t + 4_500_000, false, 0));
         events.push(call(
