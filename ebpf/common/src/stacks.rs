@@ -32,7 +32,7 @@ pub struct StackSameEvent {
     pub of: u32,
     /// Of Python frames: the kind of the stack record they go with, whose kept walk they
     /// are ([`crate::kind::OFFCPU`] or [`crate::kind::CALL_STACK`]); 0 before format 5,
-    /// when a thread kept one walk for both.
+    /// when a thread kept one walk for both. Of native frames, `of` again (unused).
     pub with: u32,
 }
 const _: () = assert!(core::mem::size_of::<StackSameEvent>() == 32);
