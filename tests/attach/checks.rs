@@ -171,7 +171,9 @@ pub(crate) fn breakdown_run(
         ),
     ];
     let line = format!(
-        "{env:?}: {checks:?}; by step [wall, page_fault, compute]: {:?}",
+        "{env:?}: {checks:?}; late events left out: {}; by step [wall, page_fault, compute, \
+         faults]: {:?}",
+        report["late_events_left_out"],
         by_step(found, truth)
     );
     eprintln!("{line}");
@@ -193,8 +195,9 @@ pub(crate) fn breakdown_run(
 }
 
 /// Step by step, ms (ours, the trainer's): wall, page_fault, and compute with the
-/// scheduler's categories; printed with the figures, to tell noise from a bias.
-fn by_step(found: &[Value], truth: &[Value]) -> Vec<[(f64, f64); 3]> {
+/// scheduler's categories; and the faults counted against those the trainer made at
+/// least (its fresh pages). Printed with the figures, to tell noise from a bias.
+fn by_step(found: &[Value], truth: &[Value]) -> Vec<[(f64, f64); 4]> {
     let ms = |v: f64| (v / 1e5).round() / 10.0;
     found
         .iter()
@@ -209,6 +212,7 @@ fn by_step(found: &[Value], truth: &[Value]) -> Vec<[(f64, f64); 3]> {
                 (ms(s["wall_ns"].as_f64().unwrap()), ms(theirs("wall_ns"))),
                 (ms(ours("page_fault")), ms(theirs("fault_ns"))),
                 (ms(compute), ms(theirs("compute_ns"))),
+                (s["faults"].as_f64().unwrap_or(-1.0), theirs("fault_pages")),
             ]
         })
         .collect()

@@ -199,10 +199,23 @@ impl Timeline {
                 // ~30% of it in an emulated guest.
                 let entered = log
                     .last_fault
-                    .map(|(at, _)| at)
-                    .filter(|at| *at <= *start_ns && *at >= log.last_fault_end);
+                    .filter(|(at, _)| *at <= *start_ns && *at >= log.last_fault_end);
+                let start = entered.map_or(*start_ns, |(at, _)| at).max(cut_ns);
+                // Back to back at one instruction (a loop touching fresh pages): from the
+                // last fault's return to this one's entry the thread went back to user
+                // mode and faulted again, with next to no work between. That way out
+                // and in, which no probe sees, is fault time when shorter than the last
+                // fault itself.
+                if let (Some((at, ip)), Some((last_ip, took))) = (entered, log.last_timed)
+                    && ip.abs_diff(last_ip) < RETRY_BYTES
+                    && at.saturating_sub(log.last_fault_end) < took
+                    && log.last_fault_end >= cut_ns
+                {
+                    log.changes.push((log.last_fault_end, Change::FaultStart));
+                    log.changes.push((at, Change::FaultEnd));
+                }
+                log.last_timed = entered.map(|(_, ip)| (ip, ts_ns.saturating_sub(start)));
                 log.last_fault_end = *ts_ns;
-                let start = entered.unwrap_or(*start_ns).max(cut_ns);
                 log.changes.push((start, Change::FaultStart));
                 log.changes.push((*ts_ns, Change::FaultEnd));
             }

@@ -89,6 +89,9 @@ struct ThreadLog {
     last_fault: Option<(u64, u64)>,
     /// The end of the thread's last fault timed by fentry/fexit.
     last_fault_end: u64,
+    /// The last fault timed by fentry/fexit: (its instruction, how long it took), beside
+    /// `last_fault_end`.
+    last_timed: Option<(u64, u64)>,
     /// NUMA hinting faults, by time.
     numa_hints: Vec<remote::Hint>,
     /// Loads sampled by the PMU, by time.

@@ -72,7 +72,8 @@ pub fn fentry_handle_mm_fault(ctx: FEntryContext) -> u32 {
     0
 }
 
-/// Return of the fault handler: one record with the fault's start and end.
+/// Return of the fault handler: one record with the fault's start and end (read after the
+/// record is made, just before it is handed on).
 #[fexit(function = "handle_mm_fault")]
 pub fn fexit_handle_mm_fault(ctx: FExitContext) -> u32 {
     let (tgid, tid) = current();
@@ -80,20 +81,29 @@ pub fn fexit_handle_mm_fault(ctx: FExitContext) -> u32 {
     let Some(start) = (unsafe { FAULT_START.get(&tid) }).copied() else {
         return 0;
     };
-    let timed = TargetRun::start(timed::FEXIT_HANDLE_MM_FAULT);
+    let _timed = TargetRun::start(timed::FEXIT_HANDLE_MM_FAULT);
     let _ = FAULT_START.remove(&tid);
     let address: u64 = ctx.arg(1);
     let result: u32 = ctx.ret().unwrap_or(0);
-    emit(
-        kind::FAULT_TIME,
-        FaultTimeEvent {
-            hdr: header_at(kind::FAULT_TIME, tgid, tid, timed.start_ns),
-            start_ns: start.ts_ns,
-            address,
-            flags: start.flags,
-            result,
-        },
-    );
+    let ring = ring();
+    let Some(mut entry) = ring.reserve::<FaultTimeEvent>(0) else {
+        bump(u32::from(kind::FAULT_TIME));
+        return 0;
+    };
+    entry.write(FaultTimeEvent {
+        hdr: header_at(kind::FAULT_TIME, tgid, tid, 0),
+        start_ns: start.ts_ns,
+        address,
+        flags: start.flags,
+        result,
+    });
+    // The fault ends now, with its record made: this program's run so far is on the
+    // fault's path too.
+    // SAFETY: helper without preconditions.
+    let end = unsafe { bpf_ktime_get_ns() };
+    // SAFETY: the reserved record, just written.
+    unsafe { (*entry.as_mut_ptr()).hdr.ts_ns = end };
+    entry.submit(wake_flags(ring, end));
     0
 }
 

@@ -596,6 +596,51 @@ fn timed_faults_count_the_return_from_samples() {
     );
 }
 
+/// Faults back to back at one instruction (a loop over fresh pages): the way from one's
+/// return to the next one's entry, shorter than the fault, is fault time; a longer gap,
+/// or a fault at another instruction, is not.
+#[test]
+fn back_to_back_faults_count_the_way_between() {
+    let mut h = header();
+    h.fault_timing = Some("fentry/fexit on handle_mm_fault".into());
+    let mut tl = Timeline::new(&Setup::from(&h));
+    let mut events = vec![switch(0, false, 0)];
+    // (entry, handler's start, return, instruction): 200 µs faults.
+    for (at, ip) in [
+        (1_000_000, 0x4000),
+        // 50 µs after the return, same instruction: joined.
+        (1_250_000, 0x4000),
+        // 100 µs after, next instruction but one (the loop's step): joined.
+        (1_550_000, 0x4008),
+        // 500 µs after: not joined (longer than the fault).
+        (2_250_000, 0x4008),
+        // 50 µs after, elsewhere: not joined.
+        (2_500_000, 0x9000),
+    ] {
+        events.push(Event::Fault {
+            ts_ns: at,
+            task: task(10),
+            address: 0x1000,
+            ip,
+            error_code: 6,
+        });
+        events.push(Event::FaultTime {
+            ts_ns: at + 200_000,
+            task: task(10),
+            start_ns: at + 10_000,
+            address: 0x1000,
+        });
+    }
+    events.sort_by_key(Event::ts_ns);
+    for e in &events {
+        tl.push(e);
+    }
+    let (report, _) = tl.finish(10_000_000, StepRule::Window(10_000_000));
+    let c = &report.threads[0].categories;
+    assert_eq!(c.page_fault, 5 * 200_000 + 50_000 + 100_000);
+    assert_eq!(c.total(), 10_000_000);
+}
+
 /// `StackSame` records (`reuse_stacks`) stand for the native frames of the thread's
 /// previous stack of that kind, with the Python frames walked for them; one with no
 /// earlier stack of its thread leaves its stretch without a stack.
