@@ -370,12 +370,29 @@ const WAKE_CHECK_EVERY: u64 = 16;
 /// Submits `value` as one record, counting it lost under `kind` when the buffer is full.
 #[inline(always)]
 pub(crate) fn emit<T: nccltrace_common::Record + 'static>(kind: u16, value: T) {
+    submit_record(kind, value, false);
+}
+
+/// [`emit`], the record's time read once it is made, just before it is handed on (the
+/// end of what the record times, the program's own run up to there included).
+#[inline(always)]
+pub(crate) fn emit_ending_now<T: nccltrace_common::Record + 'static>(kind: u16, value: T) {
+    submit_record(kind, value, true);
+}
+
+#[inline(always)]
+fn submit_record<T: nccltrace_common::Record + 'static>(kind: u16, value: T, stamp: bool) {
     let ring = ring();
     match ring.reserve::<T>(0) {
         Some(mut entry) => {
             entry.write(value);
             // SAFETY: every record begins with its header, just written.
-            let ts_ns = unsafe { (*entry.as_mut_ptr().cast::<Header>()).ts_ns };
+            let hdr = unsafe { &mut *entry.as_mut_ptr().cast::<Header>() };
+            if stamp {
+                // SAFETY: helper without preconditions.
+                hdr.ts_ns = unsafe { bpf_ktime_get_ns() };
+            }
+            let ts_ns = hdr.ts_ns;
             entry.submit(wake_flags(ring, ts_ns));
         }
         None => bump(u32::from(kind)),

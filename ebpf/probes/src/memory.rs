@@ -85,25 +85,18 @@ pub fn fexit_handle_mm_fault(ctx: FExitContext) -> u32 {
     let _ = FAULT_START.remove(&tid);
     let address: u64 = ctx.arg(1);
     let result: u32 = ctx.ret().unwrap_or(0);
-    let ring = ring();
-    let Some(mut entry) = ring.reserve::<FaultTimeEvent>(0) else {
-        bump(u32::from(kind::FAULT_TIME));
-        return 0;
-    };
-    entry.write(FaultTimeEvent {
-        hdr: header_at(kind::FAULT_TIME, tgid, tid, 0),
-        start_ns: start.ts_ns,
-        address,
-        flags: start.flags,
-        result,
-    });
-    // The fault ends now, with its record made: this program's run so far is on the
+    // The fault ends when its record is made: this program's run so far is on the
     // fault's path too.
-    // SAFETY: helper without preconditions.
-    let end = unsafe { bpf_ktime_get_ns() };
-    // SAFETY: the reserved record, just written.
-    unsafe { (*entry.as_mut_ptr()).hdr.ts_ns = end };
-    entry.submit(wake_flags(ring, end));
+    emit_ending_now(
+        kind::FAULT_TIME,
+        FaultTimeEvent {
+            hdr: header_at(kind::FAULT_TIME, tgid, tid, 0),
+            start_ns: start.ts_ns,
+            address,
+            flags: start.flags,
+            result,
+        },
+    );
     0
 }
 
