@@ -1,0 +1,147 @@
+//! Page-fault time: timed by fentry/fexit where the kernel permits, else from samples,
+//! and the untraced way out and back in between faults.
+
+use super::*;
+
+/// Faults timed by fentry/fexit are `page_fault` from the handler's entry to its
+/// return, on the CPU or blocked inside it (a page read in); samples in the handler no
+/// longer estimate it, so nothing is counted twice.
+#[test]
+fn timed_faults_replace_samples() {
+    let mut h = header();
+    h.fault_timing = Some("fentry/fexit on handle_mm_fault".into());
+    let mut tl = Timeline::new(&Setup::from(&h));
+    let fault = |start: u64, end: u64| Event::FaultTime {
+        ts_ns: end,
+        task: task(10),
+        start_ns: start,
+        address: 0x1000,
+    };
+    let mut events = vec![
+        switch(0, false, 0),
+        // A sample in the handler: it would stand for 100 µs if samples estimated it.
+        Event::Sample {
+            ts_ns: 200_000,
+            task: task(10),
+            kstack: vec![0xffff_0010],
+            ustack: vec![],
+        },
+        fault(100_000, 250_000),
+        // A major fault: blocked 2.1..2.9 ms inside it.
+        switch(2_100_000, true, 1),
+        switch(2_900_000, false, 0),
+        fault(2_000_000, 3_000_000),
+    ];
+    events.sort_by_key(Event::ts_ns);
+    for e in &events {
+        tl.push(e);
+    }
+    let (report, detail) = tl.finish(10_000_000, StepRule::Window(10_000_000));
+    let c = &report.threads[0].categories;
+    assert_eq!(c.page_fault, 150_000 + 1_000_000);
+    assert_eq!(c.other_offcpu, 0);
+    assert_eq!(c.total(), 10_000_000);
+    assert!(report.methods.page_fault.starts_with("fentry/fexit"));
+    // The sample inside the fault is drawn as fault time in the flamegraphs.
+    assert_eq!(detail.threads[0].samples[0].2, Cat::PageFault);
+}
+
+/// What no probe sees of a timed fault, the return to user mode and the retried access,
+/// is estimated from samples: one on the instruction that just faulted, after the
+/// handler's return, stands for a period of fault time taken from compute (a pending
+/// timer interrupt is delivered there). The fault's piece runs from the exception's entry
+/// (the tracepoint's record), not the handler's.
+#[test]
+fn timed_faults_count_the_return_from_samples() {
+    let mut h = header();
+    h.fault_timing = Some("fentry/fexit on handle_mm_fault".into());
+    let mut tl = Timeline::new(&Setup::from(&h));
+    let at_ip = |ts: u64, ip: u64| Event::Sample {
+        ts_ns: ts,
+        task: task(10),
+        kstack: vec![],
+        ustack: vec![ip],
+    };
+    let mut events = vec![
+        switch(0, false, 0),
+        Event::Fault {
+            ts_ns: 1_000_000,
+            task: task(10),
+            address: 0x1000,
+            ip: 0x4000,
+            error_code: 6,
+        },
+        Event::FaultTime {
+            ts_ns: 1_300_000,
+            task: task(10),
+            start_ns: 1_050_000,
+            address: 0x1000,
+        },
+        // On the faulting store after the handler returned: the untraced return.
+        at_ip(1_350_000, 0x4004),
+        // Elsewhere in user code, or too long after the fault: compute.
+        at_ip(1_450_000, 0x9000),
+        at_ip(5_000_000, 0x4004),
+    ];
+    events.sort_by_key(Event::ts_ns);
+    for e in &events {
+        tl.push(e);
+    }
+    let (report, _) = tl.finish(10_000_000, StepRule::Window(10_000_000));
+    let c = &report.threads[0].categories;
+    assert_eq!(c.page_fault, 300_000 + 100_000);
+    assert_eq!(c.total(), 10_000_000);
+    assert!(
+        report
+            .methods
+            .page_fault
+            .contains("estimated from on-CPU samples every 100 µs"),
+        "{}",
+        report.methods.page_fault
+    );
+}
+
+/// Faults back to back at one instruction (a loop over fresh pages): the way from one's
+/// return to the next one's entry, shorter than the fault, is fault time; a longer gap,
+/// or a fault at another instruction, is not.
+#[test]
+fn back_to_back_faults_count_the_way_between() {
+    let mut h = header();
+    h.fault_timing = Some("fentry/fexit on handle_mm_fault".into());
+    let mut tl = Timeline::new(&Setup::from(&h));
+    let mut events = vec![switch(0, false, 0)];
+    // (entry, handler's start, return, instruction): 200 µs faults.
+    for (at, ip) in [
+        (1_000_000, 0x4000),
+        // 50 µs after the return, same instruction: joined.
+        (1_250_000, 0x4000),
+        // 100 µs after, next instruction but one (the loop's step): joined.
+        (1_550_000, 0x4008),
+        // 500 µs after: not joined (longer than the fault).
+        (2_250_000, 0x4008),
+        // 50 µs after, elsewhere: not joined.
+        (2_500_000, 0x9000),
+    ] {
+        events.push(Event::Fault {
+            ts_ns: at,
+            task: task(10),
+            address: 0x1000,
+            ip,
+            error_code: 6,
+        });
+        events.push(Event::FaultTime {
+            ts_ns: at + 200_000,
+            task: task(10),
+            start_ns: at + 10_000,
+            address: 0x1000,
+        });
+    }
+    events.sort_by_key(Event::ts_ns);
+    for e in &events {
+        tl.push(e);
+    }
+    let (report, _) = tl.finish(10_000_000, StepRule::Window(10_000_000));
+    let c = &report.threads[0].categories;
+    assert_eq!(c.page_fault, 5 * 200_000 + 50_000 + 100_000);
+    assert_eq!(c.total(), 10_000_000);
+}
