@@ -201,11 +201,20 @@ impl Timeline {
                     .last_fault
                     .filter(|(at, _)| *at <= *start_ns && *at >= log.last_fault_end);
                 let start = entered.map_or(*start_ns, |(at, _)| at).max(cut_ns);
+                // Its own time on the CPU, before the changes below are pushed (out of
+                // time order).
+                let on_cpu = ts_ns.saturating_sub(start).saturating_sub(off_cpu_within(
+                    &log.changes,
+                    start,
+                    *ts_ns,
+                ));
                 // Back to back at one instruction (a loop touching fresh pages): from the
                 // last fault's return to this one's entry the thread went back to user
                 // mode and faulted again, with next to no work between. That way out
                 // and in, which no probe sees, is fault time when shorter than the last
-                // fault itself.
+                // fault's own time on the CPU (a fault the thread was preempted or
+                // blocked in is long, and a loop's whole compute phase after it once
+                // counted as fault time in a busy guest).
                 if let (Some((at, ip)), Some((last_ip, took))) = (entered, log.last_timed)
                     && ip.abs_diff(last_ip) < RETRY_BYTES
                     && at.saturating_sub(log.last_fault_end) < took
@@ -214,7 +223,7 @@ impl Timeline {
                     log.changes.push((log.last_fault_end, Change::FaultStart));
                     log.changes.push((at, Change::FaultEnd));
                 }
-                log.last_timed = entered.map(|(_, ip)| (ip, ts_ns.saturating_sub(start)));
+                log.last_timed = entered.map(|(_, ip)| (ip, on_cpu));
                 log.last_fault_end = *ts_ns;
                 log.changes.push((start, Change::FaultStart));
                 log.changes.push((*ts_ns, Change::FaultEnd));
@@ -343,4 +352,32 @@ impl Timeline {
             Event::Fork { .. } | Event::Exit { .. } => {}
         }
     }
+}
+
+/// How long a thread was off the CPU within `[start, end)` (`end`: now), from its
+/// switches out and back in since `start`. The changes were pushed as their events came,
+/// in time order, but for a call's start and the stretch between two faults, pushed at
+/// their end: one from before `start` ends the walk, as every change of the window was
+/// pushed after it.
+fn off_cpu_within(changes: &[(u64, Change)], start: u64, end: u64) -> u64 {
+    let mut off = 0;
+    // Walking back from `end`: when the thread came back in, while a switch-out before
+    // it is looked for.
+    let mut back_in: Option<u64> = None;
+    for &(ts, change) in changes.iter().rev() {
+        match change {
+            Change::SwitchIn => back_in = Some(ts.min(end)),
+            Change::SwitchOut { .. } => {
+                if let Some(back) = back_in.take() {
+                    off += back.saturating_sub(ts.max(start));
+                }
+            }
+            _ => {}
+        }
+        if ts < start {
+            break;
+        }
+    }
+    // Came back in with no switch-out since `start`: off from `start`.
+    off + back_in.map_or(0, |back| back.saturating_sub(start))
 }

@@ -201,8 +201,8 @@ impl Timeline {
             let timed = "fentry/fexit on handle_mm_fault: each user fault of a target thread \
                          timed from the exception's entry (page_fault_user) to the handler's \
                          return, on the CPU or blocked inside it; the way out and back in \
-                         between faults of one instruction, when shorter than the fault, \
-                         counted with them";
+                         between faults of one instruction, when shorter than the fault's time \
+                         on the CPU, counted with them";
             if self.sample_period_ns > 0 {
                 format!(
                     "{timed}; the return to user mode and the retried access, which no probe \

@@ -145,3 +145,50 @@ fn back_to_back_faults_count_the_way_between() {
     assert_eq!(c.page_fault, 5 * 200_000 + 50_000 + 100_000);
     assert_eq!(c.total(), 10_000_000);
 }
+
+/// A fault the thread was preempted in is long, but only its time on the CPU bounds the
+/// way out and back in after it: the compute that follows it, before the next fault at
+/// the same instruction, stays compute (in a busy guest a loop's compute phase after such
+/// a fault counted as fault time).
+#[test]
+fn a_preempted_fault_does_not_join_the_compute_after_it() {
+    let mut h = header();
+    h.fault_timing = Some("fentry/fexit on handle_mm_fault".into());
+    let mut tl = Timeline::new(&Setup::from(&h));
+    let mut events = vec![switch(0, false, 0)];
+    // (entry, return): all at one instruction.
+    for (at, end) in [
+        (1_000_000, 1_200_000),
+        // 50 µs after the return: joined. 5 ms long, 4 ms of it preempted.
+        (1_250_000, 6_250_000),
+        // 3 ms of compute after it: longer than its 1 ms on the CPU, not joined.
+        (9_250_000, 9_450_000),
+        // 50 µs after: joined.
+        (9_500_000, 9_700_000),
+    ] {
+        events.push(Event::Fault {
+            ts_ns: at,
+            task: task(10),
+            address: 0x1000,
+            ip: 0x4000,
+            error_code: 6,
+        });
+        events.push(Event::FaultTime {
+            ts_ns: end,
+            task: task(10),
+            start_ns: at + 10_000,
+            address: 0x1000,
+        });
+    }
+    events.push(switch(2_000_000, true, 0));
+    events.push(switch(6_000_000, false, 0));
+    events.sort_by_key(Event::ts_ns);
+    for e in &events {
+        tl.push(e);
+    }
+    let (report, _) = tl.finish(10_000_000, StepRule::Window(10_000_000));
+    let c = &report.threads[0].categories;
+    let faults = 200_000 + 5_000_000 + 200_000 + 200_000;
+    assert_eq!(c.compute, 10_000_000 - faults - 2 * 50_000, "{c:?}");
+    assert_eq!(c.total(), 10_000_000);
+}
