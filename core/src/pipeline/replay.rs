@@ -44,27 +44,19 @@ impl Aggregator {
     ) {
         let (full_tx, full_rx) = std::sync::mpsc::sync_channel::<Vec<Decoded>>(2);
         let (empty_tx, empty_rx) = std::sync::mpsc::channel::<Vec<Decoded>>();
-        let (raw_tx, raw_rx) = std::sync::mpsc::sync_channel::<RawBatch>(2);
-        let (raw_empty_tx, raw_empty_rx) = std::sync::mpsc::channel::<RawBatch>();
         std::thread::scope(|scope| {
             let read = move || {
                 let started = std::time::Instant::now();
-                read_batches(reader, &raw_tx, &raw_empty_rx);
-                log::debug!("records read and checked in {:?}", started.elapsed());
+                decode_batches(reader, &full_tx, &empty_rx);
+                log::debug!("records read and decoded in {:?}", started.elapsed());
             };
-            let decode = move || decode_batches(&raw_rx, &raw_empty_tx, &full_tx, &empty_rx);
             // Spawning fails only when the system is out of threads or memory.
-            let spawned = std::thread::Builder::new()
+            if let Err(e) = std::thread::Builder::new()
                 .name("nccltrace-read".into())
                 .spawn_scoped(scope, read)
-                .and_then(|_| {
-                    std::thread::Builder::new()
-                        .name("nccltrace-decode".into())
-                        .spawn_scoped(scope, decode)
-                });
-            if let Err(e) = spawned {
+            {
                 self.incomplete(format!(
-                    "cannot start the reading threads ({e}): no record was read; \
+                    "cannot start the reading thread ({e}): no record was read; \
                      `nccltrace report` reads the recording again"
                 ));
             }
@@ -133,98 +125,15 @@ impl Aggregator {
 /// overlapping at a rotation); at 1,024 `report` is as fast.
 const BATCH: usize = 1024;
 
-/// Records read and checked, as the reading thread hands them to the decoding one.
-#[derive(Default)]
-struct RawBatch {
-    /// The kernel records' bytes, one after another ...
-    bytes: Vec<u8>,
-    /// ... each ending here.
-    ends: Vec<usize>,
-    /// Anything else, in order, each after the kernel records counted beside it.
-    rare: Vec<(usize, Decoded)>,
-}
-
-impl RawBatch {
-    fn len(&self) -> usize {
-        self.ends.len() + self.rare.len()
-    }
-
-    fn push_rare(&mut self, item: Decoded) {
-        self.rare.push((self.ends.len(), item));
-    }
-}
-
-/// Reads and checks every record `reader` has left, in batches sent to `full`; batches
+/// Reads and decodes every record `reader` has left, in batches sent to `full`; batches
 /// come back through `empty` to be refilled. Stops at the end, at damage, or when the
-/// receiver is gone. Decoding is another thread's ([`decode_batches`]): reading with its
-/// checksums and decoding were one thread's work, the longest of the report's threads
-/// (82 ms of the 120 of `report` on the 2,000-step trainer recording, this VM).
-fn read_batches<R: io::BufRead + io::Seek>(
+/// receiver is gone.
+fn decode_batches<R: io::BufRead + io::Seek>(
     reader: &mut Reader<R>,
-    full: &std::sync::mpsc::SyncSender<RawBatch>,
-    empty: &std::sync::mpsc::Receiver<RawBatch>,
-) {
-    loop {
-        let mut batch = empty.try_recv().map_or_else(
-            |_| RawBatch {
-                bytes: Vec::with_capacity(BATCH * 128),
-                ends: Vec::with_capacity(BATCH),
-                rare: Vec::new(),
-            },
-            |mut b| {
-                b.bytes.clear();
-                b.ends.clear();
-                b.rare.clear();
-                b
-            },
-        );
-        let mut done = false;
-        while batch.len() < BATCH {
-            // Followed live and caught up: what is read so far goes now, not when the
-            // batch is full (a quiet run would hold its last steps back).
-            if batch.len() > 0 && reader.would_wait() {
-                batch.push_rare(Decoded::CaughtUp);
-                break;
-            }
-            match reader.next_raw() {
-                Ok(Some(RawRecord::Kernel(bytes))) => {
-                    batch.bytes.extend_from_slice(bytes);
-                    batch.ends.push(batch.bytes.len());
-                }
-                Ok(Some(RawRecord::Meta(meta))) => batch.push_rare(Decoded::Meta(meta)),
-                Ok(None) => done = true,
-                Err(e) => {
-                    if reader.damage().regions > 0 {
-                        batch.push_rare(Decoded::Skipped(reader.damage().clone()));
-                    }
-                    batch.push_rare(Decoded::Damaged(e));
-                    done = true;
-                    break;
-                }
-            }
-            if done {
-                if reader.damage().regions > 0 {
-                    batch.push_rare(Decoded::Skipped(reader.damage().clone()));
-                }
-                break;
-            }
-        }
-        if full.send(batch).is_err() || done {
-            return;
-        }
-    }
-}
-
-/// Decodes each batch of records `raw` brings into one batch of events sent to `full`
-/// (a batch the reader sent early stays early), handing both kinds of batch back to be
-/// refilled. Stops when either side is gone.
-fn decode_batches(
-    raw: &std::sync::mpsc::Receiver<RawBatch>,
-    raw_empty: &std::sync::mpsc::Sender<RawBatch>,
     full: &std::sync::mpsc::SyncSender<Vec<Decoded>>,
     empty: &std::sync::mpsc::Receiver<Vec<Decoded>>,
 ) {
-    for mut records in raw {
+    loop {
         let mut batch = empty.try_recv().map_or_else(
             |_| Vec::with_capacity(BATCH),
             |mut b| {
@@ -232,19 +141,38 @@ fn decode_batches(
                 b
             },
         );
-        let mut rare = records.rare.drain(..).peekable();
-        let mut start = 0;
-        for (i, &end) in records.ends.iter().enumerate() {
-            while let Some((_, item)) = rare.next_if(|(at, _)| *at == i) {
-                batch.push(item);
+        let mut done = false;
+        while batch.len() < BATCH {
+            // Followed live and caught up: what is read so far goes now, not when the
+            // batch is full (a quiet run would hold its last steps back).
+            if !batch.is_empty() && reader.would_wait() {
+                batch.push(Decoded::CaughtUp);
+                break;
             }
-            let event = decode::decode(&records.bytes[start..end]);
-            batch.push(event.map_or(Decoded::Undecodable, Decoded::Event));
-            start = end;
+            match reader.next_raw() {
+                Ok(Some(RawRecord::Kernel(bytes))) => {
+                    let item = decode::decode(bytes).map_or(Decoded::Undecodable, Decoded::Event);
+                    batch.push(item);
+                }
+                Ok(Some(RawRecord::Meta(meta))) => batch.push(Decoded::Meta(meta)),
+                Ok(None) => done = true,
+                Err(e) => {
+                    if reader.damage().regions > 0 {
+                        batch.push(Decoded::Skipped(reader.damage().clone()));
+                    }
+                    batch.push(Decoded::Damaged(e));
+                    done = true;
+                    break;
+                }
+            }
+            if done {
+                if reader.damage().regions > 0 {
+                    batch.push(Decoded::Skipped(reader.damage().clone()));
+                }
+                break;
+            }
         }
-        batch.extend(rare.map(|(_, item)| item));
-        let _ = raw_empty.send(records);
-        if full.send(batch).is_err() {
+        if full.send(batch).is_err() || done {
             return;
         }
     }
@@ -314,59 +242,4 @@ pub fn replay_from<R: io::BufRead + io::Seek + Send>(
     let outputs = agg.finish(rule);
     log::debug!("attributed in {:?}", started.elapsed());
     Ok(outputs)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The decoding thread hands on a batch's records in the order they were read: the
-    /// kernel records cut at their ends (of several lengths), the rare items among them
-    /// where they were met, those after the last record last.
-    #[test]
-    fn decoded_in_the_order_read() {
-        let mut raw = RawBatch::default();
-        raw.push_rare(Decoded::CaughtUp);
-        for (ts, counters) in [(1, 0), (2, 3), (3, 1)] {
-            let pairs: Vec<(u8, u64)> = (0..counters).map(|i| (i, u64::from(i) + ts)).collect();
-            raw.bytes
-                .extend_from_slice(&decode::ib_reading(ts, 1, &pairs));
-            raw.ends.push(raw.bytes.len());
-            if ts == 2 {
-                raw.push_rare(Decoded::Undecodable);
-            }
-        }
-        raw.push_rare(Decoded::Skipped(record::Damage::default()));
-        let (raw_tx, raw_rx) = std::sync::mpsc::sync_channel(1);
-        let (raw_empty_tx, raw_empty_rx) = std::sync::mpsc::channel();
-        let (full_tx, full_rx) = std::sync::mpsc::sync_channel(1);
-        let (_empty_tx, empty_rx) = std::sync::mpsc::channel();
-        raw_tx.send(raw).unwrap();
-        drop(raw_tx);
-        decode_batches(&raw_rx, &raw_empty_tx, &full_tx, &empty_rx);
-        let batch = full_rx.recv().unwrap();
-        let seen: Vec<String> = batch
-            .iter()
-            .map(|d| match d {
-                Decoded::Event(e) => format!("event {}", e.ts_ns()),
-                Decoded::Undecodable => "undecodable".into(),
-                Decoded::CaughtUp => "caught up".into(),
-                Decoded::Skipped(_) => "skipped".into(),
-                Decoded::Meta(_) | Decoded::Damaged(_) => "other".into(),
-            })
-            .collect();
-        assert_eq!(
-            seen,
-            [
-                "caught up",
-                "event 1",
-                "event 2",
-                "undecodable",
-                "event 3",
-                "skipped"
-            ]
-        );
-        // The raw batch came back to be refilled.
-        assert!(raw_empty_rx.try_recv().is_ok());
-    }
 }
