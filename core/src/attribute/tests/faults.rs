@@ -101,76 +101,20 @@ fn timed_faults_count_the_return_from_samples() {
     );
 }
 
-/// Faults back to back at one instruction (a loop over fresh pages): the way from one's
-/// return to the next one's entry, shorter than the fault, is fault time; a longer gap,
-/// or a fault at another instruction, is not.
-#[test]
-fn back_to_back_faults_count_the_way_between() {
+/// The categories of 10 ms of thread 10, switched in at 0, with `faults` timed by
+/// fentry/fexit — (entry, return, instruction) each, the handler's own start 10 µs after
+/// the entry — among `events`.
+fn with_timed_faults(faults: &[(u64, u64, u64)], mut events: Vec<Event>) -> Categories {
     let mut h = header();
     h.fault_timing = Some("fentry/fexit on handle_mm_fault".into());
     let mut tl = Timeline::new(&Setup::from(&h));
-    let mut events = vec![switch(0, false, 0)];
-    // (entry, handler's start, return, instruction): 200 µs faults.
-    for (at, ip) in [
-        (1_000_000, 0x4000),
-        // 50 µs after the return, same instruction: joined.
-        (1_250_000, 0x4000),
-        // 100 µs after, next instruction but one (the loop's step): joined.
-        (1_550_000, 0x4008),
-        // 500 µs after: not joined (longer than the fault).
-        (2_250_000, 0x4008),
-        // 50 µs after, elsewhere: not joined.
-        (2_500_000, 0x9000),
-    ] {
+    events.push(switch(0, false, 0));
+    for &(at, end, ip) in faults {
         events.push(Event::Fault {
             ts_ns: at,
             task: task(10),
             address: 0x1000,
             ip,
-            error_code: 6,
-        });
-        events.push(Event::FaultTime {
-            ts_ns: at + 200_000,
-            task: task(10),
-            start_ns: at + 10_000,
-            address: 0x1000,
-        });
-    }
-    events.sort_by_key(Event::ts_ns);
-    for e in &events {
-        tl.push(e);
-    }
-    let (report, _) = tl.finish(10_000_000, StepRule::Window(10_000_000));
-    let c = &report.threads[0].categories;
-    assert_eq!(c.page_fault, 5 * 200_000 + 50_000 + 100_000);
-    assert_eq!(c.total(), 10_000_000);
-}
-
-/// A fault the thread was preempted in is long, but only its time on the CPU bounds the
-/// way out and back in after it: the compute that follows it, before the next fault at
-/// the same instruction, stays compute (in a busy guest a loop's compute phase after such
-/// a fault counted as fault time).
-#[test]
-fn a_preempted_fault_does_not_join_the_compute_after_it() {
-    let mut h = header();
-    h.fault_timing = Some("fentry/fexit on handle_mm_fault".into());
-    let mut tl = Timeline::new(&Setup::from(&h));
-    let mut events = vec![switch(0, false, 0)];
-    // (entry, return): all at one instruction.
-    for (at, end) in [
-        (1_000_000, 1_200_000),
-        // 50 µs after the return: joined. 5 ms long, 4 ms of it preempted.
-        (1_250_000, 6_250_000),
-        // 3 ms of compute after it: longer than its 1 ms on the CPU, not joined.
-        (9_250_000, 9_450_000),
-        // 50 µs after: joined.
-        (9_500_000, 9_700_000),
-    ] {
-        events.push(Event::Fault {
-            ts_ns: at,
-            task: task(10),
-            address: 0x1000,
-            ip: 0x4000,
             error_code: 6,
         });
         events.push(Event::FaultTime {
@@ -180,15 +124,57 @@ fn a_preempted_fault_does_not_join_the_compute_after_it() {
             address: 0x1000,
         });
     }
-    events.push(switch(2_000_000, true, 0));
-    events.push(switch(6_000_000, false, 0));
     events.sort_by_key(Event::ts_ns);
     for e in &events {
         tl.push(e);
     }
     let (report, _) = tl.finish(10_000_000, StepRule::Window(10_000_000));
-    let c = &report.threads[0].categories;
+    let c = report.threads[0].categories;
+    assert_eq!(c.total(), 10_000_000);
+    c
+}
+
+/// Faults back to back at one instruction (a loop over fresh pages): the way from one's
+/// return to the next one's entry, shorter than the fault, is fault time; a longer gap,
+/// or a fault at another instruction, is not.
+#[test]
+fn back_to_back_faults_count_the_way_between() {
+    // (entry, return, instruction): 200 µs faults.
+    let c = with_timed_faults(
+        &[
+            (1_000_000, 1_200_000, 0x4000),
+            // 50 µs after the return, same instruction: joined.
+            (1_250_000, 1_450_000, 0x4000),
+            // 100 µs after, next instruction but one (the loop's step): joined.
+            (1_550_000, 1_750_000, 0x4008),
+            // 500 µs after: not joined (longer than the fault).
+            (2_250_000, 2_450_000, 0x4008),
+            // 50 µs after, elsewhere: not joined.
+            (2_500_000, 2_700_000, 0x9000),
+        ],
+        Vec::new(),
+    );
+    assert_eq!(c.page_fault, 5 * 200_000 + 50_000 + 100_000);
+}
+
+/// A fault the thread was preempted in is long, but only its time on the CPU bounds the
+/// way out and back in after it: the compute that follows it, before the next fault at
+/// the same instruction, stays compute (in a busy guest a loop's compute phase after such
+/// a fault counted as fault time).
+#[test]
+fn a_preempted_fault_does_not_join_the_compute_after_it() {
+    let c = with_timed_faults(
+        &[
+            (1_000_000, 1_200_000, 0x4000),
+            // 50 µs after the return: joined. 5 ms long, 4 ms of it preempted (below).
+            (1_250_000, 6_250_000, 0x4000),
+            // 3 ms of compute after it: longer than its 1 ms on the CPU, not joined.
+            (9_250_000, 9_450_000, 0x4000),
+            // 50 µs after: joined.
+            (9_500_000, 9_700_000, 0x4000),
+        ],
+        vec![switch(2_000_000, true, 0), switch(6_000_000, false, 0)],
+    );
     let faults = 200_000 + 5_000_000 + 200_000 + 200_000;
     assert_eq!(c.compute, 10_000_000 - faults - 2 * 50_000, "{c:?}");
-    assert_eq!(c.total(), 10_000_000);
 }

@@ -69,22 +69,22 @@ fn reused_python_frames_are_kept_by_stack_kind() {
         let at = 1_000_000 + k * 3_000_000;
         // The sync's entry at code 0x100, then a block at code 0x200.
         let (entry, out) = (at, at + 1_000_000);
-        events.push(if k == 0 {
-            py_stack(entry, 10, 0x100, Some(CALL_STACK))
-        } else {
-            py_same(entry, 10, PY_FRAMES, CALL_STACK)
-        });
+        // Walked the first time, reused after.
+        let python = |ts: u64, code: u64, with: u16| {
+            if k == 0 {
+                py_stack(ts, 10, code, Some(with))
+            } else {
+                py_same(ts, 10, PY_FRAMES, with)
+            }
+        };
+        events.push(python(entry, 0x100, CALL_STACK));
         events.push(Event::CallStack {
             ts_ns: entry,
             task: task(10),
             ustack: vec![1, 2],
         });
         events.push(switch(out, true, 1));
-        events.push(if k == 0 {
-            py_stack(out, 10, 0x200, Some(OFFCPU))
-        } else {
-            py_same(out, 10, PY_FRAMES, OFFCPU)
-        });
+        events.push(python(out, 0x200, OFFCPU));
         events.push(Event::OffCpu {
             ts_ns: out,
             task: task(10),
