@@ -1,6 +1,7 @@
 //! Each event into the thread logs: what every kind of record changes on the timeline.
 
 use super::{Call, Change, Collective, Event, Library, RETRY_BYTES, Timeline, py_slot, remote};
+use crate::event::Task;
 
 impl Timeline {
     pub(super) fn call(&mut self, c: &Call) {
@@ -61,7 +62,19 @@ impl Timeline {
                 prev_is_target,
                 next_is_target,
                 task,
+                offcpu_same,
             } => {
+                // The off-CPU stack it left with, reused (format 6): as the `StackSame`
+                // records before the switch record said (`task` is the task switched out
+                // when that is a target).
+                if let Some(python) = offcpu_same
+                    && *prev_is_target
+                {
+                    if *python {
+                        self.py_same(*ts_ns, *task, nccltrace_common::kind::OFFCPU);
+                    }
+                    self.native_same(*ts_ns, *task, nccltrace_common::kind::OFFCPU);
+                }
                 if *prev_is_target {
                     let log = self.log(*prev_tid, task.tgid);
                     log.first_switch_is_in.get_or_insert(false);
@@ -112,38 +125,10 @@ impl Timeline {
                 task,
                 of,
                 with,
-            } if *of == nccltrace_common::kind::PY_FRAMES => {
-                // The thread's previous Python frames for that stack kind, for the stack
-                // record that follows; none when that walk was lost or is in an earlier
-                // recording window.
-                let log = self.log(task.tid, task.tgid);
-                if let Some(frames) = log.last_py[py_slot(*with)].clone() {
-                    self.py_pending.insert(task.tid, (*ts_ns, frames));
-                }
-            }
+            } if *of == nccltrace_common::kind::PY_FRAMES => self.py_same(*ts_ns, *task, *with),
             Event::StackSame {
                 ts_ns, task, of, ..
-            } => {
-                // The native frames of the thread's previous record of that kind; none
-                // when that record was lost or is in an earlier recording window.
-                let log = self.log(task.tid, task.tgid);
-                let last = if *of == nccltrace_common::kind::CALL_STACK {
-                    log.last_call.take().map(|u| (Vec::new(), u))
-                } else {
-                    log.last_offcpu.take()
-                };
-                if let Some((kstack, ustack)) = last {
-                    let id = self.intern(*task, *ts_ns, &kstack, &ustack);
-                    let log = self.log(task.tid, task.tgid);
-                    if *of == nccltrace_common::kind::CALL_STACK {
-                        log.call_stacks.push((*ts_ns, id));
-                        log.last_call = Some(ustack);
-                    } else {
-                        log.offcpu_stacks.push((*ts_ns, id));
-                        log.last_offcpu = Some((kstack, ustack));
-                    }
-                }
-            }
+            } => self.native_same(*ts_ns, *task, *of),
             Event::Migrate {
                 ts_ns,
                 task,
@@ -350,6 +335,40 @@ impl Timeline {
                 group_dead,
             } if *group_dead || task.tid == task.tgid => self.exited.push((*ts_ns, task.tgid)),
             Event::Fork { .. } | Event::Exit { .. } => {}
+        }
+    }
+}
+
+impl Timeline {
+    /// Python frames reused: the thread's previous ones for the stack kind `with`, for the
+    /// stack record that follows; none when that walk was lost or is in an earlier
+    /// recording window.
+    fn py_same(&mut self, ts_ns: u64, task: Task, with: u16) {
+        let log = self.log(task.tid, task.tgid);
+        if let Some(frames) = log.last_py[py_slot(with)].clone() {
+            self.py_pending.insert(task.tid, (ts_ns, frames));
+        }
+    }
+
+    /// Native frames reused: those of the thread's previous record of kind `of`; none when
+    /// that record was lost or is in an earlier recording window.
+    fn native_same(&mut self, ts_ns: u64, task: Task, of: u16) {
+        let log = self.log(task.tid, task.tgid);
+        let last = if of == nccltrace_common::kind::CALL_STACK {
+            log.last_call.take().map(|u| (Vec::new(), u))
+        } else {
+            log.last_offcpu.take()
+        };
+        if let Some((kstack, ustack)) = last {
+            let id = self.intern(task, ts_ns, &kstack, &ustack);
+            let log = self.log(task.tid, task.tgid);
+            if of == nccltrace_common::kind::CALL_STACK {
+                log.call_stacks.push((ts_ns, id));
+                log.last_call = Some(ustack);
+            } else {
+                log.offcpu_stacks.push((ts_ns, id));
+                log.last_offcpu = Some((kstack, ustack));
+            }
         }
     }
 }

@@ -205,6 +205,8 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
                 prev_state: e.prev_state,
                 prev_is_target: e.flags & switch_flags::PREV_TARGET != 0,
                 next_is_target: e.flags & switch_flags::NEXT_TARGET != 0,
+                offcpu_same: (e.flags & switch_flags::OFFCPU_SAME != 0)
+                    .then_some(e.flags & switch_flags::OFFCPU_PY_SAME != 0),
             }
         }
         kind::WAKEUP => {

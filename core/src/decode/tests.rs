@@ -318,3 +318,47 @@ fn keyed_python_walks_name_their_stack_kind() {
         assert_eq!(truncated, flags & PY_TRUNCATED != 0);
     }
 }
+
+/// A switch record's flags: which task is a target, and (format 6) whether the off-CPU
+/// stack of the task switched out was reused whole, its Python frames with it or not.
+#[test]
+fn switch_flags_say_the_reused_offcpu_stack() {
+    use nccltrace_common::switch_flags::{NEXT_TARGET, OFFCPU_PY_SAME, OFFCPU_SAME, PREV_TARGET};
+    let decoded = |flags: u32| {
+        let rec = SwitchEvent {
+            hdr: Header {
+                ts_ns: 5_000,
+                tgid: 10,
+                tid: 11,
+                kind: kind::SWITCH,
+                cpu: 2,
+                _pad: 0,
+            },
+            prev_tid: 11,
+            next_tid: 12,
+            prev_state: 1,
+            next_tgid: 10,
+            flags,
+        };
+        let Event::Switch {
+            prev_is_target,
+            next_is_target,
+            offcpu_same,
+            ..
+        } = decode(&as_bytes(&rec)).unwrap()
+        else {
+            panic!("not a switch");
+        };
+        (prev_is_target, next_is_target, offcpu_same)
+    };
+    assert_eq!(decoded(PREV_TARGET), (true, false, None));
+    assert_eq!(decoded(NEXT_TARGET), (false, true, None));
+    assert_eq!(
+        decoded(PREV_TARGET | NEXT_TARGET | OFFCPU_SAME),
+        (true, true, Some(false))
+    );
+    assert_eq!(
+        decoded(PREV_TARGET | OFFCPU_SAME | OFFCPU_PY_SAME),
+        (true, false, Some(true))
+    );
+}

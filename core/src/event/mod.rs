@@ -119,6 +119,10 @@ pub enum Event {
         prev_state: i64,
         prev_is_target: bool,
         next_is_target: bool,
+        /// The task switched out left with its previous off-CPU stack (format 6): its
+        /// native frames, and `Some` Python frames kept with its off-CPU stacks when those
+        /// were reused too; what one or two `StackSame` records said before.
+        offcpu_same: Option<bool>,
     },
     Wakeup {
         ts_ns: u64,

@@ -46,12 +46,14 @@ impl Aggregator {
                 task,
                 prev_is_target,
                 prev_state,
+                offcpu_same,
                 ..
             } => {
                 self.threads.insert(task.tid);
                 if *prev_is_target {
                     self.sched.switches_out += 1;
                     self.sched.involuntary_switches += u64::from(*prev_state == 0);
+                    self.count_folded(task, *offcpu_same);
                 }
             }
             Event::Wakeup { .. } => self.sched.wakeups += 1,
@@ -111,19 +113,33 @@ impl Aggregator {
         }
     }
 
+    /// The off-CPU stack a switch record says was reused (format 6): as the `StackSame`
+    /// records it stands for (native frames: `with` 0, as decoded).
+    fn count_folded(&mut self, task: &crate::event::Task, offcpu_same: Option<bool>) {
+        if let Some(python) = offcpu_same {
+            if python {
+                self.count_same(task, kind::PY_FRAMES, kind::OFFCPU);
+            }
+            self.count_same(task, kind::OFFCPU, 0);
+        }
+    }
+
+    /// A stack of kind `of` reused (Python frames: kept `with` a stack kind).
+    fn count_same(&mut self, task: &crate::event::Task, of: u16, with: u16) {
+        if of == kind::PY_FRAMES {
+            let n = self.python_stacks_by_pid.entry(task.tgid).or_default();
+            n.0 += 1;
+            n.1 += 1;
+        }
+        self.stacks.reused(task.tid, of, with);
+    }
+
     /// Off-CPU, call-entry and Python stack records, whole or reused.
     fn count_stack(&mut self, event: &Event) {
         match event {
             Event::OffCpu { task, .. } => self.stacks.whole(task.tid, kind::OFFCPU, 0),
             Event::CallStack { task, .. } => self.stacks.whole(task.tid, kind::CALL_STACK, 0),
-            Event::StackSame { task, of, with, .. } => {
-                if *of == kind::PY_FRAMES {
-                    let n = self.python_stacks_by_pid.entry(task.tgid).or_default();
-                    n.0 += 1;
-                    n.1 += 1;
-                }
-                self.stacks.reused(task.tid, *of, *with);
-            }
+            Event::StackSame { task, of, with, .. } => self.count_same(task, *of, *with),
             Event::PyStack { task, keyed, .. } => {
                 self.python_stacks_by_pid.entry(task.tgid).or_default().0 += 1;
                 if let Some(with) = keyed {

@@ -13,7 +13,9 @@
 //! that it refuses the file by its version instead of counting them undecodable; since
 //! version 4, `STACK_SAME` records that stand for a thread's previous Python frames; since
 //! version 5, two such walks kept a thread (of its call-entry and of its off-CPU stacks),
-//! the record saying which. Version 1 to 4 recordings are read too.
+//! the record saying which. Since version 6, a switch-out whose off-CPU stack is reused
+//! whole says so in its switch record's flags instead of one or two `STACK_SAME` records.
+//! Version 1 to 5 recordings are read too.
 //! A truncated or damaged file is detected by the lengths and checksums; past damage in
 //! the middle, reading resumes at the next record whose length and checksum hold, and the
 //! bytes skipped are counted ([`Reader::damage`]).
@@ -25,7 +27,7 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 pub const MAGIC: &[u8; 8] = b"NCCLTRC\0";
-pub const FORMAT_VERSION: u32 = 5;
+pub const FORMAT_VERSION: u32 = 6;
 /// The oldest format version this reader reads.
 pub const OLDEST_FORMAT_VERSION: u32 = 1;
 /// Records larger than this are taken as damage, not allocated.

@@ -9,6 +9,12 @@ pub mod switch_flags {
     pub const PREV_TARGET: u32 = 1;
     /// The task switched in belongs to a target.
     pub const NEXT_TARGET: u32 = 2;
+    /// The native off-CPU stack of the task switched out is its previous one's (format 6;
+    /// before, a `STACK_SAME` record said so): where its Python frames, if any, were
+    /// reused too, this flag stands for both records.
+    pub const OFFCPU_SAME: u32 = 4;
+    /// With [`OFFCPU_SAME`]: its off-CPU Python frames are its previous ones' too.
+    pub const OFFCPU_PY_SAME: u32 = 8;
 }
 
 /// A context switch touching a target thread. `hdr.tid`/`hdr.tgid` are the task switched

@@ -112,13 +112,14 @@ fn on_switch(
         // Taken now, at every switch, or when it comes back after a long enough stretch
         // (`kprobe_finish_task_switch`): the unwinding is most of a switch's cost.
         if offcpu_min_ns() == 0 {
-            emit_stacks(
+            flags |= emit_stacks(
                 ctx,
                 Header {
                     kind: kind::OFFCPU,
                     ..hdr
                 },
                 offcpu_kernel(),
+                true,
                 true,
             );
         } else if OFF_SINCE.insert(&prev_tid, &hdr.ts_ns, 0).is_err() {
@@ -159,7 +160,7 @@ pub fn kprobe_finish_task_switch(ctx: ProbeContext) -> u32 {
         return 0;
     }
     let hdr = header_at(kind::OFFCPU, tgid, tid, since);
-    emit_stacks(ctx.as_ptr(), hdr, offcpu_kernel(), true);
+    emit_stacks(ctx.as_ptr(), hdr, offcpu_kernel(), true, false);
     0
 }
 

@@ -15,7 +15,7 @@ pub fn perf_event_cpu_clock(ctx: PerfEventContext) -> u32 {
     let timed = TargetRun::start(timed::PERF_EVENT_CPU_CLOCK);
     // The timer's start is the record's time (one clock read fewer).
     let hdr = header_at(kind::SAMPLE, tgid, tid, timed.start_ns);
-    emit_stacks(ctx.as_ptr(), hdr, true, false);
+    emit_stacks(ctx.as_ptr(), hdr, true, false, false);
     0
 }
 
@@ -29,7 +29,7 @@ pub(crate) fn emit_entry_stack(ctx: *mut core::ffi::c_void, regs: &pt_regs, tgid
     // The Python frames first: the record they belong to comes next in the buffer.
     let hdr = header(kind::CALL_STACK, tgid, tid);
     let reuse = reuse_stacks();
-    emit_py_stack(&hdr, reuse);
+    emit_py_stack(&hdr, reuse, false);
     // SAFETY: bpf_probe_read_user checks the addresses.
     let caller = unsafe { bpf_probe_read_user(regs.rsp as *const u64) }.unwrap_or(0);
     let framed = frame_pointer(regs.rsp, regs.rbp);
@@ -173,16 +173,23 @@ pub(crate) fn same_as_kept<K: ReuseKey>(
     hdr: &Header,
     of: u16,
 ) -> bool {
-    let Some(kept) = keys.get(slot) else {
-        return false;
-    };
-    let same = kept.tid() == key.tid()
-        && key.taken_ns().wrapping_sub(kept.taken_ns()) < STACK_REUSE_NS
-        && key.same_place(kept);
+    let same = is_kept(keys, slot, key);
     if same {
         emit_same(hdr, of);
     }
     same
+}
+
+/// Whether `key` is where the frames last written for its thread in slot `slot` of `keys`
+/// were, taken less than `STACK_REUSE_NS` ago (nothing written).
+#[inline(always)]
+fn is_kept<K: ReuseKey>(keys: &Array<K>, slot: u32, key: &K) -> bool {
+    let Some(kept) = keys.get(slot) else {
+        return false;
+    };
+    kept.tid() == key.tid()
+        && key.taken_ns().wrapping_sub(kept.taken_ns()) < STACK_REUSE_NS
+        && key.same_place(kept)
 }
 
 /// Writes a `STACK_SAME` record standing for a record of kind `of` under `hdr`'s time and
@@ -302,25 +309,48 @@ pub(crate) fn offcpu_kernel() -> bool {
 
 /// Submits the current task's user stack, and its kernel stack if `kernel`, as a
 /// `SampleEvent` under `hdr`. Off-CPU stacks without kernel frames (`reuse`) are written
-/// as `STACK_SAME` where the thread leaves as it did last time.
+/// as `STACK_SAME` where the thread leaves as it did last time; with `fold`, where its
+/// native frames are reused, neither `STACK_SAME` is written and the returned
+/// `switch_flags` (`OFFCPU_SAME`, and `OFFCPU_PY_SAME` where its Python frames are reused
+/// too) go into the switch record that follows instead: two ring records fewer at most
+/// switch-outs of a training loop's threads. Else 0.
 #[inline(always)]
-pub(crate) fn emit_stacks(ctx: *mut core::ffi::c_void, hdr: Header, kernel: bool, reuse: bool) {
-    // The Python frames first: the record they belong to comes next in the buffer.
-    emit_py_stack(&hdr, reuse && reuse_stacks());
+pub(crate) fn emit_stacks(
+    ctx: *mut core::ffi::c_void,
+    hdr: Header,
+    kernel: bool,
+    reuse: bool,
+    fold: bool,
+) -> u32 {
+    // The Python frames first: the record they belong to comes next in the buffer. Their
+    // `STACK_SAME` waits until the native frames are known (`fold`).
+    let py_same = emit_py_stack(&hdr, reuse && reuse_stacks(), fold);
     let key = if reuse && !kernel && reuse_stacks() {
         user_key(hdr.tid, hdr.ts_ns)
     } else {
         None
     };
     if let Some(key) = &key
-        && same_as_kept(&OFFCPU_KEYS, native_slot(hdr.tid), key, &hdr, hdr.kind)
+        && is_kept(&OFFCPU_KEYS, native_slot(hdr.tid), key)
     {
-        return;
+        if fold {
+            return switch_flags::OFFCPU_SAME
+                | if py_same {
+                    switch_flags::OFFCPU_PY_SAME
+                } else {
+                    0
+                };
+        }
+        emit_same(&hdr, hdr.kind);
+        return 0;
+    }
+    if py_same {
+        emit_same(&hdr, kind::PY_FRAMES);
     }
     let ring = ring();
     let Some(mut entry) = ring.reserve::<SampleEvent>(0) else {
         bump(u32::from(hdr.kind));
-        return;
+        return 0;
     };
     let event = entry.as_mut_ptr();
     // SAFETY: `event` points at reserved ring-buffer memory of the right size; every field
@@ -355,6 +385,7 @@ pub(crate) fn emit_stacks(ctx: *mut core::ffi::c_void, hdr: Header, kernel: bool
     if let Some(key) = &key {
         keep(&OFFCPU_KEYS, native_slot(hdr.tid), key);
     }
+    0
 }
 
 /// Appends one frame to a Python stack record, with an interpreter-entry marker after it
@@ -484,21 +515,22 @@ fn py_frame(
 /// thread state (`tstate->cframe->current_frame`, then `previous`), one user read per
 /// frame, at most `PY_DEPTH` entries; code objects are named in user space. With `reuse`,
 /// frames that are where they were at the thread's previous walk ([`PyKey`]) are written
-/// as a `STACK_SAME` record instead of being walked again.
+/// as a `STACK_SAME` record instead of being walked again; with `defer`, that record is
+/// left to the caller and true returned (else false).
 #[inline(always)]
-pub(crate) fn emit_py_stack(stack: &Header, reuse: bool) {
+pub(crate) fn emit_py_stack(stack: &Header, reuse: bool, defer: bool) -> bool {
     // SAFETY: copied out at once.
     let Some(tstate) = (unsafe { PY_THREADS.get(&stack.tid) }).copied() else {
-        return;
+        return false;
     };
     let Some(layout) = (unsafe { PY_LAYOUTS.get(&stack.tgid) }).copied() else {
-        return;
+        return false;
     };
     // SAFETY: bpf_probe_read_user checks the addresses.
     let Ok(cframe) =
         (unsafe { bpf_probe_read_user((tstate + u64::from(layout.tstate_cframe)) as *const u64) })
     else {
-        return;
+        return false;
     };
     // 3.13 keeps the current frame in the thread state itself.
     let frame = if layout.cframe_current_frame == FIELD_ABSENT {
@@ -508,15 +540,15 @@ pub(crate) fn emit_py_stack(stack: &Header, reuse: bool) {
             bpf_probe_read_user((cframe + u64::from(layout.cframe_current_frame)) as *const u64)
         } {
             Ok(frame) => frame,
-            Err(_) => return,
+            Err(_) => return false,
         }
     };
     if frame == 0 {
-        return;
+        return false;
     }
     // This CPU's frame window.
     let Some(window) = PY_WINDOW.get_ptr_mut(0) else {
-        return;
+        return false;
     };
     // SAFETY: this CPU's slot, written and read within one turn of the walk.
     let window = unsafe { &mut *window };
@@ -528,13 +560,16 @@ pub(crate) fn emit_py_stack(stack: &Header, reuse: bool) {
         (false, PyKey::default())
     };
     let slot = py_slot(stack.tid, stack.kind);
-    if keyed && same_as_kept(&PY_KEYS, slot, &key, stack, kind::PY_FRAMES) {
-        return;
+    if keyed && is_kept(&PY_KEYS, slot, &key) {
+        if !defer {
+            emit_same(stack, kind::PY_FRAMES);
+        }
+        return defer;
     }
     let ring = ring();
     let Some(mut entry) = ring.reserve::<PyFramesEvent>(0) else {
         bump(u32::from(kind::PY_STACK));
-        return;
+        return false;
     };
     // SAFETY: reserved ring-buffer memory of the right size, written before it is read.
     let event = unsafe { &mut *entry.as_mut_ptr() };
@@ -580,6 +615,7 @@ pub(crate) fn emit_py_stack(stack: &Header, reuse: bool) {
     if keyed {
         keep(&PY_KEYS, slot, &key);
     }
+    false
 }
 
 /// Per-thread keys of the last Python frames walked whole, two slots a thread

@@ -250,6 +250,7 @@ fn switch(ts: u64, out: bool, state: i64) -> Event {
         prev_state: state,
         prev_is_target: out,
         next_is_target: !out,
+        offcpu_same: None,
     }
 }
 

@@ -179,3 +179,84 @@ fn reused_python_frames_take_the_threads_previous_walk() {
     let other = detail.stacks.iter().find(|s| s.ustack == vec![9]).unwrap();
     assert!(other.py.is_empty(), "{other:?}");
 }
+
+/// Since format 6 a switch record says that the off-CPU stack its thread left with is the
+/// previous one's (`offcpu_same`), where `StackSame` records said it before: `Some(true)`
+/// for the native and the Python frames, `Some(false)` for the native frames alone, after
+/// a Python walk of their own.
+#[test]
+fn a_switch_record_says_its_stack_was_reused() {
+    use nccltrace_common::kind::OFFCPU;
+    let mut tl = Timeline::new(&Setup::from(&header()));
+    let folded = |ts: u64, python: bool| match switch(ts, true, 1) {
+        Event::Switch {
+            ts_ns,
+            task,
+            prev_tid,
+            next_tid,
+            next_tgid,
+            prev_state,
+            prev_is_target,
+            next_is_target,
+            ..
+        } => Event::Switch {
+            ts_ns,
+            task,
+            prev_tid,
+            next_tid,
+            next_tgid,
+            prev_state,
+            prev_is_target,
+            next_is_target,
+            offcpu_same: Some(python),
+        },
+        _ => unreachable!(),
+    };
+    let mut events = vec![];
+    for k in 0..4u64 {
+        let out = 1_000_000 + k * 2_000_000;
+        match k {
+            // Walked and unwound whole, as the kernel writes them: frames, stack, switch.
+            0 => {
+                events.push(py_stack(out, 10, 0x200, Some(OFFCPU)));
+                events.push(Event::OffCpu {
+                    ts_ns: out,
+                    task: task(10),
+                    kstack: vec![],
+                    ustack: vec![7, 8],
+                });
+                events.push(switch(out, true, 1));
+            }
+            // Both reused.
+            1 | 2 => events.push(folded(out, true)),
+            // Native frames reused, the Python frames walked again.
+            _ => {
+                events.push(py_stack(out, 10, 0x300, Some(OFFCPU)));
+                events.push(folded(out, false));
+            }
+        }
+        events.push(switch(out + 1_000_000, false, 0));
+    }
+    for e in &events {
+        tl.push(e);
+    }
+    let (_, detail) = tl.finish(10_000_000, StepRule::Window(1_000_000));
+    let thread = detail.threads.iter().find(|t| t.tid == 10).unwrap();
+    let stacks: Vec<(Vec<u64>, Vec<u64>)> = thread
+        .offcpu
+        .iter()
+        .map(|o| {
+            let s = &detail.stacks[o.stack.expect("every stretch has its stack") as usize];
+            (s.ustack.clone(), s.py.iter().map(|f| f.code).collect())
+        })
+        .collect();
+    assert_eq!(
+        stacks,
+        [
+            (vec![7, 8], vec![0x200]),
+            (vec![7, 8], vec![0x200]),
+            (vec![7, 8], vec![0x200]),
+            (vec![7, 8], vec![0x300]),
+        ]
+    );
+}
