@@ -119,9 +119,9 @@ pub enum Event {
         prev_state: i64,
         prev_is_target: bool,
         next_is_target: bool,
-        /// The task switched out left with its previous off-CPU stack (format 6): its
-        /// native frames, and `Some` Python frames kept with its off-CPU stacks when those
-        /// were reused too; what one or two `StackSame` records said before.
+        /// `Some(python)`: the task switched out left with the native frames of its
+        /// previous off-CPU stack, and with its Python frames too where `python` (format 6;
+        /// what one or two `StackSame` records said before).
         offcpu_same: Option<bool>,
     },
     Wakeup {
