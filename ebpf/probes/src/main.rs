@@ -219,6 +219,7 @@ macro_rules! offset {
 
 mod calls;
 mod memory;
+mod python;
 mod sched;
 mod stacks;
 
