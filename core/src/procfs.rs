@@ -283,6 +283,24 @@ pub fn pages_per_node(numa_maps: &str) -> BTreeMap<i32, u64> {
     pages
 }
 
+/// The calling thread's CPU time so far (`/proc/thread-self/schedstat`'s first field, in
+/// ns); `None` where it cannot be read. For the debug log of each thread's share of a
+/// report (`RUST_LOG=debug`).
+#[must_use]
+pub fn thread_cpu_ns() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
+    text.split_whitespace().next()?.parse().ok()
+}
+
+/// Logs (debug) the calling thread's CPU time so far under `what`.
+pub fn log_thread_cpu(what: &str) {
+    if log::log_enabled!(log::Level::Debug)
+        && let Some(ns) = thread_cpu_ns()
+    {
+        log::debug!("{what}: {:.1} ms of CPU", ns as f64 / 1e6);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -48,6 +48,7 @@ pub fn run(args: ReportArgs) -> Result<(), Error> {
             .and(crate::pipeline::write_summary(&out.path, &outputs.summary))
             .map_err(|(path, source)| Error::Output { path, source });
     log::debug!("outputs written");
+    nccltrace_core::procfs::log_thread_cpu("main thread");
     drop(outputs);
     log::debug!("memory freed");
     written
