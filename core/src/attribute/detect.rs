@@ -42,20 +42,35 @@ impl Timeline {
     /// A process's collectives from every thread, by start: the earlier epochs' tail
     /// too when `history`.
     pub(super) fn process_collectives(&self, pid: u32, history: bool) -> Vec<Collective> {
-        let mut c: Vec<Collective> = self
-            .threads
-            .values()
-            .filter(|l| l.pid == pid)
-            .flat_map(|l| {
-                let old = if history {
-                    &l.history.collectives[..]
-                } else {
-                    &[][..]
-                };
-                old.iter().chain(&l.collectives).copied()
-            })
-            .collect();
-        c.sort_by_key(|c| c.start_ns);
+        fn parts(l: &ThreadLog, history: bool) -> [&[Collective]; 2] {
+            let old = if history {
+                &l.history.collectives[..]
+            } else {
+                &[][..]
+            };
+            [old, &l.collectives[..]]
+        }
+        let of_pid = || self.threads.values().filter(|l| l.pid == pid);
+        // Sized once (grown by doubling, copying them was a tenth of the attribution of a
+        // run of one-call steps).
+        let len = of_pid()
+            .flat_map(|l| parts(l, history))
+            .map(<[Collective]>::len)
+            .sum();
+        let mut c = Vec::with_capacity(len);
+        let mut threads = 0;
+        for l in of_pid() {
+            let before = c.len();
+            for part in parts(l, history) {
+                c.extend_from_slice(part);
+            }
+            threads += usize::from(c.len() > before);
+        }
+        // One thread's collectives are in order but where one began before the cut and
+        // returned after it.
+        if threads > 1 || !c.is_sorted_by_key(|c| c.start_ns) {
+            c.sort_by_key(|c| c.start_ns);
+        }
         c
     }
 
