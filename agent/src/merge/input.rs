@@ -166,7 +166,7 @@ pub(super) struct Reading {
 
 impl Reading {
     pub(super) fn call(&mut self, c: &crate::event::Call, wall_ns: i64) {
-        if let (Some(handle), Some(id)) = (c.new_comm, c.comm_id) {
+        if let (Some(handle), Some(id)) = (c.new_comm(), c.comm_id()) {
             self.named.insert(handle, id);
         }
         if c.func.is_collective() {
@@ -219,7 +219,7 @@ pub fn read_input(path: &Path) -> Result<Input, RecordError> {
                     && c.start_ns >= header.clock.monotonic_ns
                 {
                     if matches!(c.func, Func::CommInitRank | Func::CommInitRankConfig)
-                        && let Some(rank) = c.rank
+                        && let Some(rank) = c.rank()
                     {
                         init_ranks.insert(c.task.tgid, rank);
                     }

@@ -3,7 +3,7 @@
 use super::hosts::counterpart;
 use super::input::{KEEP, Reading, WINDOW_CAP, WINDOW_NS};
 use super::*;
-use crate::event::{Call, Func, Task};
+use crate::event::{Call, CallExtra, Func, Task};
 use align::Kept;
 
 fn call(func: Func, start: u64, end: u64, comm: u64) -> Call {
@@ -81,8 +81,11 @@ fn long_runs_keep_windows() {
 fn communicators_paired_by_unique_id() {
     let mut r = Reading::default();
     let init = |handle: u64, id: u64| Call {
-        new_comm: Some(handle),
-        comm_id: Some(id),
+        extra: Some(Box::new(CallExtra {
+            new_comm: Some(handle),
+            comm_id: Some(id),
+            ..CallExtra::default()
+        })),
         ..call(Func::CommInitRank, 1, 2, 0)
     };
     r.call(&init(0xb, 42), 0);

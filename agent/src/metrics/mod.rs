@@ -424,7 +424,7 @@ impl Sink for Feed {
         let pid = c.task.tgid;
         match c.func.library() {
             Library::Nccl => {
-                if let Some(rank) = c.rank
+                if let Some(rank) = c.rank()
                     && matches!(c.func, Func::CommInitRank | Func::CommInitRankConfig)
                 {
                     self.init_ranks.entry(pid).or_insert(rank);

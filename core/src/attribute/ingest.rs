@@ -8,7 +8,7 @@ impl Timeline {
         if matches!(
             c.func,
             crate::event::Func::CommInitRank | crate::event::Func::CommInitRankConfig
-        ) && let Some(r) = c.rank
+        ) && let Some(r) = c.rank()
         {
             self.init_ranks.insert(c.task.tgid, r);
         }
@@ -22,7 +22,7 @@ impl Timeline {
             Library::Marker => log.markers.push(c.start_ns),
             Library::Nvtx => log
                 .nvtx
-                .push((c.start_ns, c.message.clone().unwrap_or_default())),
+                .push((c.start_ns, c.message().unwrap_or_default().to_owned())),
             Library::Cuda => {
                 log.changes.push((start_ns, Change::SyncStart));
                 log.changes.push((c.end_ns, Change::SyncEnd));

@@ -9,7 +9,7 @@ use nccltrace_common::{
     switch_flags,
 };
 
-use crate::event::{Call, Event, Func, NumaTaskKind, PyFrame, Task, datatype_size};
+use crate::event::{Call, CallExtra, Event, Func, NumaTaskKind, PyFrame, Task, datatype_size};
 
 /// A record that cannot be decoded.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -504,26 +504,30 @@ fn decode_call(e: &CallEvent) -> Result<Call, DecodeError> {
     }
     match func {
         Func::CommInitRank | Func::CommInitRankConfig => {
-            call.nranks = Some(a[1] as i32);
-            call.rank = Some(a[2] as i32);
-            call.new_comm = Some(e.out);
-            // All zero: a recording from before the id was read.
-            call.comm_id = (a[6] | a[7] != 0).then(|| unique_id(a[6], a[7]));
+            *call.extra_mut() = CallExtra {
+                nranks: Some(a[1] as i32),
+                rank: Some(a[2] as i32),
+                new_comm: Some(e.out),
+                // All zero: a recording from before the id was read.
+                comm_id: (a[6] | a[7] != 0).then(|| unique_id(a[6], a[7])),
+                message: None,
+            };
         }
         Func::CommInitAll => {
-            call.nranks = Some(a[1] as i32);
-            call.new_comm = Some(e.out);
+            let extra = call.extra_mut();
+            extra.nranks = Some(a[1] as i32);
+            extra.new_comm = Some(e.out);
         }
         Func::CommSplit => {
             call.comm = Some(a[0]);
-            call.new_comm = Some(e.out);
+            call.extra_mut().new_comm = Some(e.out);
         }
         Func::CommDestroy | Func::CommAbort => call.comm = Some(a[0]),
         Func::CuStreamSynchronize | Func::CuStreamSynchronizePtsz => call.stream = Some(a[0]),
         Func::NvtxRangePushA => {
             let bytes: Vec<u8> = a[1..].iter().flat_map(|w| w.to_le_bytes()).collect();
             let end = bytes.iter().position(|b| *b == 0).unwrap_or(bytes.len());
-            call.message = Some(String::from_utf8_lossy(&bytes[..end]).into_owned());
+            call.extra_mut().message = Some(String::from_utf8_lossy(&bytes[..end]).into_owned());
         }
         _ => {}
     }

@@ -243,7 +243,7 @@ fn comm_init_rank() {
         panic!("not a call")
     };
     assert_eq!(
-        (c.nranks, c.rank, c.new_comm, c.comm_id),
+        (c.nranks(), c.rank(), c.new_comm(), c.comm_id()),
         (Some(8), Some(3), Some(0xabc), Some(unique_id(0x5eed, 7)))
     );
     assert_ne!(unique_id(0x5eed, 7), unique_id(0x5eed, 8));
@@ -251,7 +251,7 @@ fn comm_init_rank() {
     let Event::Call(c) = decode(&as_bytes(&old)).unwrap() else {
         panic!("not a call")
     };
-    assert_eq!(c.comm_id, None);
+    assert_eq!(c.comm_id(), None);
 }
 
 /// Truncated and unknown records are errors, not panics.

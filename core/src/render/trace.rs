@@ -254,7 +254,7 @@ impl<W: Write> TraceStream<W> {
                 Library::Nvtx => "nvtx",
             };
             let name: &str = if library == Library::Nvtx {
-                nvtx_name = format!("NVTX {}", c.message.as_deref().unwrap_or("?"));
+                nvtx_name = format!("NVTX {}", c.message().unwrap_or("?"));
                 &nvtx_name
             } else {
                 names.entry(c.func).or_insert_with(|| match library {
@@ -279,7 +279,7 @@ impl<W: Write> TraceStream<W> {
                 comm,
                 seq,
                 stream: c.stream,
-                rank: c.rank,
+                rank: c.rank(),
                 python: c.python.as_deref(),
             };
             if !self.w.traced(c.start_ns) {
