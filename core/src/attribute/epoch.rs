@@ -325,9 +325,11 @@ impl Timeline {
             .chain(self.done.rank.map(|r| r.1))
             .map(|pid| (pid, self.process_collectives(pid, false)))
             .collect();
+        // The totals first: they say what the run could not measure, which steps handed
+        // on now carry.
+        self.totals(&from, until, &identities, &loop_threads, &colls);
         let steps = self.steps(bounds, &identities, &loop_threads, &colls);
         self.done.next_index += steps.len();
-        self.totals(&from, until, &identities, &loop_threads, &colls);
         self.settle_blocks(until, &loop_threads);
         let emit = self.emit;
         let detail = self.epoch_detail(cut, until, emit);

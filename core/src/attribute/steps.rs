@@ -9,8 +9,6 @@
 //! next step starts; the last step ends at the return of the last sync after its
 //! collectives.
 
-use std::collections::BTreeMap;
-
 use serde::Serialize;
 
 use crate::event::Func;
@@ -190,7 +188,13 @@ fn by_gaps(collectives: &[Collective], syncs: &[(u64, u64)]) -> Option<Detected>
     let period = find_period(&seq)?;
     // Anchor: the (previous key, key) pair with the longest median gap before it, among
     // pairs occurring about once per period.
-    let mut gaps: BTreeMap<(Option<Key>, Key), Vec<u64>> = BTreeMap::new();
+    // Hashed: a lookup a collective (the tree's was most of the detection on a run of
+    // one-call steps); the anchor chosen below does not depend on the order.
+    let mut gaps: std::collections::HashMap<
+        (Option<Key>, Key),
+        Vec<u64>,
+        foldhash::fast::FixedState,
+    > = std::collections::HashMap::default();
     for i in 0..collectives.len() {
         let prev = i.checked_sub(1).map(|j| seq[j]);
         let gap = i.checked_sub(1).map_or(0, |j| {

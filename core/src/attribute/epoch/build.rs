@@ -72,9 +72,21 @@ impl Timeline {
         };
         let colls = colls.get(&pid).map_or(&[][..], Vec::as_slice);
         let log = &self.threads[&tid];
+        // Steps handed on now say what the run could not measure so far (kept ones are
+        // marked at its end, when it is known).
+        let unmeasured = if self.emit {
+            self.unmeasured()
+        } else {
+            Unmeasured::default()
+        };
         let mut out = Vec::with_capacity(bounds.len());
+        // The step's collectives start at or after this one (steps come in time order).
+        let mut first = 0;
         for &(a, b) in bounds {
-            let mut step = self.step(self.done.next_index + out.len(), log, tid, colls, a, b);
+            first += gallop(&colls[first..], |c| c.start_ns < a);
+            let index = self.done.next_index + out.len();
+            let mut step = self.step(index, log, tid, &colls[first..], a, b);
+            step.categories.unmeasured = unmeasured;
             if loop_threads.len() > 1 {
                 step.slowest_rank = ranks::slowest_in(&self.done.lateness, a, b).map(rank_of);
                 step.ranks = loop_threads
@@ -82,7 +94,10 @@ impl Timeline {
                     .map(|(p, t)| StepRank {
                         rank: rank_of(*p),
                         pid: *p,
-                        categories: categories(&self.threads[t], a, b),
+                        categories: Categories {
+                            unmeasured,
+                            ..categories(&self.threads[t], a, b)
+                        },
                     })
                     .collect();
             }
@@ -284,9 +299,8 @@ impl Timeline {
     }
 
     /// Keeps an epoch's steps and timeline for [`Timeline::finish`], or hands them on.
-    pub(super) fn keep_or_emit(&mut self, mut steps: Vec<Step>, mut detail: Detail, emit: bool) {
+    pub(super) fn keep_or_emit(&mut self, steps: Vec<Step>, mut detail: Detail, emit: bool) {
         if emit {
-            mark_unmeasured(&mut steps, self.unmeasured());
             // The rank thread's stretches still open reach back into these steps.
             let from = self
                 .done
@@ -410,7 +424,7 @@ impl Timeline {
             self.numa_moves.partition_point(|m| m.1 < b),
         )];
         // Everything below is sorted by time: binary searches keep long runs linear.
-        let lo = collectives.partition_point(|c| c.start_ns < a);
+        let lo = gallop(collectives, |c| c.start_ns < a);
         let nccl = collectives[lo..]
             .iter()
             .take_while(|c| c.start_ns < b)
@@ -457,6 +471,20 @@ pub(super) fn mark_unmeasured(steps: &mut [Step], unmeasured: Unmeasured) {
             r.categories.unmeasured = unmeasured;
         }
     }
+}
+
+/// The partition point of `v` by `pred` (true on a prefix), found by galloping from the
+/// start: a few probes when it lies near the start, as the next step's first collective
+/// does (a binary search over the epoch's collectives a step was a tenth of the steps'
+/// making on a run of one-call steps).
+fn gallop<T>(v: &[T], pred: impl Fn(&T) -> bool) -> usize {
+    let mut hi = 1;
+    while hi < v.len() && pred(&v[hi]) {
+        hi *= 2;
+    }
+    let lo = hi / 2;
+    let hi = hi.min(v.len());
+    lo + v[lo..hi].partition_point(pred)
 }
 
 /// How long before its switch record an off-CPU stack record may be: the same program
