@@ -27,4 +27,3 @@ fn main() -> ExitCode {
         }
     }
 }
-

@@ -410,3 +410,41 @@ impl Event {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{Call, CallExtra, Event, Func, Task};
+
+    /// Every call of a run is copied a few times on its way to trace.json: what few calls
+    /// carry stays out of line, and a call (and so an event) no larger than 160 bytes.
+    #[test]
+    fn a_call_keeps_its_rare_fields_out_of_line() {
+        assert!(
+            size_of::<Call>() <= 160,
+            "Call is {} bytes",
+            size_of::<Call>()
+        );
+        assert!(
+            size_of::<Event>() <= 160,
+            "Event is {} bytes",
+            size_of::<Event>()
+        );
+        let mut c = Call::new(Task::default(), Func::CommInitRank, 1, 2);
+        assert_eq!(
+            (c.rank(), c.nranks(), c.new_comm(), c.comm_id()),
+            (None, None, None, None)
+        );
+        assert_eq!(c.message(), None);
+        *c.extra_mut() = CallExtra {
+            new_comm: Some(0xc0),
+            rank: Some(3),
+            nranks: Some(8),
+            message: Some("fwd".into()),
+            comm_id: Some(42),
+        };
+        assert_eq!(
+            (c.rank(), c.nranks(), c.new_comm(), c.comm_id(), c.message()),
+            (Some(3), Some(8), Some(0xc0), Some(42), Some("fwd"))
+        );
+    }
+}

@@ -562,3 +562,22 @@ pub(super) fn last_wakeup(log: &ThreadLog, from: u64, to: u64) -> Option<(u64, u
         .map(|i| log.wakeups[i])
         .filter(|(t, _, _)| *t >= from)
 }
+
+#[cfg(test)]
+mod tests {
+    /// Galloping finds the partition point a binary search finds, wherever it lies.
+    #[test]
+    fn gallop_finds_the_partition_point() {
+        for len in 0..70u64 {
+            let v: Vec<u64> = (0..len).map(|i| i * 3).collect();
+            for at in 0..=len * 3 + 1 {
+                let pred = |x: &u64| *x < at;
+                assert_eq!(
+                    super::gallop(&v, pred),
+                    v.partition_point(pred),
+                    "{len} {at}"
+                );
+            }
+        }
+    }
+}
