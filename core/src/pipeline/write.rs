@@ -170,7 +170,7 @@ impl<O: Output> Worker<O> {
 /// steps.json, a row per step, then the rest of the report.
 struct StepsJsonFile {
     path: std::path::PathBuf,
-    json: crate::render::steps::StepsJson<io::BufWriter<std::fs::File>>,
+    json: crate::render::steps::StepsJson<super::behind::WriteBehind>,
 }
 
 impl Output for StepsJsonFile {
@@ -216,8 +216,8 @@ impl Output for StepsCsvFile {
 /// trace.json, begun at the first epoch (its ts 0 is that epoch's first event).
 struct TraceFile {
     path: std::path::PathBuf,
-    out: Option<io::BufWriter<std::fs::File>>,
-    trace: Option<crate::render::trace::TraceStream<io::BufWriter<std::fs::File>>>,
+    out: Option<super::behind::WriteBehind>,
+    trace: Option<crate::render::trace::TraceStream<super::behind::WriteBehind>>,
 }
 
 /// What ends trace.json.
@@ -391,7 +391,14 @@ impl Streamer {
                 .map(|f| io::BufWriter::with_capacity(1 << 20, f))
                 .map_err(|e| (path, e))
         };
-        let json = crate::render::steps::StepsJson::new(open("steps.json")?)
+        // The two largest written behind, by a thread each (docs/design.md).
+        let behind = |name: &str, thread: &str| {
+            let path = dir.join(name);
+            std::fs::File::create(&path)
+                .and_then(|f| super::behind::WriteBehind::create(f, thread))
+                .map_err(|e| (path, e))
+        };
+        let json = crate::render::steps::StepsJson::new(behind("steps.json", "steps-io")?)
             .map_err(|e| (dir.join("steps.json"), e))?;
         let mut csv = open("steps.csv")?;
         io::Write::write_all(
@@ -408,7 +415,7 @@ impl Streamer {
             out: csv,
         };
         let trace = TraceFile {
-            out: Some(open("trace.json")?),
+            out: Some(behind("trace.json", "trace-io")?),
             path: dir.join("trace.json"),
             trace: None,
         };
