@@ -61,7 +61,7 @@ pub fn write_outputs(
         s
     };
     if let Some(bpf) = &mut outputs.summary.agent.bpf {
-        bpf.per_step(streamer.table.len(), streamer.table.wall_ns());
+        bpf.per_step(streamer.handed.0, streamer.handed.1);
     }
     streamer.finish(outputs, text)
 }
@@ -76,7 +76,8 @@ pub struct Streamer {
     csv: Option<Worker<StepsCsvFile>>,
     trace: Option<Worker<TraceFile>>,
     flamegraphs: Option<Worker<Flamegraphs>>,
-    table: crate::render::steps::StepTable,
+    /// Steps handed on, and their wall time.
+    handed: (usize, u64),
     failed: Option<(std::path::PathBuf, io::Error)>,
 }
 
@@ -268,12 +269,14 @@ impl Output for TraceFile {
 }
 
 /// The flamegraphs' weights, added up from the epochs on a thread of their own (on the
-/// trainer recording they were a sixth of the report's main thread).
+/// trainer recording they were a sixth of the report's main thread), and the steps'
+/// table for the summary in words (a twentieth of the main thread on one-call steps).
 #[derive(Default)]
 struct Flamegraphs {
     weights: [crate::render::flamegraph::Weights; 4],
     /// Samples per stack, for the share of short user stacks.
     samples: BTreeMap<u32, u64>,
+    table: crate::render::steps::StepTable,
 }
 
 impl Output for Flamegraphs {
@@ -286,6 +289,9 @@ impl Output for Flamegraphs {
             w.weigh(&e.detail, *kind);
         }
         count_samples(&e.detail, &mut self.samples);
+        for s in &e.steps {
+            self.table.push(s);
+        }
         Ok(())
     }
 
@@ -377,7 +383,7 @@ impl std::fmt::Debug for Streamer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Streamer")
             .field("dir", &self.dir)
-            .field("steps", &self.table.len())
+            .field("steps", &self.handed.0)
             .finish_non_exhaustive()
     }
 }
@@ -432,7 +438,7 @@ impl Streamer {
                 )),
                 Flamegraphs::default(),
             )?),
-            table: crate::render::steps::StepTable::default(),
+            handed: (0, 0),
             failed: None,
         })
     }
@@ -460,9 +466,8 @@ impl Streamer {
         Self::hand(&mut self.csv, epoch.clone(), &mut self.failed);
         Self::hand(&mut self.trace, epoch.clone(), &mut self.failed);
         Self::hand(&mut self.flamegraphs, epoch.clone(), &mut self.failed);
-        for s in &epoch.steps {
-            self.table.push(s);
-        }
+        self.handed.0 += epoch.steps.len();
+        self.handed.1 += epoch.steps.iter().map(|s| s.wall_ns).sum::<u64>();
     }
 
     /// Completes every output but `summary.json` and prints the summary in words.
@@ -533,7 +538,7 @@ impl Streamer {
             render::summary::write_text(&outputs.summary, text)?;
             // Before the steps: the table's verdict stays the last line.
             render::summary::write_cost(&outputs.summary.agent, text)?;
-            render::steps::write_table(&report, &self.table, text)?;
+            render::steps::write_table(&report, &weighed.table, text)?;
             if let Some(share) = share
                 && share > 0.5
             {
