@@ -171,7 +171,7 @@ impl<O: Output> Worker<O> {
 /// steps.json, a row per step, then the rest of the report.
 struct StepsJsonFile {
     path: std::path::PathBuf,
-    json: crate::render::steps::StepsJson<super::behind::WriteBehind>,
+    json: crate::render::steps::StepsJson<super::behind::OutputFile>,
 }
 
 impl Output for StepsJsonFile {
@@ -217,8 +217,8 @@ impl Output for StepsCsvFile {
 /// trace.json, begun at the first epoch (its ts 0 is that epoch's first event).
 struct TraceFile {
     path: std::path::PathBuf,
-    out: Option<super::behind::WriteBehind>,
-    trace: Option<crate::render::trace::TraceStream<super::behind::WriteBehind>>,
+    out: Option<super::behind::OutputFile>,
+    trace: Option<crate::render::trace::TraceStream<super::behind::OutputFile>>,
 }
 
 /// What ends trace.json.
@@ -397,11 +397,12 @@ impl Streamer {
                 .map(|f| io::BufWriter::with_capacity(1 << 20, f))
                 .map_err(|e| (path, e))
         };
-        // The two largest written behind, by a thread each (docs/design.md).
+        // The two largest written behind, by a thread each, where there are CPUs for it
+        // (docs/attribution.md).
         let behind = |name: &str, thread: &str| {
             let path = dir.join(name);
             std::fs::File::create(&path)
-                .and_then(|f| super::behind::WriteBehind::create(f, thread))
+                .and_then(|f| super::behind::OutputFile::new(f, thread))
                 .map_err(|e| (path, e))
         };
         let json = crate::render::steps::StepsJson::new(behind("steps.json", "steps-io")?)
