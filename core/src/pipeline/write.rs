@@ -197,7 +197,7 @@ impl Output for StepsJsonFile {
 /// were the slowest writer of a run of short steps.
 struct StepsCsvFile {
     path: std::path::PathBuf,
-    out: io::BufWriter<std::fs::File>,
+    out: super::behind::OutputFile,
 }
 
 impl Output for StepsCsvFile {
@@ -391,23 +391,17 @@ impl std::fmt::Debug for Streamer {
 impl Streamer {
     /// Starts steps.json, steps.csv and trace.json in `dir`.
     pub fn create(dir: &Path) -> Result<Streamer, Failure> {
-        let open = |name: &str| {
-            let path = dir.join(name);
-            std::fs::File::create(&path)
-                .map(|f| io::BufWriter::with_capacity(1 << 20, f))
-                .map_err(|e| (path, e))
-        };
-        // The two largest written behind, by a thread each, where there are CPUs for it
+        // Written behind, by a thread each, where there are CPUs for it
         // (docs/attribution.md).
-        let behind = |name: &str, thread: &str| {
+        let open = |name: &str, thread: &str| {
             let path = dir.join(name);
             std::fs::File::create(&path)
                 .and_then(|f| super::behind::OutputFile::new(f, thread))
                 .map_err(|e| (path, e))
         };
-        let json = crate::render::steps::StepsJson::new(behind("steps.json", "steps-io")?)
+        let json = crate::render::steps::StepsJson::new(open("steps.json", "steps-io")?)
             .map_err(|e| (dir.join("steps.json"), e))?;
-        let mut csv = open("steps.csv")?;
+        let mut csv = open("steps.csv", "csv-io")?;
         io::Write::write_all(
             &mut csv,
             format!("{}\n", crate::render::steps::csv_columns().join(",")).as_bytes(),
@@ -422,7 +416,7 @@ impl Streamer {
             out: csv,
         };
         let trace = TraceFile {
-            out: Some(behind("trace.json", "trace-io")?),
+            out: Some(open("trace.json", "trace-io")?),
             path: dir.join("trace.json"),
             trace: None,
         };

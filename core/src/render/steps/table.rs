@@ -236,12 +236,6 @@ impl StepTable {
         self.steps
     }
 
-    /// The steps' wall time, summed.
-    #[must_use]
-    pub fn wall_ns(&self) -> u64 {
-        self.wall_ns
-    }
-
     #[must_use]
     pub fn is_empty(&self) -> bool {
         self.steps == 0
