@@ -292,12 +292,14 @@ pub fn thread_cpu_ns() -> Option<u64> {
     text.split_whitespace().next()?.parse().ok()
 }
 
-/// Logs (debug) the calling thread's CPU time so far under `what`.
-pub fn log_thread_cpu(what: &str) {
+/// Logs (debug) the calling thread's CPU time so far under its name.
+pub fn log_thread_cpu() {
     if log::log_enabled!(log::Level::Debug)
         && let Some(ns) = thread_cpu_ns()
     {
-        log::debug!("{what}: {:.1} ms of CPU", ns as f64 / 1e6);
+        let thread = std::thread::current();
+        let name = thread.name().unwrap_or("unnamed thread");
+        log::debug!("{name}: {:.1} ms of CPU", ns as f64 / 1e6);
     }
 }
 

@@ -49,7 +49,7 @@ pub fn run(args: ReportArgs) -> Result<(), Error> {
             .and(crate::pipeline::write_summary(&out.path, &outputs.summary))
             .map_err(|(path, source)| Error::Output { path, source });
     log::debug!("outputs written");
-    nccltrace_core::procfs::log_thread_cpu("main thread");
+    nccltrace_core::procfs::log_thread_cpu();
     drop(outputs);
     log::debug!("memory freed");
     written

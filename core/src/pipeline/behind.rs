@@ -141,7 +141,7 @@ fn write_all_handed(mut file: File, from: &Receiver<Msg>, give_back: &Sender<Vec
             }
         }
     }
-    crate::procfs::log_thread_cpu(std::thread::current().name().unwrap_or("?"));
+    crate::procfs::log_thread_cpu();
 }
 
 fn stopped() -> io::Error {

@@ -49,7 +49,7 @@ impl Aggregator {
                 let started = std::time::Instant::now();
                 decode_batches(reader, &full_tx, &empty_rx);
                 log::debug!("records read and decoded in {:?}", started.elapsed());
-                crate::procfs::log_thread_cpu("nccltrace-read");
+                crate::procfs::log_thread_cpu();
             };
             // Spawning fails only when the system is out of threads or memory.
             if let Err(e) = std::thread::Builder::new()

@@ -123,9 +123,7 @@ impl<O: Output> Worker<O> {
                         Msg::Epoch(e) => output.epoch(&e)?,
                         Msg::End(end) => {
                             let ended = output.end(end);
-                            crate::procfs::log_thread_cpu(
-                                std::thread::current().name().unwrap_or("?"),
-                            );
+                            crate::procfs::log_thread_cpu();
                             return ended;
                         }
                     }
