@@ -18,6 +18,12 @@ enum Msg {
     Flush(Sender<io::Result<()>>),
 }
 
+/// Whether the host has CPUs to spare for helper threads (more than two): on two, they
+/// only take turns with the pipeline's own.
+pub(crate) fn spare_cpus() -> bool {
+    std::thread::available_parallelism().map_or(1, usize::from) > 2
+}
+
 /// An output file: written behind where the host has CPUs to spare for it, else through
 /// a buffer on the writing thread itself. On two CPUs the extra thread only took turns
 /// with the others: `report` of one-call steps took 222 ms written behind against 212 ms

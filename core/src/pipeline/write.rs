@@ -236,10 +236,9 @@ impl Output for TraceFile {
             if self.trace.is_none()
                 && let Some(out) = self.out.take()
             {
-                self.trace = Some(crate::render::trace::TraceStream::new(
-                    out,
-                    e.detail.first_ns,
-                )?);
+                let mut trace = crate::render::trace::TraceStream::new(out, e.detail.first_ns)?;
+                trace.parallel(super::behind::spare_cpus());
+                self.trace = Some(trace);
             }
             match &mut self.trace {
                 Some(t) => t.epoch(&e.detail, &e.steps, e.detail.rank_pid),

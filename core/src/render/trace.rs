@@ -19,6 +19,8 @@ use event::{Args, Burst, CallArgs, Count, Ev, Moved, Runnable, StepArgs, Woken};
 
 /// The steps track's thread id (no real thread has it).
 const STEPS_TID: u64 = 0x7fff_fff0;
+/// An epoch's calls are formatted on a second thread from this many on.
+const PARALLEL_CALLS: usize = 1024;
 /// Faults closer than this form one burst.
 const BURST_GAP_NS: u64 = 1_000_000;
 /// Counter bin.
@@ -177,6 +179,10 @@ pub struct TraceStream<W: Write> {
     /// Each thread's name track, as last seen: (pid, tid, name, role).
     threads: std::collections::BTreeMap<u32, (u32, String, &'static str)>,
     cpu_nodes: Vec<i32>,
+    /// Calls formatted on a second thread ([`TraceStream::parallel`]).
+    parallel: bool,
+    /// The calls' text, kept from epoch to epoch.
+    calls_out: Vec<u8>,
 }
 
 impl<W: Write> TraceStream<W> {
@@ -197,6 +203,8 @@ impl<W: Write> TraceStream<W> {
             bins: std::collections::BTreeMap::new(),
             threads: std::collections::BTreeMap::new(),
             cpu_nodes: Vec::new(),
+            parallel: false,
+            calls_out: Vec::new(),
         })
     }
 
@@ -212,93 +220,139 @@ impl<W: Write> TraceStream<W> {
         for t in &detail.threads {
             self.threads.insert(t.tid, (t.pid, t.name.clone(), t.role));
         }
-        if let Some(pid) = rank_pid {
-            let mut name = String::new();
-            for s in steps {
-                name.clear();
-                name.push_str("step ");
-                name.push_str(itoa::Buffer::new().format(s.index));
-                let (ts, d) = (self.w.ts(s.start_ns), dur(s.start_ns, s.end_ns));
-                self.w.event(&Ev::slice(
-                    "step",
-                    &name,
-                    pid,
-                    STEPS_TID,
-                    ts,
-                    d,
-                    StepArgs(s),
-                ))?;
-            }
+        let steps = rank_pid.map_or(&[][..], |_| steps);
+        let pid = rank_pid.unwrap_or_default();
+        if self.parallel && detail.calls.len() >= PARALLEL_CALLS {
+            // The calls formatted on a second thread while this one writes the steps, then
+            // written after them: the file is the same as written in one go.
+            let mut calls = Writer {
+                out: std::mem::take(&mut self.calls_out),
+                first: self.w.first && steps.is_empty(),
+                base_ns: self.w.base_ns,
+                ev: Vec::with_capacity(512),
+            };
+            calls.out.clear();
+            let (w, sequence) = (&mut self.w, &mut self.sequence);
+            std::thread::scope(|scope| {
+                let helper = std::thread::Builder::new()
+                    .name("nccltrace-trace-calls".into())
+                    .spawn_scoped(scope, || write_calls(&mut calls, sequence, detail))?;
+                let written = write_steps(w, steps, pid);
+                match helper.join() {
+                    Ok(r) => written.and(r),
+                    Err(panic) => std::panic::resume_unwind(panic),
+                }
+            })?;
+            self.w.first = calls.first;
+            self.w.out.write_all(&calls.out)?;
+            self.calls_out = calls.out;
+        } else {
+            write_steps(&mut self.w, steps, pid)?;
+            write_calls(&mut self.w, &mut self.sequence, detail)?;
         }
-        self.calls(detail)?;
         for t in &detail.threads {
             self.thread(t)?;
         }
         self.runnable(detail)
     }
 
-    fn calls(&mut self, detail: &Detail) -> io::Result<()> {
-        // Slice names made once per function (NVTX names once per call).
-        let mut names: std::collections::HashMap<
-            crate::event::Func,
-            String,
-            foldhash::fast::FixedState,
-        > = std::collections::HashMap::default();
-        let mut nvtx_name: String;
-        for c in &detail.calls {
-            let library = c.func.library();
-            let cat = match library {
-                Library::Nccl => "nccl",
-                Library::Cuda => "cuda_sync",
-                Library::Marker => "step_marker",
-                Library::Nvtx => "nvtx",
-            };
-            let name: &str = if library == Library::Nvtx {
-                nvtx_name = format!("NVTX {}", c.message().unwrap_or("?"));
-                &nvtx_name
-            } else {
-                names.entry(c.func).or_insert_with(|| match library {
-                    Library::Nccl => format!("nccl{}", c.func.name()),
-                    Library::Marker => "step marker".to_owned(),
-                    _ => c.func.name().to_owned(),
-                })
-            };
-            let comm = c.comm;
-            let seq = comm.filter(|_| c.func.is_collective()).map(|comm| {
-                let n = self.sequence.entry((c.task.tgid, comm)).or_insert(0);
-                *n += 1;
-                *n - 1
-            });
-            let args = CallArgs {
-                ret: c.ret,
-                bytes: c.bytes,
-                count: c.count,
-                datatype: c.datatype.map(datatype_name),
-                op: c.redop.map(redop_name),
-                peer_or_root: c.peer,
-                comm,
-                seq,
-                stream: c.stream,
-                rank: c.rank(),
-                python: c.python.as_deref(),
-            };
-            if !self.w.traced(c.start_ns) {
-                continue;
-            }
-            let (ts, d) = (self.w.ts(c.start_ns), dur(c.start_ns, c.end_ns));
-            self.w.event(&Ev::slice(
-                cat,
-                name,
-                c.task.tgid,
-                u64::from(c.task.tid),
-                ts,
-                d,
-                args,
-            ))?;
-        }
-        Ok(())
+    /// Formats the calls of each epoch on a thread of their own while the steps are
+    /// written (where the host has CPUs to spare).
+    pub fn parallel(&mut self, on: bool) {
+        self.parallel = on;
     }
+}
 
+/// The steps of the rank process `pid` on the steps track.
+fn write_steps<W: Write>(w: &mut Writer<W>, steps: &[Step], pid: u32) -> io::Result<()> {
+    let mut name = String::new();
+    for s in steps {
+        name.clear();
+        name.push_str("step ");
+        name.push_str(itoa::Buffer::new().format(s.index));
+        let (ts, d) = (w.ts(s.start_ns), dur(s.start_ns, s.end_ns));
+        w.event(&Ev::slice(
+            "step",
+            &name,
+            pid,
+            STEPS_TID,
+            ts,
+            d,
+            StepArgs(s),
+        ))?;
+    }
+    Ok(())
+}
+
+/// The calls and syncs as slices; collectives numbered per (pid, communicator) in
+/// `sequence`.
+fn write_calls<W: Write>(
+    w: &mut Writer<W>,
+    sequence: &mut std::collections::BTreeMap<(u32, u64), u64>,
+    detail: &Detail,
+) -> io::Result<()> {
+    // Slice names made once per function (NVTX names once per call).
+    let mut names: std::collections::HashMap<
+        crate::event::Func,
+        String,
+        foldhash::fast::FixedState,
+    > = std::collections::HashMap::default();
+    let mut nvtx_name: String;
+    for c in &detail.calls {
+        let library = c.func.library();
+        let cat = match library {
+            Library::Nccl => "nccl",
+            Library::Cuda => "cuda_sync",
+            Library::Marker => "step_marker",
+            Library::Nvtx => "nvtx",
+        };
+        let name: &str = if library == Library::Nvtx {
+            nvtx_name = format!("NVTX {}", c.message().unwrap_or("?"));
+            &nvtx_name
+        } else {
+            names.entry(c.func).or_insert_with(|| match library {
+                Library::Nccl => format!("nccl{}", c.func.name()),
+                Library::Marker => "step marker".to_owned(),
+                _ => c.func.name().to_owned(),
+            })
+        };
+        let comm = c.comm;
+        let seq = comm.filter(|_| c.func.is_collective()).map(|comm| {
+            let n = sequence.entry((c.task.tgid, comm)).or_insert(0);
+            *n += 1;
+            *n - 1
+        });
+        let args = CallArgs {
+            ret: c.ret,
+            bytes: c.bytes,
+            count: c.count,
+            datatype: c.datatype.map(datatype_name),
+            op: c.redop.map(redop_name),
+            peer_or_root: c.peer,
+            comm,
+            seq,
+            stream: c.stream,
+            rank: c.rank(),
+            python: c.python.as_deref(),
+        };
+        if !w.traced(c.start_ns) {
+            continue;
+        }
+        let (ts, d) = (w.ts(c.start_ns), dur(c.start_ns, c.end_ns));
+        w.event(&Ev::slice(
+            cat,
+            name,
+            c.task.tgid,
+            u64::from(c.task.tid),
+            ts,
+            d,
+            args,
+        ))?;
+    }
+    Ok(())
+}
+
+impl<W: Write> TraceStream<W> {
     /// One thread's off-CPU stretches, migrations and fault bursts; counts for the bins.
     fn thread(&mut self, t: &crate::attribute::ThreadDetail) -> io::Result<()> {
         for off in &t.offcpu {

@@ -134,3 +134,66 @@ fn trace_golden() {
     assert!(text.contains("\"rank 3 (pid 10) trainer\""), "{text}");
     crate::render::golden("trace.json", &text);
 }
+
+/// The calls formatted on a second thread give the same file as written in one go, over
+/// several epochs (collectives numbered across them) and with or without steps before
+/// the calls (the first event has no comma before it).
+#[test]
+fn calls_formatted_aside_give_the_same_file() {
+    let (detail, _) = crate::render::fixture::detail();
+    assert!(!detail.calls.is_empty());
+    let epoch = |k: u64| {
+        let mut d = detail.clone();
+        if k > 0 {
+            // The threads' pieces once: the calls are what this is about.
+            d.threads.clear();
+        }
+        d.calls = (0..PARALLEL_CALLS as u64 + 7)
+            .flat_map(|i| {
+                detail.calls.iter().map(move |c| {
+                    let mut c = c.clone();
+                    c.start_ns += (k * 10_000 + i) * 1_000;
+                    c.end_ns += (k * 10_000 + i) * 1_000;
+                    c
+                })
+            })
+            .collect();
+        d
+    };
+    let steps: Vec<Step> = (0..3)
+        .map(|i| {
+            Step::new(
+                i,
+                i as u64 * 1_000,
+                (i as u64 + 1) * 1_000,
+                Categories::default(),
+            )
+        })
+        .collect();
+    let run = RunInfo::default();
+    for rank_pid in [None, Some(10)] {
+        let files: Vec<Vec<u8>> = [false, true]
+            .into_iter()
+            .map(|parallel| {
+                let mut out = Vec::new();
+                let mut t = TraceStream::new(&mut out, detail.first_ns).unwrap();
+                t.parallel(parallel);
+                for k in 0..3 {
+                    t.epoch(&epoch(k), &steps, rank_pid).unwrap();
+                }
+                t.finish(&run, &[], detail.end_ns).unwrap();
+                out
+            })
+            .collect();
+        assert!(files[0].len() > 100_000, "{}", files[0].len());
+        assert!(files[0] == files[1], "rank_pid {rank_pid:?}");
+        let parsed: Value = serde_json::from_slice(&files[0]).unwrap();
+        let calls = parsed["traceEvents"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["cat"] == "nccl")
+            .count();
+        assert!(calls > 3 * PARALLEL_CALLS, "{calls}");
+    }
+}
