@@ -90,7 +90,7 @@ pub fn short_file(path: &str) -> &str {
 /// innermost Python frame of its entry stack (the record the entry program made just
 /// after the call's start; `threads` and `stacks` as attribution made them).
 pub fn name_call_sites(
-    calls: &mut [crate::event::Call],
+    calls: &mut crate::attribute::Calls,
     threads: &[crate::attribute::ThreadDetail],
     stacks: &[crate::attribute::StackKey],
     codes: &PythonCodes,
@@ -103,7 +103,7 @@ pub fn name_call_sites(
         .enumerate()
         .map(|(i, t)| (t.tid, i))
         .collect();
-    for c in calls {
+    for c in calls.iter_mut() {
         let Some(t) = index.get(&c.task.tid).map(|&i| &threads[i]) else {
             continue;
         };

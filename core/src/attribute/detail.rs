@@ -2,7 +2,7 @@
 //! samples, off-CPU stretches, migrations, faults), the stacks, the calls.
 
 use super::Cat;
-use crate::event::{Call, PyFrame};
+use crate::event::PyFrame;
 
 /// A stack as captured: the process (for its maps), kernel and user frames, innermost
 /// first, and the Python frames the thread was executing (innermost first; empty for a
@@ -69,7 +69,7 @@ pub struct Detail {
     pub end_ns: u64,
     pub threads: Vec<ThreadDetail>,
     pub stacks: Vec<StackKey>,
-    pub calls: Vec<Call>,
+    pub calls: super::Calls,
     pub cpu_nodes: Vec<i32>,
     pub sample_period_ns: u64,
     /// Off-CPU stretches shorter than this have no stack by design (0: any may have one).

@@ -68,7 +68,7 @@ pub(super) struct Attributed {
     /// Lateness of matched collectives (see [`ranks::lateness`]) the steps to come use.
     lateness: Vec<(u64, u32, u64)>,
     detail: BTreeMap<u32, ThreadDetail>,
-    calls: Vec<crate::event::Call>,
+    calls: super::Calls,
     /// An NCCL call blocked the host (a lower bound of `nccl_wait` without sync probes).
     blocked_in_nccl: bool,
     epochs: u64,

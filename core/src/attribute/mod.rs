@@ -19,6 +19,7 @@
 //!   the on-CPU time since the previous sample, are `page_fault`.
 
 pub mod align;
+mod calls;
 pub mod categories;
 mod cut;
 mod detail;
@@ -32,6 +33,7 @@ pub mod remote;
 mod report;
 pub mod steps;
 
+pub use calls::Calls;
 pub use detail::{Detail, OffCpu, StackKey, ThreadDetail};
 pub use epoch::Epoch;
 pub use infiniband::IbStep;
@@ -212,7 +214,7 @@ pub struct Timeline {
     stack_ids: StackIds,
     /// Python frames waiting for the stack record they belong to: tid → (time, frames).
     py_pending: std::collections::HashMap<u32, (u64, Vec<PyFrame>), foldhash::fast::FixedState>,
-    calls: Vec<Call>,
+    calls: Calls,
     target_pids: Vec<u32>,
     env_ranks: BTreeMap<u32, (String, i32)>,
     /// Faults were timed by fentry/fexit on the fault handler (FaultTime events): their
@@ -354,7 +356,7 @@ impl Timeline {
             stacks: Vec::new(),
             stack_ids: StackIds::default(),
             py_pending: std::collections::HashMap::default(),
-            calls: Vec::new(),
+            calls: Calls::default(),
             target_pids: Vec::new(),
             env_ranks: BTreeMap::new(),
             faults_timed: setup.faults_timed,

@@ -122,7 +122,8 @@ pub(crate) mod fixture {
             calls: vec![
                 call(Func::AllReduce, 3_900_000, 3_910_000),
                 call(Func::CuStreamSynchronize, 4_000_000, 7_000_000),
-            ],
+            ]
+            .into(),
             cpu_nodes: vec![0, 1],
             sample_period_ns: 1_000_000,
             offcpu_min_ns: 0,

@@ -207,7 +207,7 @@ impl Timeline {
     /// what closes later is weighed as on the whole run.
     pub(super) fn epoch_detail(&mut self, cut: u64, until: u64, emit: bool) -> Detail {
         let rank_tid = self.done.rank.map(|r| r.0);
-        let calls = super::take_where(&mut self.calls, |c| c.end_ns <= until);
+        let calls = self.calls.take_where(|c| c.end_ns <= until);
         let mut threads = Vec::with_capacity(self.threads.len());
         for (tid, log) in &mut self.threads {
             let name = self.thread_names.get(tid).cloned().unwrap_or_default();
