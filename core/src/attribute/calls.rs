@@ -57,6 +57,7 @@ impl Calls {
     /// Takes the calls `pick` picks, in order, and keeps the others, in order. When those
     /// picked come first (the usual case) no call is copied but the picked part of the
     /// chunk where the kept ones begin.
+    #[must_use]
     pub fn take_where(&mut self, mut pick: impl FnMut(&Call) -> bool) -> Calls {
         let Some(k) = self.chunks.iter().position(|c| !c.iter().all(&mut pick)) else {
             return std::mem::take(self);
