@@ -197,13 +197,11 @@ fn by_gaps(collectives: &[Collective], syncs: &[(u64, u64)]) -> Option<Detected>
     // detection on a run of one-call steps), but for the pair of the collective before:
     // with a period of one call, every pair is the same. The anchor chosen below does not
     // depend on the order.
-    let mut slot_of: std::collections::HashMap<
-        (Option<Key>, Key),
-        usize,
-        foldhash::fast::FixedState,
-    > = std::collections::HashMap::default();
-    let mut gaps: Vec<((Option<Key>, Key), Vec<u64>)> = Vec::new();
-    let mut last: Option<((Option<Key>, Key), usize)> = None;
+    type Pair = (Option<Key>, Key);
+    let mut slot_of: std::collections::HashMap<Pair, usize, foldhash::fast::FixedState> =
+        std::collections::HashMap::default();
+    let mut gaps: Vec<(Pair, Vec<u64>)> = Vec::new();
+    let mut last: Option<(Pair, usize)> = None;
     for i in 0..collectives.len() {
         let pair = (i.checked_sub(1).map(|j| seq[j]), seq[i]);
         let gap = i.checked_sub(1).map_or(0, |j| {
