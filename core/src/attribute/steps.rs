@@ -187,6 +187,9 @@ fn by_syncs(collectives: &[Collective], syncs: &[(u64, u64)]) -> Option<Detected
     })
 }
 
+/// A collective's key after the one before it (none for the first).
+type Pair = (Option<Key>, Key);
+
 /// Steps from the repeating collective sequence alone, cut at the longest idle gap.
 fn by_gaps(collectives: &[Collective], syncs: &[(u64, u64)]) -> Option<Detected> {
     let seq: Vec<Key> = collectives.iter().map(|c| (c.func, c.bytes)).collect();
@@ -197,7 +200,6 @@ fn by_gaps(collectives: &[Collective], syncs: &[(u64, u64)]) -> Option<Detected>
     // detection on a run of one-call steps), but for the pair of the collective before:
     // with a period of one call, every pair is the same. The anchor chosen below does not
     // depend on the order.
-    type Pair = (Option<Key>, Key);
     let mut slot_of: std::collections::HashMap<Pair, usize, foldhash::fast::FixedState> =
         std::collections::HashMap::default();
     let mut gaps: Vec<(Pair, Vec<u64>)> = Vec::new();
