@@ -34,11 +34,11 @@ pub struct Step {
     /// The remote share of the rank thread's sampled memory accesses (NUMA hinting
     /// faults) that `remote_memory` is estimated from; `None` before its first such fault
     /// or when they were not traced.
-    pub remote_access: Option<remote::RemoteAccess>,
+    pub remote_access: Option<Box<remote::RemoteAccess>>,
     /// Where the PMU sampled loads (`methods.remote_memory_estimated` false): the rank
     /// thread's sampled DRAM loads in the step and those a remote node served.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub remote_loads: Option<crate::pmu::MeasuredStep>,
+    pub remote_loads: Option<Box<crate::pmu::MeasuredStep>>,
     /// Where InfiniBand ports were read: each port's traffic and errors in the step (an
     /// estimate, `methods.infiniband` says how).
     #[serde(skip_serializing_if = "Option::is_none")]

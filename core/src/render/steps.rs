@@ -199,8 +199,9 @@ pub fn write_csv_rows(steps: &[Step], out: &mut impl Write) -> io::Result<()> {
         // The PMU's measured share where it sampled, else the hinting faults'.
         if let Some(share) = s
             .remote_loads
+            .as_ref()
             .and_then(|m| m.share())
-            .or_else(|| s.remote_access.map(|r| r.share()))
+            .or_else(|| s.remote_access.as_ref().map(|r| r.share()))
         {
             write!(row, "{share:.4}")?;
         }

@@ -454,11 +454,16 @@ impl Timeline {
             slowest_rank: None,
             ranks: Vec::new(),
             numa_task_moves: numa_moves.iter().filter(|(t, _)| *t == tid).count() as u64,
-            remote_access: log.remote_access(a, b),
+            remote_access: log.remote_access(a, b).map(Box::new),
             infiniband: self.infiniband.step(a, b),
-            remote_loads: log
-                .mem_khz
-                .map(|_| crate::pmu::measure(&log.mem_samples, a, b, crate::pmu::SAMPLE_PERIOD)),
+            remote_loads: log.mem_khz.map(|_| {
+                Box::new(crate::pmu::measure(
+                    &log.mem_samples,
+                    a,
+                    b,
+                    crate::pmu::SAMPLE_PERIOD,
+                ))
+            }),
         }
     }
 }

@@ -44,11 +44,11 @@ fn remote_memory_measured_from_pmu_samples() {
     // 3 samples × 100 cycles × 20,000 loads each at 2 GHz: 3 ms.
     assert_eq!(far.categories.remote_memory, Some(3_000_000));
     assert_eq!(far.categories.compute + 3_000_000, far.wall_ns);
-    let loads = far.remote_loads.unwrap();
+    let loads = far.remote_loads.as_deref().unwrap();
     assert_eq!((loads.dram_samples, loads.remote_samples), (3, 3));
     // Local DRAM only: measured as none, not unknown.
     assert_eq!(near.categories.remote_memory, Some(0));
-    assert_eq!(near.remote_loads.unwrap().share(), Some(0.0));
+    assert_eq!(near.remote_loads.as_deref().unwrap().share(), Some(0.0));
     assert!(!report.methods.remote_memory_estimated);
     assert!(
         report
@@ -133,13 +133,13 @@ fn remote_memory_estimated_from_resident_pages() {
     let (report, _) = tl.finish(20_000_000, StepRule::Window(10_000_000));
     assert_eq!(report.steps.len(), 2);
     let (far, near) = (&report.steps[0], &report.steps[1]);
-    let share = far.remote_access.unwrap().share();
+    let share = far.remote_access.as_deref().unwrap().share();
     assert!((share - 0.75).abs() < 1e-9, "{share}");
     // Three quarters remote at SLIT 10/20: 37.5% of the on-CPU time.
     let c = &far.categories;
     let remote = c.remote_memory.unwrap();
     assert_eq!(remote, (c.compute + remote) * 375 / 1000);
-    assert_eq!(near.remote_access.unwrap().remote_pages, 0);
+    assert_eq!(near.remote_access.as_deref().unwrap().remote_pages, 0);
     assert_eq!(near.categories.remote_memory, Some(0));
     assert!(report.methods.remote_memory_estimated);
     assert!(
@@ -181,14 +181,14 @@ fn remote_memory_estimated_from_counted_loads() {
     let (report, _) = tl.finish(20_000_000, StepRule::Window(10_000_000));
     assert_eq!(report.steps.len(), 2);
     let (far, near) = (&report.steps[0], &report.steps[1]);
-    let access = far.remote_access.unwrap();
+    let access = far.remote_access.as_deref().unwrap();
     assert_eq!((access.pages, access.remote_pages), (10_000, 10_000));
     // All remote at SLIT 10/20: half the on-CPU time.
     let c = &far.categories;
     let remote = c.remote_memory.unwrap();
     assert_eq!(remote, c.compute, "half remote stall, half compute");
     assert_eq!(c.total(), far.wall_ns);
-    assert_eq!(near.remote_access.unwrap().remote_pages, 0);
+    assert_eq!(near.remote_access.as_deref().unwrap().remote_pages, 0);
     assert_eq!(near.categories.remote_memory, Some(0));
     assert!(report.methods.remote_memory_estimated);
     assert!(

@@ -40,17 +40,17 @@ fn step_rows_as_serde_writes_them() {
     };
     (full.faults, full.migrations, full.cross_node_migrations) = (1, 2, 3);
     (full.numa_page_migrations, full.numa_task_moves) = (4, 5);
-    full.remote_access = Some(RemoteAccess {
+    full.remote_access = Some(Box::new(RemoteAccess {
         pages: 10,
         remote_pages: 3,
         basis: Basis::StepHints,
         gap_ppm: Some(1234),
-    });
-    full.remote_loads = Some(crate::pmu::MeasuredStep {
+    }));
+    full.remote_loads = Some(Box::new(crate::pmu::MeasuredStep {
         dram_samples: 8,
         remote_samples: 2,
         remote_cycles: 900,
-    });
+    }));
     full.infiniband = Some(crate::attribute::IbStep(vec![(
         "mlx5_0/1".into(),
         vec![("transmit_bytes", 4096), ("symbol_error", 1)],
