@@ -274,6 +274,8 @@ pub struct Timeline {
     done: epoch::Attributed,
     /// Epochs are handed on as they come ([`Timeline::take_epochs`]), not kept.
     emit: bool,
+    /// An epoch's steps made on two threads when it has thousands (CPUs to spare).
+    parallel_steps: bool,
 }
 
 /// A traced process as the attribution knows it before its events.
@@ -388,6 +390,7 @@ impl Timeline {
             late_events: 0,
             done: epoch::Attributed::default(),
             emit: false,
+            parallel_steps: crate::pipeline::behind::spare_cpus(),
         };
         for t in &setup.targets {
             timeline.add_target(t);

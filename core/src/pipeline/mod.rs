@@ -2,7 +2,7 @@
 //! aggregate → render. `attach` feeds it from the ring buffer, `report` from a recording
 //! (`replay`); `write` puts the outputs into their folder as the run is attributed.
 
-mod behind;
+pub(crate) mod behind;
 mod replay;
 mod setup;
 #[cfg(test)]

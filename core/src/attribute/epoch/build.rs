@@ -79,30 +79,62 @@ impl Timeline {
         } else {
             Unmeasured::default()
         };
-        let mut out = Vec::with_capacity(bounds.len());
-        // The step's collectives start at or after this one (steps come in time order).
-        let mut first = 0;
-        for &(a, b) in bounds {
-            first += gallop(&colls[first..], |c| c.start_ns < a);
-            let index = self.done.next_index + out.len();
-            let mut step = self.step(index, log, tid, &colls[first..], a, b);
-            step.categories.unmeasured = unmeasured;
-            if loop_threads.len() > 1 {
-                step.slowest_rank = ranks::slowest_in(&self.done.lateness, a, b).map(rank_of);
-                step.ranks = loop_threads
-                    .iter()
-                    .map(|(p, t)| StepRank {
-                        rank: rank_of(*p),
-                        pid: *p,
-                        categories: Categories {
-                            unmeasured,
-                            ..categories(&self.threads[t], a, b)
-                        },
-                    })
-                    .collect();
+        // Steps `bounds[from..]`, written into `slots` (one a step).
+        let fill = |slots: &mut [std::mem::MaybeUninit<Step>], from: usize| {
+            let bounds = &bounds[from..];
+            // The step's collectives start at or after this one (steps come in time order).
+            let mut first = 0;
+            for (i, (slot, &(a, b))) in slots.iter_mut().zip(bounds).enumerate() {
+                first += gallop(&colls[first..], |c| c.start_ns < a);
+                let index = self.done.next_index + from + i;
+                let mut step = self.step(index, log, tid, &colls[first..], a, b);
+                step.categories.unmeasured = unmeasured;
+                if loop_threads.len() > 1 {
+                    step.slowest_rank = ranks::slowest_in(&self.done.lateness, a, b).map(rank_of);
+                    step.ranks = loop_threads
+                        .iter()
+                        .map(|(p, t)| StepRank {
+                            rank: rank_of(*p),
+                            pid: *p,
+                            categories: Categories {
+                                unmeasured,
+                                ..categories(&self.threads[t], a, b)
+                            },
+                        })
+                        .collect();
+                }
+                slot.write(step);
             }
-            out.push(step);
+        };
+        let n = bounds.len();
+        let mut out = Vec::with_capacity(n);
+        let slots = &mut out.spare_capacity_mut()[..n];
+        let mut halved = false;
+        if n >= PARALLEL_STEPS && self.parallel_steps {
+            // The second half on a thread of its own (a run of µs-long steps has
+            // thousands an epoch, and its attribution was most of `report`'s time).
+            let (left, right) = slots.split_at_mut(n / 2);
+            std::thread::scope(|scope| {
+                let helper = std::thread::Builder::new()
+                    .name("nccltrace-steps-half".into())
+                    .spawn_scoped(scope, move || fill(right, n / 2));
+                // No thread to be had: all of them here, below.
+                if let Ok(helper) = helper {
+                    fill(left, 0);
+                    if let Err(panic) = helper.join() {
+                        std::panic::resume_unwind(panic);
+                    }
+                    halved = true;
+                }
+            });
         }
+        if !halved {
+            fill(slots, 0);
+        }
+        // SAFETY: `fill` wrote every one of the first `n` slots: each slice it was given
+        // is zipped with as many bounds (the halves cover `0..n`); had it panicked, this
+        // is not reached (the steps written then leak, nothing is read uninitialized).
+        unsafe { out.set_len(n) };
         out
     }
 
@@ -477,6 +509,9 @@ pub(super) fn mark_unmeasured(steps: &mut [Step], unmeasured: Unmeasured) {
         }
     }
 }
+
+/// Steps an epoch from which its steps are made on two threads (where CPUs are spare).
+const PARALLEL_STEPS: usize = 2048;
 
 /// The partition point of `v` by `pred` (true on a prefix), found by galloping from the
 /// start: a few probes when it lies near the start, as the next step's first collective

@@ -308,6 +308,37 @@ fn short_steps_wait_for_the_reorder_horizon() {
     assert!(whole.steps.len() >= 390, "{} steps", whole.steps.len());
 }
 
+/// An epoch's steps made on two threads are the ones made on one: thousands of 1-µs
+/// steps an epoch, the thread switching off and on the CPU every 3 µs.
+#[test]
+fn steps_made_on_two_threads_are_the_same() {
+    let run = |parallel: bool| {
+        let mut tl = Timeline::new(&Setup::from(&header()));
+        tl.parallel_steps = parallel;
+        tl.stream(StepRule::Window(1_000), 4_096);
+        for i in 0..20_000u64 {
+            let t = 1_000_000 + i * 2_000;
+            tl.push(&Event::Call(Call::new(
+                task(10),
+                Func::AllReduce,
+                t,
+                t + 1_000,
+            )));
+            if i % 3 == 0 {
+                tl.push(&switch(t + 1_200, true, 0));
+                tl.push(&switch(t + 1_500, false, 0));
+            }
+        }
+        tl.finish(41_000_000, StepRule::Window(1_000)).0
+    };
+    let (one, two) = (run(false), run(true));
+    assert!(one.steps.len() >= 30_000, "{} steps", one.steps.len());
+    assert!(one.epochs >= 2, "{} epochs", one.epochs);
+    assert_eq!(one.steps.len(), two.steps.len());
+    assert!(one.steps == two.steps);
+    assert!(one.steps.iter().any(|s| s.categories.runqueue > 0));
+}
+
 /// A run that went quiet has its closed steps attributed at the next idle try, without
 /// waiting for its buffer to span twice the reorder horizon (no more records may come):
 /// 100-µs steps, 16 ms of records past the cut, then nothing (fails if the idle try waits).
