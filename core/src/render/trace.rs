@@ -19,8 +19,9 @@ use event::{Args, Burst, CallArgs, Count, Ev, Moved, Runnable, StepArgs, Woken};
 
 /// The steps track's thread id (no real thread has it).
 const STEPS_TID: u64 = 0x7fff_fff0;
-/// An epoch's calls are formatted on a second thread from this many on.
-const PARALLEL_CALLS: usize = 1024;
+/// An epoch's calls are formatted on a thread of their own from this many on, and the
+/// second half of its steps from twice this many.
+const PARALLEL: usize = 1024;
 /// Faults closer than this form one burst.
 const BURST_GAP_NS: u64 = 1_000_000;
 /// Counter bin.
@@ -181,8 +182,9 @@ pub struct TraceStream<W: Write> {
     cpu_nodes: Vec<i32>,
     /// Calls formatted on a second thread ([`TraceStream::parallel`]).
     parallel: bool,
-    /// The calls' text, kept from epoch to epoch.
+    /// The calls' text and the steps' second half, kept from epoch to epoch.
     calls_out: Vec<u8>,
+    steps_out: Vec<u8>,
 }
 
 impl<W: Write> TraceStream<W> {
@@ -205,6 +207,7 @@ impl<W: Write> TraceStream<W> {
             cpu_nodes: Vec::new(),
             parallel: false,
             calls_out: Vec::new(),
+            steps_out: Vec::new(),
         })
     }
 
@@ -222,30 +225,8 @@ impl<W: Write> TraceStream<W> {
         }
         let steps = rank_pid.map_or(&[][..], |_| steps);
         let pid = rank_pid.unwrap_or_default();
-        if self.parallel && detail.calls.len() >= PARALLEL_CALLS {
-            // The calls formatted on a second thread while this one writes the steps, then
-            // written after them: the file is the same as written in one go.
-            let mut calls = Writer {
-                out: std::mem::take(&mut self.calls_out),
-                first: self.w.first && steps.is_empty(),
-                base_ns: self.w.base_ns,
-                ev: Vec::with_capacity(512),
-            };
-            calls.out.clear();
-            let (w, sequence) = (&mut self.w, &mut self.sequence);
-            std::thread::scope(|scope| {
-                let helper = std::thread::Builder::new()
-                    .name("nccltrace-trace-calls".into())
-                    .spawn_scoped(scope, || write_calls(&mut calls, sequence, detail))?;
-                let written = write_steps(w, steps, pid);
-                match helper.join() {
-                    Ok(r) => written.and(r),
-                    Err(panic) => std::panic::resume_unwind(panic),
-                }
-            })?;
-            self.w.first = calls.first;
-            self.w.out.write_all(&calls.out)?;
-            self.calls_out = calls.out;
+        if self.parallel && (detail.calls.len() >= PARALLEL || steps.len() >= 2 * PARALLEL) {
+            self.aside(detail, steps, pid)?;
         } else {
             write_steps(&mut self.w, steps, pid)?;
             write_calls(&mut self.w, &mut self.sequence, detail)?;
@@ -256,10 +237,67 @@ impl<W: Write> TraceStream<W> {
         self.runnable(detail)
     }
 
-    /// Formats the calls of each epoch on a thread of their own while the steps are
-    /// written (where the host has CPUs to spare).
+    /// Formats each epoch's calls, and the second half of its steps when it has
+    /// thousands, on threads of their own while the first half is written (where the
+    /// host has CPUs to spare).
     pub fn parallel(&mut self, on: bool) {
         self.parallel = on;
+    }
+
+    /// The steps and calls of an epoch, the calls and the steps' second half formatted
+    /// aside, then written in order: the file is the same as written in one go. What no
+    /// thread could be started for is formatted here after the rest.
+    fn aside(&mut self, detail: &Detail, steps: &[Step], pid: u32) -> io::Result<()> {
+        let mid = if steps.len() >= 2 * PARALLEL {
+            steps.len() / 2
+        } else {
+            steps.len()
+        };
+        let (head, tail) = steps.split_at(mid);
+        let writer = |out: &mut Vec<u8>, first: bool| {
+            let mut out = std::mem::take(out);
+            out.clear();
+            Writer {
+                out,
+                first,
+                base_ns: self.w.base_ns,
+                ev: Vec::with_capacity(512),
+            }
+        };
+        let mut tail_w = writer(&mut self.steps_out, self.w.first && head.is_empty());
+        let mut calls_w = writer(&mut self.calls_out, self.w.first && steps.is_empty());
+        let (w, sequence) = (&mut self.w, &mut self.sequence);
+        let mut spawned = (false, false);
+        std::thread::scope(|scope| {
+            let spawn = |name: &str| std::thread::Builder::new().name(format!("nccltrace-{name}"));
+            let t = spawn("trace-steps")
+                .spawn_scoped(scope, || write_steps(&mut tail_w, tail, pid))
+                .ok();
+            let c = spawn("trace-calls")
+                .spawn_scoped(scope, || write_calls(&mut calls_w, sequence, detail))
+                .ok();
+            spawned = (t.is_some(), c.is_some());
+            let mut written = write_steps(w, head, pid);
+            for helper in [t, c].into_iter().flatten() {
+                match helper.join() {
+                    Ok(r) => written = written.and(r),
+                    Err(panic) => std::panic::resume_unwind(panic),
+                }
+            }
+            written
+        })?;
+        if !spawned.0 {
+            write_steps(&mut tail_w, tail, pid)?;
+        }
+        if !spawned.1 {
+            write_calls(&mut calls_w, &mut self.sequence, detail)?;
+        }
+        self.w.first = calls_w.first;
+        self.w.out.write_all(&tail_w.out)?;
+        self.w.out.write_all(&calls_w.out)?;
+        self.steps_out = tail_w.out;
+        self.calls_out = calls_w.out;
+        Ok(())
     }
 }
 

@@ -148,7 +148,7 @@ fn calls_formatted_aside_give_the_same_file() {
             // The threads' pieces once: the calls are what this is about.
             d.threads.clear();
         }
-        d.calls = (0..PARALLEL_CALLS as u64 + 7)
+        d.calls = (0..PARALLEL as u64 + 7)
             .flat_map(|i| {
                 detail.calls.iter().map(move |c| {
                     let mut c = c.clone();
@@ -160,18 +160,25 @@ fn calls_formatted_aside_give_the_same_file() {
             .collect();
         d
     };
-    let steps: Vec<Step> = (0..3)
-        .map(|i| {
-            Step::new(
-                i,
-                i as u64 * 1_000,
-                (i as u64 + 1) * 1_000,
-                Categories::default(),
-            )
-        })
-        .collect();
+    let steps = |n: usize| -> Vec<Step> {
+        (0..n)
+            .map(|i| {
+                let categories = Categories {
+                    compute: i as u64,
+                    ..Categories::default()
+                };
+                Step::new(i, i as u64 * 1_000, (i as u64 + 1) * 1_000, categories)
+            })
+            .collect()
+    };
     let run = RunInfo::default();
-    for rank_pid in [None, Some(10)] {
+    // Few steps (the calls aside), thousands (half of them aside too), none with a
+    // rank process (nothing before the calls).
+    for (steps, rank_pid) in [
+        (steps(3), None),
+        (steps(3), Some(10)),
+        (steps(2 * PARALLEL + 1), Some(10)),
+    ] {
         let files: Vec<Vec<u8>> = [false, true]
             .into_iter()
             .map(|parallel| {
@@ -186,14 +193,27 @@ fn calls_formatted_aside_give_the_same_file() {
             })
             .collect();
         assert!(files[0].len() > 100_000, "{}", files[0].len());
-        assert!(files[0] == files[1], "rank_pid {rank_pid:?}");
+        assert!(
+            files[0] == files[1],
+            "{} steps, rank_pid {rank_pid:?}",
+            steps.len()
+        );
         let parsed: Value = serde_json::from_slice(&files[0]).unwrap();
-        let calls = parsed["traceEvents"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter(|e| e["cat"] == "nccl")
-            .count();
-        assert!(calls > 3 * PARALLEL_CALLS, "{calls}");
+        let count = |cat: &str| {
+            parsed["traceEvents"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|e| e["cat"] == cat)
+                .count()
+        };
+        let calls = count("nccl");
+        assert!(calls > 3 * PARALLEL, "{calls}");
+        let written = if rank_pid.is_some() {
+            3 * steps.len()
+        } else {
+            0
+        };
+        assert_eq!(count("step"), written);
     }
 }
