@@ -12,10 +12,11 @@ use serde_json::json;
 use super::json::{Obj, key};
 
 use crate::attribute::{Detail, Step, StepsReport};
-use crate::event::{Library, datatype_name, redop_name};
 
 mod event;
-use event::{Args, Burst, CallArgs, Count, Ev, Moved, Runnable, StepArgs, Woken};
+mod slices;
+use event::{Args, Burst, Count, Ev, Moved, Runnable, Woken};
+use slices::{write_calls, write_steps};
 
 /// The steps track's thread id (no real thread has it).
 const STEPS_TID: u64 = 0x7fff_fff0;
@@ -243,151 +244,6 @@ impl<W: Write> TraceStream<W> {
     pub fn parallel(&mut self, on: bool) {
         self.parallel = on;
     }
-
-    /// The steps and calls of an epoch, the calls and the steps' second half formatted
-    /// aside, then written in order: the file is the same as written in one go. What no
-    /// thread could be started for is formatted here after the rest.
-    fn aside(&mut self, detail: &Detail, steps: &[Step], pid: u32) -> io::Result<()> {
-        let mid = if steps.len() >= 2 * PARALLEL {
-            steps.len() / 2
-        } else {
-            steps.len()
-        };
-        let (head, tail) = steps.split_at(mid);
-        let writer = |out: &mut Vec<u8>, first: bool| {
-            let mut out = std::mem::take(out);
-            out.clear();
-            Writer {
-                out,
-                first,
-                base_ns: self.w.base_ns,
-                ev: Vec::with_capacity(512),
-            }
-        };
-        let mut tail_w = writer(&mut self.steps_out, self.w.first && head.is_empty());
-        let mut calls_w = writer(&mut self.calls_out, self.w.first && steps.is_empty());
-        let (w, sequence) = (&mut self.w, &mut self.sequence);
-        let mut spawned = (false, false);
-        std::thread::scope(|scope| {
-            let spawn = |name: &str| std::thread::Builder::new().name(format!("nccltrace-{name}"));
-            let t = spawn("trace-steps")
-                .spawn_scoped(scope, || write_steps(&mut tail_w, tail, pid))
-                .ok();
-            let c = spawn("trace-calls")
-                .spawn_scoped(scope, || write_calls(&mut calls_w, sequence, detail))
-                .ok();
-            spawned = (t.is_some(), c.is_some());
-            let mut written = write_steps(w, head, pid);
-            for helper in [t, c].into_iter().flatten() {
-                match helper.join() {
-                    Ok(r) => written = written.and(r),
-                    Err(panic) => std::panic::resume_unwind(panic),
-                }
-            }
-            written
-        })?;
-        if !spawned.0 {
-            write_steps(&mut tail_w, tail, pid)?;
-        }
-        if !spawned.1 {
-            write_calls(&mut calls_w, &mut self.sequence, detail)?;
-        }
-        self.w.first = calls_w.first;
-        self.w.out.write_all(&tail_w.out)?;
-        self.w.out.write_all(&calls_w.out)?;
-        self.steps_out = tail_w.out;
-        self.calls_out = calls_w.out;
-        Ok(())
-    }
-}
-
-/// The steps of the rank process `pid` on the steps track.
-fn write_steps<W: Write>(w: &mut Writer<W>, steps: &[Step], pid: u32) -> io::Result<()> {
-    let mut name = String::new();
-    for s in steps {
-        name.clear();
-        name.push_str("step ");
-        name.push_str(itoa::Buffer::new().format(s.index));
-        let (ts, d) = (w.ts(s.start_ns), dur(s.start_ns, s.end_ns));
-        w.event(&Ev::slice(
-            "step",
-            &name,
-            pid,
-            STEPS_TID,
-            ts,
-            d,
-            StepArgs(s),
-        ))?;
-    }
-    Ok(())
-}
-
-/// The calls and syncs as slices; collectives numbered per (pid, communicator) in
-/// `sequence`.
-fn write_calls<W: Write>(
-    w: &mut Writer<W>,
-    sequence: &mut std::collections::BTreeMap<(u32, u64), u64>,
-    detail: &Detail,
-) -> io::Result<()> {
-    // Slice names made once per function (NVTX names once per call).
-    let mut names: std::collections::HashMap<
-        crate::event::Func,
-        String,
-        foldhash::fast::FixedState,
-    > = std::collections::HashMap::default();
-    let mut nvtx_name: String;
-    for c in &detail.calls {
-        let library = c.func.library();
-        let cat = match library {
-            Library::Nccl => "nccl",
-            Library::Cuda => "cuda_sync",
-            Library::Marker => "step_marker",
-            Library::Nvtx => "nvtx",
-        };
-        let name: &str = if library == Library::Nvtx {
-            nvtx_name = format!("NVTX {}", c.message().unwrap_or("?"));
-            &nvtx_name
-        } else {
-            names.entry(c.func).or_insert_with(|| match library {
-                Library::Nccl => format!("nccl{}", c.func.name()),
-                Library::Marker => "step marker".to_owned(),
-                _ => c.func.name().to_owned(),
-            })
-        };
-        let comm = c.comm;
-        let seq = comm.filter(|_| c.func.is_collective()).map(|comm| {
-            let n = sequence.entry((c.task.tgid, comm)).or_insert(0);
-            *n += 1;
-            *n - 1
-        });
-        let args = CallArgs {
-            ret: c.ret,
-            bytes: c.bytes,
-            count: c.count,
-            datatype: c.datatype.map(datatype_name),
-            op: c.redop.map(redop_name),
-            peer_or_root: c.peer,
-            comm,
-            seq,
-            stream: c.stream,
-            rank: c.rank(),
-            python: c.python.as_deref(),
-        };
-        if !w.traced(c.start_ns) {
-            continue;
-        }
-        let (ts, d) = (w.ts(c.start_ns), dur(c.start_ns, c.end_ns));
-        w.event(&Ev::slice(
-            cat,
-            name,
-            c.task.tgid,
-            u64::from(c.task.tid),
-            ts,
-            d,
-            args,
-        ))?;
-    }
-    Ok(())
 }
 
 impl<W: Write> TraceStream<W> {

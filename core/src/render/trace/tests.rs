@@ -3,6 +3,7 @@
 use super::*;
 use crate::attribute::steps::Method;
 use crate::attribute::{Categories, Methods, NcclCount};
+use event::CallArgs;
 use serde_json::Value;
 
 /// A call slice's arguments with every field there, a Python line that needs
