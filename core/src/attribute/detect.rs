@@ -74,6 +74,53 @@ impl Timeline {
         c
     }
 
+    /// Each process's collectives of the epoch for the steps and totals (as
+    /// [`Timeline::process_collectives`] without history). Where one thread issued them
+    /// all, in order, its buffer is lent rather than copied (on a run of one-call steps,
+    /// thousands an epoch); [`Timeline::give_back`] returns it. Also the lenders:
+    /// (pid, tid).
+    pub(super) fn lend_collectives(
+        &mut self,
+        pids: &std::collections::BTreeSet<u32>,
+    ) -> (BTreeMap<u32, Vec<Collective>>, Vec<(u32, u32)>) {
+        let mut colls = BTreeMap::new();
+        let mut lent = Vec::new();
+        for &pid in pids {
+            let mut issuers = self
+                .threads
+                .iter()
+                .filter(|(_, l)| l.pid == pid && !l.collectives.is_empty());
+            let only = match (issuers.next(), issuers.next()) {
+                (Some((tid, l)), None) if l.collectives.is_sorted_by_key(|c| c.start_ns) => {
+                    Some(*tid)
+                }
+                _ => None,
+            };
+            let c = match only.and_then(|tid| self.threads.get_mut(&tid).map(|l| (tid, l))) {
+                Some((tid, log)) => {
+                    lent.push((pid, tid));
+                    std::mem::take(&mut log.collectives)
+                }
+                None => self.process_collectives(pid, false),
+            };
+            colls.insert(pid, c);
+        }
+        (colls, lent)
+    }
+
+    /// Returns the buffers [`Timeline::lend_collectives`] lent.
+    pub(super) fn give_back(
+        &mut self,
+        mut colls: BTreeMap<u32, Vec<Collective>>,
+        lent: Vec<(u32, u32)>,
+    ) {
+        for (pid, tid) in lent {
+            if let (Some(c), Some(log)) = (colls.remove(&pid), self.threads.get_mut(&tid)) {
+                log.collectives = c;
+            }
+        }
+    }
+
     /// Steps in the buffer by the rule, and whether they were found (not the fallback).
     pub(super) fn detect(&self, rank: Option<(u32, u32)>, end_ns: u64) -> (Detected, bool) {
         let cut = self.cut_ns.max(self.first_ns);

@@ -319,16 +319,17 @@ impl Timeline {
             .filter_map(|id| self.loop_thread(id.pid).map(|tid| (id.pid, tid)))
             .collect();
         // Each process's collectives of the epoch, gathered once for the steps and totals.
-        let colls: BTreeMap<u32, Vec<Collective>> = identities
+        let pids = identities
             .iter()
             .map(|id| id.pid)
             .chain(self.done.rank.map(|r| r.1))
-            .map(|pid| (pid, self.process_collectives(pid, false)))
             .collect();
+        let (colls, lent) = self.lend_collectives(&pids);
         // The totals first: they say what the run could not measure, which steps handed
         // on now carry.
         self.totals(&from, until, &identities, &loop_threads, &colls);
         let steps = self.steps(bounds, &identities, &loop_threads, &colls);
+        self.give_back(colls, lent);
         self.done.next_index += steps.len();
         self.settle_blocks(until, &loop_threads);
         let emit = self.emit;
@@ -350,11 +351,15 @@ impl Timeline {
                 .map(|(since, _)| (since, Change::SwitchOut { runnable: false }));
             log.changes.retain(|c| keep(c.0) || Some(*c) == block);
             let old = take_where(&mut log.syncs, |s| s.1 <= until);
-            tail(&mut log.history.syncs, old, HISTORY_SYNCS);
+            tail(&mut log.history.syncs, &old, HISTORY_SYNCS);
             let moved = log.collectives.partition_point(|c| c.start_ns < until);
-            let old: Vec<Collective> = log.collectives.drain(..moved).collect();
+            tail(
+                &mut log.history.collectives,
+                &log.collectives[..moved],
+                HISTORY_COLLECTIVES,
+            );
+            log.collectives.drain(..moved);
             log.fed = log.fed.saturating_sub(moved);
-            tail(&mut log.history.collectives, old, HISTORY_COLLECTIVES);
             log.fault_samples.retain(|s| keep(s.0));
             log.fault_time.clear();
             log.faults.retain(|t| keep(*t));
@@ -523,8 +528,10 @@ fn take_where<T>(v: &mut Vec<T>, mut pred: impl FnMut(&T) -> bool) -> Vec<T> {
     taken
 }
 
-fn tail<T>(kept: &mut Vec<T>, old: Vec<T>, max: usize) {
-    kept.extend(old);
+/// Keeps the last `max` of `kept` followed by `old` in `kept` (only the last `max` of
+/// `old` are copied: an epoch of one-call steps moves thousands out).
+fn tail<T: Copy>(kept: &mut Vec<T>, old: &[T], max: usize) {
+    kept.extend_from_slice(&old[old.len().saturating_sub(max)..]);
     if kept.len() > max {
         kept.drain(..kept.len() - max);
     }
@@ -532,6 +539,22 @@ fn tail<T>(kept: &mut Vec<T>, old: Vec<T>, max: usize) {
 
 #[cfg(test)]
 mod take_tests {
+    /// The last `max` of what was kept and what was moved out, in order.
+    #[test]
+    fn tail_keeps_the_last() {
+        for (kept, old, want) in [
+            (vec![1, 2], vec![3], vec![1, 2, 3]),
+            (vec![1, 2], vec![3, 4, 5], vec![3, 4, 5]),
+            (vec![1, 2], (3..10).collect(), vec![7, 8, 9]),
+            (vec![], vec![], vec![]),
+            (vec![1, 2, 3, 4], vec![], vec![2, 3, 4]),
+        ] {
+            let mut kept = kept;
+            super::tail(&mut kept, &old, 3);
+            assert_eq!(kept, want);
+        }
+    }
+
     #[test]
     fn take_where_keeps_order_and_room() {
         // Picked first (the usual case), interleaved, none, all.
