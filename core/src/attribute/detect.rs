@@ -6,6 +6,9 @@ use std::collections::BTreeMap;
 use super::steps::{self, Collective, Detected};
 use super::{StepRule, ThreadLog, Timeline, ranks};
 
+/// Each process's collectives of an epoch, by pid.
+pub(super) type Collectives = BTreeMap<u32, Vec<Collective>>;
+
 impl Timeline {
     /// The rank thread runs the training loop: in the process that issued the most
     /// collectives, the thread that waits on the GPU most often (PyTorch's main thread:
@@ -82,7 +85,7 @@ impl Timeline {
     pub(super) fn lend_collectives(
         &mut self,
         pids: &std::collections::BTreeSet<u32>,
-    ) -> (BTreeMap<u32, Vec<Collective>>, Vec<(u32, u32)>) {
+    ) -> (Collectives, Vec<(u32, u32)>) {
         let mut colls = BTreeMap::new();
         let mut lent = Vec::new();
         for &pid in pids {
@@ -111,7 +114,7 @@ impl Timeline {
     /// Returns the buffers [`Timeline::lend_collectives`] lent.
     pub(super) fn give_back(
         &mut self,
-        mut colls: BTreeMap<u32, Vec<Collective>>,
+        mut colls: Collectives,
         lent: Vec<(u32, u32)>,
     ) {
         for (pid, tid) in lent {
