@@ -112,11 +112,7 @@ impl Timeline {
     }
 
     /// Returns the buffers [`Timeline::lend_collectives`] lent.
-    pub(super) fn give_back(
-        &mut self,
-        mut colls: Collectives,
-        lent: Vec<(u32, u32)>,
-    ) {
+    pub(super) fn give_back(&mut self, mut colls: Collectives, lent: Vec<(u32, u32)>) {
         for (pid, tid) in lent {
             if let (Some(c), Some(log)) = (colls.remove(&pid), self.threads.get_mut(&tid)) {
                 log.collectives = c;

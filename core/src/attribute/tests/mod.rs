@@ -282,6 +282,24 @@ fn py_stack(ts: u64, tid: u32, code: u64, keyed: Option<u16>) -> Event {
     }
 }
 
+/// 20,000 calls of 1 µs, one every 2 µs from 1 ms on (40 ms); with `switches`, the
+/// thread preempted for 300 ns after every third.
+fn one_microsecond_calls(tl: &mut Timeline, switches: bool) {
+    for i in 0..20_000u64 {
+        let t = 1_000_000 + i * 2_000;
+        tl.push(&Event::Call(Call::new(
+            task(10),
+            Func::AllReduce,
+            t,
+            t + 1_000,
+        )));
+        if switches && i % 3 == 0 {
+            tl.push(&switch(t + 1_200, true, 0));
+            tl.push(&switch(t + 1_500, false, 0));
+        }
+    }
+}
+
 /// With µs-long steps an epoch waits until its buffer spans twice the reorder horizon
 /// (else most of each try's buffer was held back and searched again at the next): 40 ms
 /// of 2-µs calls in epochs of 2,048 events make at most three epochs (eight before), and
@@ -291,15 +309,7 @@ fn short_steps_wait_for_the_reorder_horizon() {
     let run = |epoch_events: u64| {
         let mut tl = Timeline::new(&Setup::from(&header()));
         tl.stream(StepRule::Window(100_000), epoch_events);
-        for i in 0..20_000u64 {
-            let t = 1_000_000 + i * 2_000;
-            tl.push(&Event::Call(Call::new(
-                task(10),
-                Func::AllReduce,
-                t,
-                t + 1_000,
-            )));
-        }
+        one_microsecond_calls(&mut tl, false);
         tl.finish(41_000_000, StepRule::Window(100_000)).0
     };
     let (epochs, whole) = (run(2_048), run(0));
@@ -316,19 +326,7 @@ fn steps_made_on_two_threads_are_the_same() {
         let mut tl = Timeline::new(&Setup::from(&header()));
         tl.parallel_steps = parallel;
         tl.stream(StepRule::Window(1_000), 4_096);
-        for i in 0..20_000u64 {
-            let t = 1_000_000 + i * 2_000;
-            tl.push(&Event::Call(Call::new(
-                task(10),
-                Func::AllReduce,
-                t,
-                t + 1_000,
-            )));
-            if i % 3 == 0 {
-                tl.push(&switch(t + 1_200, true, 0));
-                tl.push(&switch(t + 1_500, false, 0));
-            }
-        }
+        one_microsecond_calls(&mut tl, true);
         tl.finish(41_000_000, StepRule::Window(1_000)).0
     };
     let (one, two) = (run(false), run(true));
