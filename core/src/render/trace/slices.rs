@@ -34,12 +34,21 @@ impl<W: Write> TraceStream<W> {
         let mut spawned = (false, false);
         std::thread::scope(|scope| {
             let spawn = |name: &str| std::thread::Builder::new().name(format!("nccltrace-{name}"));
-            let t = spawn("trace-steps")
-                .spawn_scoped(scope, || write_steps(&mut tail_w, tail, pid))
-                .ok();
-            let c = spawn("trace-calls")
-                .spawn_scoped(scope, || write_calls(&mut calls_w, sequence, detail))
-                .ok();
+            // A thread only for a part worth one (a few calls are formatted after).
+            let t = (!tail.is_empty())
+                .then(|| {
+                    spawn("trace-steps")
+                        .spawn_scoped(scope, || write_steps(&mut tail_w, tail, pid))
+                        .ok()
+                })
+                .flatten();
+            let c = (detail.calls.len() >= PARALLEL)
+                .then(|| {
+                    spawn("trace-calls")
+                        .spawn_scoped(scope, || write_calls(&mut calls_w, sequence, detail))
+                        .ok()
+                })
+                .flatten();
             spawned = (t.is_some(), c.is_some());
             let mut written = write_steps(w, head, pid);
             for helper in [t, c].into_iter().flatten() {
