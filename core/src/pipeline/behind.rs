@@ -37,8 +37,7 @@ impl OutputFile {
     /// `file`, written behind by a thread named after `name` where more than two CPUs
     /// are available.
     pub(crate) fn new(file: File, name: &str) -> io::Result<OutputFile> {
-        let cpus = std::thread::available_parallelism().map_or(1, usize::from);
-        Ok(if cpus > 2 {
+        Ok(if spare_cpus() {
             OutputFile::Behind(WriteBehind::create(file, name)?)
         } else {
             OutputFile::Here(io::BufWriter::with_capacity(1 << 20, file))

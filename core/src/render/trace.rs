@@ -181,7 +181,8 @@ pub struct TraceStream<W: Write> {
     /// Each thread's name track, as last seen: (pid, tid, name, role).
     threads: std::collections::BTreeMap<u32, (u32, String, &'static str)>,
     cpu_nodes: Vec<i32>,
-    /// Calls formatted on a second thread ([`TraceStream::parallel`]).
+    /// Calls, and the second half of many steps, formatted on helper threads
+    /// ([`TraceStream::parallel`]).
     parallel: bool,
     /// The calls' text and the steps' second half, kept from epoch to epoch.
     calls_out: Vec<u8>,
