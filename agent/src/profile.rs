@@ -183,15 +183,16 @@ pub enum SampleScope {
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct Cost {
-    /// Milliseconds of each second the kernel accounts the programs' run time (1000:
-    /// always; 0: never, `agent.bpf` null): while it does, every eBPF program run on the
-    /// host costs two more clock reads.
-    #[serde(default = "Cost::default_bpf_stats_ms")]
-    pub bpf_stats_ms: u32,
+    /// Milliseconds of each second the agent's programs count and time their own runs
+    /// (1000: always; 0: never, `agent.bpf` null): while they do, each run of one costs
+    /// two more clock reads. `bpf_stats_ms`, its name while the kernel's accounting
+    /// (`kernel.bpf_stats_enabled`) did this, is still read (issue 59).
+    #[serde(default = "Cost::default_timing_ms", alias = "bpf_stats_ms")]
+    pub timing_ms: u32,
 }
 
 impl Cost {
-    fn default_bpf_stats_ms() -> u32 {
+    fn default_timing_ms() -> u32 {
         100
     }
 }
@@ -199,7 +200,7 @@ impl Cost {
 impl Default for Cost {
     fn default() -> Cost {
         Cost {
-            bpf_stats_ms: Cost::default_bpf_stats_ms(),
+            timing_ms: Cost::default_timing_ms(),
         }
     }
 }
@@ -244,7 +245,7 @@ pub enum ProfileError {
     #[error("profile {name}: ring_buffer_mib must be between 1 and 1024, found {value}")]
     RingBufferSize { name: String, value: u32 },
     #[error(
-        "profile {name}: [cost] bpf_stats_ms must be between 0 (never) and 1000 (always), \
+        "profile {name}: [cost] timing_ms must be between 0 (never) and 1000 (always), \
          found {value}"
     )]
     StatsWindow { name: String, value: u32 },
@@ -265,10 +266,10 @@ impl Profile {
                 value: mib,
             });
         }
-        if profile.cost.bpf_stats_ms > 1000 {
+        if profile.cost.timing_ms > 1000 {
             return Err(ProfileError::StatsWindow {
                 name: name.to_owned(),
-                value: profile.cost.bpf_stats_ms,
+                value: profile.cost.timing_ms,
             });
         }
         if profile.sampling.hz > 100_000 {
@@ -385,30 +386,28 @@ mod tests {
         ));
     }
 
-    /// `[cost] bpf_stats_ms`: 100 in the shipped profiles and where a profile leaves the
-    /// section out; 0 to 1000 taken; above, an error naming the key and the range.
+    /// `[cost] timing_ms`: 100 in the shipped profiles and where a profile leaves the
+    /// section out; 0 to 1000 taken; above, an error naming the key and the range. The old
+    /// name, `bpf_stats_ms`, is read as the same key.
     #[test]
     fn accounting_windows() {
         for (name, _) in SHIPPED {
-            assert_eq!(
-                Profile::load(name).unwrap().cost.bpf_stats_ms,
-                100,
-                "{name}"
-            );
+            assert_eq!(Profile::load(name).unwrap().cost.timing_ms, 100, "{name}");
         }
         let default = SHIPPED[0].1;
         let without = &default[..default.find("[cost]").unwrap()];
-        assert_eq!(Profile::parse("w", without).unwrap().cost.bpf_stats_ms, 100);
-        let with = |ms: &str| {
+        assert_eq!(Profile::parse("w", without).unwrap().cost.timing_ms, 100);
+        let with = |key: &str, ms: &str| {
             Profile::parse(
                 "c",
-                &default.replace("bpf_stats_ms = 100", &format!("bpf_stats_ms = {ms}")),
+                &default.replace("timing_ms = 100", &format!("{key} = {ms}")),
             )
         };
-        assert_eq!(with("0").unwrap().cost.bpf_stats_ms, 0);
-        assert_eq!(with("1000").unwrap().cost.bpf_stats_ms, 1000);
-        let err = with("1001").unwrap_err();
+        assert_eq!(with("timing_ms", "0").unwrap().cost.timing_ms, 0);
+        assert_eq!(with("timing_ms", "1000").unwrap().cost.timing_ms, 1000);
+        assert_eq!(with("bpf_stats_ms", "250").unwrap().cost.timing_ms, 250);
+        let err = with("timing_ms", "1001").unwrap_err();
         assert!(matches!(err, ProfileError::StatsWindow { value: 1001, .. }));
-        assert!(err.to_string().contains("bpf_stats_ms"), "{err}");
+        assert!(err.to_string().contains("timing_ms"), "{err}");
     }
 }

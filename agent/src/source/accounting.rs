@@ -1,26 +1,33 @@
-//! The kernel's accounting of the programs' run time (`BPF_ENABLE_STATS`), on for part of
-//! each second.
+//! The programs' accounting of their own runs (`PROGRAM_COSTS`), on for part of each
+//! second.
 //!
-//! While it is on, every eBPF program run on the host (the agent's and any other tool's)
-//! reads the scheduler clock twice more: ~100 ns a traced call on a KVM guest, whose
-//! scheduler clock is the paravirtual one (docs/benchmarks.md). So the agent keeps it on
-//! for a window of each second (profile `[cost] bpf_stats_ms`, 100 by default) and scales
-//! what the kernel counted to the whole run: the runs and run time in `summary.json`
-//! `agent.bpf` are then estimates (the call programs' runs excepted, which are the
-//! recording's calls), and `accounted_share` says over what share of the run they were
-//! counted. The first window is from the loading to the first second's tick (a run shorter
-//! than that is counted whole); the trap calibration (`traps`) runs outside the windows.
-
-use std::os::fd::OwnedFd;
+//! Each program counts and times its runs while the `TIMING` switch (a map value) is set:
+//! two clock reads and two per-CPU adds a run. So the agent sets it for a window of each
+//! second (profile `[cost] timing_ms`, 100 by default) and scales what the programs counted
+//! to the whole run: the runs and run time in `summary.json` `agent.bpf` are then estimates
+//! (the call programs' runs excepted, which are the recording's calls), and
+//! `accounted_share` says over what share of the run they were counted. The first window
+//! is from the loading to the first second's tick (a run shorter than that is counted
+//! whole); the trap calibration (`traps`) runs outside the windows.
+//!
+//! The kernel's own accounting (`BPF_ENABLE_STATS`, `kernel.bpf_stats_enabled`) is not
+//! used: each time it is turned on or off the kernel flips a static key in the entry path
+//! of every BPF program of the host (`__bpf_prog_enter*` of every trampoline among them),
+//! rewriting kernel text while other CPUs run it — ten times a second under a job, for
+//! every program on the host, other tools' included. In the 6.12 guest (QEMU, two vCPUs)
+//! that flip under the fault handler's trampoline panicked the kernel (issue 59,
+//! docs/design.md).
 
 use aya::maps::{Array, MapData};
 
+use nccltrace_common::names;
+
 use crate::host;
 
-/// Whether the kernel is accounting, since when, and for how long it did.
+/// Whether the programs account their runs, since when, and for how long they did.
 pub struct Accounting {
-    /// Held open while on (the kernel counts while any such descriptor is open).
-    fd: Option<OwnedFd>,
+    /// Whether the switch is on.
+    on: bool,
     /// CLOCK_MONOTONIC when the open window began, and when it is to close (`None`: the
     /// first, at the first second's tick).
     since_ns: u64,
@@ -31,10 +38,12 @@ pub struct Accounting {
     window_ns: Option<u64>,
     /// Whether this second's window was opened.
     opened_this_second: bool,
-    /// Why the kernel does not account at all (the first enable was refused).
+    /// Why the programs do not account at all (the profile turned it off, or the switch
+    /// could not be set).
     pub refused: Option<String>,
-    /// The programs' switch (`names::TIMING`): they time their runs for traced threads
-    /// while it is set, as the kernel accounts; they count them always.
+    /// The programs' switch (`names::TIMING`): every program counts and times its runs
+    /// while it is set, and the timed ones their runs for traced threads (those they count
+    /// always).
     timing: Array<MapData, u32>,
 }
 
@@ -46,64 +55,57 @@ const WINDOW_AT: std::time::Duration = std::time::Duration::from_millis(400);
 
 impl Accounting {
     /// Turns the accounting on (before any probe is attached) for windows of `ms_a_second`
-    /// each second (1000 or more: always on), the programs' `timing` switch with it.
+    /// each second (1000 or more: always on).
     pub fn start(ms_a_second: u32, timing: Array<MapData, u32>) -> Accounting {
         let window_ns = (ms_a_second < 1000).then(|| u64::from(ms_a_second) * 1_000_000);
-        let enabled = if ms_a_second == 0 {
-            Err("turned off by the profile ([cost] bpf_stats_ms = 0)".to_owned())
-        } else {
-            enable()
+        let mut accounting = Accounting {
+            on: false,
+            since_ns: 0,
+            until_ns: None,
+            closed_ns: 0,
+            window_ns,
+            opened_this_second: true,
+            refused: (ms_a_second == 0)
+                .then(|| "turned off by the profile ([cost] timing_ms = 0)".to_owned()),
+            timing,
         };
-        let mut accounting = match enabled {
-            Ok(fd) => Accounting {
-                fd: Some(fd),
-                since_ns: now(),
-                until_ns: None,
-                closed_ns: 0,
-                window_ns,
-                opened_this_second: true,
-                refused: None,
-                timing,
-            },
-            Err(why) => Accounting {
-                fd: None,
-                since_ns: 0,
-                until_ns: None,
-                closed_ns: 0,
-                window_ns,
-                opened_this_second: true,
-                refused: Some(why),
-                timing,
-            },
-        };
-        accounting.switch_timing();
+        if accounting.refused.is_none() {
+            if let Err(why) = accounting.switch(true) {
+                accounting.refused = Some(why);
+            } else {
+                accounting.since_ns = now();
+            }
+        }
         accounting
     }
 
-    /// Sets the programs' timing switch to whether the kernel accounts now. A failed
-    /// write leaves the programs timing as before: the scaled figures stay right.
-    fn switch_timing(&mut self) {
-        let on = u32::from(self.is_on());
-        if let Err(e) = self.timing.set(0, on, 0) {
-            log::warn!("cannot switch the programs' self-timing to {on}: {e}");
-        }
+    /// Sets the programs' switch. A failed write leaves them as before.
+    fn switch(&mut self, on: bool) -> Result<(), String> {
+        self.timing.set(0, u32::from(on), 0).map_err(|e| {
+            format!(
+                "the programs' accounting switch ({}) could not be set: {e}",
+                names::TIMING
+            )
+        })?;
+        self.on = on;
+        Ok(())
     }
 
-    /// Whether the kernel accounts the programs at all in this run.
+    /// Whether the programs are accounted at all in this run.
     pub fn available(&self) -> bool {
         self.refused.is_none()
     }
 
     /// Whether it is accounting now.
     fn is_on(&self) -> bool {
-        self.fd.is_some()
+        self.on
     }
 
     /// At each 100-ms tick, `into_second` after the agent's once-a-second work: closes a
     /// window that has lasted its time, and opens the second's window `WINDOW_AT` into
     /// it (one attempt a second). Not next to that work: on a host with few CPUs the agent's reading of every
     /// program and /proc file preempts the traced threads inside the programs, and the
-    /// kernel counts the time they wait as the programs' (measured: 500–900 ns a run
+    /// programs count the time they wait as their own (measured: 500–900 ns a run
     /// there, 220–350 elsewhere in the second).
     pub fn tick(&mut self, into_second: std::time::Duration) {
         let Some(window) = self.window_ns else {
@@ -138,19 +140,17 @@ impl Accounting {
         if !self.available() || self.is_on() {
             return;
         }
-        match enable() {
-            Ok(fd) => {
-                self.fd = Some(fd);
+        match self.switch(true) {
+            Ok(()) => {
                 self.since_ns = now();
                 self.until_ns = Some(self.since_ns + window_ns);
-                self.switch_timing();
             }
             // Counted in no window: the scaled figures stay right, from fewer windows.
             Err(why) => log::warn!("{why}"),
         }
     }
 
-    /// Where the kernel counts in windows, closes the open one: the first at the first
+    /// Where the programs count in windows, closes the open one: the first at the first
     /// second's tick, and any before the trap calibration, so that the traps are timed as
     /// most of the job's calls pay them (an open window adds two clock reads to every run,
     /// ~70 ns a trap here) and the calibration's runs are not counted. Always on, they are
@@ -163,11 +163,16 @@ impl Accounting {
         }
     }
 
-    /// Closes the open window.
+    /// Closes the open window. A switch that cannot be turned off leaves the window open:
+    /// the programs go on counting, and the accounted time with them.
     fn close(&mut self) {
-        if self.fd.take().is_some() {
-            self.closed_ns += now().saturating_sub(self.since_ns);
-            self.switch_timing();
+        if !self.is_on() {
+            return;
+        }
+        let until = now();
+        match self.switch(false) {
+            Ok(()) => self.closed_ns += until.saturating_sub(self.since_ns),
+            Err(why) => log::warn!("{why}"),
         }
     }
 
@@ -194,13 +199,4 @@ impl std::fmt::Debug for Accounting {
 
 fn now() -> u64 {
     host::clock_ns(libc::CLOCK_MONOTONIC)
-}
-
-fn enable() -> Result<OwnedFd, String> {
-    aya::sys::enable_stats(aya::sys::Stats::RunTime).map_err(|e| {
-        format!(
-            "the kernel refused to account the programs' run time (BPF_ENABLE_STATS: {e}; \
-             it needs Linux 5.8 and CAP_SYS_ADMIN)"
-        )
-    })
 }

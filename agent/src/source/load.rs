@@ -7,6 +7,7 @@ use super::{
     RawTracePoint, SourceError, TracePoint, UProbe, is_eperm, kprobes_missing, missing_program,
     names, program_error, rings,
 };
+use nccltrace_common::run;
 
 /// Ring buffers for this host (one per group of CPUs, see `rings`).
 pub(super) fn ring_shards() -> u32 {
@@ -299,16 +300,30 @@ pub(super) fn preload(
     })
 }
 
-/// Each loaded program's runs and run time as the kernel counts them (the uprobe programs
-/// loaded for uprobe-multi links among them).
-pub(super) fn raw_program_runs(ebpf: &Ebpf, uprobes: &super::UprobePrograms) -> super::ProgramRuns {
-    let mut runs = uprobes.runs();
-    runs.extend(ebpf.programs().filter_map(|(name, p)| {
-        let info = p.info().ok()?;
-        let ns = u64::try_from(info.run_time().as_nanos()).unwrap_or(u64::MAX);
-        Some((name.to_owned(), (info.run_count(), ns)))
-    }));
-    runs
+/// Each program's runs and run time (ns) as the programs counted them themselves in the
+/// accounting's windows (`PROGRAM_COSTS`, every CPU summed; the uprobe programs loaded for
+/// uprobe-multi links write there too). Programs that never ran in a window are left out.
+pub(super) fn program_runs(ebpf: &Ebpf) -> super::ProgramRuns {
+    let costs = ebpf
+        .map(names::PROGRAM_COSTS)
+        .and_then(|map| aya::maps::PerCpuArray::<_, u64>::try_from(map).ok());
+    let Some(costs) = costs else {
+        log::warn!(
+            "the programs' own accounting ({}) cannot be read",
+            names::PROGRAM_COSTS
+        );
+        return super::ProgramRuns::new();
+    };
+    let sum = |index: u32| -> u64 { costs.get(&index, 0).map_or(0, |v| v.iter().sum()) };
+    (0..run::COUNT)
+        .filter_map(|id| {
+            let runs = sum(run::SLOTS * id);
+            (runs > 0).then(|| {
+                let name = run::PROGRAMS[id as usize].to_owned();
+                (name, (runs, sum(run::SLOTS * id + 1)))
+            })
+        })
+        .collect()
 }
 
 /// The program `name` of the object, as its type.

@@ -267,7 +267,7 @@ pub struct Attached {
     mem: Option<pmu::Sampling>,
     /// The PMU's node-load counters on the targets' threads, where it has no sampler.
     counting: Option<counting::Counting>,
-    /// The kernel's accounting of the programs' run time, on in windows.
+    /// The programs' accounting of their own run time, on in windows.
     accounting: accounting::Accounting,
     /// The timed programs' runs and nanoseconds for traced threads (`timed`).
     target_costs: PerCpuArray<MapData, u64>,
@@ -376,6 +376,7 @@ mod tests {
             names::OFF_SINCE,
             names::COUNTERS,
             names::TARGET_COSTS,
+            names::PROGRAM_COSTS,
             names::TIMING,
             names::TARGETS,
             names::ARMED,
@@ -391,6 +392,7 @@ mod tests {
         wanted.extend(names::TRACEPOINTS.iter().map(|t| t.program));
         wanted.extend(names::RAW_SCHED.iter().map(|(_, program)| *program));
         wanted.extend(nccltrace_common::timed::PROGRAMS);
+        wanted.extend(nccltrace_common::run::PROGRAMS);
         for name in wanted {
             assert!(defined.contains(name), "the object defines no {name}");
         }

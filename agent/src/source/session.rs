@@ -41,7 +41,7 @@ pub trait Sink {
     /// Names of Python code objects seen for the first time in this sink's records (the
     /// record that shows them comes next).
     fn python_codes(&mut self, _pid: u32, _codes: Vec<(u64, crate::python::CodeInfo)>) {}
-    /// The programs' run time so far, as the kernel accounts it: when tracing starts,
+    /// The programs' run time so far, as they account it: when tracing starts,
     /// about once a second, and when it stops.
     fn program_stats(&mut self, _reading: crate::record::ProgramReading) {}
     /// Each NUMA node's allocation counters (numastat): when tracing starts and when it
@@ -294,7 +294,7 @@ impl Attached {
             // Timed as the job's calls pay their traps (see `Accounting::pause`); no window
             // opens until it is done.
             self.accounting.pause();
-            let before = raw_program_runs(ebpf, &self.uprobes);
+            let before = program_runs(ebpf);
             self.calibration = Some((
                 traps::Calibration::new(self.header.sample_period_ns > 0),
                 before,
@@ -323,7 +323,7 @@ impl Attached {
         // The calibration's own runs of the call programs (rejected at once: the agent is
         // no target) are not the job's: exactly `traps::CALLS_MADE` each, and their share
         // of the time the program ran meanwhile (the job's calls ran it too).
-        let after = raw_program_runs(ebpf, &self.uprobes);
+        let after = program_runs(ebpf);
         for name in names::UPROBE_PROGRAMS {
             let (r0, t0) = before.get(name).copied().unwrap_or((0, 0));
             let (r1, t1) = after.get(name).copied().unwrap_or((0, 0));
@@ -341,7 +341,7 @@ impl Attached {
         }
     }
 
-    /// Each loaded program's runs and run time so far, where the kernel accounts them.
+    /// Each program's runs and run time so far, where the programs account them.
     fn program_reading(&self) -> Option<crate::record::ProgramReading> {
         self.program_reading_at(
             host::clock_ns(libc::CLOCK_MONOTONIC),
@@ -357,7 +357,7 @@ impl Attached {
         accounted_ns: u64,
     ) -> Option<crate::record::ProgramReading> {
         let ebpf = self.ebpf.as_ref().filter(|_| self.accounting.available())?;
-        let programs = raw_program_runs(ebpf, &self.uprobes)
+        let programs = program_runs(ebpf)
             .into_iter()
             .map(|(name, (runs, ns))| {
                 let (r, t) = self.calibration_runs.get(&name).copied().unwrap_or((0, 0));

@@ -146,14 +146,14 @@ fn attach_all(prepared: Prepared, targets: &[Target]) -> Result<Attached, Source
         .unwrap_or_else(|panic| std::panic::resume_unwind(panic))?;
     // What of discovery and the doctor's report was left once the programs were ready.
     phases.mark("discovery and doctor (beside the loading)");
-    // The kernel accounts each program's run time while a window is open (the programs'
-    // own cost, `summary.json` agent.bpf).
+    // The programs count and time their runs while a window is open (their own cost,
+    // `summary.json` agent.bpf).
     let timing = aya::maps::Array::try_from(
         ebpf.take_map(names::TIMING)
             .ok_or_else(|| missing_map(names::TIMING))?,
     )
     .map_err(map_error(names::TIMING))?;
-    let accounting = accounting::Accounting::start(profile.cost.bpf_stats_ms, timing);
+    let accounting = accounting::Accounting::start(profile.cost.timing_ms, timing);
     let bpf_stats_refused = accounting.refused.clone();
     // The programs are loaded and not attached yet: every count starts from zero here.
     let baseline = accounting

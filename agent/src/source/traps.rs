@@ -1,5 +1,5 @@
-//! What a traced call's traps cost on this host (issue 22): the kernel accounts the
-//! programs' run time but not the uprobe and uretprobe traps around them. The entry
+//! What a traced call's traps cost on this host (issue 22): the programs account their
+//! own run time but not the uprobe and uretprobe traps around them. The entry
 //! program, then the return program too, are attached to a function of the agent itself,
 //! where they return at once (the agent is not a target), and the function is called a
 //! few thousand times without and with them: the difference a call is the traps (plus the
@@ -87,7 +87,7 @@ pub(super) struct Calibration {
 }
 
 /// What one interrupt of a sampling clock costs the thread it lands on here (the timer,
-/// the perf overflow path; not the sampling program, whose run time the kernel accounts),
+/// the perf overflow path; not the sampling program, which accounts its own run time),
 /// ns: the clock enabled for every other round of a busy loop; the added time over the
 /// interrupts the clock made.
 struct Sampling {

@@ -305,8 +305,8 @@ impl Aggregator {
         });
         let unmeasured = bpf.is_none().then(|| {
             if unaccounted {
-                return "the kernel did not account the programs between the readings (no \
-                        window of profile [cost] bpf_stats_ms fell between them)"
+                return "the programs did not account their runs between the readings (no \
+                        window of profile [cost] timing_ms fell between them)"
                     .to_owned();
             }
             self.header.bpf_stats_refused.clone().unwrap_or_else(|| {

@@ -308,9 +308,10 @@ pub struct ProgramReading {
     pub at_ns: u64,
     /// (program, runs, run time in ns), every run on every CPU.
     pub programs: Vec<(String, u64, u64)>,
-    /// How long, of the time since the first reading, the kernel accounted the programs
-    /// (its accounting is on in windows, profile `[cost] bpf_stats_ms`); `None` in older
-    /// recordings, where it was on throughout.
+    /// How long, of the time since the first reading, the programs were accounted (in
+    /// windows, profile `[cost] timing_ms`: by the programs themselves; by the kernel in
+    /// recordings before 2026-12-07); `None` in older recordings, where it was on
+    /// throughout.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub accounted_ns: Option<u64>,
     /// (program, runs for traced threads, ns of those runs from the target check on), for
@@ -386,7 +387,7 @@ pub enum Meta {
         pid: u32,
         codes: Vec<(u64, crate::python::CodeInfo)>,
     },
-    /// The kernel's accounting of the programs' run time (BPF_ENABLE_STATS), cumulative
+    /// The programs' accounting of their own run time (`PROGRAM_COSTS`), cumulative
     /// since they were loaded. Written when tracing starts, every second, and when it stops.
     ProgramStats(ProgramReading),
     /// The NUMA nodes' allocation counters (`/sys/devices/system/node/nodeN/numastat`, in

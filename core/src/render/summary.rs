@@ -206,7 +206,7 @@ pub fn write_cost(agent: &crate::summary::AgentStats, out: &mut impl Write) -> i
         .filter(|share| *share < 0.995)
         .map_or_else(String::new, |share| {
             format!(
-                "; programs counted {:.0}% of the run, scaled (profile [cost] bpf_stats_ms)",
+                "; programs counted {:.0}% of the run, scaled (profile [cost] timing_ms)",
                 share * 100.0
             )
         });

@@ -6,17 +6,19 @@ use serde::Serialize;
 use crate::record::ProgramReading as Reading;
 
 /// How the programs' cost is measured.
-pub const BPF_COST_METHOD: &str = "the kernel's run-time accounting of each program \
-    (BPF_ENABLE_STATS: run_time_ns and run_cnt), from when tracing started to when it stopped, \
-    all CPUs. Program time only: the uprobe and uretprobe traps around it and the sampling \
-    interrupt are not in it. traced_*: the part spent in runs for traced threads, an \
+pub const BPF_COST_METHOD: &str = "each program's own accounting of its runs (a count and two \
+    clock reads a run, from its first instruction to its last, into a per-CPU map; the \
+    kernel's run-time accounting, kernel.bpf_stats_enabled, is never turned on: it rewrites \
+    kernel text under every BPF program of the host), from when tracing started to when it \
+    stopped, all CPUs. Program time only: the uprobe and uretprobe traps around it and the \
+    sampling interrupt are not in it. traced_*: the part spent in runs for traced threads, an \
     estimate: each hot program counts its runs for traced threads and times them from the \
-    target check on (while the kernel accounts: the timed runs' mean for every run), and \
+    target check on (while the programs account: the timed runs' mean for every run), and \
     every run is charged the mean cost of what comes before that check; programs that \
-    do not time themselves (rare ones) are counted whole. Where the kernel accounted only in \
-    windows (profile [cost] bpf_stats_ms, 100 ms of each second by default: its accounting \
-    costs every program run two clock reads), runs and run times are what it counted scaled \
-    by the run's time over the windows' (accounted_share): estimates";
+    do not time themselves (rare ones) are counted whole. Where the programs accounted only \
+    in windows (profile [cost] timing_ms, 100 ms of each second by default: accounting costs \
+    every run two clock reads), runs and run times are what they counted scaled by the \
+    run's time over the windows' (accounted_share): estimates";
 
 /// What a program added between two readings: (runs, ns).
 fn delta(then: &[(String, u64, u64)], name: &str, runs: u64, ns: u64) -> (u64, u64) {
@@ -106,11 +108,11 @@ pub struct CallRuns {
     pub returns: u64,
 }
 
-/// The eBPF programs' run time over the traced run, as the kernel accounts it.
+/// The eBPF programs' run time over the traced run, as they account it themselves.
 #[derive(Clone, Debug, Default, Serialize, PartialEq)]
 pub struct BpfCost {
     pub method: &'static str,
-    /// The share of the run the kernel accounted in (its windows' time over the run's):
+    /// The share of the run the programs were accounted in (the windows' time over the run's):
     /// below 1, every run count and run time here is scaled up from the windows; absent
     /// for older recordings, accounted throughout.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -455,7 +457,7 @@ mod tests {
         assert!(!text.contains("not counted"), "{text}");
     }
 
-    /// Counted in windows (profile `[cost] bpf_stats_ms`): what the kernel counted is
+    /// Counted in windows (profile `[cost] timing_ms`): what the programs counted is
     /// scaled by the run's time over the windows', and said (`accounted_share`, the stdout
     /// line); the call programs on probes made for the targets (not timing themselves)
     /// take their runs from the recording's calls, at the windows' mean cost; a program
@@ -498,7 +500,7 @@ mod tests {
         let text = cost_line(cost);
         assert!(
             text.ends_with(
-                "; programs counted 25% of the run, scaled (profile [cost] bpf_stats_ms)\n"
+                "; programs counted 25% of the run, scaled (profile [cost] timing_ms)\n"
             ),
             "{text}"
         );

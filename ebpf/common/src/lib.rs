@@ -153,6 +153,62 @@ pub mod timed {
     ];
 }
 
+/// Every program's own accounting of its runs (`PROGRAM_COSTS`: at `SLOTS * id` the runs
+/// and their nanoseconds, from the program's first instruction to its last), counted while
+/// `names::TIMING` is set (user space's windows), instead of the kernel's run-time
+/// accounting: turning that on and off (`BPF_ENABLE_STATS`, `kernel.bpf_stats_enabled`)
+/// flips a static key in every BPF program's entry path on the host and rewrites kernel
+/// text each time (issue 59). Ids are the index of each program's name in [`run::PROGRAMS`].
+pub mod run {
+    /// Values a program has in `PROGRAM_COSTS`: runs, their nanoseconds.
+    pub const SLOTS: u32 = 2;
+    pub const UPROBE_LIB_CALL: u32 = 0;
+    pub const URETPROBE_LIB_CALL: u32 = 1;
+    pub const TRACEPOINT_SCHED_SWITCH: u32 = 2;
+    pub const RAW_SCHED_SWITCH: u32 = 3;
+    pub const KPROBE_FINISH_TASK_SWITCH: u32 = 4;
+    pub const TRACEPOINT_SCHED_WAKING: u32 = 5;
+    pub const RAW_SCHED_WAKING: u32 = 6;
+    pub const TRACEPOINT_SCHED_MIGRATE_TASK: u32 = 7;
+    pub const RAW_SCHED_MIGRATE_TASK: u32 = 8;
+    pub const TRACEPOINT_SCHED_PROCESS_FORK: u32 = 9;
+    pub const TRACEPOINT_SCHED_PROCESS_EXIT: u32 = 10;
+    pub const RAW_PAGE_FAULT_USER: u32 = 11;
+    pub const FENTRY_HANDLE_MM_FAULT: u32 = 12;
+    pub const FEXIT_HANDLE_MM_FAULT: u32 = 13;
+    pub const KPROBE_TASK_NUMA_FAULT: u32 = 14;
+    pub const TRACEPOINT_MM_MIGRATE_PAGES: u32 = 15;
+    pub const TRACEPOINT_SCHED_MOVE_NUMA: u32 = 16;
+    pub const TRACEPOINT_SCHED_SWAP_NUMA: u32 = 17;
+    pub const TRACEPOINT_SCHED_STICK_NUMA: u32 = 18;
+    pub const PERF_EVENT_CPU_CLOCK: u32 = 19;
+    /// Programs that account their runs.
+    pub const COUNT: u32 = 20;
+    /// Each id's program name (the function's name in the object).
+    pub const PROGRAMS: [&str; COUNT as usize] = [
+        super::names::UPROBE_LIB_CALL,
+        super::names::URETPROBE_LIB_CALL,
+        "tracepoint_sched_switch",
+        "raw_sched_switch",
+        super::names::KPROBE_FINISH_TASK_SWITCH,
+        "tracepoint_sched_waking",
+        "raw_sched_waking",
+        "tracepoint_sched_migrate_task",
+        "raw_sched_migrate_task",
+        "tracepoint_sched_process_fork",
+        "tracepoint_sched_process_exit",
+        "raw_page_fault_user",
+        super::names::FENTRY_HANDLE_MM_FAULT,
+        super::names::FEXIT_HANDLE_MM_FAULT,
+        super::names::KPROBE_TASK_NUMA_FAULT,
+        "tracepoint_mm_migrate_pages",
+        "tracepoint_sched_move_numa",
+        "tracepoint_sched_swap_numa",
+        "tracepoint_sched_stick_numa",
+        super::names::PERF_EVENT_CPU_CLOCK,
+    ];
+}
+
 /// Bits of a pid's byte in the `MAYBE` map. An array load decides for the tasks of
 /// everything else on the host (a bit not set: not a target), sparing them the hash
 /// lookups of `THREADS` and `TARGETS`, which decide where a bit is set. Each bit is set

@@ -30,8 +30,12 @@ pub const COUNTERS: &str = "COUNTERS";
 /// Runs, timed runs and their nanoseconds of the timed programs for traced threads
 /// ([`super::timed`]).
 pub const TARGET_COSTS: &str = "TARGET_COSTS";
-/// One `u32`: nonzero while the kernel accounts the programs' run time; the timed programs
-/// time their runs for traced threads only then. Set by user space (`Accounting`).
+/// Every program's runs and their nanoseconds, counted by the program itself while
+/// [`TIMING`] is set ([`super::run`]).
+pub const PROGRAM_COSTS: &str = "PROGRAM_COSTS";
+/// One `u32`: nonzero while the programs account their runs (user space's windows,
+/// `Accounting`): every program counts and times its runs, and the timed programs their
+/// runs for traced threads, only then.
 pub const TIMING: &str = "TIMING";
 pub const TARGETS: &str = "TARGETS";
 /// One `u32`: nonzero from attach to the stop. The entry program of the uprobes made for

@@ -8,6 +8,7 @@ use crate::*;
 /// Entry of a traced library call: remember the time and the arguments.
 #[uprobe]
 pub fn uprobe_lib_call(ctx: ProbeContext) -> u32 {
+    let _run = ProgramRun::start(run::UPROBE_LIB_CALL);
     let (tgid, tid) = current();
     // SAFETY: the cookie is the function id user space attached with (and its flags).
     let cookie = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } as u32;
@@ -172,6 +173,7 @@ pub(crate) fn unpark(tid: u32, func_id: u32) -> Option<PendingCall> {
 /// Return of a traced library call: pair with the entry and emit one record.
 #[uretprobe]
 pub fn uretprobe_lib_call(ctx: RetProbeContext) -> u32 {
+    let _run = ProgramRun::start(run::URETPROBE_LIB_CALL);
     let (tgid, tid) = current();
     // SAFETY: as in the entry program.
     let cookie = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } as u32;

@@ -47,7 +47,7 @@ use nccltrace_common::{
     PY_TRUNCATED, PageMigrationEvent, PendingCall, PyFramesEvent, PyKey, PyLayout, RING_SHARDS,
     STACK_KEY_SLOTS, STACK_REUSE_NS, SampleEvent, StackKey, StackSameEvent, SwitchEvent, TaskEvent,
     TpOffsets, USTACK_DEPTH, WakeupEvent, call_stacks, counter, func, kind, maybe, numa_task,
-    offcpu, switch_flags, timed,
+    offcpu, run, switch_flags, timed,
 };
 
 /// Every record, in ring buffers shared by groups of CPUs (`CONFIG.shards` of them in use,
@@ -99,8 +99,13 @@ pub(crate) static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(cou
 pub(crate) static TARGET_COSTS: PerCpuArray<u64> =
     PerCpuArray::with_max_entries(timed::SLOTS * timed::COUNT, 0);
 
-/// One `u32`, nonzero while the kernel accounts the programs' run time (user space sets
-/// it with the accounting's windows; see `names::TIMING`).
+/// Every program's runs and their nanoseconds while `TIMING` is set ([`run`]).
+#[map]
+pub(crate) static PROGRAM_COSTS: PerCpuArray<u64> =
+    PerCpuArray::with_max_entries(run::SLOTS * run::COUNT, 0);
+
+/// One `u32`, nonzero while the programs account their runs (user space sets it with the
+/// accounting's windows; see `names::TIMING`).
 #[map]
 pub(crate) static TIMING: Array<u32> = Array::with_max_entries(1, 0);
 
@@ -237,6 +242,59 @@ pub(crate) fn add(map: &PerCpuArray<u64>, index: u32, value: u64) {
     }
 }
 
+/// Whether the programs account their runs now (`TIMING`).
+#[inline(always)]
+fn timing() -> bool {
+    TIMING.get(0).is_some_and(|on| *on != 0)
+}
+
+/// A program's whole run, from its making (its first statement) to its drop (at every
+/// return), counted and timed into `PROGRAM_COSTS` under `id` while `TIMING` is set: the
+/// program's own accounting in place of the kernel's (`BPF_ENABLE_STATS`), which flips a
+/// static key in every program's entry path on the host each time it is turned on or off
+/// (issue 59). Outside the windows a run costs one array load.
+pub(crate) struct ProgramRun {
+    slot: u32,
+    /// 0 or 1: not timed (the switch was off at the start).
+    start_ns: u64,
+}
+
+impl ProgramRun {
+    #[inline(always)]
+    pub(crate) fn start(id: u32) -> ProgramRun {
+        let slot = run::SLOTS * id;
+        let Some(switch) = TIMING.get_ptr(0) else {
+            return ProgramRun { slot, start_ns: 0 };
+        };
+        // SAFETY: a live map value.
+        let start_ns = if unsafe { core::ptr::read_volatile(switch) } != 0 {
+            // SAFETY: helper without preconditions.
+            unsafe { bpf_ktime_get_ns() }
+        } else {
+            // The switch read again rather than a 0: a constant on one path and a clock on
+            // the other, tested at the drop, make the verifier walk the whole program once
+            // for each (the entry program's comment on its cookie). At run time this is 0,
+            // or 1 if the switch was turned on in between: both below any clock reading.
+            // SAFETY: a live map value.
+            u64::from(unsafe { core::ptr::read_volatile(switch) })
+        };
+        ProgramRun { slot, start_ns }
+    }
+}
+
+impl Drop for ProgramRun {
+    #[inline(always)]
+    fn drop(&mut self) {
+        if self.start_ns <= 1 {
+            return;
+        }
+        // SAFETY: helper without preconditions.
+        let ns = unsafe { bpf_ktime_get_ns() }.wrapping_sub(self.start_ns);
+        add(&PROGRAM_COSTS, self.slot, 1);
+        add(&PROGRAM_COSTS, self.slot + 1, ns);
+    }
+}
+
 /// Times the rest of a program's run for a traced thread: from its making to its drop (at
 /// every return after it), added to `TARGET_COSTS` under `id`.
 pub(crate) struct TargetRun {
@@ -271,9 +329,9 @@ impl Drop for TargetRun {
         }
         let slot = timed::SLOTS * self.id;
         add(&TARGET_COSTS, slot, 1);
-        // Timed only while the kernel accounts too (its windows): the clock read and the
-        // sum cost every run otherwise.
-        if TIMING.get(0).is_some_and(|on| *on != 0) {
+        // Timed only in the accounting's windows: the clock read and the sum cost every
+        // run otherwise.
+        if timing() {
             // SAFETY: helper without preconditions.
             let ns = unsafe { bpf_ktime_get_ns() }.wrapping_sub(self.start_ns);
             add(&TARGET_COSTS, slot + 1, 1);

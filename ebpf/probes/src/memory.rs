@@ -9,6 +9,7 @@ use crate::*;
 /// fault here, docs/benchmarks.md).
 #[raw_tracepoint(tracepoint = "page_fault_user")]
 pub fn raw_page_fault_user(ctx: RawTracePointContext) -> i32 {
+    let _run = ProgramRun::start(run::RAW_PAGE_FAULT_USER);
     let (tgid, tid) = current();
     if !is_target(tgid) {
         return 0;
@@ -51,6 +52,7 @@ pub(crate) struct FaultStart {
 /// thread's user fault starts.
 #[fentry(function = "handle_mm_fault")]
 pub fn fentry_handle_mm_fault(ctx: FEntryContext) -> u32 {
+    let _run = ProgramRun::start(run::FENTRY_HANDLE_MM_FAULT);
     let (tgid, tid) = current();
     if !is_target(tgid) {
         return 0;
@@ -76,6 +78,7 @@ pub fn fentry_handle_mm_fault(ctx: FEntryContext) -> u32 {
 /// record is made, just before it is handed on).
 #[fexit(function = "handle_mm_fault")]
 pub fn fexit_handle_mm_fault(ctx: FExitContext) -> u32 {
+    let _run = ProgramRun::start(run::FEXIT_HANDLE_MM_FAULT);
     let (tgid, tid) = current();
     // SAFETY: copied out at once.
     let Some(start) = (unsafe { FAULT_START.get(&tid) }).copied() else {
@@ -104,6 +107,7 @@ pub fn fexit_handle_mm_fault(ctx: FExitContext) -> u32 {
 /// pages, flags)`, called in the faulting thread's context (no tracepoint reports it).
 #[kprobe]
 pub fn kprobe_task_numa_fault(ctx: ProbeContext) -> u32 {
+    let _run = ProgramRun::start(run::KPROBE_TASK_NUMA_FAULT);
     let (tgid, tid) = current();
     if !is_target(tgid) {
         return 0;
@@ -123,6 +127,7 @@ pub fn kprobe_task_numa_fault(ctx: ProbeContext) -> u32 {
 
 #[tracepoint]
 pub fn tracepoint_mm_migrate_pages(ctx: TracePointContext) -> u32 {
+    let _run = ProgramRun::start(run::TRACEPOINT_MM_MIGRATE_PAGES);
     let (tgid, tid) = current();
     if !is_target(tgid) {
         return 0;
@@ -142,6 +147,7 @@ pub fn tracepoint_mm_migrate_pages(ctx: TracePointContext) -> u32 {
 
 #[tracepoint]
 pub fn tracepoint_sched_move_numa(ctx: TracePointContext) -> u32 {
+    let _run = ProgramRun::start(run::TRACEPOINT_SCHED_MOVE_NUMA);
     let Some(tgid) = read_tp::<u32>(&ctx, offset!(move_tgid)) else {
         return 0;
     };
@@ -206,12 +212,14 @@ pub(crate) fn swap_or_stick(ctx: &TracePointContext, subkind: u32) {
 
 #[tracepoint]
 pub fn tracepoint_sched_swap_numa(ctx: TracePointContext) -> u32 {
+    let _run = ProgramRun::start(run::TRACEPOINT_SCHED_SWAP_NUMA);
     swap_or_stick(&ctx, numa_task::SWAP);
     0
 }
 
 #[tracepoint]
 pub fn tracepoint_sched_stick_numa(ctx: TracePointContext) -> u32 {
+    let _run = ProgramRun::start(run::TRACEPOINT_SCHED_STICK_NUMA);
     swap_or_stick(&ctx, numa_task::STICK);
     0
 }

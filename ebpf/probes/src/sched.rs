@@ -7,6 +7,7 @@ use crate::*;
 
 #[tracepoint]
 pub fn tracepoint_sched_switch(ctx: TracePointContext) -> u32 {
+    let _run = ProgramRun::start(run::TRACEPOINT_SCHED_SWITCH);
     let (Some(prev_pid), Some(next_pid), Some(prev_state)) = (
         read_tp::<i32>(&ctx, offset!(switch_prev_pid)),
         read_tp::<i32>(&ctx, offset!(switch_next_pid)),
@@ -27,6 +28,7 @@ pub fn tracepoint_sched_switch(ctx: TracePointContext) -> u32 {
 /// `sched_switch` as a raw tracepoint (Linux 5.18+): `(preempt, prev, next, prev_state)`.
 #[raw_tracepoint(tracepoint = "sched_switch")]
 pub fn raw_sched_switch(ctx: RawTracePointContext) -> i32 {
+    let _run = ProgramRun::start(run::RAW_SCHED_SWITCH);
     let preempt: u64 = ctx.arg(0);
     let next: u64 = ctx.arg(2);
     let state: u64 = ctx.arg(3);
@@ -146,6 +148,7 @@ fn on_switch(
 /// are counted with their time.
 #[kprobe]
 pub fn kprobe_finish_task_switch(ctx: ProbeContext) -> u32 {
+    let _run = ProgramRun::start(run::KPROBE_FINISH_TASK_SWITCH);
     let (tgid, tid) = current();
     // SAFETY: copied out at once.
     let Some(since) = (unsafe { OFF_SINCE.get(&tid) }).copied() else {
@@ -166,6 +169,7 @@ pub fn kprobe_finish_task_switch(ctx: ProbeContext) -> u32 {
 
 #[tracepoint]
 pub fn tracepoint_sched_waking(ctx: TracePointContext) -> u32 {
+    let _run = ProgramRun::start(run::TRACEPOINT_SCHED_WAKING);
     let Some(pid) = read_tp::<i32>(&ctx, offset!(wakeup_pid)) else {
         return 0;
     };
@@ -175,6 +179,7 @@ pub fn tracepoint_sched_waking(ctx: TracePointContext) -> u32 {
 /// `sched_waking` as a raw tracepoint: `(p)`.
 #[raw_tracepoint(tracepoint = "sched_waking")]
 pub fn raw_sched_waking(ctx: RawTracePointContext) -> i32 {
+    let _run = ProgramRun::start(run::RAW_SCHED_WAKING);
     let task: u64 = ctx.arg(0);
     let Some(pid) = task_field::<i32>(task, offset!(task_pid)) else {
         return 0;
@@ -205,6 +210,7 @@ fn on_waking(tid: u32) -> u32 {
 
 #[tracepoint]
 pub fn tracepoint_sched_migrate_task(ctx: TracePointContext) -> u32 {
+    let _run = ProgramRun::start(run::TRACEPOINT_SCHED_MIGRATE_TASK);
     let Some(pid) = read_tp::<i32>(&ctx, offset!(migrate_pid)) else {
         return 0;
     };
@@ -220,6 +226,7 @@ pub fn tracepoint_sched_migrate_task(ctx: TracePointContext) -> u32 {
 /// CPU of origin.
 #[raw_tracepoint(tracepoint = "sched_migrate_task")]
 pub fn raw_sched_migrate_task(ctx: RawTracePointContext) -> i32 {
+    let _run = ProgramRun::start(run::RAW_SCHED_MIGRATE_TASK);
     let task: u64 = ctx.arg(0);
     let dest: u64 = ctx.arg(1);
     let Some(pid) = task_field::<i32>(task, offset!(task_pid)) else {
@@ -254,6 +261,7 @@ fn on_migrate(tid: u32, cpus: impl FnOnce() -> (i32, i32)) -> u32 {
 
 #[tracepoint]
 pub fn tracepoint_sched_process_fork(ctx: TracePointContext) -> u32 {
+    let _run = ProgramRun::start(run::TRACEPOINT_SCHED_PROCESS_FORK);
     let (tgid, tid) = current();
     if !is_target(tgid) {
         return 0;
@@ -280,6 +288,7 @@ pub fn tracepoint_sched_process_fork(ctx: TracePointContext) -> u32 {
 
 #[tracepoint]
 pub fn tracepoint_sched_process_exit(ctx: TracePointContext) -> u32 {
+    let _run = ProgramRun::start(run::TRACEPOINT_SCHED_PROCESS_EXIT);
     let (tgid, tid) = current();
     if !is_target(tgid) {
         return 0;

@@ -10,6 +10,7 @@ use crate::*;
 /// buffer (bpf_get_stack, so no stack-map collisions).
 #[perf_event]
 pub fn perf_event_cpu_clock(ctx: PerfEventContext) -> u32 {
+    let _run = ProgramRun::start(run::PERF_EVENT_CPU_CLOCK);
     let (tgid, tid) = current();
     if !is_target(tgid) {
         return 0;

@@ -31,7 +31,7 @@ use aya::programs::{ProgramError, UProbe};
 use super::{Link, SourceError, load_program, names, program_error};
 
 mod sys;
-use sys::{FuncInfo, link, load_btf, load_insns, prog_info, run_counts};
+use sys::{FuncInfo, link, load_btf, load_insns, prog_info};
 
 /// Whether this kernel makes uprobe-multi links (checked once): a two-instruction program
 /// loaded for them, linked to a path that is not a regular file, is refused with `EBADF`
@@ -519,20 +519,6 @@ impl UprobePrograms {
             }
         }
         Ok(())
-    }
-
-    /// The runs and run time (ns) of the programs loaded here, as the kernel counts them.
-    pub(super) fn runs(&self) -> BTreeMap<String, (u64, u64)> {
-        let UprobePrograms::Multi { entry, ret } = self else {
-            return BTreeMap::new();
-        };
-        [
-            (names::UPROBE_LIB_CALL, entry),
-            (names::URETPROBE_LIB_CALL, ret),
-        ]
-        .into_iter()
-        .filter_map(|(name, fd)| Some((name.to_owned(), run_counts(fd.as_fd()).ok()?)))
-        .collect()
     }
 }
 

@@ -181,11 +181,6 @@ pub(super) fn link(
     bpf(BPF_LINK_CREATE, &mut attr)
 }
 
-/// `bpf_prog_info`'s run count and run time of the program `fd`.
-pub(super) fn run_counts(fd: BorrowedFd<'_>) -> std::io::Result<(u64, u64)> {
-    prog_info(fd).map(|info| (info.run_cnt, info.run_time_ns))
-}
-
 /// The kernel's `bpf_prog_info` of the program `fd`.
 pub(super) fn prog_info(fd: BorrowedFd<'_>) -> std::io::Result<aya_obj::generated::bpf_prog_info> {
     const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
