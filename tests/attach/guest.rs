@@ -427,3 +427,92 @@ fn python_frames_in_the_guest() {
         crate::python::check_python_frames(&out, python);
     }
 }
+
+/// The workload of issue 59 under the profile `profile`: a rank bound to node 0 with its
+/// memory on node 1 (`--cpu 0 --mem-node 1`), writing a 64 MiB working set and faulting
+/// 1 MiB of fresh memory (256 pages) a step, NUMA balancing scanning fast; traced to its
+/// end. Under the default profile this panicked the 6.12 guest within ten seconds, when
+/// the agent turned the kernel's run-time accounting on and off under its fentry program
+/// on the fault handler. The run completes with every step and fault seen, faults timed by
+/// fentry/fexit where the profile times them, and `kernel.bpf_stats_enabled` never reads
+/// on. A guest that panics fails the run with the console's oops (`cargo xtask vm-test`).
+fn fault_heavy_bound(profile: &str) {
+    let _serial = privileged();
+    in_guest();
+    cost::kernel_stats_off_before();
+    let _knobs = fast_numa_balancing();
+    let steps = 40;
+    let seen = cost::watch_programs(
+        Duration::from_millis(50),
+        Duration::ZERO,
+        Duration::from_secs(600),
+    );
+    let (truth, summary, out, _dir, lines) = traced_trainer_with(
+        steps,
+        &[("FAKE_NCCL_US", "200")],
+        &[
+            "--cpu",
+            "0",
+            "--mem-node",
+            "1",
+            "--touch-mib",
+            "64",
+            "--fault-pages",
+            "256",
+            "--compute-us",
+            "10000",
+            "--comm-thread",
+        ],
+        &["--profile", profile],
+    );
+    let (_, stats) = seen.join().unwrap();
+    let on = stats.iter().filter(|on| **on).count();
+    assert!(
+        on == 0 && stats.len() > 20,
+        "{profile}: kernel.bpf_stats_enabled read on in {on} of {} readings",
+        stats.len()
+    );
+    assert_eq!(truth["steps"], u64::from(steps), "{truth}");
+    let last = &lines.last().unwrap()["pages_per_node"];
+    assert!(last[1].as_u64().unwrap() >= 16_000, "{profile}: {last}");
+    let found: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("steps.json")).unwrap()).unwrap();
+    let count = found["steps"].as_array().unwrap().len();
+    assert!(
+        count + 3 >= steps as usize,
+        "{profile}: {count} steps found of {steps}"
+    );
+    let agent = &summary["agent"];
+    if summary["memory"]["page_faults"].is_u64() {
+        let faults = summary["memory"]["page_faults"].as_u64().unwrap();
+        assert!(
+            faults >= u64::from(steps) * 256,
+            "{profile}: {faults} faults for {steps} steps of 256"
+        );
+        let method = found["methods"]["page_fault"].as_str().unwrap_or("");
+        assert!(method.starts_with("fentry/fexit"), "{profile}: {method}");
+    }
+    assert!(agent["bpf"].is_object(), "{profile}: {agent}");
+    assert_eq!(summary["lost_events"], 0, "{profile}");
+}
+
+/// Issue 59's workload under the default profile (the guest smoke of `cargo xtask test`).
+#[test]
+#[ignore = "runs in a two-node QEMU guest: cargo xtask vm-test"]
+fn fault_heavy_bound_default_profile() {
+    fault_heavy_bound("default");
+}
+
+/// Issue 59's workload under the minimal profile (no fault probes: sched and calls).
+#[test]
+#[ignore = "runs in a two-node QEMU guest: cargo xtask vm-test"]
+fn fault_heavy_bound_minimal_profile() {
+    fault_heavy_bound("minimal");
+}
+
+/// Issue 59's workload under the full profile (every probe, fault stacks, 4999 Hz).
+#[test]
+#[ignore = "runs in a two-node QEMU guest: cargo xtask vm-test"]
+fn fault_heavy_bound_full_profile() {
+    fault_heavy_bound("full");
+}

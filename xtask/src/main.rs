@@ -78,6 +78,15 @@ enum Task {
         /// the counting test under emulation).
         #[arg(long)]
         debug: bool,
+        /// This agent binary instead of one built here (an earlier release, to reproduce
+        /// what it did).
+        #[arg(long, conflicts_with = "debug")]
+        agent: Option<std::path::PathBuf>,
+        /// QEMU's multi-threaded TCG (one host thread per vCPU, its default) instead of
+        /// one thread for both: kernel text patched while the other vCPU runs it is then
+        /// seen half-done (issue 59), so the guests oops where real CPUs do not.
+        #[arg(long)]
+        mttcg: bool,
         /// Test name filters instead of the guest set (`guest::` and the counting test).
         filters: Vec<String>,
     },
@@ -110,8 +119,22 @@ fn main() -> anyhow::Result<()> {
         Task::VmTest {
             kernel,
             debug,
+            agent,
+            mttcg,
             filters,
-        } => vm::task(&root, &kernel, &filters, debug),
+        } => {
+            let build = match (agent, debug) {
+                (Some(path), _) => vm::Build::Given(path),
+                (None, true) => vm::Build::Debug,
+                (None, false) => vm::Build::Release,
+            };
+            let tcg = if mttcg {
+                vm::Tcg::Multi
+            } else {
+                vm::Tcg::Single
+            };
+            vm::task(&root, &kernel, &filters, build, tcg)
+        }
         Task::Fuzz { seconds } => fuzz::run(&root, seconds),
         Task::Soak {
             minutes,

@@ -259,7 +259,7 @@ fn guest_script(env: &str, tests: &Path, names: &[String], log: &Path, results: 
 }
 
 /// Which agent build the guests run.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Build {
     /// The release agent (built for the purpose): what the counting test needs, since a
     /// debug build drains too slowly for an emulated CPU and loses events.
@@ -267,21 +267,31 @@ pub enum Build {
     /// The debug agent the host tests already built: enough for the smoke part of
     /// `cargo xtask test`, and no release build on top of it.
     Debug,
+    /// A binary given on the command line (an earlier release, to reproduce what it did).
+    Given(PathBuf),
 }
 
-/// Boots one guest per kernel and runs the guest tests (`filters`, or [`GUEST_TESTS`]).
-pub fn run(
-    root: &Path,
-    kernels: &[&str],
-    filters: &[String],
-    build: Build,
-) -> anyhow::Result<Vec<Verdict>> {
-    let bin = setup()?;
-    let images: Vec<(String, PathBuf)> = kernels
-        .iter()
-        .map(|k| Ok(((*k).to_owned(), kernel(k)?)))
-        .collect::<anyhow::Result<_>>()?;
-    let (agent, work) = match build {
+/// How QEMU runs the two vCPUs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tcg {
+    /// One host thread runs both in turn: what the guests run by default (text patching
+    /// is then seen whole by the other vCPU).
+    Single,
+    /// One host thread each (QEMU's own default): kernel text patched by one vCPU while the
+    /// other runs it was seen executing the patch's transient int3 after the patch
+    /// completed (issue 59, docs/design.md).
+    Multi,
+}
+
+/// The agent binary the guests run, and the folder their files go to (made empty).
+fn agent_and_work(root: &Path, build: Build) -> anyhow::Result<(PathBuf, PathBuf)> {
+    let fresh = || -> anyhow::Result<PathBuf> {
+        let work = root.join("target/vm-test");
+        let _ = std::fs::remove_dir_all(&work);
+        std::fs::create_dir_all(&work)?;
+        Ok(work)
+    };
+    Ok(match build {
         Build::Release => super::release_agent(root, "vm-test")?,
         Build::Debug => {
             super::run(Command::new("cargo").current_dir(root).args([
@@ -290,12 +300,30 @@ pub fn run(
                 "-p",
                 "nccltrace",
             ]))?;
-            let work = root.join("target/vm-test");
-            let _ = std::fs::remove_dir_all(&work);
-            std::fs::create_dir_all(&work)?;
-            (root.join("target/debug/nccltrace"), work)
+            (root.join("target/debug/nccltrace"), fresh()?)
         }
-    };
+        Build::Given(path) => {
+            let agent = std::fs::canonicalize(&path)
+                .with_context(|| format!("the agent {} given to vm-test", path.display()))?;
+            (agent, fresh()?)
+        }
+    })
+}
+
+/// Boots one guest per kernel and runs the guest tests (`filters`, or [`GUEST_TESTS`]).
+pub fn run(
+    root: &Path,
+    kernels: &[&str],
+    filters: &[String],
+    build: Build,
+    tcg: Tcg,
+) -> anyhow::Result<Vec<Verdict>> {
+    let bin = setup()?;
+    let images: Vec<(String, PathBuf)> = kernels
+        .iter()
+        .map(|k| Ok(((*k).to_owned(), kernel(k)?)))
+        .collect::<anyhow::Result<_>>()?;
+    let (agent, work) = agent_and_work(root, build)?;
     let fixtures = super::build_fixtures(root)?;
     let speedscope = super::setup::speedscope()?;
     let real_nccl = super::setup::real_nccl()?;
@@ -325,12 +353,29 @@ pub fn run(
         env,
         tests,
         work,
+        tcg,
     };
     let mut verdicts = Vec::new();
     for (series, image) in images {
         let first = guest.boot(&series, &image, &names, &series)?;
         let mut summary = first.summary.clone();
-        let mut passed = first.outcome.passed();
+        let mut passed = first.outcome.passed() && first.oops.is_none();
+        if let Some(oops) = &first.oops {
+            // A kernel that oopsed fails the guest whatever else it ran: no second guest
+            // runs the rest (it would hide the crash).
+            summary = format!(
+                "{summary}; the guest's kernel oopsed (console {}):\n{oops}",
+                first.console.display()
+            );
+            say(&format!("guest {series}"), &summary);
+            verdicts.push(Verdict {
+                kernel: series,
+                passed,
+                summary,
+                log: first.log,
+            });
+            continue;
+        }
         // A guest that died between tests, or stopped making progress in one (the
         // emulated machine, not a test: its own bound would have reported a slow test),
         // without any test failing: a second guest runs what it did not finish. A test
@@ -345,12 +390,19 @@ pub fn run(
         if first.outcome.failed.is_empty() && first.outcome.hung.is_empty() && !retry.is_empty() {
             let label = format!("{series}-again");
             let again = guest.boot(&series, &image, &retry, &label)?;
-            passed = first.outcome.passed > 0 && again.outcome.passed();
+            passed = first.outcome.passed > 0 && again.outcome.passed() && again.oops.is_none();
             summary = format!(
                 "{summary} (console: {}); a second guest ran the rest: {}",
                 first.console.display(),
                 again.summary
             );
+            if let Some(oops) = &again.oops {
+                let _ = write!(
+                    summary,
+                    "; its kernel oopsed (console {}):\n{oops}",
+                    again.console.display()
+                );
+            }
         }
         say(&format!("guest {series}"), &summary);
         verdicts.push(Verdict {
@@ -370,6 +422,7 @@ struct Guest {
     env: String,
     tests: PathBuf,
     work: PathBuf,
+    tcg: Tcg,
 }
 
 /// One guest's run.
@@ -378,6 +431,8 @@ struct Boot {
     summary: String,
     log: PathBuf,
     console: PathBuf,
+    /// The kernel's first oops or panic on the console, quoted.
+    oops: Option<String>,
 }
 
 impl Guest {
@@ -433,7 +488,13 @@ impl Guest {
             // that vCPU executing the transient int3 after the patch was done: "Oops: int3"
             // and a panic, in 4 of 9 boots of the 6.12 guest on 2026-12-04 (each QEMU word
             // its own --qemu-opts, `=` before one that starts with a dash).
-            .args(["--qemu-opts=-accel", "--qemu-opts=tcg,thread=single"])
+            .args([
+                "--qemu-opts=-accel",
+                match self.tcg {
+                    Tcg::Single => "--qemu-opts=tcg,thread=single",
+                    Tcg::Multi => "--qemu-opts=tcg,thread=multi",
+                },
+            ])
             .env("PATH", &self.path)
             .stdin(Stdio::null())
             .stdout(std::fs::File::create(&console)?)
@@ -490,14 +551,31 @@ impl Guest {
                 status.and_then(|s| s.code())
             )
         };
+        let oops = first_oops(&std::fs::read_to_string(&console).unwrap_or_default());
         Ok(Boot {
             outcome,
             summary,
             log,
             console,
+            oops,
         })
     }
 }
+
+/// The first oops, BUG or panic the guest's kernel printed on its console, with the lines
+/// after it that say where (registers, call trace), at most [`OOPS_LINES`].
+fn first_oops(console: &str) -> Option<String> {
+    let lines: Vec<&str> = console.lines().collect();
+    let at = lines.iter().position(|l| {
+        ["Oops:", "BUG:", "Kernel panic", "general protection fault"]
+            .iter()
+            .any(|mark| l.contains(mark))
+    })?;
+    Some(lines[at..lines.len().min(at + OOPS_LINES)].join("\n"))
+}
+
+/// How much of an oops is quoted.
+const OOPS_LINES: usize = 30;
 
 /// The tests of one guest, from its results file.
 #[derive(Debug, Default, PartialEq)]
@@ -556,14 +634,19 @@ fn verdict(names: &[String], results: &str) -> Outcome {
 }
 
 /// `cargo xtask vm-test`: every chosen kernel, the logs of failures printed, a verdict.
-pub fn task(root: &Path, kernel: &str, filters: &[String], debug: bool) -> anyhow::Result<()> {
+pub fn task(
+    root: &Path,
+    kernel: &str,
+    filters: &[String],
+    build: Build,
+    tcg: Tcg,
+) -> anyhow::Result<()> {
     let kernels: Vec<&str> = if kernel == "all" {
         KERNELS.iter().map(|k| k.0).collect()
     } else {
         vec![kernel]
     };
-    let build = if debug { Build::Debug } else { Build::Release };
-    let verdicts = run(root, &kernels, filters, build)?;
+    let verdicts = run(root, &kernels, filters, build, tcg)?;
     report(&verdicts)
 }
 

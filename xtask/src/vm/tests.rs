@@ -58,3 +58,24 @@ fn the_script_bounds_each_test_and_records_its_status() {
         String::from_utf8_lossy(&check.stderr)
     );
 }
+
+/// A kernel oops on the guest's console is found and quoted from its first line (issue
+/// 59: a guest that panics fails, with the oops in the verdict); a clean console has none.
+#[test]
+fn an_oops_on_the_console_is_quoted() {
+    let clean = "[    1.0] virtme-ng-init: ok\n[    2.0] Run /init as init process\n";
+    assert_eq!(first_oops(clean), None);
+    let console = format!(
+        "{clean}[   18.3] Oops: int3: 0000 [#1] PREEMPT SMP NOPTI\n\
+         [   18.3] CPU: 1 UID: 0 PID: 412 Comm: trainer\n\
+         [   18.3] RIP: 0010:__bpf_prog_enter_recur+0x42/0x80\n\
+         [   18.4] Kernel panic - not syncing: Fatal exception in interrupt\n"
+    );
+    let oops = first_oops(&console).unwrap();
+    assert!(oops.starts_with("[   18.3] Oops: int3"), "{oops}");
+    assert!(oops.contains("__bpf_prog_enter_recur"), "{oops}");
+    assert!(oops.contains("Kernel panic"), "{oops}");
+    let long = "line\n".repeat(100);
+    let quoted = first_oops(&format!("BUG: unable to handle page fault\n{long}")).unwrap();
+    assert_eq!(quoted.lines().count(), OOPS_LINES);
+}
