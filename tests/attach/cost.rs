@@ -148,31 +148,39 @@ fn sampling_accounted(bpf: &Value, samples: u64) {
     assert!(bpf.get("sampling_unmeasured").is_none(), "{bpf}");
 }
 
-/// The kernel's run-time accounting of BPF programs, host-wide: whether
-/// `kernel.bpf_stats_enabled` reads on (the sysctl reads the static key that
-/// `BPF_ENABLE_STATS` descriptors hold on too).
-fn kernel_stats_on() -> bool {
-    std::fs::read_to_string("/proc/sys/kernel/bpf_stats_enabled").is_ok_and(|v| v.trim() != "0")
+/// Fails unless the kernel's accounting is off by its sysctl before a test that checks
+/// the agent never turns it on: on there, it is someone else's, and the check would prove
+/// nothing. (The sysctl says only what was written to it, not whether a process holds a
+/// `BPF_ENABLE_STATS` descriptor: the watch below looks at the kernel's counts instead.)
+pub(crate) fn kernel_stats_off_before() {
+    let sysctl = std::fs::read_to_string("/proc/sys/kernel/bpf_stats_enabled").unwrap_or_default();
+    assert_eq!(
+        sysctl.trim(),
+        "0",
+        "kernel.bpf_stats_enabled is on before the agent started (someone else's): turn it \
+         off (sysctl kernel.bpf_stats_enabled=0) to run this test"
+    );
 }
 
-/// Fails unless the kernel's accounting is off before a test that checks the agent never
-/// turns it on: on here, it is someone else's, and the check would prove nothing.
-pub(crate) fn kernel_stats_off_before() {
-    assert!(
-        !kernel_stats_on(),
-        "kernel.bpf_stats_enabled is on before the agent started (another tool holds it):          turn it off (sysctl kernel.bpf_stats_enabled=0) to run this test"
-    );
+/// The names the kernel gives the agent's programs (`BPF_OBJ_NAME_LEN`: 15 bytes kept).
+fn kernel_names() -> Vec<&'static str> {
+    nccltrace_common::run::PROGRAMS
+        .iter()
+        .map(|n| &n[..n.len().min(15)])
+        .collect()
 }
 
 /// One reading of the agent's programs from outside: the entry program's runs as it
 /// counted them itself (`PROGRAM_COSTS`, every CPU), the kernel's run count and run time
-/// of the programs of that name (counted only while the kernel accounts), and whether the
-/// kernel's accounting was on.
+/// of the programs of that name, and the kernel's run count of all the agent's programs.
+/// The kernel counts runs only while its accounting is on (`bpf_stats_enabled_key`, held
+/// by the sysctl or by any `BPF_ENABLE_STATS` descriptor): `kernel_runs` above 0 means it
+/// was on while the agent's programs ran.
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct Reading {
     pub(crate) own: Option<(u64, u64)>,
     pub(crate) kernel: Option<(u64, u64)>,
-    pub(crate) stats_on: bool,
+    pub(crate) kernel_runs: u64,
 }
 
 /// The id of the newest `PROGRAM_COSTS` map on the host (the agent's, tests running one
@@ -198,30 +206,37 @@ fn own_entry_runs(after: Option<u32>) -> Option<(u64, u64)> {
 }
 
 fn read_programs(after: Option<u32>) -> Reading {
-    let kernel = aya::programs::loaded_programs()
-        .filter_map(Result::ok)
-        .filter(|p| p.name_as_str() == Some(nccltrace_common::names::UPROBE_LIB_CALL))
-        .map(|p| {
+    let names = kernel_names();
+    let (mut kernel, mut kernel_runs) = (None::<(u64, u64)>, 0);
+    for p in aya::programs::loaded_programs().filter_map(Result::ok) {
+        let Some(name) = p.name_as_str() else {
+            continue;
+        };
+        if names.contains(&name) {
+            kernel_runs += p.run_count();
+        }
+        if name == nccltrace_common::names::UPROBE_LIB_CALL {
             let ns = u64::try_from(p.run_time().as_nanos()).unwrap_or(u64::MAX);
-            (p.run_count(), ns)
-        })
-        .reduce(|a, b| (a.0 + b.0, a.1 + b.1));
+            let (runs, time) = kernel.unwrap_or_default();
+            kernel = Some((runs + p.run_count(), time + ns));
+        }
+    }
     Reading {
         own: own_entry_runs(after),
         kernel,
-        stats_on: kernel_stats_on(),
+        kernel_runs,
     }
 }
 
 /// Reads the agent's programs every `every` from `from` to `to` after its map appeared
 /// (its programs loaded; at most 30 s waited for that), then until it is gone: the
-/// readings taken in that span, and every reading's `stats_on` (from the start to the
+/// readings taken in that span, and every reading's `kernel_runs` (from the start to the
 /// agent's end).
 pub(crate) fn watch_programs(
     every: Duration,
     from: Duration,
     to: Duration,
-) -> std::thread::JoinHandle<(Vec<Reading>, Vec<bool>)> {
+) -> std::thread::JoinHandle<(Vec<Reading>, Vec<u64>)> {
     // An earlier agent's map, if the kernel has not freed it yet.
     let earlier = newest_costs_map();
     std::thread::spawn(move || {
@@ -230,7 +245,7 @@ pub(crate) fn watch_programs(
         let (mut readings, mut stats) = (Vec::new(), Vec::new());
         loop {
             let reading = read_programs(earlier);
-            stats.push(reading.stats_on);
+            stats.push(reading.kernel_runs);
             match (loaded, reading.own) {
                 (None, Some(_)) => loaded = Some(Instant::now()),
                 (None, None) if started.elapsed() > Duration::from_secs(30) => break,
@@ -253,10 +268,10 @@ pub(crate) fn watch_programs(
 /// the figures are scaled and say over what share of the run they were counted; the call
 /// programs' runs are still exact (the recording's calls). A run shorter than a second is
 /// counted whole. With `timing_ms = 0` they never count and `agent.bpf` is null with the
-/// reason. In none of these runs does the kernel's host-wide accounting
-/// (`kernel.bpf_stats_enabled`) read on (issue 59: the agent turned it on and off ten
-/// times a second, which rewrites kernel text under every BPF program of the host, and
-/// panicked the 6.12 guest).
+/// reason. In none of these runs does the kernel count a run of the agent's programs: its
+/// host-wide accounting (`kernel.bpf_stats_enabled`) is never on (issue 59: the agent
+/// turned it on and off ten times a second, which rewrites kernel text under every BPF
+/// program of the host, and panicked the 6.12 guest).
 #[test]
 #[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
 fn program_costs_counted_in_windows() {
@@ -278,16 +293,7 @@ fn program_costs_counted_in_windows() {
         let grew = counts.windows(2).filter(|w| w[1] > w[0]).count();
         (grew, counts.len().saturating_sub(1) - grew)
     };
-    let never_on = |stats: &[bool], what: &str| {
-        assert!(stats.len() > 20, "{what}: {} readings", stats.len());
-        let on = stats.iter().filter(|on| **on).count();
-        assert_eq!(
-            on,
-            0,
-            "{what}: kernel.bpf_stats_enabled read on in {on} of {} readings",
-            stats.len()
-        );
-    };
+    let never_on = |stats: &[u64], what: &str| never_accounted(stats, what);
     // 120 steps of 40 ms: about five seconds traced.
     let trainer_args = ["--compute-us", "40000"];
     let every = Duration::from_millis(50);
@@ -341,6 +347,26 @@ fn program_costs_counted_in_windows() {
     assert!(why.contains("timing_ms = 0"), "{why}");
 }
 
+/// Fails if the kernel counted any run of the agent's programs in `kernel_runs` (the
+/// readings of [`watch_programs`]): its accounting was on under them.
+pub(crate) fn never_accounted(kernel_runs: &[u64], what: &str) {
+    assert!(
+        kernel_runs.len() > 20,
+        "{what}: {} readings",
+        kernel_runs.len()
+    );
+    let counted = kernel_runs.iter().filter(|runs| **runs > 0).count();
+    assert_eq!(
+        counted,
+        0,
+        "{what}: the kernel accounted the agent's programs in {counted} of {} readings (up \
+         to {} runs): its run-time accounting (kernel.bpf_stats_enabled, BPF_ENABLE_STATS) \
+         was on",
+        kernel_runs.len(),
+        kernel_runs.iter().max().unwrap_or(&0)
+    );
+}
+
 /// At most what the two accountings add to a run on the CPU machines: three clock reads
 /// (~50 ns each on a KVM guest's paravirtual clock), two per-CPU adds and a map load.
 const ACCOUNTING_NS: u64 = 300;
@@ -373,8 +399,13 @@ fn own_accounting_agrees_with_the_kernels() {
         &["--compute-us", "20000"],
         &["--profile", always.to_str().unwrap()],
     );
-    let (readings, _) = seen.join().unwrap();
+    let (readings, kernel_runs) = seen.join().unwrap();
     drop(stats);
+    // The detector the other tests rely on sees the kernel's accounting when it is on.
+    assert!(
+        kernel_runs.iter().any(|runs| *runs > 0),
+        "the kernel's counts never moved with its accounting on: {kernel_runs:?}"
+    );
     // The last reading with both, the trainer's calls well under way.
     let (own, kernel) = readings
         .iter()

@@ -434,14 +434,16 @@ fn python_frames_in_the_guest() {
 /// end. Under the default profile this panicked the 6.12 guest within ten seconds, when
 /// the agent turned the kernel's run-time accounting on and off under its fentry program
 /// on the fault handler. The run completes with every step and fault seen, faults timed by
-/// fentry/fexit where the profile times them, and `kernel.bpf_stats_enabled` never reads
-/// on. A guest that panics fails the run with the console's oops (`cargo xtask vm-test`).
+/// fentry/fexit where the profile times them, and the kernel never counts a run of the
+/// agent's programs (its accounting never on). A guest that panics fails the run with the
+/// console's oops (`cargo xtask vm-test`).
 fn fault_heavy_bound(profile: &str) {
     let _serial = privileged();
     in_guest();
     cost::kernel_stats_off_before();
     let _knobs = fast_numa_balancing();
-    let steps = 40;
+    // About 15 s traced: the panics came 1-10 s after the attach.
+    let steps = 150;
     let seen = cost::watch_programs(
         Duration::from_millis(50),
         Duration::ZERO,
@@ -465,13 +467,15 @@ fn fault_heavy_bound(profile: &str) {
         ],
         &["--profile", profile],
     );
-    let (_, stats) = seen.join().unwrap();
-    let on = stats.iter().filter(|on| **on).count();
-    assert!(
-        on == 0 && stats.len() > 20,
-        "{profile}: kernel.bpf_stats_enabled read on in {on} of {} readings",
-        stats.len()
+    let (_, kernel_runs) = seen.join().unwrap();
+    // For the log: how long the fault handler's trampoline ran under the job.
+    eprintln!(
+        "{profile}: traced {:.1} s, {} faults, {} readings of the kernel's counts",
+        summary["duration_ns"].as_f64().unwrap_or(0.0) / 1e9,
+        summary["memory"]["page_faults"],
+        kernel_runs.len()
     );
+    cost::never_accounted(&kernel_runs, profile);
     assert_eq!(truth["steps"], u64::from(steps), "{truth}");
     let last = &lines.last().unwrap()["pages_per_node"];
     assert!(last[1].as_u64().unwrap() >= 16_000, "{profile}: {last}");
