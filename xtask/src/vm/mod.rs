@@ -283,6 +283,17 @@ pub enum Tcg {
     Multi,
 }
 
+impl Tcg {
+    /// Its QEMU option, as virtme-ng passes it on (`=` before a word that starts with a
+    /// dash).
+    fn qemu_opt(self) -> &'static str {
+        match self {
+            Tcg::Single => "--qemu-opts=tcg,thread=single",
+            Tcg::Multi => "--qemu-opts=tcg,thread=multi",
+        }
+    }
+}
+
 /// The agent binary the guests run, and the folder their files go to (made empty).
 fn agent_and_work(root: &Path, build: Build) -> anyhow::Result<(PathBuf, PathBuf)> {
     let fresh = || -> anyhow::Result<PathBuf> {
@@ -365,7 +376,7 @@ pub fn run(
             // runs the rest (it would hide the crash).
             summary = format!(
                 "{summary}; the guest's kernel oopsed (console {}):\n{oops}",
-                first.console.display()
+                first.console_err.display()
             );
             say(&format!("guest {series}"), &summary);
             verdicts.push(Verdict {
@@ -400,7 +411,7 @@ pub fn run(
                 let _ = write!(
                     summary,
                     "; its kernel oopsed (console {}):\n{oops}",
-                    again.console.display()
+                    again.console_err.display()
                 );
             }
         }
@@ -433,6 +444,7 @@ struct Boot {
     console: PathBuf,
     /// The kernel's first oops or panic on the console, quoted.
     oops: Option<String>,
+    console_err: PathBuf,
 }
 
 impl Guest {
@@ -488,13 +500,7 @@ impl Guest {
             // that vCPU executing the transient int3 after the patch was done: "Oops: int3"
             // and a panic, in 4 of 9 boots of the 6.12 guest on 2026-12-04 (each QEMU word
             // its own --qemu-opts, `=` before one that starts with a dash).
-            .args([
-                "--qemu-opts=-accel",
-                match self.tcg {
-                    Tcg::Single => "--qemu-opts=tcg,thread=single",
-                    Tcg::Multi => "--qemu-opts=tcg,thread=multi",
-                },
-            ])
+            .args(["--qemu-opts=-accel", self.tcg.qemu_opt()])
             .env("PATH", &self.path)
             .stdin(Stdio::null())
             .stdout(std::fs::File::create(&console)?)
@@ -551,13 +557,18 @@ impl Guest {
                 status.and_then(|s| s.code())
             )
         };
-        let oops = first_oops(&std::fs::read_to_string(&console).unwrap_or_default());
+        // virtme-ng writes the kernel's messages to its standard error, its own to its
+        // standard output.
+        let oops = [&console_err, &console]
+            .iter()
+            .find_map(|file| first_oops(&std::fs::read_to_string(file).unwrap_or_default()));
         Ok(Boot {
             outcome,
             summary,
             log,
             console,
             oops,
+            console_err,
         })
     }
 }
