@@ -371,31 +371,18 @@ pub fn run(
         let first = guest.boot(&series, &image, &names, &series)?;
         let mut summary = first.summary.clone();
         let mut passed = first.outcome.passed() && first.oops.is_none();
-        if let Some(oops) = &first.oops {
-            // A kernel that oopsed fails the guest whatever else it ran: no second guest
-            // runs the rest (it would hide the crash).
-            summary = format!(
-                "{summary}; the guest's kernel oopsed (console {}):\n{oops}",
-                first.console_err.display()
-            );
-            say(&format!("guest {series}"), &summary);
-            verdicts.push(Verdict {
-                kernel: series,
-                passed,
-                summary,
-                log: first.log,
-            });
-            continue;
-        }
+        first.tell_oops(&mut summary, "the guest's");
         // A guest that died between tests, or stopped making progress in one (the
         // emulated machine, not a test: its own bound would have reported a slow test),
         // without any test failing: a second guest runs what it did not finish. A test
-        // that stalls that one too fails.
+        // that stalls that one too fails. Not after a kernel oops: the guest fails
+        // whatever else it ran, and a second one would hide the crash.
         let retry: Vec<String> = first
             .outcome
             .stalled
             .iter()
             .chain(&first.outcome.not_run)
+            .filter(|_| first.oops.is_none())
             .cloned()
             .collect();
         if first.outcome.failed.is_empty() && first.outcome.hung.is_empty() && !retry.is_empty() {
@@ -407,13 +394,7 @@ pub fn run(
                 first.console.display(),
                 again.summary
             );
-            if let Some(oops) = &again.oops {
-                let _ = write!(
-                    summary,
-                    "; its kernel oopsed (console {}):\n{oops}",
-                    again.console_err.display()
-                );
-            }
+            again.tell_oops(&mut summary, "its");
         }
         say(&format!("guest {series}"), &summary);
         verdicts.push(Verdict {
@@ -570,6 +551,19 @@ impl Guest {
             oops,
             console_err,
         })
+    }
+}
+
+impl Boot {
+    /// Adds the kernel's oops, if there was one, to `summary` (`whose` kernel).
+    fn tell_oops(&self, summary: &mut String, whose: &str) {
+        if let Some(oops) = &self.oops {
+            let _ = write!(
+                summary,
+                "; {whose} kernel oopsed (console {}):\n{oops}",
+                self.console_err.display()
+            );
+        }
     }
 }
 
