@@ -245,8 +245,8 @@ pub enum ProfileError {
     #[error("profile {name}: ring_buffer_mib must be between 1 and 1024, found {value}")]
     RingBufferSize { name: String, value: u32 },
     #[error(
-        "profile {name}: [cost] timing_ms must be between 0 (never) and 1000 (always), \
-         found {value}"
+        "profile {name}: [cost] timing_ms (bpf_stats_ms before) must be between 0 (never) \
+         and 1000 (always), found {value}"
     )]
     StatsWindow { name: String, value: u32 },
 }
