@@ -293,7 +293,6 @@ fn program_costs_counted_in_windows() {
         let grew = counts.windows(2).filter(|w| w[1] > w[0]).count();
         (grew, counts.len().saturating_sub(1) - grew)
     };
-    let never_on = |stats: &[u64], what: &str| never_accounted(stats, what);
     // 120 steps of 40 ms: about five seconds traced.
     let trainer_args = ["--compute-us", "40000"];
     let every = Duration::from_millis(50);
@@ -309,7 +308,7 @@ fn program_costs_counted_in_windows() {
         grew > 0 && flat > 2 * grew,
         "counted in {grew} readings, not in {flat}"
     );
-    never_on(&stats, "windows of 100 ms");
+    never_accounted(&stats, "windows of 100 ms");
     let bpf = &summary["agent"]["bpf"];
     let share = bpf["accounted_share"].as_f64().unwrap();
     assert!(
@@ -341,7 +340,7 @@ fn program_costs_counted_in_windows() {
         grew == 0 && flat > 10,
         "counted in {grew} readings with timing_ms = 0 (not in {flat})"
     );
-    never_on(&stats, "timing_ms = 0");
+    never_accounted(&stats, "timing_ms = 0");
     assert!(summary["agent"]["bpf"].is_null(), "{}", summary["agent"]);
     let why = summary["agent"]["bpf_unmeasured"].as_str().unwrap();
     assert!(why.contains("timing_ms = 0"), "{why}");

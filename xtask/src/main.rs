@@ -171,10 +171,18 @@ fn release_agent(root: &Path, task: &str) -> anyhow::Result<(PathBuf, PathBuf)> 
         "-p",
         "nccltrace",
     ]))?;
+    Ok((
+        root.join("target/release/nccltrace"),
+        fresh_work(root, task)?,
+    ))
+}
+
+/// `target/<task>`, made empty: the folder a task's files go to.
+fn fresh_work(root: &Path, task: &str) -> anyhow::Result<PathBuf> {
     let work = root.join("target").join(task);
     let _ = std::fs::remove_dir_all(&work);
     std::fs::create_dir_all(&work).with_context(|| format!("creating {}", work.display()))?;
-    Ok((root.join("target/release/nccltrace"), work))
+    Ok(work)
 }
 
 /// Builds the C fixtures into `target/fixtures` and returns that folder.

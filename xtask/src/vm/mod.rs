@@ -296,12 +296,7 @@ impl Tcg {
 
 /// The agent binary the guests run, and the folder their files go to (made empty).
 fn agent_and_work(root: &Path, build: Build) -> anyhow::Result<(PathBuf, PathBuf)> {
-    let fresh = || -> anyhow::Result<PathBuf> {
-        let work = root.join("target/vm-test");
-        let _ = std::fs::remove_dir_all(&work);
-        std::fs::create_dir_all(&work)?;
-        Ok(work)
-    };
+    let fresh = || super::fresh_work(root, "vm-test");
     Ok(match build {
         Build::Release => super::release_agent(root, "vm-test")?,
         Build::Debug => {
