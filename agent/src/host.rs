@@ -227,6 +227,7 @@ impl Host {
             rank: env_rank(&vars),
             job: env_job(&vars),
             rendezvous: env_rendezvous(&vars),
+            world_size: env_world_size(&vars),
         }
     }
 
@@ -390,6 +391,9 @@ pub struct Launcher {
     /// Where its job met to start: `MASTER_ADDR:MASTER_PORT` where both are set
     /// (torch.distributed's `env://`, set by torchrun and most launchers).
     pub rendezvous: Option<String>,
+    /// Its job's size: (variable, value), the first of WORLD_SIZE, OMPI_COMM_WORLD_SIZE,
+    /// SLURM_NTASKS, PMI_SIZE that is set above 0.
+    pub world_size: Option<(String, i32)>,
 }
 
 /// The value of `name` in environment `vars`.
@@ -409,6 +413,20 @@ fn env_rank(vars: &[(String, String)]) -> Option<(String, i32)> {
     ]
     .iter()
     .find_map(|name| Some(((*name).to_owned(), env_var(vars, name)?.parse().ok()?)))
+}
+
+fn env_world_size(vars: &[(String, String)]) -> Option<(String, i32)> {
+    [
+        "WORLD_SIZE",
+        "OMPI_COMM_WORLD_SIZE",
+        "SLURM_NTASKS",
+        "PMI_SIZE",
+    ]
+    .iter()
+    .find_map(|name| {
+        let n: i32 = env_var(vars, name)?.parse().ok()?;
+        (n > 0).then(|| ((*name).to_owned(), n))
+    })
 }
 
 fn env_job(vars: &[(String, String)]) -> Option<(String, String)> {
@@ -485,7 +503,7 @@ mod tests {
 
     /// What a launcher says of a process, from one read of its environment: the first
     /// rank variable that parses, the first job variable set, the rendezvous only where
-    /// both halves are set.
+    /// both halves are set, the first job size above 0.
     #[test]
     fn launcher_from_the_environment() {
         let dir = tempfile::tempdir().unwrap();
@@ -504,6 +522,8 @@ mod tests {
                 "TORCHELASTIC_RUN_ID=r1",
                 "MASTER_ADDR=10.0.0.1",
                 "MASTER_PORT=29500",
+                "WORLD_SIZE=0",
+                "SLURM_NTASKS=16",
             ],
         );
         write(8, &["MASTER_PORT=29500"]);
@@ -514,6 +534,8 @@ mod tests {
                 rank: Some(("SLURM_PROCID".into(), 3)),
                 job: Some(("TORCHELASTIC_RUN_ID".into(), "r1".into())),
                 rendezvous: Some("10.0.0.1:29500".into()),
+                // WORLD_SIZE=0 parses but sizes no job: the next variable set counts.
+                world_size: Some(("SLURM_NTASKS".into(), 16)),
             }
         );
         assert_eq!(host.env_job(7), host.launcher(7).job);

@@ -10,6 +10,7 @@
 pub mod attribute;
 pub mod decode;
 pub mod event;
+pub mod nccl_code;
 pub mod pipeline;
 pub mod pmu;
 pub mod procfs;

@@ -5,8 +5,11 @@
 use super::*;
 
 /// Runs the trainer in one mode and compares the per-step breakdown with its own truth:
-/// steps found within ±1, the medians of `nccl_wait` and `page_fault` and the mean of
-/// `compute` (with the scheduler's categories) within 5%.
+/// steps found within ±1, the medians of its waits and `page_fault` and the mean of
+/// `compute` (with the scheduler's categories) within 5%. Its communicator has one rank
+/// (made before attach: its size read from its memory): the waits in its syncs are
+/// `gpu_wait` and no step has `nccl_wait`, but where its collectives block the host
+/// (`FAKE_NCCL_BLOCKING=1`: time inside NCCL).
 pub(crate) fn breakdown_matches_truth(env: &[(&str, &str)], extra: &[&str]) {
     breakdown_within(env, extra, &ON_THE_HOST);
 }
@@ -154,10 +157,11 @@ pub(crate) fn breakdown_run(
     // guests, whose trainer runs on both nodes' CPUs) it was carved out of our compute,
     // and is counted back in here.
     let ours_compute = ours_of(&compute_with_stalls);
+    one_rank_waits_for_the_gpu(env, &report)?;
     let checks = [
         (
-            "nccl_wait (median)",
-            median(ours_of(&|c| cat(c, "nccl_wait"))),
+            "gpu_wait + nccl_wait (median)",
+            median(ours_of(&|c| cat(c, "nccl_wait") + cat(c, "gpu_wait"))),
             median(theirs_of("wait_ns")),
         ),
         (
@@ -193,6 +197,28 @@ pub(crate) fn breakdown_run(
         }
     }
     Ok(())
+}
+
+/// The trainer's communicator has one rank: no step has `nccl_wait`, but where its
+/// collectives block the host (`FAKE_NCCL_BLOCKING=1`).
+fn one_rank_waits_for_the_gpu(env: &[(&str, &str)], report: &Value) -> Result<(), String> {
+    if env.contains(&("FAKE_NCCL_BLOCKING", "1")) {
+        return Ok(());
+    }
+    let steps = report["steps"].as_array().unwrap();
+    let in_syncs: Vec<&Value> = steps
+        .iter()
+        .map(|s| &s["categories_ns"]["nccl_wait"])
+        .filter(|w| w.as_u64() != Some(0))
+        .collect();
+    if in_syncs.is_empty() {
+        Ok(())
+    } else {
+        Err(format!(
+            "nccl_wait on a one-rank communicator: {in_syncs:?}; communicators {}",
+            report["communicators"]
+        ))
+    }
 }
 
 /// What the trainer counts as its compute, from our categories: on-CPU compute, what the
@@ -360,7 +386,8 @@ pub(crate) fn flamegraphs_and_trace_are_valid(out: &Path, summary: &Value) {
     );
     offcpu_stacks_as_taken(out, summary);
     let attributed = std::fs::read_to_string(out.join("flamegraph-attributed.folded")).unwrap();
-    assert!(attributed.lines().any(|l| l.starts_with("nccl_wait;")));
+    // The trainer's one-rank communicator: its syncs wait for the GPU.
+    assert!(attributed.lines().any(|l| l.starts_with("gpu_wait;")));
     assert!(attributed.lines().any(|l| l.starts_with("page_fault;")));
     let trace: Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("trace.json")).unwrap()).unwrap();

@@ -437,6 +437,18 @@ fn three_ranks_one_straggler() {
     // host-blocking collectives, a lower bound, and said so.
     let method = steps["methods"]["nccl_wait"].as_str().unwrap();
     assert!(method.starts_with("a lower bound"), "{method}");
+    // Each rank's communicator, made before attach, read from its memory (issue 51): three
+    // ranks, each its own rank in it, so their syncs' waits may be NCCL's.
+    let comms = steps["communicators"].as_array().unwrap();
+    assert_eq!(comms.len(), 3, "{comms:?}");
+    for (rank, pid) in pids.iter().enumerate() {
+        let c = comms.iter().find(|c| c["pid"] == *pid).unwrap();
+        assert_eq!(
+            (&c["nranks"], &c["rank"], &c["nranks_from"]),
+            (&Value::from(3), &Value::from(rank), &Value::from("memory")),
+            "{comms:?}"
+        );
+    }
     let steps = steps["steps"].as_array().unwrap();
     let slow = steps.iter().filter(|s| s["slowest_rank"] == 1).count();
     assert!(

@@ -323,10 +323,11 @@ pub(crate) fn check_python_frames(out: &Path, python: &Path) {
         python.display(),
         share * 100.0
     );
-    // steps.json: the rank thread's heaviest NCCL-wait stack ends in that line.
+    // steps.json: the rank thread's heaviest wait stack ends in that line (gpu_wait: the
+    // script's communicator has one rank).
     let steps: Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("steps.json")).unwrap()).unwrap();
-    let top = steps["nccl_wait_top_stacks"][0]["stack"]
+    let top = steps["gpu_wait_top_stacks"][0]["stack"]
         .as_str()
         .unwrap_or_default();
     assert!(

@@ -230,6 +230,92 @@ fn steps_from_nvtx_ranges() {
     );
 }
 
+/// Regression (issue 51): a communicator of one rank made before attach (as `attach --pid`
+/// finds real jobs) read "waits on NCCL" for what were waits for the GPU (13% of a DDP
+/// job's steps on the H100, whose NCCL kernels took 0.0 ms). Its size is read from its
+/// memory where the stand-in's ncclCommCount loads it: steps.json lists it with one rank,
+/// no step has `nccl_wait`, the sync waits the trainer timed are `gpu_wait`, and stdout
+/// never says NCCL was waited on.
+#[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
+fn a_one_rank_communicator_waits_for_the_gpu() {
+    let _serial = privileged();
+    let dir = tempfile::tempdir().unwrap();
+    let go = dir.path().join("go");
+    let args = [
+        "--steps",
+        "40",
+        "--compute-us",
+        "1000",
+        "--go-file",
+        go.to_str().unwrap(),
+    ];
+    let mut trainer = Target::spawn(
+        &fixtures().join("trainer"),
+        &args,
+        &[("FAKE_NCCL_US", "2000")],
+        dir.path(),
+    );
+    let out = dir.path().join("out");
+    let agent = Agent::attach(trainer.child.id(), &out, &[]);
+    trainer.release();
+    let lines: Vec<Value> = trainer
+        .stdout
+        .by_ref()
+        .map_while(Result::ok)
+        .filter_map(|l| serde_json::from_str(&l).ok())
+        .filter(|l: &Value| l.get("step").is_some())
+        .collect();
+    assert!(trainer.child.wait().unwrap().success());
+    let (code, stdout, stderr) = agent.wait_for_exit(Duration::from_secs(60));
+    assert_eq!(code, 0, "{stderr}");
+    let steps: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("steps.json")).unwrap()).unwrap();
+    let comms = steps["communicators"].as_array().unwrap();
+    assert_eq!(comms.len(), 1, "{comms:?}");
+    assert_eq!(
+        (
+            &comms[0]["nranks"],
+            &comms[0]["rank"],
+            &comms[0]["nranks_from"],
+            &comms[0]["used"]
+        ),
+        (
+            &Value::from(1),
+            &Value::from(0),
+            &Value::from("memory"),
+            &Value::from(true)
+        ),
+        "{comms:?}"
+    );
+    let found = steps["steps"].as_array().unwrap();
+    assert!(found.len() > 30, "{} steps", found.len());
+    let of = |s: &Value, k: &str| s["categories_ns"][k].as_u64().unwrap();
+    assert!(found.iter().all(|s| of(s, "nccl_wait") == 0), "{found:?}");
+    // The trainer's own sync waits (about its 2 ms collective), step by step.
+    let ours = median(found.iter().map(|s| of(s, "gpu_wait") as f64).collect());
+    let theirs = median(
+        lines
+            .iter()
+            .map(|l| l["wait_ns"].as_f64().unwrap())
+            .collect(),
+    );
+    assert!(
+        (ours - theirs).abs() < 0.1 * theirs,
+        "gpu_wait {ours} vs the trainer's {theirs}"
+    );
+    assert!(!stdout.contains("waits on NCCL"), "{stdout}");
+    assert!(stdout.contains("gpu_wait"), "{stdout}");
+    assert!(
+        steps["methods"]["nccl_wait"]
+            .as_str()
+            .unwrap()
+            .contains("1 communicator(s) carried collectives: 1 of one rank"),
+        "{}",
+        steps["methods"]["nccl_wait"]
+    );
+}
+
 /// Breakdown accuracy with host-blocking collectives (the wait is inside ncclAllReduce).
 #[test]
 #[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]

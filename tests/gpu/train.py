@@ -6,7 +6,10 @@ Both call `loss.item()` each step, as real scripts do. Warm-up steps (NCCL and C
 run before the script waits for --go-file, so nccltrace attaches to a running job; then it
 runs --steps steps and prints, as JSON, what it did: its own count of all-reduce calls and
 its step times. With --step-log, each step's end (CLOCK_MONOTONIC ns) and length are also
-appended to that file, 256 steps at a time (tests/gpu/windows.sh).
+appended to that file, 256 steps at a time (tests/gpu/windows.sh). With --cupti N, N more
+steps run under torch.profiler afterwards and the JSON adds what CUPTI saw of them
+("cupti"): per step, the GPU time of NCCL kernels and of all kernels, and the host's time
+inside CUDA synchronisation calls (tests/gpu/gpuwait.sh).
 """
 import argparse
 import json
@@ -29,6 +32,7 @@ def main():
     p.add_argument("--go-file")
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--step-log")
+    p.add_argument("--cupti", type=int, default=0)
     a = p.parse_args()
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -86,7 +90,9 @@ def main():
             log.write(f"{t1} {t1 - t0}\n")
             if i % 256 == 255:
                 log.flush()
+    cupti = profiled(step, a.cupti) if a.cupti else None
     print(json.dumps({
+        "cupti": cupti,
         "mode": a.mode,
         "steps": a.steps,
         "allreduce_calls": counted["allreduce"],
@@ -96,6 +102,38 @@ def main():
         "nccl": ".".join(map(str, torch.cuda.nccl.version())),
     }), flush=True)
     dist.destroy_process_group()
+
+
+def profiled(step, n):
+    """Runs `n` steps under torch.profiler: per step, ms of NCCL kernels and of all
+    kernels on the GPU (CUPTI's activity records), and ms the host spent inside CUDA
+    synchronisation calls (the runtime API's own records)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.monotonic_ns()
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+        wall = time.monotonic_ns() - t0
+    nccl = kernels = sync = 0.0
+    for e in prof.events():
+        dev = str(getattr(e, "device_type", "")).endswith("CUDA")
+        if dev and "nccl" in e.name.lower():
+            nccl += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+        if dev:
+            kernels += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+        elif "Synchronize" in e.name and e.name.startswith("cuda"):
+            sync += e.cpu_time_total
+    # Event times are µs.
+    return {
+        "steps": n,
+        "wall_ms_per_step": wall / 1e6 / n,
+        "nccl_kernel_ms_per_step": nccl / 1e3 / n,
+        "kernel_ms_per_step": kernels / 1e3 / n,
+        "sync_ms_per_step": sync / 1e3 / n,
+    }
 
 
 if __name__ == "__main__":

@@ -118,6 +118,47 @@ pub fn resolve(
     Ok(found)
 }
 
+/// The machine code of the first of `names` that `path` defines in its dynamic symbols (at
+/// most `max` bytes of it), read through a memory map.
+pub fn function_code(
+    path: &Path,
+    names: &[&str],
+    max: usize,
+) -> Result<Option<Vec<u8>>, SymbolError> {
+    let file = File::open(path).map_err(|source| SymbolError::Open {
+        path: path.to_owned(),
+        source,
+    })?;
+    // SAFETY: as in `resolve`.
+    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|source| SymbolError::Open {
+        path: path.to_owned(),
+        source,
+    })?;
+    let obj = object::File::parse(&*map).map_err(|source| SymbolError::Parse {
+        path: path.to_owned(),
+        source,
+    })?;
+    for name in names {
+        let Some(sym) = obj.dynamic_symbols().find(|s| {
+            !s.is_undefined() && s.kind() == object::SymbolKind::Text && s.name() == Ok(name)
+        }) else {
+            continue;
+        };
+        let Some(start) = sym
+            .section_index()
+            .and_then(|index| file_offset(&obj, index, sym.address()))
+            .and_then(|o| usize::try_from(o).ok())
+        else {
+            continue;
+        };
+        let len = usize::try_from(sym.size()).unwrap_or(max).min(max);
+        if let Some(code) = map.get(start..start.saturating_add(len)) {
+            return Ok(Some(code.to_vec()));
+        }
+    }
+    Ok(None)
+}
+
 /// `address - section address + section file offset`: what the kernel's uprobe wants.
 fn file_offset(obj: &object::File<'_>, index: SectionIndex, address: u64) -> Option<u64> {
     let section = obj.section_by_index(index).ok()?;

@@ -3,6 +3,7 @@
 
 mod accounting;
 pub mod baseline;
+mod comms;
 pub mod counting;
 pub mod discover;
 mod ktypes;
@@ -263,6 +264,8 @@ pub struct Attached {
     pub follow: Option<Follow>,
     /// Python targets whose frames are walked (profile `python_frames`).
     python: python::PyTargets,
+    /// Communicators made before attach, read as collectives name them.
+    comms: comms::CommSizes,
     /// The PMU's memory sampler on the targets' threads, where the host has one.
     mem: Option<pmu::Sampling>,
     /// The PMU's node-load counters on the targets' threads, where it has no sampler.

@@ -179,6 +179,8 @@ pub(super) fn target_info(
         env_rank: launcher.rank,
         job: launcher.job,
         rendezvous: launcher.rendezvous,
+        world_size: launcher.world_size,
+        comm_fields: Some(super::comms::fields(&t.nccl.host_path)),
         maps_text: std::fs::read_to_string(host.path(&format!("proc/{}/maps", t.pid)))
             .unwrap_or_default(),
     }

@@ -85,6 +85,7 @@ impl Attached {
             None
         };
         let info = target_info(&host, t, probes, py);
+        self.comms.add(&info);
         self.header.targets.push(info.clone());
         Ok(info)
     }
@@ -93,6 +94,7 @@ impl Attached {
     /// objects are named to it again as they are seen.
     pub fn new_window(&mut self) {
         python::new_window(&mut self.python);
+        self.comms.new_window();
     }
 
     /// `--follow`: attaches to every process that maps NCCL and is not traced yet.
@@ -195,11 +197,7 @@ impl Attached {
             // The ports' readings first: they date from before the records drained next.
             self.pull_infiniband(sink)?;
             if more {
-                let mut naming = python::Naming {
-                    inner: &mut *sink,
-                    targets: &mut self.python,
-                };
-                more = self.rings.drain(&mut naming, BUDGET)?;
+                more = self.drain_rings(sink, BUDGET)?;
             }
             // The PMU's samples with the programs' records: ones older than attribution's
             // reorder margin when they arrive are counted as late events.
@@ -269,17 +267,28 @@ impl Attached {
             self.ib_reader = None;
         }
         // Everything drained so far goes to this sink (a window's last records included).
-        let mut naming = python::Naming {
-            inner: sink,
-            targets: &mut self.python,
-        };
-        self.rings.drain(&mut naming, usize::MAX)?;
+        self.drain_rings(sink, usize::MAX)?;
         self.drain_mem(sink)?;
         // The steps up to the end are interpolated from these.
         self.read_counters(sink, &host)?;
         // A run shorter than a second has its traps measured now.
         self.read_last_program_stats(sink);
         Ok(reason)
+    }
+
+    /// Hands at most `budget` records of the rings to `sink`, each Python code object and
+    /// each communicator named in them read from the target the first time; returns
+    /// whether records are left.
+    fn drain_rings(&mut self, sink: &mut impl Sink, budget: usize) -> Result<bool, crate::Error> {
+        let mut naming = python::Naming {
+            inner: sink,
+            targets: &mut self.python,
+        };
+        let mut sizing = comms::Sizing {
+            inner: &mut naming,
+            comms: &mut self.comms,
+        };
+        self.rings.drain(&mut sizing, budget)
     }
 
     /// Once, where the programs' run time is accounted: starts measuring what a traced

@@ -452,6 +452,7 @@ fn attach_all(prepared: Prepared, targets: &[Target]) -> Result<Attached, Source
     phases.mark("maps and header");
     header.attach_phases_us = phases.done;
     Ok(Attached {
+        comms: comms::CommSizes::new(&header.targets),
         accounting,
         target_costs,
         traps: None,

@@ -4,8 +4,9 @@
 use serde::Serialize;
 
 /// The category names in output order (JSON keys, CSV columns, table rows, trace args).
-pub const NAMES: [&str; 7] = [
+pub const NAMES: [&str; 8] = [
     "compute",
+    "gpu_wait",
     "nccl_wait",
     "page_fault",
     "remote_memory",
@@ -14,11 +15,14 @@ pub const NAMES: [&str; 7] = [
     "other_offcpu",
 ];
 
-/// Time per category, in ns. Serialized as a map of the seven names, a category the
+/// Time per category, in ns. Serialized as a map of the eight names, a category the
 /// profile could not measure as `null` (never 0).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Categories {
     pub compute: u64,
+    /// Inside a CUDA sync with no collective of a multi-rank communicator outstanding:
+    /// the host waits for the GPU's own work.
+    pub gpu_wait: u64,
     pub nccl_wait: u64,
     pub page_fault: u64,
     /// Always `None` here: no PMU on these machines, see `remote_memory` in the report.
@@ -43,6 +47,15 @@ pub struct Unmeasured {
     pub page_fault: bool,
 }
 
+impl Unmeasured {
+    /// No CUDA sync probe was attached: where the host waited for the GPU is not seen
+    /// (spinning reads `compute`, sleeping `other_offcpu`).
+    #[must_use]
+    pub fn gpu_wait(&self) -> bool {
+        self.nccl_wait || self.nccl_wait_lower_bound
+    }
+}
+
 impl Serialize for Categories {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         use serde::ser::SerializeMap as _;
@@ -58,9 +71,10 @@ impl Serialize for Categories {
 impl Categories {
     /// Category names and values, in output order.
     #[must_use]
-    pub fn named(&self) -> [(&'static str, Option<u64>); 7] {
+    pub fn named(&self) -> [(&'static str, Option<u64>); 8] {
         let values = [
             Some(self.compute),
+            (!self.unmeasured.gpu_wait()).then_some(self.gpu_wait),
             (!self.unmeasured.nccl_wait).then_some(self.nccl_wait),
             (!self.unmeasured.page_fault).then_some(self.page_fault),
             self.remote_memory,
@@ -84,6 +98,7 @@ impl Categories {
             (a, b) => a.or(b),
         };
         self.compute += other.compute;
+        self.gpu_wait += other.gpu_wait;
         self.nccl_wait += other.nccl_wait;
         self.page_fault += other.page_fault;
         self.cpu_migration += other.cpu_migration;
@@ -97,6 +112,7 @@ impl Categories {
 #[serde(rename_all = "snake_case")]
 pub enum Cat {
     Compute,
+    GpuWait,
     NcclWait,
     PageFault,
     CpuMigration,
@@ -110,11 +126,12 @@ impl Cat {
     pub fn name(self) -> &'static str {
         NAMES[match self {
             Cat::Compute => 0,
-            Cat::NcclWait => 1,
-            Cat::PageFault => 2,
-            Cat::CpuMigration => 4,
-            Cat::Runqueue => 5,
-            Cat::OtherOffcpu => 6,
+            Cat::GpuWait => 1,
+            Cat::NcclWait => 2,
+            Cat::PageFault => 3,
+            Cat::CpuMigration => 5,
+            Cat::Runqueue => 6,
+            Cat::OtherOffcpu => 7,
         }]
     }
 }
@@ -123,6 +140,7 @@ impl Categories {
     pub(crate) fn slot(&mut self, cat: Cat) -> &mut u64 {
         match cat {
             Cat::Compute => &mut self.compute,
+            Cat::GpuWait => &mut self.gpu_wait,
             Cat::NcclWait => &mut self.nccl_wait,
             Cat::PageFault => &mut self.page_fault,
             Cat::CpuMigration => &mut self.cpu_migration,

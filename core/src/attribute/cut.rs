@@ -7,8 +7,8 @@ use super::{Cat, Categories, Change, ThreadLog};
 
 /// `[a, b)` of one thread by category: its pieces clipped to the interval, page faults
 /// (on-CPU samples in the fault handler or on the instruction that just faulted, outside
-/// NCCL waits and timed faults) and remote-memory stalls
-/// carved out of compute (measured ones taken while spinning for NCCL out of nccl_wait).
+/// GPU and NCCL waits and timed faults) and remote-memory stalls carved out of compute
+/// (measured ones taken while spinning in a sync out of nccl_wait, then gpu_wait).
 pub(super) fn categories(log: &ThreadLog, a: u64, b: u64) -> Categories {
     let mut cat = Categories::default();
     let segs = &log.segments;
@@ -26,7 +26,12 @@ pub(super) fn categories(log: &ThreadLog, a: u64, b: u64) -> Categories {
         // Not while spinning for NCCL, nor inside a fault timed by fentry/fexit (its
         // piece is page_fault already): a sample after the handler's return, on the
         // faulting instruction, stands for the untraced return and retried access.
-        .filter(|(ts, _)| !matches!(category_at(segs, *ts), Some(Cat::NcclWait | Cat::PageFault)))
+        .filter(|(ts, _)| {
+            !matches!(
+                category_at(segs, *ts),
+                Some(Cat::NcclWait | Cat::GpuWait | Cat::PageFault)
+            )
+        })
         .map(|(_, weight)| weight)
         .sum();
     let fault_ns = fault_ns.min(cat.compute);
@@ -40,8 +45,12 @@ pub(super) fn categories(log: &ThreadLog, a: u64, b: u64) -> Categories {
     let (stall, wait_stall) = match log.mem_khz {
         Some(khz) => {
             let period = crate::pmu::SAMPLE_PERIOD;
-            let waiting =
-                |s: &crate::pmu::MemSample| category_at(segs, s.time_ns) == Some(Cat::NcclWait);
+            let waiting = |s: &crate::pmu::MemSample| {
+                matches!(
+                    category_at(segs, s.time_ns),
+                    Some(Cat::NcclWait | Cat::GpuWait)
+                )
+            };
             let samples = &log.mem_samples;
             let measured = |waited: bool| {
                 crate::pmu::measure_where(samples, a, b, period, |s| waiting(s) == waited)
@@ -57,9 +66,12 @@ pub(super) fn categories(log: &ThreadLog, a: u64, b: u64) -> Categories {
     };
     if let Some(stall) = stall {
         let stall = stall.min(cat.compute);
-        let waited = wait_stall.unwrap_or(0).min(cat.nccl_wait);
+        // Spinning for NCCL first, then for the GPU's own work.
+        let waited = wait_stall.unwrap_or(0).min(cat.nccl_wait + cat.gpu_wait);
+        let from_nccl = waited.min(cat.nccl_wait);
         cat.compute -= stall;
-        cat.nccl_wait -= waited;
+        cat.nccl_wait -= from_nccl;
+        cat.gpu_wait -= waited - from_nccl;
         cat.remote_memory = Some(stall + waited);
     }
     cat
@@ -292,7 +304,12 @@ impl State {
             // Handling the fault on the CPU, or blocked inside it (reading the page in).
             Cat::PageFault
         } else if self.on_cpu {
-            Cat::Compute
+            // Spinning inside a sync (`cudaDeviceScheduleAuto`) waits for the GPU too.
+            if self.sync_depth > 0 {
+                Cat::GpuWait
+            } else {
+                Cat::Compute
+            }
         } else if self.runnable {
             // Preempted, inside an NCCL call or not: a wait for a CPU (a call only
             // preempted is enqueue work, docs/attribution.md).
@@ -303,7 +320,9 @@ impl State {
             }
         } else if self.nccl_depth > 0 {
             Cat::NcclWait
-        } else if self.sync_depth > 0 || self.waits_on_own {
+        } else if self.sync_depth > 0 {
+            Cat::GpuWait
+        } else if self.waits_on_own {
             Cat::Compute
         } else {
             Cat::OtherOffcpu
@@ -336,7 +355,7 @@ mod tests {
             ..s
         };
         let gpu_sync = |s: State| State { sync_depth: 1, ..s };
-        let rows: [(&str, State, Cat); 16] = [
+        let rows: [(&str, State, Cat); 17] = [
             ("on the CPU", on, Cat::Compute),
             ("preempted", preempted, Cat::Runqueue),
             (
@@ -374,12 +393,17 @@ mod tests {
             (
                 "spinning in a sync, GPU work only",
                 gpu_sync(on),
-                Cat::Compute,
+                Cat::GpuWait,
             ),
             (
                 "asleep in a sync, GPU work only",
                 gpu_sync(blocked),
-                Cat::Compute,
+                Cat::GpuWait,
+            ),
+            (
+                "preempted in a sync, GPU work only",
+                gpu_sync(preempted),
+                Cat::Runqueue,
             ),
             (
                 "in an NCCL call that blocks the host, on the CPU",

@@ -282,6 +282,7 @@ impl Timeline {
     /// Every thread's pieces, the steps in `bounds` and the totals over `[cut, until)`.
     fn attribute(&mut self, cut: u64, until: u64, bounds: &[(u64, u64)]) {
         // NCCL outstanding is a property of the process: collectives from any thread.
+        // Collectives of one-rank communicators are local copies: not NCCL outstanding.
         let mut collective_ends: BTreeMap<u32, Vec<u64>> = BTreeMap::new();
         for log in self.threads.values() {
             collective_ends.entry(log.pid).or_default().extend(
@@ -289,6 +290,7 @@ impl Timeline {
                     .collectives
                     .iter()
                     .chain(&log.collectives)
+                    .filter(|c| !self.comms.one_rank(log.pid, c.comm))
                     .map(|c| c.end_ns),
             );
         }
@@ -499,7 +501,9 @@ impl Timeline {
             threads,
             other_offcpu_top_stacks: Vec::new(),
             nccl_wait_top_stacks: Vec::new(),
+            gpu_wait_top_stacks: Vec::new(),
             ranks: ranks_out,
+            communicators: self.comms.report(),
             straggler,
             stragglers_by_job,
         };

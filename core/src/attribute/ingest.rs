@@ -12,6 +12,21 @@ impl Timeline {
         {
             self.init_ranks.insert(c.task.tgid, r);
         }
+        if matches!(
+            c.func,
+            crate::event::Func::CommInitRank
+                | crate::event::Func::CommInitRankConfig
+                | crate::event::Func::CommInitAll
+        ) && let (Some(comm), Some(nranks)) = (c.new_comm(), c.nranks())
+            && c.ret == Some(0)
+        {
+            self.comms.created(c.task.tgid, comm, nranks, c.rank());
+        }
+        if c.func.is_collective()
+            && let Some(comm) = c.comm
+        {
+            self.comms.used(c.task.tgid, comm);
+        }
         // A call is recorded at its return: one that began before the epoch it returned
         // in counts from that epoch's start (the earlier part is attributed already).
         let start_ns = c.start_ns.max(self.cut_ns);
@@ -274,6 +289,13 @@ impl Timeline {
                 self.numa_hints_seen += 1;
                 self.log(task.tid, task.tgid).numa_hints.push(hint);
             }
+            Event::CommSize {
+                task,
+                comm,
+                nranks,
+                rank,
+                ..
+            } => self.comms.read(task.tgid, *comm, *nranks, *rank),
             Event::NumaPages { ts_ns, task, kib } => {
                 self.resident_seen += 1;
                 let distances = &self.node_distances;

@@ -10,10 +10,16 @@ impl Timeline {
         let nodes: std::collections::BTreeSet<i32> =
             self.cpu_nodes.iter().copied().filter(|n| *n >= 0).collect();
         let mut nccl_wait: String = if self.sync_probed {
-            "time inside CUDA sync calls (cuStreamSynchronize, cuEventSynchronize, \
-                 cuCtxSynchronize and their _ptsz forms) while NCCL work issued before them \
-                 is outstanding, spinning or blocked, and inside NCCL calls that block the host"
-                .into()
+            format!(
+                "an upper bound: time inside CUDA sync calls (cuStreamSynchronize, \
+                 cuEventSynchronize, cuCtxSynchronize and their _ptsz forms) while a \
+                 collective of a communicator of more than one rank (or of unknown size) \
+                 issued before them is outstanding, spinning or blocked, and inside NCCL calls \
+                 that block the host. A sync waits for all work queued before it, compute \
+                 kernels too: without the GPU's own counters the wait for compute queued \
+                 before the collectives cannot be cut out of it. {}",
+                self.comms.describe()
+            )
         } else if unmeasured.nccl_wait_lower_bound {
             "a lower bound: no CUDA sync function was probed (the profile has cuda_sync \
                  off, or no libcuda was mapped), so only NCCL calls that block the host are \
@@ -34,7 +40,19 @@ impl Timeline {
                  is not seen as nccl_wait",
             );
         }
+        let gpu_wait = if self.sync_probed {
+            "time inside CUDA sync calls with no collective of a multi-rank communicator \
+             outstanding, spinning or blocked: the host waits for the GPU's own work (kernels, \
+             copies, collectives of one-rank communicators)"
+                .into()
+        } else {
+            "not measured: no CUDA sync function was probed (the profile has cuda_sync off, or \
+             no libcuda was mapped): a host spinning for the GPU counts as compute, one asleep \
+             as other_offcpu. Use the default profile to measure it"
+                .into()
+        };
         Methods {
+            gpu_wait,
             nccl_wait,
             page_fault: self.fault_method(),
             remote_memory: self.remote_method(nodes.len()),

@@ -4,15 +4,17 @@
 //! A thread's time is cut at every event that changes its state (switch out/in, wakeup,
 //! migration, entry/return of CUDA sync and NCCL calls); each piece gets one category, so
 //! the categories of a step sum to its wall time. Rules (docs/attribution.md):
-//! - inside a CUDA sync call while NCCL work issued since the previous sync is outstanding:
-//!   `nccl_wait`, spinning on the CPU or sleeping;
+//! - inside a CUDA sync call while NCCL work issued since the previous sync is outstanding
+//!   (a collective of a communicator of more than one rank, or of unknown size):
+//!   `nccl_wait`, spinning on the CPU or sleeping; inside one with none outstanding (the
+//!   GPU's own work, or collectives of one-rank communicators, which are local copies):
+//!   `gpu_wait`;
 //! - inside an NCCL call that blocks (sleeps) before returning (a call that blocks the host):
 //!   `nccl_wait` for the whole call; other NCCL calls are enqueue work, `compute`;
 //! - off-CPU and runnable (preempted, or woken and waiting for a CPU): `cpu_migration` when
 //!   the thread was migrated since it left the CPU, else `runqueue`;
-//! - off-CPU and blocked: `other_offcpu`, except inside a CUDA sync with no NCCL work
-//!   outstanding, which waits for the GPU's own compute, and until another thread of the
-//!   same process wakes it (the step's work runs there: PyTorch's autograd thread during
+//! - off-CPU and blocked: `other_offcpu`, except until another thread of the same process
+//!   wakes it (the step's work runs there: PyTorch's autograd thread during
 //!   `backward()`): `compute`;
 //! - on-CPU: `compute`, of which on-CPU samples whose kernel stack is in the page-fault
 //!   handler (or that sit on the instruction that just faulted, being retried), times
@@ -21,6 +23,7 @@
 pub mod align;
 mod calls;
 pub mod categories;
+mod comms;
 mod cut;
 mod detail;
 mod detect;
@@ -34,6 +37,7 @@ mod report;
 pub mod steps;
 
 pub use calls::Calls;
+pub use comms::CommReport;
 pub use detail::{Detail, OffCpu, StackKey, ThreadDetail};
 pub use epoch::Epoch;
 pub use infiniband::IbStep;
@@ -258,6 +262,8 @@ pub struct Timeline {
     entry_only_seen: bool,
     /// Ranks given to `ncclCommInitRank*`, by pid.
     init_ranks: BTreeMap<u32, i32>,
+    /// The communicators' sizes: which collectives communicate.
+    comms: comms::Comms,
     /// How steps are found.
     rule: StepRule,
     /// Attribute an epoch once this many events are buffered (0: all at the end).
@@ -286,6 +292,8 @@ pub struct Target {
     pub threads: Vec<(u32, String)>,
     /// The rank from the environment at attach: (variable, value).
     pub env_rank: Option<(String, i32)>,
+    /// The job's size from the environment at attach: (variable, value).
+    pub world_size: Option<(String, i32)>,
     /// Whether its CUDA syncs are probed (where a host waits for the GPU is seen).
     pub syncs_probed: bool,
     /// The job its launcher started it in, as its environment names it (job id,
@@ -382,6 +390,7 @@ impl Timeline {
             infiniband_refused: setup.infiniband_refused.clone(),
             entry_only_seen: false,
             init_ranks: BTreeMap::new(),
+            comms: comms::Comms::default(),
             rule: StepRule::Auto,
             epoch_events: 0,
             buffered: 0,
@@ -435,6 +444,9 @@ impl Timeline {
         self.target_pids.push(t.pid);
         if let Some(r) = t.env_rank.clone() {
             self.env_ranks.insert(t.pid, r);
+        }
+        if let Some(size) = t.world_size.clone() {
+            self.comms.world(t.pid, size);
         }
         if let Some(job) = &t.job {
             self.done.matcher.job(t.pid, job);

@@ -331,6 +331,16 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
                 kib: e.kib[..nodes].to_vec(),
             }
         }
+        kind::COMM_SIZE => {
+            let e = read::<nccltrace_common::CommSizeEvent>(bytes, "communicator size record")?;
+            Event::CommSize {
+                ts_ns: h.ts_ns,
+                task: t,
+                comm: e.comm,
+                nranks: e.nranks,
+                rank: (e.rank >= 0).then_some(e.rank),
+            }
+        }
         kind::IB_COUNTERS => {
             let e = read::<IbCountersEvent>(bytes, "InfiniBand counters record")?;
             Event::IbCounters {

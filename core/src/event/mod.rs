@@ -268,6 +268,15 @@ pub enum Event {
         port: u32,
         counters: Vec<(u8, u64)>,
     },
+    /// A communicator of the target, as read from its memory: its size and the target's
+    /// rank in it (`None`: not read).
+    CommSize {
+        ts_ns: u64,
+        task: Task,
+        comm: u64,
+        nranks: i32,
+        rank: Option<i32>,
+    },
     /// An on-CPU sample; stacks innermost frame first (kernel empty when the thread was in
     /// user mode).
     Sample {
@@ -345,6 +354,7 @@ impl Event {
             | Event::MemSample { task, .. }
             | Event::NodeLoads { task, .. }
             | Event::NumaPages { task, .. }
+            | Event::CommSize { task, .. }
             | Event::IbCounters { task, .. }
             | Event::Sample { task, .. }
             | Event::OffCpu { task, .. }
@@ -372,6 +382,7 @@ impl Event {
             | Event::MemSample { ts_ns, .. }
             | Event::NodeLoads { ts_ns, .. }
             | Event::NumaPages { ts_ns, .. }
+            | Event::CommSize { ts_ns, .. }
             | Event::IbCounters { ts_ns, .. }
             | Event::Sample { ts_ns, .. }
             | Event::OffCpu { ts_ns, .. }
@@ -403,6 +414,7 @@ impl Event {
             k::NUMA_HINT => "numa_hint_fault",
             k::MEM_SAMPLE => "mem_sample",
             k::NUMA_PAGES => "numa_pages",
+            k::COMM_SIZE => "comm_size",
             k::IB_COUNTERS | k::IB_READING => "infiniband_counters",
             k::STACK_SAME => "stack_same",
             k::NODE_LOADS => "node_loads",

@@ -14,6 +14,7 @@ impl From<&TargetInfo> for Target {
             pid: t.pid,
             threads: t.threads.clone(),
             env_rank: t.env_rank.clone(),
+            world_size: t.world_size.clone(),
             // Whether a CUDA sync function was probed.
             syncs_probed: t
                 .probes

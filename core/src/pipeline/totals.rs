@@ -78,6 +78,8 @@ impl Aggregator {
                     self.memory.page_migrations_failed.saturating_add(*failed);
             }
             Event::NumaTask { .. } => self.memory.numa_task_events += 1,
+            // Told in steps.json's `communicators`.
+            Event::CommSize { .. } => {}
             Event::NumaPages { .. } => {
                 *self.memory.numa_maps_readings.get_or_insert(0) += 1;
             }

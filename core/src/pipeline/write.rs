@@ -299,8 +299,10 @@ impl Output for Flamegraphs {
     }
 }
 
-/// The attributed graph's heaviest other_offcpu and nccl_wait stacks (for steps.json).
+/// The attributed graph's heaviest other_offcpu, nccl_wait and gpu_wait stacks (for
+/// steps.json).
 type TopStacks = (
+    Vec<crate::attribute::BlockingStack>,
     Vec<crate::attribute::BlockingStack>,
     Vec<crate::attribute::BlockingStack>,
 );
@@ -364,6 +366,7 @@ impl Graphs<'_> {
             (
                 flamegraph::top_stacks(&lines, "other_offcpu", 5),
                 flamegraph::top_stacks(&lines, "nccl_wait", 5),
+                flamegraph::top_stacks(&lines, "gpu_wait", 5),
             )
         });
         let folded = write_file(self.dir, &format!("{}.folded", kind.file()), &mut |out| {
@@ -510,9 +513,10 @@ impl Streamer {
             min_ns: outputs.header.offcpu_min_ns,
         };
         for (tops, failed) in graphs.write(&weighed.weights) {
-            if let Some((other_offcpu, nccl_wait)) = tops {
+            if let Some((other_offcpu, nccl_wait, gpu_wait)) = tops {
                 report.other_offcpu_top_stacks = other_offcpu;
                 report.nccl_wait_top_stacks = nccl_wait;
+                report.gpu_wait_top_stacks = gpu_wait;
             }
             if let Some(e) = failed {
                 self.failed.get_or_insert(e);

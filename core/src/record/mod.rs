@@ -129,9 +129,27 @@ pub struct TargetInfo {
     /// never share it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rendezvous: Option<String>,
+    /// The job's size from the environment at attach: (variable, value). A job of one
+    /// rank communicates nothing, whatever its communicators.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub world_size: Option<(String, i32)>,
+    /// Where its NCCL library keeps a communicator's size and rank (read off the library's
+    /// `ncclCommCount` and `ncclCommUserRank`), or why that is not known: communicators
+    /// made before attach are read there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub comm_fields: Option<Result<CommFields, String>>,
     /// The CPython interpreter found in the target, and whether its frames are walked.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub python: Option<crate::python::PythonInfo>,
+}
+
+/// Offsets into an NCCL communicator (`struct ncclComm`, private to each NCCL version).
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct CommFields {
+    /// Of its number of ranks (`ncclCommCount`).
+    pub nranks: u32,
+    /// Of the process's rank in it (`ncclCommUserRank`), where found.
+    pub rank: Option<u32>,
 }
 
 impl TargetInfo {

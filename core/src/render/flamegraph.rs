@@ -37,7 +37,10 @@ impl Kind {
         match self {
             Kind::OnCpu => "On-CPU time of the target threads (sampled; width = CPU time)",
             Kind::OffCpu => "Off-CPU time of the target threads (width = time off the CPU)",
-            Kind::NcclWait => "NCCL wait: where the host waited on NCCL (width = wait time)",
+            Kind::NcclWait => {
+                "Waits: where the host waited with NCCL collectives outstanding (nccl_wait) \
+                 and for the GPU's own work (gpu_wait); width = wait time"
+            }
             Kind::Attributed => {
                 "Rank thread's step time by category, then by stack (width = wall time)"
             }
@@ -85,7 +88,8 @@ fn thread_frame(t: &ThreadDetail) -> String {
 /// Weight-key suffixes at or above this name the traced call (`CALL_SUFFIX + func id`).
 const CALL_SUFFIX: u32 = 1 << 16;
 
-/// Adds, per thread, each CUDA sync or NCCL call's nccl_wait time at its entry stack;
+/// Adds, per thread, each CUDA sync or NCCL call's nccl_wait and gpu_wait time at its
+/// entry stack, under a root frame naming the category;
 /// returns per thread the `[start, end)` of the calls so drawn, by time.
 fn waits_at_call_sites(detail: &Detail, weights: &mut Weights) -> Vec<Vec<(u64, u64)>> {
     let mut covered = vec![Vec::new(); detail.threads.len()];
@@ -108,12 +112,14 @@ fn waits_at_call_sites(detail: &Detail, weights: &mut Weights) -> Vec<Vec<(u64, 
         let Some(&(_, stack)) = t.call_stacks.get(i).filter(|(ts, _)| *ts <= c.end_ns) else {
             continue;
         };
-        let wait: u64 = overlap(t, c.start_ns, c.end_ns, |x| x == Cat::NcclWait)
-            .iter()
-            .map(|(_, d)| d)
-            .sum();
-        if wait > 0 {
-            weights.add(None, t, stack, CALL_SUFFIX + c.func.id(), wait);
+        for cat in [Cat::NcclWait, Cat::GpuWait] {
+            let wait: u64 = overlap(t, c.start_ns, c.end_ns, |x| x == cat)
+                .iter()
+                .map(|(_, d)| d)
+                .sum();
+            if wait > 0 {
+                weights.add(Some(cat), t, stack, CALL_SUFFIX + c.func.id(), wait);
+            }
         }
         covered[ti].push((c.start_ns, c.end_ns));
     }
@@ -121,6 +127,11 @@ fn waits_at_call_sites(detail: &Detail, weights: &mut Weights) -> Vec<Vec<(u64, 
         c.sort_unstable();
     }
     covered
+}
+
+/// The categories the waits graph draws.
+fn is_wait(cat: Cat) -> bool {
+    matches!(cat, Cat::NcclWait | Cat::GpuWait)
 }
 
 /// Overlap of `[a, b)` with the thread's pieces of category `cat`.
@@ -214,7 +225,7 @@ impl Weights {
                 }
                 let root = match kind {
                     Kind::OnCpu => None,
-                    Kind::NcclWait if cat == Cat::NcclWait && !inside_covered(ts) => None,
+                    Kind::NcclWait if is_wait(cat) && !inside_covered(ts) => Some(cat),
                     Kind::Attributed => Some(cat),
                     Kind::NcclWait | Kind::OffCpu => continue,
                 };
@@ -236,9 +247,9 @@ impl Weights {
                 }
                 let pieces: Vec<(Option<Cat>, u64)> = match kind {
                     Kind::OffCpu => vec![(None, off.end_ns.saturating_sub(off.start_ns))],
-                    Kind::NcclWait => overlap(t, off.start_ns, off.end_ns, |c| c == Cat::NcclWait)
+                    Kind::NcclWait => overlap(t, off.start_ns, off.end_ns, is_wait)
                         .into_iter()
-                        .map(|(_, d)| (None, d))
+                        .map(|(c, d)| (Some(c), d))
                         .collect(),
                     Kind::Attributed => overlap_in_steps(detail, t, off.start_ns, off.end_ns)
                         .into_iter()
@@ -423,7 +434,8 @@ mod tests {
         assert_eq!(
             lines,
             vec![
-                "trainer 10 (main (rank));main;cuStreamSynchronize;[in cuStreamSynchronize] 3000"
+                "nccl_wait;trainer 10 (main (rank));main;cuStreamSynchronize;\
+                 [in cuStreamSynchronize] 3000"
                     .to_owned()
             ]
         );

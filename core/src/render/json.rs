@@ -54,9 +54,9 @@ impl AsKey for &str {
     }
 }
 
-/// The keys of the seven categories, in [`crate::attribute::NAMES`] order, with `suffix`
+/// The keys of the categories, in [`crate::attribute::NAMES`] order, with `suffix`
 /// after each name.
-pub(crate) fn category_keys(suffix: &str) -> [Key; 7] {
+pub(crate) fn category_keys(suffix: &str) -> [Key; crate::attribute::NAMES.len()] {
     crate::attribute::NAMES.map(|name| Key(format!(",\"{name}{suffix}\":").leak()))
 }
 
@@ -212,7 +212,8 @@ fn plain(s: &str) -> bool {
 
 /// The categories of a step or rank, as `Categories`'s `Serialize` writes them.
 pub(crate) fn categories(out: &mut impl Write, c: &crate::attribute::Categories) -> io::Result<()> {
-    static KEYS: std::sync::LazyLock<[Key; 7]> = std::sync::LazyLock::new(|| category_keys(""));
+    static KEYS: std::sync::LazyLock<[Key; crate::attribute::NAMES.len()]> =
+        std::sync::LazyLock::new(|| category_keys(""));
     let mut obj = Obj::new(out)?;
     for (key, (_, value)) in KEYS.iter().zip(c.named()) {
         obj.opt_u64(*key, value)?;

@@ -78,6 +78,11 @@ pub mod kind {
     /// read by the agent from `/sys/class/infiniband/*/ports/*/{counters,hw_counters}`
     /// while tracing, beyond [`COUNT`] too.
     pub const IB_READING: u16 = 22;
+    /// What a communicator of a target is (`CommSizeEvent`): its size and the target's rank
+    /// in it, read by the agent from the communicator's memory where the offsets
+    /// `ncclCommCount` and `ncclCommUserRank` load them from were found, beyond [`COUNT`]
+    /// too.
+    pub const COMM_SIZE: u16 = 23;
     /// One past the largest kind: the size of per-kind tables.
     pub const COUNT: usize = 16;
 }
@@ -289,6 +294,7 @@ unsafe impl Record for NumaTaskEvent {}
 unsafe impl Record for NumaHintEvent {}
 unsafe impl Record for MemSampleEvent {}
 unsafe impl Record for NumaPagesEvent {}
+unsafe impl Record for CommSizeEvent {}
 unsafe impl Record for IbCountersEvent {}
 unsafe impl Record for IbReadingEvent {}
 unsafe impl Record for NodeLoadsEvent {}
@@ -365,10 +371,12 @@ const _: () = assert!(core::mem::size_of::<CallSlot>() == 80);
 /// object defines every one of them.
 pub mod names;
 
+mod comm;
 mod config;
 mod memory;
 mod sched;
 mod stacks;
+pub use comm::*;
 pub use config::*;
 pub use memory::*;
 pub use sched::*;

@@ -510,8 +510,9 @@ fn one_step_partitioned() {
     );
 }
 
-/// A sync with no NCCL work since the previous sync waits for the GPU's compute: it is
-/// not `nccl_wait`; a spinning sync with NCCL outstanding is, although on-CPU.
+/// A sync with no NCCL work since the previous sync waits for the GPU's own work:
+/// `gpu_wait`, not `nccl_wait`; a spinning sync with NCCL outstanding is `nccl_wait`,
+/// although on-CPU.
 #[test]
 fn only_syncs_after_collectives_are_nccl_waits() {
     let mut tl = Timeline::new(&Setup::from(&header()));
@@ -526,6 +527,78 @@ fn only_syncs_after_collectives_are_nccl_waits() {
     assert_eq!(report.method, Method::Window);
     let t = &report.threads[0].categories;
     assert_eq!(t.nccl_wait, 5_000);
-    assert_eq!(t.compute, 5_000);
+    assert_eq!(t.gpu_wait, 1_000);
+    assert_eq!(t.compute, 4_000);
     assert_eq!(t.total(), 10_000);
+    assert!(report.methods.nccl_wait.starts_with("an upper bound"));
+    assert_eq!(report.communicators[0].nranks, None);
+}
+
+/// The collectives of `tl`'s one thread after its communicator (handle 1) is known: an
+/// all-reduce, then the sync that waits for it. (nccl_wait, gpu_wait) of the run.
+fn waits_after(mut tl: Timeline, known: Option<Event>) -> ((u64, u64), StepsReport) {
+    for e in known.into_iter().chain([
+        call(Func::AllReduce, 3_000, 3_100),
+        call(Func::CuStreamSynchronize, 4_000, 9_000),
+    ]) {
+        tl.push(&e);
+    }
+    let (report, _) = tl.finish(10_000, StepRule::Window(10_000));
+    let t = report.threads[0].categories;
+    ((t.nccl_wait, t.gpu_wait), report)
+}
+
+/// Regression (issue 51): a one-rank communicator communicates nothing (on the H100 a
+/// DDP job of world size 1 read "13% of step time waits on NCCL" while its NCCL kernels
+/// took 0.0 ms a step). Its size from ncclCommInitRank, from the communicator's memory
+/// (made before attach) or from a job size of 1 in the environment makes the sync after
+/// its collectives `gpu_wait`; a communicator of two ranks keeps it `nccl_wait`.
+#[test]
+fn a_one_rank_communicator_waits_for_the_gpu_only() {
+    let init = |nranks: i32| {
+        let mut c = Call::new(task(10), Func::CommInitRank, 100, 200);
+        *c.extra_mut() = crate::event::CallExtra {
+            nranks: Some(nranks),
+            rank: Some(0),
+            new_comm: Some(1),
+            ..Default::default()
+        };
+        Event::Call(c)
+    };
+    let read = |nranks: i32| Event::CommSize {
+        ts_ns: 150,
+        task: task(10),
+        comm: 1,
+        nranks,
+        rank: Some(0),
+    };
+    let timeline = || Timeline::new(&Setup::from(&header()));
+    let (waits, report) = waits_after(timeline(), Some(init(1)));
+    assert_eq!(waits, (0, 5_000));
+    assert_eq!(report.communicators[0].nranks_from, "ncclCommInitRank");
+    assert_eq!(waits_after(timeline(), Some(init(2))).0, (5_000, 0));
+    let (waits, report) = waits_after(timeline(), Some(read(1)));
+    assert_eq!(waits, (0, 5_000));
+    assert_eq!(report.communicators[0].nranks_from, "memory");
+    assert!(
+        report.methods.nccl_wait.contains("1 of one rank"),
+        "{}",
+        report.methods.nccl_wait
+    );
+    assert_eq!(waits_after(timeline(), Some(read(8))).0, (5_000, 0));
+    // The job's size from the environment, where the communicator's is unknown.
+    let sized = |n: i32| {
+        let mut h = header();
+        h.targets[0].world_size = Some(("WORLD_SIZE".into(), n));
+        Timeline::new(&Setup::from(&h))
+    };
+    let (waits, report) = waits_after(sized(1), None);
+    assert_eq!(waits, (0, 5_000));
+    assert_eq!(
+        report.communicators[0].nranks_from,
+        "environment WORLD_SIZE=1"
+    );
+    assert_eq!(waits_after(sized(2), None).0, (5_000, 0));
+    // The creation's arguments win over a size read later.
+    assert_eq!(waits_after(sized(1), Some(init(4))).0, (5_000, 0));
 }

@@ -37,7 +37,14 @@ fn dominant(c: &Categories) -> (&'static str, u64) {
 /// What time in `category` means, in words; `c` says what the run could measure.
 fn describe(category: &str, c: &Categories) -> &'static str {
     match category {
-        "nccl_wait" => "waits on NCCL",
+        "nccl_wait" => {
+            "waits in CUDA syncs with NCCL collectives outstanding (an upper bound of the wait \
+             for NCCL: the sync also waits for GPU work queued before them)"
+        }
+        "gpu_wait" => {
+            "waits for the GPU's own work in CUDA syncs (kernels, copies; no collective of a \
+             multi-rank communicator outstanding)"
+        }
         "page_fault" => "handles page faults",
         "remote_memory" => "stalls on remote-NUMA memory (an estimate from NUMA hinting faults)",
         "cpu_migration" => "waits for a CPU after migrations",
@@ -59,9 +66,9 @@ pub struct StepTable {
     steps: usize,
     /// Wall time, then each category in [`Categories::named`] order (`NOT_MEASURED`
     /// where not measured).
-    pub(super) columns: [Column; 8],
+    pub(super) columns: [Column; 1 + crate::attribute::NAMES.len()],
     /// The slowest steps: (wall, index, the columns' values), slowest first.
-    pub(super) slowest: Vec<(u64, usize, [u64; 8])>,
+    pub(super) slowest: Vec<(u64, usize, [u64; 1 + crate::attribute::NAMES.len()])>,
     sum: Categories,
     wall_ns: u64,
     migrations: u64,
@@ -200,7 +207,7 @@ impl StepTable {
 
     /// Adds the next step.
     pub fn push(&mut self, s: &Step) {
-        let mut row = [0u64; 8];
+        let mut row = [0u64; 1 + crate::attribute::NAMES.len()];
         row[0] = s.wall_ns;
         for (cell, (_, v)) in row[1..].iter_mut().zip(s.categories.named()) {
             *cell = v.unwrap_or(NOT_MEASURED);
@@ -254,7 +261,10 @@ impl StepTable {
 
     /// What made a step (its `row`) slower than the median step: the category with the
     /// largest excess over its own median (`medians`), and that excess.
-    pub(super) fn slowest_cause(row: &[u64; 8], medians: &[u64]) -> Option<(&'static str, u64)> {
+    pub(super) fn slowest_cause(
+        row: &[u64; 1 + crate::attribute::NAMES.len()],
+        medians: &[u64],
+    ) -> Option<(&'static str, u64)> {
         crate::attribute::NAMES
             .iter()
             .zip(&row[1..])
@@ -289,17 +299,23 @@ pub(super) fn blocked_in(stack: &str) -> String {
     }
 }
 
-/// The lines naming where the rank thread waited for NCCL most (its Python line, when
-/// the stacks have Python frames) and where it blocked most.
+/// The lines naming where the rank thread waited with collectives outstanding and for
+/// the GPU most (its Python line, when the stacks have Python frames) and where it
+/// blocked most.
 fn write_top_stacks(report: &StepsReport, out: &mut impl Write) -> io::Result<()> {
-    if let Some(top) = report.nccl_wait_top_stacks.first()
-        && let Some(line) = python_line(&top.stack)
-    {
-        writeln!(
-            out,
-            "  waited for NCCL/GPU most at: {line} ({} ms over the steps; all in steps.json)",
-            ms(top.total_ns)
-        )?;
+    for (what, tops) in [
+        ("with NCCL outstanding", &report.nccl_wait_top_stacks),
+        ("for the GPU", &report.gpu_wait_top_stacks),
+    ] {
+        if let Some(top) = tops.first()
+            && let Some(line) = python_line(&top.stack)
+        {
+            writeln!(
+                out,
+                "  waited {what} most at: {line} ({} ms over the steps; all in steps.json)",
+                ms(top.total_ns)
+            )?;
+        }
     }
     if let Some(top) = report.other_offcpu_top_stacks.first() {
         writeln!(
@@ -395,10 +411,12 @@ pub fn write_table(
             continue;
         };
         let per = &table.columns[i + 1];
-        let note = if *name == "nccl_wait" && sum.unmeasured.nccl_wait_lower_bound {
-            "  (a lower bound: see steps.json methods)"
-        } else {
-            ""
+        let note = match *name {
+            "nccl_wait" if sum.unmeasured.nccl_wait_lower_bound => {
+                "  (a lower bound: see steps.json methods)"
+            }
+            "nccl_wait" => "  (an upper bound: see steps.json methods)",
+            _ => "",
         };
         writeln!(
             out,

@@ -173,6 +173,7 @@ fn report_of(steps: Vec<Step>) -> StepsReport {
         rank_pid: None,
         rank_tid: None,
         methods: crate::attribute::Methods {
+            gpu_wait: String::new(),
             nccl_wait: String::new(),
             page_fault: String::new(),
             remote_memory: String::new(),
@@ -183,6 +184,8 @@ fn report_of(steps: Vec<Step>) -> StepsReport {
         threads: vec![],
         other_offcpu_top_stacks: vec![],
         nccl_wait_top_stacks: Vec::new(),
+        gpu_wait_top_stacks: Vec::new(),
+        communicators: Vec::new(),
         ranks: vec![],
         straggler: None,
         stragglers_by_job: Vec::new(),
@@ -200,7 +203,7 @@ fn csv_columns_match_rows() {
     write_csv(&report, &mut out).unwrap();
     let text = String::from_utf8(out).unwrap();
     let lines: Vec<Vec<&str>> = text.lines().map(|l| l.split(',').collect()).collect();
-    assert_eq!(lines[0].len(), 19);
+    assert_eq!(lines[0].len(), 20);
     assert_eq!(lines[1].len(), lines[0].len());
     let cell = |name: &str| lines[1][lines[0].iter().position(|c| *c == name).unwrap()];
     assert_eq!(cell("compute"), "3000000");

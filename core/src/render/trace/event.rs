@@ -90,7 +90,7 @@ pub(super) struct StepArgs<'a>(pub(super) &'a Step);
 impl Args for StepArgs<'_> {
     fn write(&self, o: &mut Obj<'_, impl Write>) -> io::Result<()> {
         // The keys made once, not once a step.
-        static KEYS: std::sync::LazyLock<[Key; 7]> =
+        static KEYS: std::sync::LazyLock<[Key; crate::attribute::NAMES.len()]> =
             std::sync::LazyLock::new(|| category_keys("_ms"));
         let s = self.0;
         for (key, (_, value)) in KEYS.iter().zip(s.categories.named()) {

@@ -93,6 +93,7 @@ fn trace_golden() {
         rank_pid: Some(10),
         rank_tid: Some(10),
         methods: Methods {
+            gpu_wait: String::new(),
             nccl_wait: String::new(),
             page_fault: String::new(),
             remote_memory: String::new(),
@@ -103,6 +104,8 @@ fn trace_golden() {
         threads: vec![],
         other_offcpu_top_stacks: vec![],
         nccl_wait_top_stacks: Vec::new(),
+        gpu_wait_top_stacks: Vec::new(),
+        communicators: Vec::new(),
         // Regression (issue 18): the process was named "rank 0" (its position) while
         // summary.json said rank 3.
         ranks: vec![crate::attribute::ranks::RankReport {
