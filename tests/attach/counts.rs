@@ -347,6 +347,81 @@ fn counts_calls_into_the_real_libnccl() {
     no_programs_left();
 }
 
+/// Regression (issue 51): eight one-rank jobs sharing a GPU, no launcher variables, read
+/// as one job of eight ranks, one "the straggler". Three trainers, each its own one-rank
+/// communicator made before attach, the second 3 ms late a step: none is named, each is a
+/// job of its own, and every rank's collectives are still counted exactly.
+#[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
+fn independent_one_rank_jobs_have_no_straggler() {
+    let _serial = privileged();
+    let dir = tempfile::tempdir().unwrap();
+    let go = dir.path().join("go");
+    let trainers: Vec<Target> = (0..3)
+        .map(|i| {
+            let mut args = vec!["--steps", "30", "--compute-us", "1000", "--no-migrate"];
+            args.extend(["--go-file", go.to_str().unwrap()]);
+            if i == 1 {
+                args.extend(["--step-sleep-us", "3000"]);
+            }
+            Target::spawn(
+                &fixtures().join("trainer"),
+                &args,
+                &[("FAKE_NCCL_US", "100")],
+                dir.path(),
+            )
+        })
+        .collect();
+    let pids: Vec<u32> = trainers.iter().map(|t| t.child.id()).collect();
+    let out = dir.path().join("out");
+    let agent = Agent::attach_many(&pids, &out, &[]);
+    std::fs::write(&go, b"").unwrap();
+    let truths: Vec<Value> = trainers.into_iter().map(Target::finish).collect();
+    let (code, stdout, stderr) = agent.wait_for_exit(Duration::from_secs(60));
+    assert_eq!(code, 0, "{stderr}");
+    let summary: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    let steps: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("steps.json")).unwrap()).unwrap();
+    assert!(summary["straggler"].is_null(), "{}", summary["straggler"]);
+    assert!(steps["straggler"].is_null(), "{}", steps["straggler"]);
+    let mut alone: Vec<u64> = steps["one_rank_jobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p.as_u64().unwrap())
+        .collect();
+    alone.sort_unstable();
+    let mut expected: Vec<u64> = pids.iter().map(|p| u64::from(*p)).collect();
+    expected.sort_unstable();
+    assert_eq!(alone, expected);
+    assert!(
+        stdout.contains("straggler: none (3 independent jobs of one rank"),
+        "{stdout}"
+    );
+    for (pid, truth) in pids.iter().zip(&truths) {
+        let r = summary["ranks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["pid"] == *pid)
+            .unwrap();
+        let calls: u64 = [
+            "AllReduce",
+            "Broadcast",
+            "AllGather",
+            "ReduceScatter",
+            "Reduce",
+            "Send",
+            "Recv",
+        ]
+        .iter()
+        .map(|op| truth["total"]["calls"][op].as_u64().unwrap())
+        .sum();
+        assert_eq!(r["nccl"]["collectives"], calls, "pid {pid}");
+    }
+}
+
 /// Three ranks whose stand-in collectives complete only when all have arrived (shared
 /// memory), rank 1 slowed by 3 ms a step: one agent for all (found by `--all`), exact per-rank counts, ranks
 /// read from the environment, rank 1 named the straggler and the slowest rank of most

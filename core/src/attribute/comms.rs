@@ -76,6 +76,19 @@ impl Comms {
         }
     }
 
+    /// The processes whose collectives were all on one-rank communicators: each a job of
+    /// its own, never matched with another.
+    pub(super) fn alone(&self) -> Vec<u32> {
+        let pids: BTreeSet<u32> = self.used.iter().map(|(pid, _)| *pid).collect();
+        pids.into_iter()
+            .filter(|pid| {
+                self.used
+                    .range((*pid, 0)..=(*pid, u64::MAX))
+                    .all(|(p, c)| self.one_rank(*p, *c))
+            })
+            .collect()
+    }
+
     /// Every communicator that was made or used while traced, or read.
     pub(super) fn report(&self) -> Vec<CommReport> {
         let keys: BTreeSet<(u32, u64)> = self.sizes.keys().chain(&self.used).copied().collect();

@@ -504,6 +504,7 @@ impl Timeline {
             gpu_wait_top_stacks: Vec::new(),
             ranks: ranks_out,
             communicators: self.comms.report(),
+            one_rank_jobs: self.comms.alone(),
             straggler,
             stragglers_by_job,
         };

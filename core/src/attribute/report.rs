@@ -147,6 +147,10 @@ pub struct StepsReport {
     pub ranks: Vec<ranks::RankReport>,
     /// The communicators made, read or used while traced, with their sizes.
     pub communicators: Vec<super::CommReport>,
+    /// Processes whose every collective was on a one-rank communicator: each a job of its
+    /// own, matched with no other for the straggler.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub one_rank_jobs: Vec<u32>,
     /// The straggler, where the traced ranks are one job.
     pub straggler: Option<ranks::Straggler>,
     /// Where the traced ranks are of several jobs (the launchers' environment names them):

@@ -35,6 +35,9 @@ impl Timeline {
         let mut groups = Vec::new();
         for (ts, f) in feed {
             match f {
+                // A one-rank communicator's collectives wait for no other process: each
+                // process using only such is a job of its own (issue 51).
+                Feed::Call(pid, c) if self.comms.one_rank(pid, c.comm) => {}
                 Feed::Call(pid, c) => self.done.matcher.add(pid, &c),
                 Feed::Sync(pid, end) => self.done.matcher.synced(pid, ts, end),
                 Feed::Exit(pid) => {

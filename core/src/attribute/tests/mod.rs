@@ -602,3 +602,56 @@ fn a_one_rank_communicator_waits_for_the_gpu_only() {
     // The creation's arguments win over a size read later.
     assert_eq!(waits_after(sized(1), Some(init(4))).0, (5_000, 0));
 }
+
+/// Regression (issue 51): eight one-rank jobs sharing one GPU read as one job of eight
+/// ranks, one named the straggler "731 ms late on average". Processes whose collectives
+/// are all on one-rank communicators are jobs of their own: no straggler among them, even
+/// where one arrives later each time; the same processes on a communicator of two ranks
+/// are matched and the late one named.
+#[test]
+fn one_rank_jobs_have_no_straggler() {
+    let run = |nranks: i32| {
+        let mut h = header();
+        let mut other = h.targets[0].clone();
+        other.pid = 11;
+        h.targets.push(other);
+        let mut tl = Timeline::new(&Setup::from(&h));
+        let on = |pid: u32| Task {
+            tgid: pid,
+            tid: pid,
+            cpu: 0,
+        };
+        for pid in [10, 11] {
+            tl.push(&Event::CommSize {
+                ts_ns: 1,
+                task: on(pid),
+                comm: 1,
+                nranks,
+                rank: Some(i32::try_from(pid - 10).unwrap()),
+            });
+        }
+        for i in 0..40u64 {
+            let at = 1_000 + i * 10_000;
+            for (pid, late) in [(10, 0), (11, 3_000)] {
+                let mut c = Call::new(on(pid), Func::AllReduce, at + late, at + late + 100);
+                c.comm = Some(1);
+                c.bytes = Some(1024);
+                tl.push(&Event::Call(c));
+                tl.push(&Event::Call(Call::new(
+                    on(pid),
+                    Func::CuStreamSynchronize,
+                    at + 4_000,
+                    at + 5_000,
+                )));
+            }
+        }
+        tl.finish(500_000, StepRule::Auto).0
+    };
+    let alone = run(1);
+    assert_eq!(alone.straggler, None);
+    assert!(alone.stragglers_by_job.is_empty());
+    assert_eq!(alone.one_rank_jobs, [10, 11]);
+    let together = run(2);
+    assert_eq!(together.straggler.map(|s| s.pid), Some(11));
+    assert!(together.one_rank_jobs.is_empty());
+}

@@ -491,6 +491,12 @@ fn write_ranks(report: &StepsReport, out: &mut impl Write) -> io::Result<()> {
             name,
             pct(value, total)
         )?;
+        if report.one_rank_jobs.contains(&r.pid) {
+            writeln!(
+                out,
+                "    a job of its own: every collective on a one-rank communicator"
+            )?;
+        }
         // Lined up other than in plain order (docs/ranks.md): said, as it bears on the
         // straggler.
         if let Some(how) = r
@@ -512,6 +518,11 @@ fn write_ranks(report: &StepsReport, out: &mut impl Write) -> io::Result<()> {
     };
     match &report.straggler {
         Some(s) => writeln!(out, "  straggler: {}", line(s))?,
+        None if report.one_rank_jobs.len() == report.ranks.len() => writeln!(
+            out,
+            "  straggler: none ({} independent jobs of one rank: none waits for another)",
+            report.ranks.len()
+        )?,
         None if report.stragglers_by_job.is_empty() => writeln!(
             out,
             "  straggler: none (no rank made another wait at a collective they all reached)"

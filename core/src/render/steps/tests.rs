@@ -186,6 +186,7 @@ fn report_of(steps: Vec<Step>) -> StepsReport {
         nccl_wait_top_stacks: Vec::new(),
         gpu_wait_top_stacks: Vec::new(),
         communicators: Vec::new(),
+        one_rank_jobs: Vec::new(),
         ranks: vec![],
         straggler: None,
         stragglers_by_job: Vec::new(),
