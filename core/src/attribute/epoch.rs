@@ -78,6 +78,8 @@ pub(super) struct Attributed {
     step_tail: Vec<(u64, u64)>,
     /// The last epoch is attributed.
     ended: bool,
+    /// Stretches without collectives, left out of the steps.
+    idle: Vec<super::Idle>,
     /// The next step's index.
     next_index: usize,
 }
@@ -220,19 +222,116 @@ impl Timeline {
         }
         self.done.rank = rank;
         self.join_at_cut(&mut bounds, cut);
+        let idle = self.idle_in(rank, found, &mut bounds, cut, until, end.is_some());
         if found {
             self.done
                 .found
                 .get_or_insert((detected.method, detected.reason, detected.period));
         } else {
-            self.done.fallback = Some((detected.method, detected.reason, detected.period));
+            let reason = if bounds.is_empty() {
+                format!(
+                    "{}; the rank issued no collective: idle, not steps (steps.json idle)",
+                    detected.reason.trim_end_matches(": 1 s windows")
+                )
+            } else {
+                detected.reason
+            };
+            self.done.fallback = Some((detected.method, reason, detected.period));
         }
         self.done.left_out += left_out;
-        self.attribute(cut, until, &bounds);
+        self.attribute(cut, until, &bounds, idle);
         self.trim(until);
         self.cut_ns = until;
         self.done.epochs += 1;
         true
+    }
+
+    /// The stretches of `[cut, until)` in which the rank issued no collectives, to be told
+    /// apart from the steps: the whole stretch where no steps were found in it and it
+    /// has none (its fallback windows dropped from `bounds`); where steps were found, a
+    /// stretch without collectives before the run's first step or after its last (`end`)
+    /// longer than two of its steps.
+    fn idle_in(
+        &self,
+        rank: Option<(u32, u32)>,
+        found: bool,
+        bounds: &mut Vec<(u64, u64)>,
+        cut: u64,
+        until: u64,
+        end: bool,
+    ) -> Vec<(u64, u64, &'static str)> {
+        let first_step = self.done.next_index == 0;
+        // Before the first event the probes were not armed yet: not seen idle.
+        let cut = if first_step {
+            self.first_event_ns.map_or(cut, |t| t.clamp(cut, until))
+        } else {
+            cut
+        };
+        let colls = rank.map_or_else(Vec::new, |(_, pid)| self.process_collectives(pid, false));
+        let quiet = |a: u64, b: u64| !colls.iter().any(|c| (a..b).contains(&c.start_ns));
+        if !found {
+            if !quiet(cut, until) {
+                return Vec::new();
+            }
+            bounds.clear();
+            let when = match (first_step, end) {
+                (true, true) if self.done.found.is_none() => "the whole run: no step",
+                (true, _) => "before the first step",
+                (false, true) => "after the last step",
+                (false, false) => "between steps",
+            };
+            return vec![(cut, until, when)];
+        }
+        let (Some(&(first, _)), Some(&(_, last))) = (bounds.first(), bounds.last()) else {
+            return Vec::new();
+        };
+        let mut walls: Vec<u64> = bounds.iter().map(|(a, b)| b.saturating_sub(*a)).collect();
+        walls.sort_unstable();
+        let long = 2u64.saturating_mul(walls[walls.len() / 2]);
+        let mut out = Vec::new();
+        // Up to the first collective (the first step's may begin before its bound), from
+        // the last one's return.
+        let first = colls
+            .first()
+            .map_or(first, |c| c.start_ns.min(first))
+            .max(cut);
+        let last = colls.last().map_or(last, |c| c.end_ns.max(last)).min(until);
+        if first_step && first.saturating_sub(cut) > long {
+            out.push((cut, first, "before the first step"));
+        }
+        if end && until.saturating_sub(last) > long && quiet(last, until) {
+            out.push((last, until, "after the last step"));
+        }
+        out
+    }
+
+    /// Adds `stretches` (attributed) to the idle ones with the rank thread's categories in
+    /// each; one that continues the previous extends it.
+    fn record_idle(&mut self, stretches: Vec<(u64, u64, &'static str)>) {
+        for (a, b, when) in stretches {
+            let categories = self
+                .done
+                .rank
+                .and_then(|(tid, _)| self.threads.get(&tid))
+                .map(|log| super::cut::categories(log, a, b))
+                .unwrap_or_default();
+            match self.done.idle.last_mut() {
+                // The run's start and its end met: one stretch, named by the later.
+                Some(last) if last.end_ns == a => {
+                    last.when = when;
+                    last.end_ns = b;
+                    last.wall_ns = b.saturating_sub(last.start_ns);
+                    last.categories.add(&categories);
+                }
+                _ => self.done.idle.push(super::Idle {
+                    start_ns: a,
+                    end_ns: b,
+                    wall_ns: b.saturating_sub(a),
+                    when,
+                    categories,
+                }),
+            }
+        }
     }
 
     /// In an epoch after the first, the step that starts at the cut when detection on this
@@ -279,8 +378,15 @@ impl Timeline {
         }
     }
 
-    /// Every thread's pieces, the steps in `bounds` and the totals over `[cut, until)`.
-    fn attribute(&mut self, cut: u64, until: u64, bounds: &[(u64, u64)]) {
+    /// Every thread's pieces, the steps in `bounds`, the `idle` stretches and the totals over
+    /// `[cut, until)`.
+    fn attribute(
+        &mut self,
+        cut: u64,
+        until: u64,
+        bounds: &[(u64, u64)],
+        idle: Vec<(u64, u64, &'static str)>,
+    ) {
         // NCCL outstanding is a property of the process: collectives from any thread.
         // Collectives of one-rank communicators are local copies: not NCCL outstanding.
         let mut collective_ends: BTreeMap<u32, Vec<u64>> = BTreeMap::new();
@@ -334,6 +440,7 @@ impl Timeline {
         self.give_back(colls, lent);
         self.done.next_index += steps.len();
         self.settle_blocks(until, &loop_threads);
+        self.record_idle(idle);
         let emit = self.emit;
         let detail = self.epoch_detail(cut, until, emit);
         self.keep_or_emit(steps, detail, emit);
@@ -504,6 +611,7 @@ impl Timeline {
             gpu_wait_top_stacks: Vec::new(),
             ranks: ranks_out,
             communicators: self.comms.report(),
+            idle: std::mem::take(&mut self.done.idle),
             one_rank_jobs: self.comms.alone(),
             straggler,
             stragglers_by_job,

@@ -43,7 +43,7 @@ pub use epoch::Epoch;
 pub use infiniband::IbStep;
 pub(crate) use infiniband::Readings as IbReadings;
 pub use report::{
-    BlockingStack, Methods, NcclCount, NvtxPattern, Step, StepRank, StepRule, StepsReport,
+    BlockingStack, Idle, Methods, NcclCount, NvtxPattern, Step, StepRank, StepRule, StepsReport,
     ThreadReport,
 };
 
@@ -214,6 +214,9 @@ pub struct Timeline {
     thread_names: BTreeMap<u32, String>,
     first_ns: u64,
     last_ns: u64,
+    /// The first event's time: the probes were armed by then (the recording begins a
+    /// little before).
+    first_event_ns: Option<u64>,
     stacks: Vec<StackKey>,
     stack_ids: StackIds,
     /// Python frames waiting for the stack record they belong to: tid → (time, frames).
@@ -363,6 +366,7 @@ impl Timeline {
             thread_names: BTreeMap::new(),
             first_ns: setup.start_ns,
             last_ns: setup.start_ns,
+            first_event_ns: None,
             stacks: Vec::new(),
             stack_ids: StackIds::default(),
             py_pending: std::collections::HashMap::default(),
@@ -521,6 +525,7 @@ impl Timeline {
             return;
         }
         self.last_ns = self.last_ns.max(ts);
+        self.first_event_ns.get_or_insert(ts);
         self.buffered += 1;
         self.ingest(event);
         if self.epoch_events > 0 && self.buffered >= self.next_try {

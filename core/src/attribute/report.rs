@@ -75,6 +75,22 @@ impl Step {
     }
 }
 
+/// A stretch of the run in which the rank issued no collectives (a warm-up sleep, data
+/// loading, compilation, evaluation, a checkpoint, the end): not a step, left out of the
+/// step statistics, shares and slowest steps.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Idle {
+    pub start_ns: u64,
+    pub end_ns: u64,
+    pub wall_ns: u64,
+    /// `before the first step`, `after the last step`, `between steps` (a pause), or `the
+    /// whole run: no step`.
+    pub when: &'static str,
+    /// The rank thread's time in it, ns per category.
+    #[serde(rename = "categories_ns")]
+    pub categories: Categories,
+}
+
 /// One rank's categories in a step.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct StepRank {
@@ -132,6 +148,8 @@ pub struct StepsReport {
     pub rank_tid: Option<u32>,
     pub methods: Methods,
     pub steps: Vec<Step>,
+    /// Stretches in which the rank issued no collectives, in order: not steps.
+    pub idle: Vec<Idle>,
     pub threads: Vec<ThreadReport>,
     /// Where the rank thread was blocked for `other_offcpu`, heaviest first (filled once
     /// stacks are symbolized).

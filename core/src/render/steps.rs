@@ -129,6 +129,7 @@ pub fn without_steps(report: &StepsReport) -> StepsReport {
         gpu_wait_top_stacks: report.gpu_wait_top_stacks.clone(),
         ranks: report.ranks.clone(),
         communicators: report.communicators.clone(),
+        idle: report.idle.clone(),
         one_rank_jobs: report.one_rank_jobs.clone(),
         straggler: report.straggler.clone(),
         stragglers_by_job: report.stragglers_by_job.clone(),

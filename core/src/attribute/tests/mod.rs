@@ -655,3 +655,89 @@ fn one_rank_jobs_have_no_straggler() {
     assert_eq!(together.straggler.map(|s| s.pid), Some(11));
     assert!(together.one_rank_jobs.is_empty());
 }
+
+/// The rank sleeping `[from, to)`: off the CPU and back every 10 ms.
+fn sleeping(from: u64, to: u64) -> Vec<Event> {
+    (from..to)
+        .step_by(10_000_000)
+        .flat_map(|t| [switch(t, true, 1), switch(t + 9_000_000, false, 0)])
+        .collect()
+}
+
+/// Training steps of 10 ms in `[from, to)`: an all-reduce, then the sync that waits for it.
+fn training(from: u64, to: u64) -> Vec<Event> {
+    (from..to)
+        .step_by(10_000_000)
+        .flat_map(|t| {
+            [
+                call(Func::AllReduce, t + 1_000_000, t + 1_100_000),
+                call(Func::CuStreamSynchronize, t + 6_000_000, t + 9_000_000),
+            ]
+        })
+        .collect()
+}
+
+/// Regression (issue 51): a script that sleeps before its loop had its first four
+/// "steps" made of 1-s windows of the sleep (0 collectives), p99 step 1000 ms, and a
+/// sleep-only process was cut into steps. A stretch without collectives before the first
+/// step, after the last, or a whole run of them, is idle: named in steps.json `idle`,
+/// never a step; attributed in epochs as the agent does (the sleep in epochs of its own,
+/// before any step is found) or at once.
+#[test]
+fn idle_is_not_a_step() {
+    let events: Vec<Event> = sleeping(0, 3_000_000_000)
+        .into_iter()
+        .chain(training(3_000_000_000, 3_400_000_000))
+        .chain(sleeping(3_400_000_000, 5_400_000_000))
+        .collect();
+    for epoch_events in [0, 50] {
+        let mut tl = Timeline::new(&Setup::from(&header()));
+        tl.stream(StepRule::Auto, epoch_events);
+        for e in &events {
+            tl.push(e);
+        }
+        let (report, _) = tl.finish(5_400_000_000, StepRule::Auto);
+        assert_eq!(report.method, Method::Auto, "epochs of {epoch_events}");
+        assert!(
+            report
+                .steps
+                .iter()
+                .all(|s| s.wall_ns == 10_000_000 && s.nccl.collectives == 1),
+            "epochs of {epoch_events}: {:?}",
+            report
+                .steps
+                .iter()
+                .map(|s| (s.start_ns, s.wall_ns))
+                .collect::<Vec<_>>()
+        );
+        assert!(report.steps.len() >= 38, "{} steps", report.steps.len());
+        let idle: Vec<(&str, u64)> = report
+            .idle
+            .iter()
+            .map(|i| (i.when, i.wall_ns / 100_000_000))
+            .collect();
+        assert_eq!(
+            idle,
+            [("before the first step", 30), ("after the last step", 20)],
+            "epochs of {epoch_events}: {:?}",
+            report.idle
+        );
+        let before = &report.idle[0];
+        assert_eq!(before.categories.total(), before.wall_ns);
+        assert!(before.categories.other_offcpu > 2_000_000_000, "{before:?}");
+    }
+    // Nothing but sleep: no step at all.
+    let mut tl = Timeline::new(&Setup::from(&header()));
+    for e in sleeping(0, 3_000_000_000) {
+        tl.push(&e);
+    }
+    let (report, _) = tl.finish(3_000_000_000, StepRule::Auto);
+    assert!(report.steps.is_empty(), "{:?}", report.steps.len());
+    assert_eq!(report.idle.len(), 1);
+    assert_eq!(report.idle[0].when, "the whole run: no step");
+    assert!(
+        report.reason.contains("idle, not steps"),
+        "{}",
+        report.reason
+    );
+}

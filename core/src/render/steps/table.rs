@@ -366,6 +366,34 @@ pub fn verdict(report: &StepsReport, table: &StepTable) -> String {
     line
 }
 
+/// The idle stretches, a line each, with what the rank thread mostly did in them (a sleep,
+/// loading, the end's teardown).
+fn write_idle(report: &StepsReport, out: &mut impl Write) -> io::Result<()> {
+    for idle in &report.idle {
+        let mostly = idle
+            .categories
+            .named()
+            .into_iter()
+            .filter_map(|(name, ns)| Some((name, ns?)))
+            .max_by_key(|&(_, ns)| ns)
+            .filter(|&(_, ns)| ns > 0 && idle.wall_ns > 0)
+            .map(|(name, ns)| {
+                format!(
+                    "mostly {name} {:.0}%; ",
+                    100.0 * ns as f64 / idle.wall_ns as f64
+                )
+            })
+            .unwrap_or_default();
+        writeln!(
+            out,
+            "  idle, not a step: {:.3} s {} (no collectives; {mostly}steps.json idle)",
+            idle.wall_ns as f64 / 1e9,
+            idle.when
+        )?;
+    }
+    Ok(())
+}
+
 /// Writes the per-category quantiles, the slowest steps and the verdict.
 pub fn write_table(
     report: &StepsReport,
@@ -382,6 +410,7 @@ pub fn write_table(
             .unwrap_or_default(),
         report.reason
     )?;
+    write_idle(report, out)?;
     if table.is_empty() {
         return Ok(());
     }

@@ -186,6 +186,7 @@ fn report_of(steps: Vec<Step>) -> StepsReport {
         nccl_wait_top_stacks: Vec::new(),
         gpu_wait_top_stacks: Vec::new(),
         communicators: Vec::new(),
+        idle: Vec::new(),
         one_rank_jobs: Vec::new(),
         ranks: vec![],
         straggler: None,
@@ -295,5 +296,33 @@ fn ranks_and_straggler_on_stdout() {
     assert!(
         two.contains("  straggler of unnamed job: rank 1 (pid 201)"),
         "{two}"
+    );
+}
+
+/// Idle stretches are said on stdout beside the steps, with what the rank mostly did in
+/// them, and are not rows of the table.
+#[test]
+fn idle_on_stdout_with_what_it_held() {
+    let steps: Vec<Step> = (0..4).map(|i| step(i, 3_000_000, 1_000_000)).collect();
+    let mut report = report_of(steps);
+    let mut sleep = step(0, 0, 0).categories;
+    sleep.compute = 500_000_000;
+    sleep.other_offcpu = 1_500_000_000;
+    report.idle = vec![crate::attribute::Idle {
+        start_ns: 0,
+        end_ns: 2_000_000_000,
+        wall_ns: 2_000_000_000,
+        when: "before the first step",
+        categories: sleep,
+    }];
+    let mut out = Vec::new();
+    write_table(&report, &StepTable::of(&report.steps), &mut out).unwrap();
+    let text = String::from_utf8(out).unwrap();
+    assert!(
+        text.contains(
+            "  idle, not a step: 2.000 s before the first step (no collectives; mostly \
+             other_offcpu 75%; steps.json idle)\n"
+        ),
+        "{text}"
     );
 }

@@ -106,6 +106,7 @@ fn trace_golden() {
         nccl_wait_top_stacks: Vec::new(),
         gpu_wait_top_stacks: Vec::new(),
         communicators: Vec::new(),
+        idle: Vec::new(),
         one_rank_jobs: Vec::new(),
         // Regression (issue 18): the process was named "rank 0" (its position) while
         // summary.json said rank 3.
