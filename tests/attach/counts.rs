@@ -419,6 +419,12 @@ fn independent_one_rank_jobs_have_no_straggler() {
         .map(|op| truth["total"]["calls"][op].as_u64().unwrap())
         .sum();
         assert_eq!(r["nccl"]["collectives"], calls, "pid {pid}");
+        // Each is rank 0 of its own job, as its communicator says: not numbered by pid.
+        assert_eq!(
+            (r["rank"].as_i64(), r["rank_source"].as_str()),
+            (Some(0), Some("communicator memory")),
+            "pid {pid}"
+        );
     }
 }
 

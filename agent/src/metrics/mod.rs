@@ -384,7 +384,9 @@ impl Feed {
                 .find_map(|n| env.iter().find(|(k, _)| k == n).map(|(_, v)| v.clone()))
                 .unwrap_or_default()
         };
-        // Numbered as the summary numbers the ranks.
+        // Numbered as the summary numbers the ranks, but for a rank read from its
+        // communicator's memory (the summary's before pid order): pid order keeps the label
+        // of independent one-rank jobs, each rank 0 of its own, apart.
         let rank = crate::attribute::ranks::identify(&self.pids, &self.init_ranks, &self.env_ranks)
             .into_iter()
             .find(|r| r.pid == pid)

@@ -89,6 +89,24 @@ impl Comms {
             .collect()
     }
 
+    /// Each process's rank in its largest communicator that collectives were issued on,
+    /// where that was read from its memory (its world communicator, in a job that splits
+    /// none off before it).
+    pub(super) fn ranks(&self) -> BTreeMap<u32, i32> {
+        let mut best: BTreeMap<u32, (i32, i32)> = BTreeMap::new();
+        for (&(pid, comm), &(nranks, rank, from)) in &self.sizes {
+            if let (SizeFrom::Memory, Some(rank), true) =
+                (from, rank, self.used.contains(&(pid, comm)))
+                && best.get(&pid).is_none_or(|(n, _)| nranks > *n)
+            {
+                best.insert(pid, (nranks, rank));
+            }
+        }
+        best.into_iter()
+            .map(|(pid, (_, rank))| (pid, rank))
+            .collect()
+    }
+
     /// Every communicator that was made or used while traced, or read.
     pub(super) fn report(&self) -> Vec<CommReport> {
         let keys: BTreeSet<(u32, u64)> = self.sizes.keys().chain(&self.used).copied().collect();

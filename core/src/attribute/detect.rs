@@ -185,6 +185,18 @@ impl Timeline {
 
     /// Rank numbers of the traced processes.
     pub(super) fn identities(&self) -> Vec<ranks::RankIdentity> {
-        ranks::identify(&self.target_pids, &self.init_ranks, &self.env_ranks)
+        let mut ids = ranks::identify(&self.target_pids, &self.init_ranks, &self.env_ranks);
+        // Neither seen made nor named by its environment: its rank in its communicator,
+        // read from the communicator's memory, before the order of the pids.
+        let read = self.comms.ranks();
+        for id in &mut ids {
+            if id.rank_source == ranks::PID_ORDER
+                && let Some(&r) = read.get(&id.pid)
+            {
+                id.rank = r;
+                id.rank_source = "communicator memory".into();
+            }
+        }
+        ids
     }
 }

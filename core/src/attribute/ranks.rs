@@ -31,7 +31,8 @@ use super::steps::Collective;
 pub struct RankIdentity {
     pub pid: u32,
     pub rank: i32,
-    /// `ncclCommInitRank`, `environment RANK` (or the variable used), or `pid order`.
+    /// `ncclCommInitRank`, `environment RANK` (or the variable used), `communicator memory`
+    /// (its rank in its communicator, read where the library reads it), or `pid order`.
     pub rank_source: String,
 }
 
@@ -86,6 +87,9 @@ pub struct Lateness {
     pub matched: u64,
 }
 
+/// The rank source of a process numbered by the order of the pids: nothing else named it.
+pub const PID_ORDER: &str = "pid order";
+
 /// Numbers the ranks: CommInitRank's argument when seen, else the environment, else the
 /// order of the pids.
 #[must_use]
@@ -105,7 +109,7 @@ pub fn identify(
             } else if let Some((var, r)) = env_ranks.get(pid) {
                 (*r, format!("environment {var}"))
             } else {
-                (i as i32, "pid order".to_owned())
+                (i as i32, PID_ORDER.to_owned())
             };
             RankIdentity {
                 pid: *pid,
