@@ -9,7 +9,8 @@ its step times. With --step-log, each step's end (CLOCK_MONOTONIC ns) and length
 appended to that file, 256 steps at a time (tests/gpu/windows.sh). With --cupti N, N more
 steps run under torch.profiler afterwards and the JSON adds what CUPTI saw of them
 ("cupti"): per step, the GPU time of NCCL kernels and of all kernels, and the host's time
-inside CUDA synchronisation calls (tests/gpu/gpuwait.sh).
+inside CUDA synchronisation calls (tests/gpu/gpuwait.sh). With --pause-ms, the script sleeps that long after --go-file
+before its loop (a pause with no collectives; "pause" in the JSON).
 """
 import argparse
 import json
@@ -33,6 +34,7 @@ def main():
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--step-log")
     p.add_argument("--cupti", type=int, default=0)
+    p.add_argument("--pause-ms", type=int, default=0)
     a = p.parse_args()
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -78,6 +80,9 @@ def main():
     if a.go_file:
         while not os.path.exists(a.go_file):
             time.sleep(0.001)
+    # A pause before the loop, as scripts load data or sleep: no collectives, not a step.
+    pause_ns = (time.monotonic_ns(), a.pause_ms * 1_000_000)
+    time.sleep(a.pause_ms / 1e3)
     counted["allreduce"] = 0
     times = []
     log = open(a.step_log, "a", buffering=1 << 16) if a.step_log else None
@@ -98,6 +103,7 @@ def main():
         "allreduce_calls": counted["allreduce"],
         "step_ms_median": statistics.median(times) / 1e6,
         "step_ms_mean": statistics.mean(times) / 1e6,
+        "pause": {"start_ns": pause_ns[0], "ms": pause_ns[1] / 1e6},
         "torch": torch.__version__,
         "nccl": ".".join(map(str, torch.cuda.nccl.version())),
     }), flush=True)
