@@ -168,6 +168,15 @@ impl Host {
         !matches!(state, Some('Z' | 'X') | None)
     }
 
+    /// The process's parent (`/proc/PID/stat`'s fourth field).
+    #[must_use]
+    pub fn parent_pid(&self, pid: u32) -> Option<u32> {
+        let stat = self.read(&format!("proc/{pid}/stat"))?;
+        // The fields follow the parenthesised comm, which may itself hold ')'.
+        let (_, rest) = stat.rsplit_once(')')?;
+        rest.split_whitespace().nth(1)?.parse().ok()
+    }
+
     /// Peak resident memory (`VmHWM` in status), in KiB.
     #[must_use]
     pub fn peak_rss_kb(&self, pid: u32) -> Option<u64> {
@@ -497,6 +506,9 @@ mod tests {
         assert!(host.process_alive(42));
         assert!(!host.process_alive(43));
         assert!(!host.process_alive(44));
+        // The parent after a comm that holds ") ".
+        assert_eq!(host.parent_pid(42), Some(1));
+        assert_eq!(host.parent_pid(44), None);
         assert_eq!(host.comm(42), "python3");
         assert_eq!(host.threads(42), vec![42, 50]);
     }

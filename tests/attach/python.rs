@@ -479,6 +479,45 @@ fn python_frames_of_worker_processes_with_all() {
             .unwrap_or_else(|| panic!("pid {pid} not traced: {targets:?}"));
         assert_eq!(t["python"]["frames"], true, "{t}");
     }
+    // The worker issues no collective: a worker of the rank that forked it, not a rank
+    // (issue 51), with its own totals — by the script, 2 ms busy then 2 ms asleep.
+    let ranks: Vec<&Value> = summary["ranks"].as_array().unwrap().iter().collect();
+    assert_eq!(ranks.len(), 1, "{ranks:?}");
+    assert_eq!(ranks[0]["pid"], rank.id());
+    let workers = summary["workers"].as_array().unwrap();
+    assert_eq!(workers.len(), 1, "{workers:?}");
+    let w = &workers[0];
+    assert_eq!(
+        (&w["pid"], &w["rank_pid"], &w["parent_pid"]),
+        (
+            &Value::from(worker),
+            &Value::from(rank.id()),
+            &Value::from(rank.id())
+        ),
+        "{w}"
+    );
+    let c = &w["categories_ns"];
+    let ns = |k: &str| c[k].as_u64().unwrap_or(0) as f64;
+    let total: f64 = [
+        "compute",
+        "page_fault",
+        "runqueue",
+        "other_offcpu",
+        "cpu_migration",
+    ]
+    .iter()
+    .map(|k| ns(k))
+    .sum();
+    let busy = (ns("compute") + ns("page_fault")) / total;
+    assert!(
+        (0.3..0.7).contains(&busy),
+        "busy {busy:.2} of its time: {w}"
+    );
+    let trace = std::fs::read_to_string(out.join("trace.json")).unwrap();
+    assert!(
+        trace.contains(&format!("worker of rank 0 (pid {worker})")),
+        "trace.json names the worker"
+    );
     let line = marked_line_of("py_loader.py", "load_batch");
     let want = format!("load_batch (py_loader.py:{line})");
     let oncpu = folded(&out, "oncpu");

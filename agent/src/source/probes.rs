@@ -180,6 +180,7 @@ pub(super) fn target_info(
         job: launcher.job,
         rendezvous: launcher.rendezvous,
         world_size: launcher.world_size,
+        parent_pid: host.parent_pid(t.pid),
         comm_fields: Some(super::comms::fields(&t.nccl.host_path)),
         maps_text: std::fs::read_to_string(host.path(&format!("proc/{}/maps", t.pid)))
             .unwrap_or_default(),

@@ -183,9 +183,56 @@ impl Timeline {
         }
     }
 
-    /// Rank numbers of the traced processes.
+    /// The targets that are workers of a rank, each with that rank's pid: a process that
+    /// issued no collective, forked by a traced one (a DataLoader worker, another helper),
+    /// works for the nearest traced ancestor that issued collectives, or, where none has
+    /// yet, for the eldest traced ancestor that its environment names a rank (the workers
+    /// inherit the variable, so theirs says nothing).
+    pub(super) fn workers(&self) -> BTreeMap<u32, u32> {
+        let mut issued: BTreeMap<u32, u64> = BTreeMap::new();
+        for log in self.threads.values() {
+            *issued.entry(log.pid).or_default() += log.total_collectives;
+        }
+        let issued = |pid: u32| issued.get(&pid).copied().unwrap_or(0) > 0;
+        let traced = |pid: u32| self.target_pids.contains(&pid);
+        let mut out = BTreeMap::new();
+        for &pid in &self.target_pids {
+            if issued(pid) {
+                continue;
+            }
+            let mut named = None;
+            let mut at = pid;
+            // Up the traced ancestors (a bounded walk: pids may be reused into a cycle).
+            for _ in 0..self.target_pids.len() {
+                let Some(&parent) = self.parents.get(&at).filter(|p| traced(**p)) else {
+                    break;
+                };
+                if issued(parent) {
+                    named = Some(parent);
+                    break;
+                }
+                if self.env_ranks.contains_key(&parent) {
+                    named = Some(parent);
+                }
+                at = parent;
+            }
+            if let Some(rank) = named {
+                out.insert(pid, rank);
+            }
+        }
+        out
+    }
+
+    /// Rank numbers of the traced processes that are not workers of another.
     pub(super) fn identities(&self) -> Vec<ranks::RankIdentity> {
-        let mut ids = ranks::identify(&self.target_pids, &self.init_ranks, &self.env_ranks);
+        let workers = self.workers();
+        let pids: Vec<u32> = self
+            .target_pids
+            .iter()
+            .copied()
+            .filter(|p| !workers.contains_key(p))
+            .collect();
+        let mut ids = ranks::identify(&pids, &self.init_ranks, &self.env_ranks);
         // Neither seen made nor named by its environment: its rank in its communicator,
         // read from the communicator's memory, before the order of the pids.
         let read = self.comms.ranks();

@@ -17,7 +17,7 @@ use super::cut::{categories, split, weigh_samples};
 use super::steps::{Collective, Method};
 use super::{
     Categories, Change, Detail, NcclCount, OffCpu, OpenOff, Step, StepRank, StepRule, StepsReport,
-    ThreadDetail, ThreadLog, ThreadReport, Timeline, Unmeasured, ranks, role,
+    ThreadDetail, ThreadLog, ThreadReport, Timeline, Unmeasured, WorkerReport, ranks, role,
 };
 
 mod build;
@@ -549,6 +549,7 @@ impl Timeline {
         let mut steps_out = std::mem::take(&mut self.done.steps);
         mark_unmeasured(&mut steps_out, unmeasured);
         let (ranks_out, threads) = self.reports(&identities, unmeasured);
+        let workers = self.worker_reports(&identities, &threads);
         let straggler = self.done.matcher.straggler(&identities);
         let mut stragglers_by_job = self.done.matcher.stragglers(&identities);
         if stragglers_by_job.len() < 2 {
@@ -612,6 +613,7 @@ impl Timeline {
             ranks: ranks_out,
             communicators: self.comms.report(),
             idle: std::mem::take(&mut self.done.idle),
+            workers,
             one_rank_jobs: self.comms.alone(),
             straggler,
             stragglers_by_job,

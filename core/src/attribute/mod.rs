@@ -44,7 +44,7 @@ pub use infiniband::IbStep;
 pub(crate) use infiniband::Readings as IbReadings;
 pub use report::{
     BlockingStack, Idle, Methods, NcclCount, NvtxPattern, Step, StepRank, StepRule, StepsReport,
-    ThreadReport,
+    ThreadReport, WorkerReport,
 };
 
 pub use categories::{Cat, Categories, NAMES, Unmeasured};
@@ -223,6 +223,8 @@ pub struct Timeline {
     py_pending: std::collections::HashMap<u32, (u64, Vec<PyFrame>), foldhash::fast::FixedState>,
     calls: Calls,
     target_pids: Vec<u32>,
+    /// Each target's parent at attach.
+    parents: BTreeMap<u32, u32>,
     env_ranks: BTreeMap<u32, (String, i32)>,
     /// Faults were timed by fentry/fexit on the fault handler (FaultTime events): their
     /// pieces are `page_fault` directly and samples do not estimate it.
@@ -299,6 +301,8 @@ pub struct Target {
     pub world_size: Option<(String, i32)>,
     /// Whether its CUDA syncs are probed (where a host waits for the GPU is seen).
     pub syncs_probed: bool,
+    /// Its parent process at attach.
+    pub parent_pid: Option<u32>,
     /// The job its launcher started it in, as its environment names it (job id,
     /// rendezvous): only ranks of one job are matched for the straggler.
     pub job: Option<String>,
@@ -372,6 +376,7 @@ impl Timeline {
             py_pending: std::collections::HashMap::default(),
             calls: Calls::default(),
             target_pids: Vec::new(),
+            parents: BTreeMap::new(),
             env_ranks: BTreeMap::new(),
             faults_timed: setup.faults_timed,
             fault_timing_refused: setup.fault_timing_refused.clone(),
@@ -446,6 +451,9 @@ impl Timeline {
         }
         self.thread_names.extend(t.threads.iter().cloned());
         self.target_pids.push(t.pid);
+        if let Some(parent) = t.parent_pid {
+            self.parents.insert(t.pid, parent);
+        }
         if let Some(r) = t.env_rank.clone() {
             self.env_ranks.insert(t.pid, r);
         }

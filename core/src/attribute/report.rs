@@ -115,6 +115,26 @@ pub struct ThreadReport {
     pub cross_node_migrations: u64,
 }
 
+/// A process that works for a rank and is not one: forked by it (a DataLoader worker),
+/// it issued no collective.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct WorkerReport {
+    pub pid: u32,
+    /// Its parent at attach.
+    pub parent_pid: Option<u32>,
+    /// The rank it works for: its pid, and its number as `ranks` gives it.
+    pub rank_pid: u32,
+    pub rank: Option<i32>,
+    /// Its threads traced.
+    pub threads: usize,
+    /// All its threads over the traced interval, ns per category (its CPU is `compute`
+    /// and `page_fault`; its waits the others).
+    #[serde(rename = "categories_ns")]
+    pub categories: Categories,
+    pub faults: u64,
+    pub migrations: u64,
+}
+
 /// How `gpu_wait`, `nccl_wait`, `remote_memory` and `page_fault` were obtained, or why not.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Methods {
@@ -150,6 +170,10 @@ pub struct StepsReport {
     pub steps: Vec<Step>,
     /// Stretches in which the rank issued no collectives, in order: not steps.
     pub idle: Vec<Idle>,
+    /// Processes that work for a rank (forked by it, no collective of their own): not
+    /// ranks. Absent when there are none.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub workers: Vec<WorkerReport>,
     pub threads: Vec<ThreadReport>,
     /// Where the rank thread was blocked for `other_offcpu`, heaviest first (filled once
     /// stacks are symbolized).

@@ -400,6 +400,7 @@ impl Aggregator {
             lost_by_kind,
             counters,
             ranks: steps.ranks.clone(),
+            workers: steps.workers.clone(),
             straggler: steps.straggler.clone(),
             stragglers_by_job: steps.stragglers_by_job.clone(),
             agent,

@@ -15,6 +15,7 @@ impl From<&TargetInfo> for Target {
             threads: t.threads.clone(),
             env_rank: t.env_rank.clone(),
             world_size: t.world_size.clone(),
+            parent_pid: t.parent_pid,
             // Whether a CUDA sync function was probed.
             syncs_probed: t
                 .probes

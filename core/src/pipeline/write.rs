@@ -224,7 +224,8 @@ struct TraceEnd {
     run: Box<crate::render::trace::RunInfo>,
     /// When tracing began: ts 0 of a trace that had no epoch.
     start_ns: u64,
-    ranks: Vec<crate::attribute::ranks::RankReport>,
+    /// What each process is ([`crate::render::trace::roles`]).
+    roles: Vec<(u32, String)>,
     end_ns: u64,
 }
 
@@ -259,7 +260,7 @@ impl Output for TraceFile {
                     end.start_ns,
                 )?,
             };
-            t.finish(&end.run, &end.ranks, end.end_ns)
+            t.finish(&end.run, &end.roles, end.end_ns)
         })();
         written.map_err(|err| (self.path, err))
     }
@@ -472,7 +473,7 @@ impl Streamer {
             trace.end(TraceEnd {
                 run: Box::new((&outputs.header).into()),
                 start_ns: outputs.header.clock.monotonic_ns,
-                ranks: outputs.steps.ranks.clone(),
+                roles: render::trace::roles(&outputs.steps.ranks, &outputs.steps.workers),
                 end_ns: outputs.detail.end_ns,
             });
         }

@@ -138,6 +138,10 @@ pub struct TargetInfo {
     /// made before attach are read there.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub comm_fields: Option<Result<CommFields, String>>,
+    /// Its parent process at attach: a process a rank forked that issues no collective
+    /// (a DataLoader worker) is that rank's worker, not a rank.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent_pid: Option<u32>,
     /// The CPython interpreter found in the target, and whether its frames are walked.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub python: Option<crate::python::PythonInfo>,

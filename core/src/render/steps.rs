@@ -130,6 +130,7 @@ pub fn without_steps(report: &StepsReport) -> StepsReport {
         ranks: report.ranks.clone(),
         communicators: report.communicators.clone(),
         idle: report.idle.clone(),
+        workers: report.workers.clone(),
         one_rank_jobs: report.one_rank_jobs.clone(),
         straggler: report.straggler.clone(),
         stragglers_by_job: report.stragglers_by_job.clone(),

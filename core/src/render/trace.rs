@@ -158,7 +158,25 @@ pub fn write(
 ) -> io::Result<()> {
     let mut trace = TraceStream::new(out, detail.first_ns)?;
     trace.epoch(detail, &steps.steps, steps.rank_pid)?;
-    trace.finish(run, &steps.ranks, detail.end_ns)
+    trace.finish(run, &roles(&steps.ranks, &steps.workers), detail.end_ns)
+}
+
+/// What each traced process is, as trace.json names it: `rank N` (the number summary.json
+/// and steps.json give it: NCCL's, the environment's, the communicator's or pid order's)
+/// or `worker of rank N`.
+#[must_use]
+pub fn roles(
+    ranks: &[crate::attribute::ranks::RankReport],
+    workers: &[crate::attribute::WorkerReport],
+) -> Vec<(u32, String)> {
+    ranks
+        .iter()
+        .map(|r| (r.pid, format!("rank {}", r.rank)))
+        .chain(workers.iter().map(|w| {
+            let rank = w.rank.map_or_else(|| "?".to_owned(), |r| r.to_string());
+            (w.pid, format!("worker of rank {rank}"))
+        }))
+        .collect()
 }
 
 /// A fault burst still open: (first fault, last fault, faults).
@@ -376,20 +394,15 @@ impl<W: Write> TraceStream<W> {
         Ok(())
     }
 
-    /// Ends the trace (the run ended at `end_ns`): names of processes (by `ranks`) and
-    /// threads, the counters per 100 ms, the clock.
-    pub fn finish(
-        mut self,
-        run: &RunInfo,
-        ranks: &[crate::attribute::ranks::RankReport],
-        end_ns: u64,
-    ) -> io::Result<()> {
+    /// Ends the trace (the run ended at `end_ns`): names of processes (by `roles`,
+    /// [`roles`]) and threads, the counters per 100 ms, the clock.
+    pub fn finish(mut self, run: &RunInfo, roles: &[(u32, String)], end_ns: u64) -> io::Result<()> {
         let changes = std::mem::take(&mut self.runnable_changes);
         self.write_runnable(changes)?;
         for (tid, (pid, burst)) in std::mem::take(&mut self.bursts) {
             self.burst(pid, tid, burst)?;
         }
-        self.names(run, ranks)?;
+        self.names(run, roles)?;
         self.counters(end_ns)?;
         let other = json!({
             "clock": "CLOCK_MONOTONIC; ts 0 is monotonic_ns_at_0",
@@ -405,21 +418,16 @@ impl<W: Write> TraceStream<W> {
         self.w.out.flush()
     }
 
-    fn names(
-        &mut self,
-        run: &RunInfo,
-        ranks: &[crate::attribute::ranks::RankReport],
-    ) -> io::Result<()> {
+    fn names(&mut self, run: &RunInfo, roles: &[(u32, String)]) -> io::Result<()> {
         let w = &mut self.w;
         for (pid, comm) in &run.processes {
-            // The rank summary.json and steps.json give it (NCCL's, the environment's, or
-            // pid order), not the target's position.
-            let rank = ranks
+            // What summary.json and steps.json say it is, not the target's position.
+            let role = roles
                 .iter()
-                .find(|r| r.pid == *pid)
-                .map_or_else(|| "?".to_owned(), |r| r.rank.to_string());
+                .find(|(p, _)| p == pid)
+                .map_or("rank ?", |(_, r)| r.as_str());
             w.raw(&json!({"ph": "M", "name": "process_name", "pid": *pid,
-                "args": {"name": format!("rank {rank} (pid {pid}) {comm}")}}))?;
+                "args": {"name": format!("{role} (pid {pid}) {comm}")}}))?;
             w.raw(
                 &json!({"ph": "M", "name": "thread_name", "pid": *pid, "tid": STEPS_TID,
                 "args": {"name": "steps"}}),

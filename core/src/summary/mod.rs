@@ -226,6 +226,10 @@ pub struct Summary {
     /// Every traced rank: its number and where it came from, its NCCL traffic, its
     /// training-loop thread's categories.
     pub ranks: Vec<crate::attribute::ranks::RankReport>,
+    /// Processes that work for a rank (forked by it, no collective of their own), as
+    /// steps.json gives them; absent when none.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub workers: Vec<crate::attribute::WorkerReport>,
     /// With several ranks of one job: the one whose late arrivals make the others wait
     /// most.
     pub straggler: Option<crate::attribute::ranks::Straggler>,

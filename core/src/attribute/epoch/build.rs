@@ -4,7 +4,8 @@
 
 use super::{
     BTreeMap, Categories, Change, Collective, Detail, Epoch, NcclCount, OffCpu, OpenOff, Step,
-    StepRank, ThreadDetail, ThreadLog, ThreadReport, Timeline, Unmeasured, categories, ranks, role,
+    StepRank, ThreadDetail, ThreadLog, ThreadReport, Timeline, Unmeasured, WorkerReport,
+    categories, ranks, role,
 };
 
 impl Timeline {
@@ -436,6 +437,40 @@ impl Timeline {
             })
             .collect();
         (ranks_out, threads)
+    }
+
+    /// The workers of the ranks in `identities`, from their threads' totals.
+    pub(super) fn worker_reports(
+        &self,
+        identities: &[ranks::RankIdentity],
+        threads: &[ThreadReport],
+    ) -> Vec<WorkerReport> {
+        self.workers()
+            .into_iter()
+            .map(|(pid, rank_pid)| {
+                let mut w = WorkerReport {
+                    pid,
+                    parent_pid: self.parents.get(&pid).copied(),
+                    rank_pid,
+                    rank: identities
+                        .iter()
+                        .find(|i| i.pid == rank_pid)
+                        .map(|i| i.rank),
+                    threads: 0,
+                    categories: Categories::default(),
+                    faults: 0,
+                    migrations: 0,
+                };
+                for t in threads.iter().filter(|t| t.pid == pid) {
+                    w.threads += 1;
+                    w.categories.add(&t.categories);
+                    w.categories.unmeasured = t.categories.unmeasured;
+                    w.faults += t.faults;
+                    w.migrations += t.migrations;
+                }
+                w
+            })
+            .collect()
     }
 
     /// One step of the rank thread.

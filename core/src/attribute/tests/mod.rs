@@ -741,3 +741,74 @@ fn idle_is_not_a_step() {
         report.reason
     );
 }
+
+/// Regression (issue 51): a GPT-2-shaped DDP job read "Ranks: 5", ranks 1–4 its
+/// DataLoader workers (forked by the rank, 0 collectives, the rank's RANK inherited).
+/// Forked targets that issue no collective are workers of the rank that forked them, with
+/// their own totals; the ranks are the processes that issue collectives. A second
+/// generation works for the same rank; a process no rank forked stays a rank.
+#[test]
+fn forked_workers_are_not_ranks() {
+    let mut h = header();
+    h.targets[0].env_rank = Some(("RANK".into(), 3));
+    for (pid, parent) in [(11, 10), (12, 10), (13, 11), (20, 1)] {
+        let mut t = h.targets[0].clone();
+        t.pid = pid;
+        t.parent_pid = Some(parent);
+        // The workers inherit the rank's variable; the other process has none.
+        if pid == 20 {
+            t.env_rank = None;
+        }
+        h.targets.push(t);
+    }
+    let on = |pid: u32| Task {
+        tgid: pid,
+        tid: pid,
+        cpu: 0,
+    };
+    let mut tl = Timeline::new(&Setup::from(&h));
+    for i in 0..40u64 {
+        let at = 1_000 + i * 10_000;
+        tl.push(&call(Func::AllReduce, at, at + 100));
+        tl.push(&Event::Call(Call::new(
+            task(10),
+            Func::CuStreamSynchronize,
+            at + 4_000,
+            at + 5_000,
+        )));
+        // Worker 11 blocks for 2 µs each step: off-CPU in its own totals.
+        for (ts, out) in [(at + 6_000, true), (at + 8_000, false)] {
+            tl.push(&Event::Switch {
+                ts_ns: ts,
+                task: on(11),
+                prev_tid: if out { 11 } else { 99 },
+                next_tid: if out { 99 } else { 11 },
+                next_tgid: if out { 0 } else { 11 },
+                prev_state: i64::from(out),
+                prev_is_target: out,
+                next_is_target: !out,
+                offcpu_same: None,
+            });
+        }
+    }
+    let (report, _) = tl.finish(500_000, StepRule::Auto);
+    let ranks: Vec<(u32, i32)> = report.ranks.iter().map(|r| (r.pid, r.rank)).collect();
+    // Numbered by pid order among the ranks only.
+    assert_eq!(ranks, [(10, 3), (20, 1)], "{:?}", report.ranks);
+    let workers: Vec<(u32, u32, Option<i32>, Option<u32>)> = report
+        .workers
+        .iter()
+        .map(|w| (w.pid, w.rank_pid, w.rank, w.parent_pid))
+        .collect();
+    assert_eq!(
+        workers,
+        [
+            (11, 10, Some(3), Some(10)),
+            (12, 10, Some(3), Some(10)),
+            (13, 10, Some(3), Some(11))
+        ]
+    );
+    let w11 = &report.workers[0];
+    assert_eq!(w11.threads, 1);
+    assert_eq!(w11.categories.other_offcpu, 40 * 2_000, "{w11:?}");
+}

@@ -493,11 +493,42 @@ pub fn write_table(
     }
     write_top_stacks(report, out)?;
     write_ranks(report, out)?;
+    write_workers(report, out)?;
     writeln!(out, "{}", verdict(report, table))
 }
 
 /// With several ranks: each rank's NCCL traffic and where its training-loop thread's time
 /// went over the run, then the straggler (each job's, where the ranks are of several).
+/// The processes that work for a rank, a line each, under the ranks.
+fn write_workers(report: &StepsReport, out: &mut impl Write) -> io::Result<()> {
+    if report.workers.is_empty() {
+        return Ok(());
+    }
+    writeln!(
+        out,
+        "Workers: {} (forked by a rank, no collective of their own: not ranks)",
+        report.workers.len()
+    )?;
+    for w in &report.workers {
+        let total = w.categories.total();
+        let (name, value) = dominant(&w.categories);
+        let rank = w.rank.map_or_else(|| "?".to_owned(), |r| r.to_string());
+        writeln!(
+            out,
+            "  pid {} of rank {rank} (pid {}): {} thread(s); over the run compute {:.1}%, {} \
+             {:.1}%; {} faults",
+            w.pid,
+            w.rank_pid,
+            w.threads,
+            pct(w.categories.compute, total),
+            name,
+            pct(value, total),
+            w.faults
+        )?;
+    }
+    Ok(())
+}
+
 fn write_ranks(report: &StepsReport, out: &mut impl Write) -> io::Result<()> {
     use crate::attribute::align::{IN_ORDER, REFERENCE};
     if report.ranks.len() < 2 {

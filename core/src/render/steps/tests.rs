@@ -187,6 +187,7 @@ fn report_of(steps: Vec<Step>) -> StepsReport {
         gpu_wait_top_stacks: Vec::new(),
         communicators: Vec::new(),
         idle: Vec::new(),
+        workers: Vec::new(),
         one_rank_jobs: Vec::new(),
         ranks: vec![],
         straggler: None,

@@ -107,6 +107,7 @@ fn trace_golden() {
         gpu_wait_top_stacks: Vec::new(),
         communicators: Vec::new(),
         idle: Vec::new(),
+        workers: Vec::new(),
         one_rank_jobs: Vec::new(),
         // Regression (issue 18): the process was named "rank 0" (its position) while
         // summary.json said rank 3.
