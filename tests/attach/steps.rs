@@ -316,6 +316,94 @@ fn a_one_rank_communicator_waits_for_the_gpu() {
     );
 }
 
+/// Regression (issue 51): a script that slept before its loop had its first "steps" made
+/// of 1-s windows of the sleep (0 collectives, p99 1000 ms). The trainer sleeps 1.5 s in
+/// `pause_before_loop` after its go file: steps.json `idle` holds one stretch before the
+/// first step that covers the trainer's own pause (by its clock) and little more, its top
+/// stack names where it slept, stdout says so, and no step is longer than a few of the
+/// trainer's steps.
+#[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
+fn a_pause_before_the_loop_is_idle_not_steps() {
+    let _serial = privileged();
+    let dir = tempfile::tempdir().unwrap();
+    let go = dir.path().join("go");
+    let args = [
+        "--steps",
+        "40",
+        "--compute-us",
+        "2000",
+        "--pause-ms",
+        "1500",
+        "--go-file",
+        go.to_str().unwrap(),
+    ];
+    let trainer = Target::spawn(&fixtures().join("trainer"), &args, &[], dir.path());
+    let out = dir.path().join("out");
+    let agent = Agent::attach(trainer.child.id(), &out, &[]);
+    trainer.release();
+    let truth = trainer.finish();
+    let (code, stdout, stderr) = agent.wait_for_exit(Duration::from_secs(60));
+    assert_eq!(code, 0, "{stderr}");
+    let steps: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("steps.json")).unwrap()).unwrap();
+    let found = steps["steps"].as_array().unwrap();
+    assert!(found.len() >= 39, "{} steps", found.len());
+    let longest = found
+        .iter()
+        .map(|s| s["wall_ns"].as_u64().unwrap())
+        .max()
+        .unwrap();
+    assert!(longest < 50_000_000, "a step of {longest} ns");
+    let idle = steps["idle"].as_array().unwrap();
+    let before: Vec<&Value> = idle
+        .iter()
+        .filter(|i| i["when"] == "before the first step")
+        .collect();
+    assert_eq!(before.len(), 1, "{idle:?}");
+    let (start, end) = (
+        before[0]["start_ns"].as_u64().unwrap(),
+        before[0]["end_ns"].as_u64().unwrap(),
+    );
+    let pause = &truth["total"]["pause"];
+    let (p0, p1) = (
+        pause["start_ns"].as_u64().unwrap(),
+        pause["end_ns"].as_u64().unwrap(),
+    );
+    // From before the pause (attach, the go file) to the first step's collective, a step
+    // of compute after it.
+    assert!(
+        start <= p0 && end >= p1,
+        "idle {start}..{end}, pause {p0}..{p1}"
+    );
+    assert!(
+        end - start < (p1 - p0) + 500_000_000,
+        "idle {} ns for a pause of {} ns",
+        end - start,
+        p1 - p0
+    );
+    // Asleep in nanosleep for about the pause (frame-pointer unwinding from glibc's
+    // clock_nanosleep, which keeps none, skips its caller: the frame above is main).
+    let top = &before[0]["top_stacks"][0];
+    let stack = top["stack"].as_str().unwrap_or("");
+    assert!(
+        stack.contains(";main;") && stack.ends_with("clock_nanosleep;[blocked]"),
+        "{:?}",
+        before[0]["top_stacks"]
+    );
+    let slept = top["total_ns"].as_u64().unwrap();
+    assert!(
+        slept >= (p1 - p0) * 9 / 10 && slept <= end - start,
+        "{slept} ns asleep of a {} ns pause",
+        p1 - p0
+    );
+    assert!(
+        stdout.contains("before the first step (no collectives; mostly other_offcpu")
+            && stdout.contains("most at: clock_nanosleep"),
+        "{stdout}"
+    );
+}
+
 /// Breakdown accuracy with host-blocking collectives (the wait is inside ncclAllReduce).
 #[test]
 #[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]

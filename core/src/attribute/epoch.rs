@@ -329,7 +329,35 @@ impl Timeline {
                     wall_ns: b.saturating_sub(a),
                     when,
                     categories,
+                    top_stacks: Vec::new(),
+                    stack_ns: BTreeMap::new(),
                 }),
+            }
+        }
+    }
+
+    /// Adds the rank thread's stacks in `detail` (one epoch's) to the idle stretches they
+    /// fall in: on-CPU samples by their weight, off-CPU stretches by their overlap.
+    fn weigh_idle(&mut self, detail: &Detail) {
+        let Some(t) = detail
+            .rank_tid
+            .and_then(|tid| detail.threads.iter().find(|t| t.tid == tid))
+        else {
+            return;
+        };
+        for idle in &mut self.done.idle {
+            let (a, b) = (idle.start_ns, idle.end_ns);
+            for &(ts, stack, _, weight) in &t.samples {
+                if (a..b).contains(&ts) {
+                    *idle.stack_ns.entry((stack, 0)).or_default() += weight;
+                }
+            }
+            for off in &t.offcpu {
+                let overlap = off.end_ns.min(b).saturating_sub(off.start_ns.max(a));
+                if let (Some(stack), true) = (off.stack, overlap > 0) {
+                    let kind = if off.runnable { 1 } else { 2 };
+                    *idle.stack_ns.entry((stack, kind)).or_default() += overlap;
+                }
             }
         }
     }
@@ -443,6 +471,7 @@ impl Timeline {
         self.record_idle(idle);
         let emit = self.emit;
         let detail = self.epoch_detail(cut, until, emit);
+        self.weigh_idle(&detail);
         self.keep_or_emit(steps, detail, emit);
         self.done.lateness.retain(|(at, _, _)| *at >= until);
     }

@@ -1,6 +1,8 @@
 //! The attribution's output model: steps.json (`StepsReport`, its `Step`s), the per-thread
 //! totals, how each category was measured, and how steps are to be found.
 
+use std::collections::BTreeMap;
+
 use serde::Serialize;
 
 use super::steps::Method;
@@ -89,6 +91,13 @@ pub struct Idle {
     /// The rank thread's time in it, ns per category.
     #[serde(rename = "categories_ns")]
     pub categories: Categories,
+    /// Where the rank thread spent it, heaviest first: on-CPU stacks (sampled) and
+    /// off-CPU ones (`[blocked]`, `[preempted]`), named once stacks are symbolized.
+    pub top_stacks: Vec<BlockingStack>,
+    /// The weights those come from: ns per (stack id, 0 on-CPU / 1 preempted / 2
+    /// blocked).
+    #[serde(skip)]
+    pub stack_ns: BTreeMap<(u32, u8), u64>,
 }
 
 /// One rank's categories in a step.

@@ -523,6 +523,9 @@ impl Streamer {
                 self.failed.get_or_insert(e);
             }
         }
+        for idle in &mut report.idle {
+            idle.top_stacks = render::flamegraph::named_top(stacks, &symbols, &idle.stack_ns, 5);
+        }
         if let Some(steps) = &self.steps {
             steps.end(Box::new(report.clone()));
         }

@@ -378,6 +378,35 @@ pub fn top_stacks(
     stacks
 }
 
+/// The `n` heaviest of `weights` (ns per stack id and kind: 0 on-CPU, 1 preempted, 2
+/// blocked), named as the folded files name them, root first.
+#[must_use]
+pub fn named_top(
+    stacks: &[StackKey],
+    symbols: &Symbols,
+    weights: &BTreeMap<(u32, u8), u64>,
+    n: usize,
+) -> Vec<crate::attribute::BlockingStack> {
+    let mut heaviest: Vec<(&(u32, u8), &u64)> = weights.iter().collect();
+    heaviest.sort_by(|a, b| b.1.cmp(a.1).then_with(|| a.0.cmp(b.0)));
+    heaviest
+        .into_iter()
+        .take(n)
+        .map(|(&(stack, kind), &ns)| {
+            let mut line = stack_line(stacks, symbols, stack);
+            match kind {
+                1 => push_frame(&mut line, "[preempted]"),
+                2 => push_frame(&mut line, "[blocked]"),
+                _ => {}
+            }
+            crate::attribute::BlockingStack {
+                stack: line,
+                total_ns: ns,
+            }
+        })
+        .collect()
+}
+
 /// Samples per stack, for [`short_stack_share`]: adds `detail`'s.
 pub fn count_samples(detail: &Detail, counts: &mut BTreeMap<u32, u64>) {
     for t in &detail.threads {

@@ -390,6 +390,22 @@ fn write_idle(report: &StepsReport, out: &mut impl Write) -> io::Result<()> {
             idle.wall_ns as f64 / 1e9,
             idle.when
         )?;
+        // Its Python line where it has one, else its user frame (the stack has no thread
+        // frame of its own: one is put before it); said where it holds a tenth of the
+        // stretch or more (short off-CPU stretches have no stack by design).
+        if let Some(top) = idle
+            .top_stacks
+            .first()
+            .filter(|t| t.total_ns.saturating_mul(10) >= idle.wall_ns)
+        {
+            let at = python_line(&top.stack).map_or_else(
+                || blocked_in(&format!("thread;{}", top.stack)),
+                str::to_owned,
+            );
+            if !at.starts_with("(no user frame") {
+                writeln!(out, "    most at: {at} ({} ms)", ms(top.total_ns))?;
+            }
+        }
     }
     Ok(())
 }

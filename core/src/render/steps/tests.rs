@@ -315,6 +315,11 @@ fn idle_on_stdout_with_what_it_held() {
         wall_ns: 2_000_000_000,
         when: "before the first step",
         categories: sleep,
+        top_stacks: vec![crate::attribute::BlockingStack {
+            stack: "main;load (train.py:12);time.sleep;clock_nanosleep;[blocked]".into(),
+            total_ns: 1_400_000_000,
+        }],
+        stack_ns: std::collections::BTreeMap::new(),
     }];
     let mut out = Vec::new();
     write_table(&report, &StepTable::of(&report.steps), &mut out).unwrap();
@@ -322,7 +327,7 @@ fn idle_on_stdout_with_what_it_held() {
     assert!(
         text.contains(
             "  idle, not a step: 2.000 s before the first step (no collectives; mostly \
-             other_offcpu 75%; steps.json idle)\n"
+             other_offcpu 75%; steps.json idle)\n    most at: load (train.py:12) (1400.000 ms)\n"
         ),
         "{text}"
     );
