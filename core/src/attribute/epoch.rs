@@ -288,6 +288,7 @@ impl Timeline {
         let mut walls: Vec<u64> = bounds.iter().map(|(a, b)| b.saturating_sub(*a)).collect();
         walls.sort_unstable();
         let long = 2u64.saturating_mul(walls[walls.len() / 2]);
+        let pauses = pauses_between(bounds, &colls, walls[walls.len() / 2], first_step);
         let mut out = Vec::new();
         // Up to the first collective (the first step's may begin before its bound), from
         // the last one's return.
@@ -299,6 +300,7 @@ impl Timeline {
         if first_step && first.saturating_sub(cut) > long {
             out.push((cut, first, "before the first step"));
         }
+        out.extend(pauses);
         if end && until.saturating_sub(last) > long && quiet(last, until) {
             out.push((last, until, "after the last step"));
         }
@@ -649,6 +651,51 @@ impl Timeline {
         };
         (report, detail)
     }
+}
+
+/// A pause between steps is idle from this long on, or ten median steps if longer: a
+/// stall of the step's own (its data late) is part of it; an evaluation or a checkpoint
+/// is not.
+const PAUSE_MIN_NS: u64 = 1_000_000_000;
+
+/// The pauses between the steps in `bounds` (evaluation, a checkpoint): a step whose first
+/// collective comes a pause later after its start than the steps' median lead starts that
+/// median lead before it (its bound moved), and the stretch before it is idle. The first
+/// step of the run is left to the stretch before it.
+fn pauses_between(
+    bounds: &mut [(u64, u64)],
+    colls: &[Collective],
+    median_wall: u64,
+    first_step: bool,
+) -> Vec<(u64, u64, &'static str)> {
+    let lead = |&(a, b): &(u64, u64)| {
+        let i = colls.partition_point(|c| c.start_ns < a);
+        colls
+            .get(i)
+            .filter(|c| c.start_ns < b)
+            .map(|c| c.start_ns - a)
+    };
+    let mut leads: Vec<u64> = bounds.iter().filter_map(lead).collect();
+    if leads.is_empty() {
+        return Vec::new();
+    }
+    leads.sort_unstable();
+    let usual = leads[leads.len() / 2];
+    let pause = PAUSE_MIN_NS.max(median_wall.saturating_mul(10));
+    let mut out = Vec::new();
+    for (i, bound) in bounds.iter_mut().enumerate() {
+        if i == 0 && first_step {
+            continue;
+        }
+        if let Some(l) = lead(bound)
+            && l > usual.saturating_add(pause)
+        {
+            let start = bound.0 + (l - usual);
+            out.push((bound.0, start, "between steps"));
+            bound.0 = start;
+        }
+    }
+    out
 }
 
 /// Appends `old` to a tail kept at most `max` long.

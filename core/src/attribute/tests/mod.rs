@@ -685,8 +685,23 @@ fn training(from: u64, to: u64) -> Vec<Event> {
 /// before any step is found) or at once.
 #[test]
 fn idle_is_not_a_step() {
+    // The first sleep's switches out each with the stack they left with.
+    let asleep = |ts: u64| Event::OffCpu {
+        ts_ns: ts,
+        task: task(10),
+        kstack: vec![0xffff_0000_0000_1000],
+        ustack: vec![0x4000_1234, 0x4000_0100],
+    };
     let events: Vec<Event> = sleeping(0, 3_000_000_000)
         .into_iter()
+        .flat_map(|e| match e {
+            Event::Switch {
+                ts_ns,
+                prev_is_target: true,
+                ..
+            } => vec![asleep(ts_ns), e],
+            e => vec![e],
+        })
         .chain(training(3_000_000_000, 3_400_000_000))
         .chain(sleeping(3_400_000_000, 5_400_000_000))
         .collect();
@@ -725,6 +740,13 @@ fn idle_is_not_a_step() {
         let before = &report.idle[0];
         assert_eq!(before.categories.total(), before.wall_ns);
         assert!(before.categories.other_offcpu > 2_000_000_000, "{before:?}");
+        // Where it slept: one stack, blocked, for all 9 ms of each 10 the sleep was off-CPU.
+        let stacks: Vec<(u8, u64)> = before
+            .stack_ns
+            .iter()
+            .map(|((_, k), ns)| (*k, *ns))
+            .collect();
+        assert_eq!(stacks, [(2, 300 * 9_000_000)], "epochs of {epoch_events}");
     }
     // Nothing but sleep: no step at all.
     let mut tl = Timeline::new(&Setup::from(&header()));
@@ -811,4 +833,45 @@ fn forked_workers_are_not_ranks() {
     let w11 = &report.workers[0];
     assert_eq!(w11.threads, 1);
     assert_eq!(w11.categories.other_offcpu, 40 * 2_000, "{w11:?}");
+}
+
+/// Regression (issue 51): a pause between steps (an evaluation, a checkpoint: no
+/// collectives) was one long step. Steps of 10 ms, a 2-s sleep after the 40th, 40 more:
+/// the sleep is idle `between steps`, no step is longer than a step, whether attributed at
+/// once or in epochs; a late start of 0.5 s (a stall of the step's own) stays in its step.
+#[test]
+fn a_pause_between_steps_is_idle() {
+    let run = |pause: u64, epoch_events: u64| {
+        let events: Vec<Event> = training(0, 400_000_000)
+            .into_iter()
+            .chain(sleeping(400_000_000, 400_000_000 + pause))
+            .chain(training(400_000_000 + pause, 800_000_000 + pause))
+            .collect();
+        let mut tl = Timeline::new(&Setup::from(&header()));
+        tl.stream(StepRule::Auto, epoch_events);
+        for e in &events {
+            tl.push(e);
+        }
+        tl.finish(800_000_000 + pause, StepRule::Auto).0
+    };
+    for epoch_events in [0, 50] {
+        let report = run(2_000_000_000, epoch_events);
+        let longest = report.steps.iter().map(|s| s.wall_ns).max().unwrap();
+        assert!(longest <= 10_000_000, "epochs of {epoch_events}: {longest}");
+        let between: Vec<u64> = report
+            .idle
+            .iter()
+            .filter(|i| i.when == "between steps")
+            .map(|i| i.wall_ns / 100_000_000)
+            .collect();
+        assert_eq!(between, [20], "epochs of {epoch_events}: {:?}", report.idle);
+        assert!(report.steps.len() >= 78, "{}", report.steps.len());
+    }
+    let stalled = run(500_000_000, 0);
+    assert!(
+        stalled.idle.iter().all(|i| i.when != "between steps"),
+        "{:?}",
+        stalled.idle
+    );
+    assert!(stalled.steps.iter().any(|s| s.wall_ns > 500_000_000));
 }
