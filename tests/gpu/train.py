@@ -37,13 +37,7 @@ def main():
     p.add_argument("--pause-ms", type=int, default=0)
     a = p.parse_args()
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    dev = torch.device("cuda:0")
-    torch.cuda.set_device(dev)
-    dist.init_process_group("nccl", rank=0, world_size=1, device_id=dev)
+    dev = one_rank_world()
 
     layers = []
     for _ in range(6):
@@ -73,16 +67,7 @@ def main():
         opt.step()
         return loss.item()
 
-    for _ in range(a.warmup):
-        step()
-    torch.cuda.synchronize()
-    print(json.dumps({"ready": True, "pid": os.getpid()}), flush=True)
-    if a.go_file:
-        while not os.path.exists(a.go_file):
-            time.sleep(0.001)
-    # A pause before the loop, as scripts load data or sleep: no collectives, not a step.
-    pause_ns = (time.monotonic_ns(), a.pause_ms * 1_000_000)
-    time.sleep(a.pause_ms / 1e3)
+    pause_ns = (warm_then_wait(step, a.warmup, a.go_file, a.pause_ms), a.pause_ms * 1_000_000)
     counted["allreduce"] = 0
     times = []
     log = open(a.step_log, "a", buffering=1 << 16) if a.step_log else None
@@ -108,6 +93,36 @@ def main():
         "nccl": ".".join(map(str, torch.cuda.nccl.version())),
     }), flush=True)
     dist.destroy_process_group()
+
+
+def warm_then_wait(step, warmup, go_file, pause_ms):
+    """Runs `warmup` steps (NCCL and CUDA init), prints "ready", waits for `go_file` (so
+    nccltrace attaches to a running job), then sleeps `pause_ms` (a pause before the loop,
+    as scripts load data or sleep: no collectives, not a step); returns when the pause
+    began (CLOCK_MONOTONIC ns)."""
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    print(json.dumps({"ready": True, "pid": os.getpid()}), flush=True)
+    if go_file:
+        while not os.path.exists(go_file):
+            time.sleep(0.001)
+    start = time.monotonic_ns()
+    time.sleep(pause_ms / 1e3)
+    return start
+
+
+def one_rank_world():
+    """Joins a process group of one rank on GPU 0 (NCCL backend), its rendezvous its own
+    unless the environment names one; returns the device."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    dev = torch.device("cuda:0")
+    torch.cuda.set_device(dev)
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=dev)
+    return dev
 
 
 def profiled(step, n):
