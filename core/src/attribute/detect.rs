@@ -15,11 +15,8 @@ impl Timeline {
     /// DDP issues its all-reduces from the autograd thread, but `.item()` syncs on the
     /// main one), else the thread issuing the most collectives.
     pub(super) fn choose_rank(&self) -> Option<(u32, u32)> {
-        let mut per_pid: BTreeMap<u32, u64> = BTreeMap::new();
-        for log in self.threads.values() {
-            *per_pid.entry(log.pid).or_default() += log.total_collectives;
-        }
-        let pid = per_pid
+        let pid = self
+            .collectives_by_pid()
             .iter()
             .filter(|(_, n)| **n > 0)
             .max_by_key(|(pid, n)| (**n, std::cmp::Reverse(**pid)))
@@ -29,6 +26,15 @@ impl Timeline {
             .filter(|(_, l)| l.pid == pid)
             .max_by_key(|(tid, l)| (l.total_syncs, l.total_collectives, std::cmp::Reverse(**tid)))
             .map(|(tid, _)| (*tid, pid))
+    }
+
+    /// Each process's collectives over the run so far, from all its threads.
+    fn collectives_by_pid(&self) -> BTreeMap<u32, u64> {
+        let mut per_pid: BTreeMap<u32, u64> = BTreeMap::new();
+        for log in self.threads.values() {
+            *per_pid.entry(log.pid).or_default() += log.total_collectives;
+        }
+        per_pid
     }
 
     /// A process's training-loop thread over the run so far: the one that waits on the
@@ -189,10 +195,7 @@ impl Timeline {
     /// yet, for the eldest traced ancestor that its environment names a rank (the workers
     /// inherit the variable, so theirs says nothing).
     pub(super) fn workers(&self) -> BTreeMap<u32, u32> {
-        let mut issued: BTreeMap<u32, u64> = BTreeMap::new();
-        for log in self.threads.values() {
-            *issued.entry(log.pid).or_default() += log.total_collectives;
-        }
+        let issued = self.collectives_by_pid();
         let issued = |pid: u32| issued.get(&pid).copied().unwrap_or(0) > 0;
         let traced = |pid: u32| self.target_pids.contains(&pid);
         let mut out = BTreeMap::new();
