@@ -287,8 +287,9 @@ impl Timeline {
         };
         let mut walls: Vec<u64> = bounds.iter().map(|(a, b)| b.saturating_sub(*a)).collect();
         walls.sort_unstable();
-        let long = 2u64.saturating_mul(walls[walls.len() / 2]);
-        let pauses = pauses_between(bounds, &colls, walls[walls.len() / 2], first_step);
+        let median = walls[walls.len() / 2];
+        let long = 2u64.saturating_mul(median);
+        let pauses = pauses_between(bounds, &colls, median, first_step);
         let mut out = Vec::new();
         // Up to the first collective (the first step's may begin before its bound), from
         // the last one's return.
