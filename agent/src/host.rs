@@ -158,23 +158,24 @@ impl Host {
     /// `/proc/PID` exists and is not a zombie.
     #[must_use]
     pub fn process_alive(&self, pid: u32) -> bool {
-        let Some(stat) = self.read(&format!("proc/{pid}/stat")) else {
-            return false;
-        };
-        // The state follows the parenthesised comm, which may itself hold ')'.
-        let state = stat
-            .rsplit_once(')')
-            .and_then(|(_, rest)| rest.trim_start().chars().next());
+        let state = self
+            .stat_fields(pid)
+            .and_then(|f| f.first().and_then(|s| s.chars().next()));
         !matches!(state, Some('Z' | 'X') | None)
+    }
+
+    /// The fields of `/proc/PID/stat` after the parenthesised comm (which may itself hold
+    /// ')'): the state first.
+    fn stat_fields(&self, pid: u32) -> Option<Vec<String>> {
+        let stat = self.read(&format!("proc/{pid}/stat"))?;
+        let (_, rest) = stat.rsplit_once(')')?;
+        Some(rest.split_whitespace().map(str::to_owned).collect())
     }
 
     /// The process's parent (`/proc/PID/stat`'s fourth field).
     #[must_use]
     pub fn parent_pid(&self, pid: u32) -> Option<u32> {
-        let stat = self.read(&format!("proc/{pid}/stat"))?;
-        // The fields follow the parenthesised comm, which may itself hold ')'.
-        let (_, rest) = stat.rsplit_once(')')?;
-        rest.split_whitespace().nth(1)?.parse().ok()
+        self.stat_fields(pid)?.get(1)?.parse().ok()
     }
 
     /// Peak resident memory (`VmHWM` in status), in KiB.
