@@ -301,8 +301,7 @@ impl Weights {
                 line.push_str(frames);
             }
             match suffix {
-                1 => push_frame(&mut line, "[preempted]"),
-                2 => push_frame(&mut line, "[blocked]"),
+                1 | 2 => push_frame(&mut line, offcpu_frame(suffix == 1)),
                 CALL_SUFFIX.. => {
                     let name =
                         Func::from_id(suffix - CALL_SUFFIX).map_or("call", |f| f.symbols()[0]);
@@ -378,6 +377,15 @@ pub fn top_stacks(
     stacks
 }
 
+/// The pseudo-frame that ends an off-CPU stack: preempted (still runnable) or blocked.
+fn offcpu_frame(preempted: bool) -> &'static str {
+    if preempted {
+        "[preempted]"
+    } else {
+        "[blocked]"
+    }
+}
+
 /// The `n` heaviest of `weights` (ns per stack id and kind: 0 on-CPU, 1 preempted, 2
 /// blocked), named as the folded files name them, root first.
 #[must_use]
@@ -394,10 +402,8 @@ pub fn named_top(
         .take(n)
         .map(|(&(stack, kind), &ns)| {
             let mut line = stack_line(stacks, symbols, stack);
-            match kind {
-                1 => push_frame(&mut line, "[preempted]"),
-                2 => push_frame(&mut line, "[blocked]"),
-                _ => {}
+            if kind > 0 {
+                push_frame(&mut line, offcpu_frame(kind == 1));
             }
             crate::attribute::BlockingStack {
                 stack: line,
