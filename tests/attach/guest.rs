@@ -206,6 +206,8 @@ fn remote_memory_far_and_near() {
 /// migrations in the step where it happened, and not before. With balancing off (the
 /// doctor's advice) there are no hinting faults: `remote_memory` comes from resident pages
 /// where a numa_maps reading fell in the short run, else it is null and says why.
+/// The call took 0.3 to 3 s under emulation: one of a second or more is a pause between
+/// steps (idle, not a step), and its pages are counted in that idle stretch instead.
 #[test]
 #[ignore = "runs in a two-node QEMU guest: cargo xtask vm-test"]
 fn migrate_pages_in_their_step() {
@@ -242,9 +244,25 @@ fn migrate_pages_in_their_step() {
         .iter()
         .map(|s| s["numa_page_migrations"].as_u64().unwrap())
         .collect();
+    // The pause the call made, if it made one: between our steps 4 and 5.
+    let at = |s: &Value, k: &str| s[k].as_u64().unwrap();
+    let paused: u64 = steps["idle"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|i| at(i, "start_ns") >= at(&found[4], "end_ns"))
+        .filter(|i| at(i, "end_ns") <= at(&found[5], "start_ns"))
+        .map(|i| at(i, "numa_page_migrations"))
+        .sum();
+    eprintln!(
+        "the trainer's step 6: {} ms; pages moved in our step 5 {}, in a pause before it {paused}",
+        at(&truth[6], "wall_ns") / 1_000_000,
+        migrations[5]
+    );
     assert!(
-        migrations[5] >= moved,
-        "{migrations:?}: {moved} pages moved in step 5"
+        migrations[5] + paused >= moved,
+        "{migrations:?}, {paused} in a pause: {moved} pages moved in step 5; idle: {}",
+        steps["idle"]
     );
     assert!(
         migrations[..5].iter().all(|m| *m < 64),

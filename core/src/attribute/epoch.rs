@@ -312,11 +312,14 @@ impl Timeline {
     /// each; one that continues the previous extends it.
     fn record_idle(&mut self, stretches: Vec<(u64, u64, &'static str)>) {
         for (a, b, when) in stretches {
-            let categories = self
+            let (categories, (faults, pages)) = self
                 .done
                 .rank
-                .and_then(|(tid, _)| self.threads.get(&tid))
-                .map(|log| super::cut::categories(log, a, b))
+                .and_then(|(tid, _)| Some((tid, self.threads.get(&tid)?)))
+                .map(|(tid, log)| {
+                    let moved = self.faults_and_page_moves(log, tid, a, b);
+                    (super::cut::categories(log, a, b), moved)
+                })
                 .unwrap_or_default();
             match self.done.idle.last_mut() {
                 // The run's start and its end met: one stretch, named by the later.
@@ -325,6 +328,8 @@ impl Timeline {
                     last.end_ns = b;
                     last.wall_ns = b.saturating_sub(last.start_ns);
                     last.categories.add(&categories);
+                    last.faults += faults;
+                    last.numa_page_migrations += pages;
                 }
                 _ => self.done.idle.push(super::Idle {
                     start_ns: a,
@@ -332,6 +337,8 @@ impl Timeline {
                     wall_ns: b.saturating_sub(a),
                     when,
                     categories,
+                    faults,
+                    numa_page_migrations: pages,
                     top_stacks: Vec::new(),
                     stack_ns: BTreeMap::new(),
                 }),

@@ -91,6 +91,10 @@ pub struct Idle {
     /// The rank thread's time in it, ns per category.
     #[serde(rename = "categories_ns")]
     pub categories: Categories,
+    /// The rank thread's page faults in it, and the pages the kernel moved between NUMA
+    /// nodes for it (a `migrate_pages()` call, balancing): counted as a step's are.
+    pub faults: u64,
+    pub numa_page_migrations: u64,
     /// Where the rank thread spent it, heaviest first: on-CPU stacks (sampled) and
     /// off-CPU ones (`[blocked]`, `[preempted]`), named once stacks are symbolized.
     pub top_stacks: Vec<BlockingStack>,

@@ -473,6 +473,26 @@ impl Timeline {
             .collect()
     }
 
+    /// Thread `tid`'s page faults in [a, b), and the pages moved between nodes for it.
+    pub(super) fn faults_and_page_moves(
+        &self,
+        log: &ThreadLog,
+        tid: u32,
+        a: u64,
+        b: u64,
+    ) -> (u64, u64) {
+        let faults =
+            log.faults.partition_point(|t| *t < b) - log.faults.partition_point(|t| *t < a);
+        let lo = self.page_migrations.partition_point(|m| m.1 < a);
+        let hi = self.page_migrations.partition_point(|m| m.1 < b).max(lo);
+        let pages = self.page_migrations[lo..hi]
+            .iter()
+            .filter(|(t, _, _)| *t == tid)
+            .map(|(_, _, n)| n)
+            .sum();
+        (faults as u64, pages)
+    }
+
     /// One step of the rank thread.
     pub(super) fn step(
         &self,
@@ -485,10 +505,6 @@ impl Timeline {
     ) -> Step {
         // Sorted by time: each step looks at its own stretch only.
         let within = |lo: usize, hi: usize| lo..hi.max(lo);
-        let page_migrations = &self.page_migrations[within(
-            self.page_migrations.partition_point(|m| m.1 < a),
-            self.page_migrations.partition_point(|m| m.1 < b),
-        )];
         let numa_moves = &self.numa_moves[within(
             self.numa_moves.partition_point(|m| m.1 < a),
             self.numa_moves.partition_point(|m| m.1 < b),
@@ -502,8 +518,7 @@ impl Timeline {
                 collectives: n.collectives + 1,
                 bytes: n.bytes.saturating_add(c.bytes),
             });
-        let faults =
-            log.faults.partition_point(|t| *t < b) - log.faults.partition_point(|t| *t < a);
+        let (faults, page_migrations) = self.faults_and_page_moves(log, tid, a, b);
         let lo = log.migrations.partition_point(|m| m.0 < a);
         let migrations = &log.migrations[lo..log.migrations.partition_point(|m| m.0 < b).max(lo)];
         Step {
@@ -513,14 +528,10 @@ impl Timeline {
             wall_ns: b - a,
             categories: categories(log, a, b),
             nccl,
-            faults: faults as u64,
+            faults,
             migrations: migrations.len() as u64,
             cross_node_migrations: migrations.iter().filter(|(_, x)| *x).count() as u64,
-            numa_page_migrations: page_migrations
-                .iter()
-                .filter(|(t, _, _)| *t == tid)
-                .map(|(_, _, n)| n)
-                .sum(),
+            numa_page_migrations: page_migrations,
             slowest_rank: None,
             ranks: Vec::new(),
             numa_task_moves: numa_moves.iter().filter(|(t, _)| *t == tid).count() as u64,

@@ -842,9 +842,20 @@ fn forked_workers_are_not_ranks() {
 #[test]
 fn a_pause_between_steps_is_idle() {
     let run = |pause: u64, epoch_events: u64| {
+        // Pages moved in the pause (a long `migrate_pages()` call reads as one): counted
+        // in it, in no step.
+        let moved = Event::PageMigration {
+            ts_ns: 400_000_000 + pause / 2,
+            task: task(10),
+            succeeded: 2048,
+            failed: 0,
+            mode: 0,
+            reason: 0,
+        };
         let events: Vec<Event> = training(0, 400_000_000)
             .into_iter()
             .chain(sleeping(400_000_000, 400_000_000 + pause))
+            .chain([moved])
             .chain(training(400_000_000 + pause, 800_000_000 + pause))
             .collect();
         let mut tl = Timeline::new(&Setup::from(&header()));
@@ -866,6 +877,15 @@ fn a_pause_between_steps_is_idle() {
             .collect();
         assert_eq!(between, [20], "epochs of {epoch_events}: {:?}", report.idle);
         assert!(report.steps.len() >= 78, "{}", report.steps.len());
+        let pages = |i: &crate::attribute::Idle| (i.when, i.numa_page_migrations);
+        assert!(
+            report
+                .idle
+                .iter()
+                .map(pages)
+                .any(|p| p == ("between steps", 2048))
+        );
+        assert!(report.steps.iter().all(|s| s.numa_page_migrations == 0));
     }
     let stalled = run(500_000_000, 0);
     assert!(
@@ -874,4 +894,6 @@ fn a_pause_between_steps_is_idle() {
         stalled.idle
     );
     assert!(stalled.steps.iter().any(|s| s.wall_ns > 500_000_000));
+    let in_steps: u64 = stalled.steps.iter().map(|s| s.numa_page_migrations).sum();
+    assert_eq!(in_steps, 2048);
 }

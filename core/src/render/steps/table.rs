@@ -384,9 +384,15 @@ fn write_idle(report: &StepsReport, out: &mut impl Write) -> io::Result<()> {
                 )
             })
             .unwrap_or_default();
+        // Pages moved between nodes are the one count said here: a `migrate_pages()`
+        // call of a second or more between steps reads as a pause.
+        let moved = match idle.numa_page_migrations {
+            0 => String::new(),
+            n => format!("{n} pages moved between NUMA nodes; "),
+        };
         writeln!(
             out,
-            "  idle, not a step: {:.3} s {} (no collectives; {mostly}steps.json idle)",
+            "  idle, not a step: {:.3} s {} (no collectives; {mostly}{moved}steps.json idle)",
             idle.wall_ns as f64 / 1e9,
             idle.when
         )?;

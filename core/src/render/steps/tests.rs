@@ -315,6 +315,8 @@ fn idle_on_stdout_with_what_it_held() {
         wall_ns: 2_000_000_000,
         when: "before the first step",
         categories: sleep,
+        faults: 0,
+        numa_page_migrations: 2048,
         top_stacks: vec![crate::attribute::BlockingStack {
             stack: "main;load (train.py:12);time.sleep;clock_nanosleep;[blocked]".into(),
             total_ns: 1_400_000_000,
@@ -327,7 +329,7 @@ fn idle_on_stdout_with_what_it_held() {
     assert!(
         text.contains(
             "  idle, not a step: 2.000 s before the first step (no collectives; mostly \
-             other_offcpu 75%; steps.json idle)\n    most at: load (train.py:12) (1400.000 ms)\n"
+             other_offcpu 75%; 2048 pages moved between NUMA nodes; steps.json idle)\n    most at: load (train.py:12) (1400.000 ms)\n"
         ),
         "{text}"
     );
