@@ -210,6 +210,65 @@ fn ranks_of_two_jobs_are_matched_apart() {
     }
 }
 
+/// Issue 51: two jobs of three ranks side by side with nothing in their environment to tell
+/// them apart (no launcher's job id or rendezvous), each rank making its communicator
+/// after the agent attached: the unique id its `ncclCommInitRank` names groups the ranks
+/// into jobs, each matched on its own with its own straggler. Without it the six were
+/// one job and one straggler for both.
+#[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
+fn jobs_told_apart_by_their_unique_ids() {
+    let _serial = privileged();
+    let dir = tempfile::tempdir().unwrap();
+    let late = ["--init-after-go"];
+    let (mut trainers, shm_a) =
+        straggler_job_named(dir.path(), "20", &late, "a", &[("FAKE_NCCL_UID", "job a")]);
+    let (job_b, shm_b) =
+        straggler_job_named(dir.path(), "20", &late, "b", &[("FAKE_NCCL_UID", "job b")]);
+    trainers.extend(job_b);
+    let pids: Vec<u32> = trainers.iter().map(|t| t.child.id()).collect();
+    let out = dir.path().join("out");
+    let agent = Agent::attach_many(&pids, &out, &["--profile", "minimal"]);
+    std::fs::write(dir.path().join("go"), b"").unwrap();
+    for t in trainers {
+        t.finish();
+    }
+    let (code, stdout, stderr) = agent.wait_for_exit(Duration::from_secs(60));
+    for shm in [shm_a, shm_b] {
+        let _ = std::fs::remove_file(format!("/dev/shm{shm}"));
+    }
+    assert_eq!(code, 0, "{stderr}");
+    let summary: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    assert!(summary["straggler"].is_null(), "{:#}", summary["straggler"]);
+    let by_job = summary["stragglers_by_job"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no stragglers_by_job: {summary:#}"));
+    let got: Vec<(u64, &str)> = by_job
+        .iter()
+        .map(|s| (s["pid"].as_u64().unwrap(), s["job"].as_str().unwrap_or("")))
+        .collect();
+    assert_eq!(got.len(), 2, "{by_job:#?}");
+    let mut late_ranks: Vec<u64> = got.iter().map(|g| g.0).collect();
+    late_ranks.sort_unstable();
+    assert_eq!(late_ranks, [pids[1], pids[4]].map(u64::from), "{by_job:#?}");
+    assert!(
+        got.iter().all(|g| g.1.starts_with("ncclUniqueId 0x")),
+        "{by_job:#?}"
+    );
+    assert_ne!(got[0].1, got[1].1);
+    for s in by_job {
+        let late = s["mean_lateness_ns"].as_u64().unwrap();
+        assert!(late > 100_000 && late < 10_000_000, "{s:#}");
+        let line = format!(
+            "  straggler of {}: rank 1 (pid {}): ",
+            s["job"].as_str().unwrap(),
+            s["pid"]
+        );
+        assert!(stdout.contains(&line), "{line} not in {stdout}");
+    }
+}
+
 /// Three ranks already running, rank 1 sleeping 20 ms before each step's collectives while
 /// the others wait for it inside the first (the stand-in's collectives return once all
 /// three arrived): the agent arms the probes at some instant of that wait nearly every

@@ -21,6 +21,9 @@ impl Timeline {
             && c.ret == Some(0)
         {
             self.comms.created(c.task.tgid, comm, nranks, c.rank());
+            if let Some(id) = c.comm_id() {
+                self.done.matcher.shares(c.task.tgid, id);
+            }
         }
         if c.func.is_collective()
             && let Some(comm) = c.comm

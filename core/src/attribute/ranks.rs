@@ -8,8 +8,9 @@
 //! until then; those waits are charged to the last rank. The straggler is the rank charged
 //! the most.
 //!
-//! Only ranks of one job are matched: processes that a launcher started in different jobs
-//! (their environment names different jobs or rendezvous, [`Matcher::job`]) share no
+//! Only ranks of one job are matched: processes that share no communicator (their
+//! `ncclCommInitRank` calls, where seen, name different unique ids, [`Matcher::shares`];
+//! else their environment names different jobs or rendezvous, [`Matcher::job`]) share no
 //! collective, and matching them would charge one job's ranks with the other's pace. Each
 //! job gets its own straggler.
 //!
@@ -70,8 +71,9 @@ pub struct Straggler {
     pub share_of_waits: f64,
     /// Mean of its arrival minus the earliest arrival, over matched collectives.
     pub mean_lateness_ns: u64,
-    /// The job its ranks were matched in, as their environment names it (a launcher's
-    /// job id and rendezvous); absent where no traced process named one.
+    /// The job its ranks were matched in: the least unique id of the communicators they
+    /// were seen to make together (`ncclUniqueId 0x…`), and as their environment names it
+    /// (a launcher's job id and rendezvous); absent where neither named one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub job: Option<String>,
 }
@@ -145,6 +147,11 @@ pub struct Matcher {
     total: BTreeMap<String, u64>,
     /// The job of each pid that named one ([`Matcher::job`]); the others are one job, "".
     jobs: BTreeMap<u32, String>,
+    /// The unique ids of the communicators each pid was seen to make ([`Matcher::shares`]).
+    ids: BTreeMap<u32, BTreeSet<u64>>,
+    /// The job of each pid with a seen id: the pids linked to it through shared ids, named
+    /// by their least id (and the environment's job, where it names one).
+    id_jobs: BTreeMap<u32, String>,
     /// Per pid and communicator (in first-use order) not lined up yet: its first
     /// collectives on it.
     probes: BTreeMap<(u32, usize), Vec<Seen>>,
@@ -167,8 +174,49 @@ impl Matcher {
         self.jobs.insert(pid, job.to_owned());
     }
 
+    /// `pid` made a communicator of unique id `id` (its `ncclCommInitRank` seen): it is one
+    /// job with every pid that made one of the same id, and with theirs in turn (tensor-
+    /// and data-parallel groups link a job's ranks), apart from the pids that share none —
+    /// whatever their environment says (two launches in one Slurm allocation share its job
+    /// id, not their communicators).
+    pub fn shares(&mut self, pid: u32, id: u64) {
+        if !self.ids.entry(pid).or_default().insert(id) {
+            return;
+        }
+        // The pids linked to `pid`, by a walk over shared ids (a job's ranks and groups:
+        // few of each).
+        let mut linked = BTreeSet::from([pid]);
+        let mut ids = self.ids[&pid].clone();
+        loop {
+            let more: Vec<u32> = self
+                .ids
+                .iter()
+                .filter(|(p, theirs)| !linked.contains(*p) && !theirs.is_disjoint(&ids))
+                .map(|(p, _)| *p)
+                .collect();
+            if more.is_empty() {
+                break;
+            }
+            for p in more {
+                ids.extend(self.ids[&p].iter().copied());
+                linked.insert(p);
+            }
+        }
+        let least = ids.first().copied().unwrap_or(id);
+        for p in linked {
+            let name = match self.jobs.get(&p) {
+                Some(env) => format!("{env}, ncclUniqueId {least:#018x}"),
+                None => format!("ncclUniqueId {least:#018x}"),
+            };
+            self.id_jobs.insert(p, name);
+        }
+    }
+
     fn job_of(&self, pid: u32) -> &str {
-        self.jobs.get(&pid).map_or("", String::as_str)
+        self.id_jobs
+            .get(&pid)
+            .or_else(|| self.jobs.get(&pid))
+            .map_or("", String::as_str)
     }
 
     /// `pids` (sorted, each once) by job.
@@ -372,7 +420,11 @@ impl Matcher {
         let waits: u64 = arrivals.values().map(|t| last - t).sum();
         *self.charged.entry(last_pid).or_default() += waits;
         // The job's name is copied only the first time it is charged.
-        let job = self.jobs.get(&last_pid).map_or("", String::as_str);
+        let job = self
+            .id_jobs
+            .get(&last_pid)
+            .or_else(|| self.jobs.get(&last_pid))
+            .map_or("", String::as_str);
         match self.total.get_mut(job) {
             Some(total) => *total += waits,
             None => {

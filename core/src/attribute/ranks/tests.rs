@@ -337,3 +337,64 @@ fn identities() {
     assert_eq!(ids[1].rank_source, "environment LOCAL_RANK");
     assert_eq!((ids[2].rank, ids[2].rank_source.as_str()), (2, "pid order"));
 }
+
+/// Issue 51: processes are one job where they made communicators of one unique id, linked
+/// through every group they share (ranks 0–3: tensor-parallel pairs {0,1} {2,3} and
+/// data-parallel pairs {0,2} {1,3} are one job), and apart where they share none — even
+/// where their environment names one job (two launches in one Slurm allocation). Each
+/// job is matched on its own and names its own straggler.
+#[test]
+fn jobs_from_the_communicators_they_share() {
+    let mut m = Matcher::default();
+    for pid in [100, 101, 102, 103, 200, 201] {
+        m.job(pid, "SLURM_JOB_ID=7");
+    }
+    for (pid, id) in [(100, 10), (101, 10), (102, 11), (103, 11)] {
+        m.shares(pid, id);
+    }
+    for (pid, id) in [
+        (100, 12),
+        (102, 12),
+        (101, 13),
+        (103, 13),
+        (200, 20),
+        (201, 20),
+    ] {
+        m.shares(pid, id);
+    }
+    let names: BTreeSet<&str> = [100, 101, 102, 103].map(|p| m.job_of(p)).into();
+    assert_eq!(
+        names,
+        BTreeSet::from(["SLURM_JOB_ID=7, ncclUniqueId 0x000000000000000a"])
+    );
+    assert_eq!(
+        m.job_of(200),
+        "SLURM_JOB_ID=7, ncclUniqueId 0x0000000000000014"
+    );
+    // The late rank of each: 101 (300 µs), 201 (50 µs); the jobs at different paces.
+    let ms = 1_000_000;
+    let coll = |t: u64| Collective {
+        func: Func::AllReduce,
+        bytes: 4,
+        start_ns: t,
+        end_ns: t + 400_000,
+        comm: 1,
+    };
+    for i in 0..20u64 {
+        for (pid, late) in [(100, 0), (101, 300_000), (102, 0), (103, 0)] {
+            m.add(pid, &coll(i * ms + late));
+        }
+        m.add(200, &coll(i * 3 * ms));
+        m.add(201, &coll(i * 3 * ms + 50_000));
+    }
+    m.finishing();
+    let matched = m.matched();
+    assert_eq!(matched.len(), 40);
+    let ids = identify(
+        &[100, 101, 102, 103, 200, 201],
+        &BTreeMap::new(),
+        &BTreeMap::new(),
+    );
+    let got: Vec<u32> = m.stragglers(&ids).iter().map(|s| s.pid).collect();
+    assert_eq!(got, [101, 201]);
+}
