@@ -270,7 +270,10 @@ impl Timeline {
         let colls = rank.map_or_else(Vec::new, |(_, pid)| self.process_collectives(pid, false));
         let quiet = |a: u64, b: u64| !colls.iter().any(|c| (a..b).contains(&c.start_ns));
         if !found {
-            if !quiet(cut, until) {
+            // Before any step was found, collectives that repeat as no step does are cut
+            // in 1 s windows, the run's fallback. Once steps were found, such a stretch is
+            // not one of them (no windows among them): like a pause, with its collectives.
+            if !quiet(cut, until) && !bounds.is_empty() {
                 return Vec::new();
             }
             bounds.clear();
@@ -312,6 +315,14 @@ impl Timeline {
     /// each; one that continues the previous extends it.
     fn record_idle(&mut self, stretches: Vec<(u64, u64, &'static str)>) {
         for (a, b, when) in stretches {
+            let collectives = self.done.rank.map_or(0, |(_, pid)| {
+                self.threads
+                    .values()
+                    .filter(|l| l.pid == pid)
+                    .flat_map(|l| &l.collectives)
+                    .filter(|c| (a..b).contains(&c.start_ns))
+                    .count() as u64
+            });
             let (categories, (faults, pages)) = self
                 .done
                 .rank
@@ -330,6 +341,7 @@ impl Timeline {
                     last.categories.add(&categories);
                     last.faults += faults;
                     last.numa_page_migrations += pages;
+                    last.collectives += collectives;
                 }
                 _ => self.done.idle.push(super::Idle {
                     start_ns: a,
@@ -339,6 +351,7 @@ impl Timeline {
                     categories,
                     faults,
                     numa_page_migrations: pages,
+                    collectives,
                     top_stacks: Vec::new(),
                     stack_ns: BTreeMap::new(),
                 }),

@@ -95,6 +95,10 @@ pub struct Idle {
     /// nodes for it (a `migrate_pages()` call, balancing): counted as a step's are.
     pub faults: u64,
     pub numa_page_migrations: u64,
+    /// The rank's collectives in it: none where it issued none (a sleep, loading, the
+    /// end's teardown); else collectives that repeat as no step does (an evaluation's, a
+    /// phase of other work) after steps were found.
+    pub collectives: u64,
     /// Where the rank thread spent it, heaviest first: on-CPU stacks (sampled) and
     /// off-CPU ones (`[blocked]`, `[preempted]`), named once stacks are symbolized.
     pub top_stacks: Vec<BlockingStack>,

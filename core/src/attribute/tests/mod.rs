@@ -897,3 +897,61 @@ fn a_pause_between_steps_is_idle() {
     let in_steps: u64 = stalled.steps.iter().map(|s| s.numa_page_migrations).sum();
     assert_eq!(in_steps, 2048);
 }
+
+/// Collectives that repeat as no step does (an evaluation's, a warm-up's): each its own
+/// size, 10 ms apart, on the rank thread.
+fn irregular(from: u64, to: u64) -> Vec<Event> {
+    (from..to)
+        .step_by(10_000_000)
+        .enumerate()
+        .flat_map(|(i, t)| {
+            let mut c = call(Func::Broadcast, t + 1_000_000, t + 1_100_000);
+            if let Event::Call(c) = &mut c {
+                c.bytes = Some(4096 * (i as u64 + 1));
+                c.count = Some(1024 * (i as u64 + 1));
+            }
+            [
+                c,
+                call(Func::CuStreamSynchronize, t + 6_000_000, t + 9_000_000),
+            ]
+        })
+        .collect()
+}
+
+/// Regression (issue 51): steps found, then collectives that repeat as no step does (an
+/// evaluation's), attributed in epochs: 2.58 s of the 2.8-s run were in no step and no
+/// idle stretch. Every attributed stretch is a step or a stretch that is not one, with
+/// its collectives counted; at once, the run that never repeats as a whole is in 1 s
+/// windows only (never windows beside found steps).
+#[test]
+fn collectives_that_do_not_repeat_are_not_lost() {
+    let end = 2_800_000_000;
+    for epoch_events in [0u64, 50] {
+        let events: Vec<Event> = training(0, 400_000_000)
+            .into_iter()
+            .chain(irregular(400_000_000, 2_400_000_000))
+            .chain(training(2_400_000_000, end))
+            .collect();
+        let mut tl = Timeline::new(&Setup::from(&header()));
+        tl.stream(StepRule::Auto, epoch_events);
+        for e in &events {
+            tl.push(e);
+        }
+        let r = tl.finish(end, StepRule::Auto).0;
+        let steps: u64 = r.steps.iter().map(|s| s.wall_ns).sum();
+        let idle: u64 = r.idle.iter().map(|s| s.wall_ns).sum();
+        // All but the first step's lead (1 ms before its first collective).
+        let covered = steps + idle;
+        assert!(
+            covered + 10_000_000 >= end && covered <= end,
+            "epochs of {epoch_events}: {steps} in steps, {idle} idle: {:?}",
+            r.idle
+        );
+        let windows = r.method == Method::Window;
+        assert!(windows || r.steps.iter().all(|s| s.wall_ns <= 10_000_000));
+        if epoch_events > 0 {
+            let with: u64 = r.idle.iter().map(|i| i.collectives).sum();
+            assert!(with >= 200, "{:?}", r.idle);
+        }
+    }
+}

@@ -390,9 +390,17 @@ fn write_idle(report: &StepsReport, out: &mut impl Write) -> io::Result<()> {
             0 => String::new(),
             n => format!("{n} pages moved between NUMA nodes; "),
         };
+        // A stretch with collectives that repeat as no step does is not idle: said so.
+        let (what, held) = match idle.collectives {
+            0 => ("idle, not a step", "no collectives".to_owned()),
+            n => (
+                "not a step",
+                format!("{n} collectives that repeat as no step does"),
+            ),
+        };
         writeln!(
             out,
-            "  idle, not a step: {:.3} s {} (no collectives; {mostly}{moved}steps.json idle)",
+            "  {what}: {:.3} s {} ({held}; {mostly}{moved}steps.json idle)",
             idle.wall_ns as f64 / 1e9,
             idle.when
         )?;

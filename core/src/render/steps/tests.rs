@@ -317,6 +317,7 @@ fn idle_on_stdout_with_what_it_held() {
         categories: sleep,
         faults: 0,
         numa_page_migrations: 2048,
+        collectives: 0,
         top_stacks: vec![crate::attribute::BlockingStack {
             stack: "main;load (train.py:12);time.sleep;clock_nanosleep;[blocked]".into(),
             total_ns: 1_400_000_000,
@@ -330,6 +331,19 @@ fn idle_on_stdout_with_what_it_held() {
         text.contains(
             "  idle, not a step: 2.000 s before the first step (no collectives; mostly \
              other_offcpu 75%; 2048 pages moved between NUMA nodes; steps.json idle)\n    most at: load (train.py:12) (1400.000 ms)\n"
+        ),
+        "{text}"
+    );
+    // A stretch of collectives that repeat as no step does is not called idle.
+    report.idle[0].collectives = 37;
+    report.idle[0].numa_page_migrations = 0;
+    let mut out = Vec::new();
+    write_table(&report, &StepTable::of(&report.steps), &mut out).unwrap();
+    let text = String::from_utf8(out).unwrap();
+    assert!(
+        text.contains(
+            "  not a step: 2.000 s before the first step (37 collectives that repeat as no \
+             step does; mostly other_offcpu 75%; steps.json idle)\n"
         ),
         "{text}"
     );
