@@ -423,7 +423,11 @@ fn pause_is_idle(extra: &[&str], when: &str) {
 #[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
 fn breakdown_blocking_collectives() {
     let _serial = privileged();
-    breakdown_matches_truth(&[("FAKE_NCCL_BLOCKING", "1"), ("FAKE_NCCL_US", "300")], &[]);
+    breakdown_within(
+        &[("FAKE_NCCL_BLOCKING", "1"), ("FAKE_NCCL_US", "300")],
+        &[],
+        &checks::BLOCKING,
+    );
 }
 
 /// Breakdown accuracy with asynchronous collectives and a sleeping cuStreamSynchronize.
@@ -604,4 +608,88 @@ fn node_loads_counted_per_step() {
             .collect()
     };
     assert_eq!(access(&again), access(&steps));
+}
+
+/// Issue 52: a trainer whose steps each touch 16 MB of fresh memory (4,096 faults) read,
+/// per step at the default 99 Hz, `page_fault` 0 or 10.1 ms — one sample or none — where
+/// its own clock said 6.9–7.2 ms. Its faults are back to back (a loop over the pages), so
+/// their cost is measured between them, step by step: every step's figure within 5% of
+/// the trainer's own or its stated error past that, the median error under 5%, the
+/// median within 5% (2–4% under on 2026-12-07).
+#[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
+fn page_faults_right_per_step_at_the_default_rate() {
+    let _serial = privileged();
+    let (_, _, out, _dir, truth) = traced_trainer_with(
+        40,
+        &[],
+        &[
+            "--compute-us",
+            "2000",
+            "--fault-pages",
+            "4096",
+            "--no-migrate",
+        ],
+        &[],
+    );
+    let report: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("steps.json")).unwrap()).unwrap();
+    let method = report["methods"]["page_fault"].as_str().unwrap();
+    let found = report["steps"].as_array().unwrap();
+    // Our first step starts at the return of the trainer's first sync: ours[k] is the
+    // trainer's step k + 1.
+    // A step the scheduler's records put off the CPU while the trainer faulted through
+    // it (compute and page_fault under its fault time, other_offcpu holding the rest: a
+    // switch-in not seen, about one run in ten here, which the breakdown checks' three
+    // tries hide) says nothing of the fault estimate: at most one, shown, left out.
+    let (read, misread): (Vec<_>, Vec<_>) = found.iter().zip(&truth[1..]).partition(|(s, t)| {
+        let c = &s["categories_ns"];
+        let on_cpu = c["compute"].as_f64().unwrap() + c["page_fault"].as_f64().unwrap();
+        on_cpu >= 0.9 * t["fault_ns"].as_f64().unwrap()
+    });
+    assert!(
+        misread.len() <= 1,
+        "off the CPU while faulting: {misread:?}"
+    );
+    if let Some((s, t)) = misread.first() {
+        eprintln!("a step read off the CPU while faulting: {s} against {t}");
+    }
+    let pairs: Vec<(f64, f64, f64)> = read
+        .iter()
+        .map(|(s, t)| {
+            (
+                s["categories_ns"]["page_fault"].as_f64().unwrap(),
+                s["page_fault_error_ns"].as_f64().unwrap_or(f64::NAN),
+                t["fault_ns"].as_f64().unwrap(),
+            )
+        })
+        .collect();
+    let ms = |v: f64| (v / 1e4).round() / 100.0;
+    let shown: Vec<(f64, f64, f64)> = pairs.iter().map(|p| (ms(p.0), ms(p.1), ms(p.2))).collect();
+    eprintln!("page_fault per step, ms (ours, error, the trainer's): {shown:?}; {method}");
+    assert!(found.len() >= 38, "{} steps", found.len());
+    if method.starts_with("fentry/fexit") {
+        // Timed where the kernel permits: nothing estimated.
+        assert!(pairs.iter().all(|p| p.1.is_nan()), "{shown:?}");
+    } else {
+        assert!(
+            method.contains("measured between their entries"),
+            "{method}"
+        );
+    }
+    // Each step within 5% of the trainer's clock or its stated error past that: a gap of
+    // over 50 µs between two faults of the loop (a sample's handler, a stall of the VM)
+    // may have been all fault; its fault is charged the mean and the rest is the error.
+    for &(ours, error, theirs) in &pairs {
+        let error = if error.is_nan() { 0.0 } else { error };
+        assert!((ours - theirs).abs() <= 0.05 * theirs + error, "{shown:?}");
+    }
+    let errors = median(pairs.iter().map(|p| p.1).collect());
+    let theirs = median(pairs.iter().map(|p| p.2).collect());
+    assert!(errors.is_nan() || errors < 0.05 * theirs, "{shown:?}");
+    let ours = median(pairs.iter().map(|p| p.0).collect());
+    assert!(
+        (ours - theirs).abs() <= 0.05 * theirs,
+        "median {ours} vs {theirs}: {shown:?}"
+    );
 }

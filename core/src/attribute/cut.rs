@@ -10,6 +10,18 @@ use super::{Cat, Categories, Change, ThreadLog};
 /// GPU and NCCL waits and timed faults) and remote-memory stalls carved out of compute
 /// (measured ones taken while spinning in a sync out of nccl_wait, then gpu_wait).
 pub(super) fn categories(log: &ThreadLog, a: u64, b: u64) -> Categories {
+    categories_with(log, a, b, false)
+}
+
+/// As [`categories`], for a step: where faults are not timed, those back to back are
+/// measured between them ([`fault_estimate`]). Totals and idle stretches, summed over
+/// epochs, keep the samples' estimate, which adds up across them (a step is attributed
+/// whole in one epoch: its figure is the same however the run is cut).
+pub(super) fn step_categories(log: &ThreadLog, a: u64, b: u64) -> Categories {
+    categories_with(log, a, b, true)
+}
+
+fn categories_with(log: &ThreadLog, a: u64, b: u64, step: bool) -> Categories {
     let mut cat = Categories::default();
     let segs = &log.segments;
     let first = segs.partition_point(|(_, e, _)| *e <= a);
@@ -19,21 +31,12 @@ pub(super) fn categories(log: &ThreadLog, a: u64, b: u64) -> Categories {
         }
         *cat.slot(*c) += (*e).min(b).saturating_sub((*s).max(a));
     }
-    let lo = log.fault_time.partition_point(|(ts, _)| *ts < a);
-    let fault_ns: u64 = log.fault_time[lo..]
-        .iter()
-        .take_while(|(ts, _)| *ts < b)
-        // Not while spinning for NCCL, nor inside a fault timed by fentry/fexit (its
-        // piece is page_fault already): a sample after the handler's return, on the
-        // faulting instruction, stands for the untraced return and retried access.
-        .filter(|(ts, _)| {
-            !matches!(
-                category_at(segs, *ts),
-                Some(Cat::NcclWait | Cat::GpuWait | Cat::PageFault)
-            )
-        })
-        .map(|(_, weight)| weight)
-        .sum();
+    // Untimed faults: those back to back measured between them, the others at their
+    // mean (a sample every 10 ms lands in few steps' faults); else the samples.
+    let fault_ns = match fault_estimate(log, a, b).filter(|_| step) {
+        Some((ns, _)) => ns,
+        None => sampled_fault_ns(log, a, b).0,
+    };
     let fault_ns = fault_ns.min(cat.compute);
     cat.page_fault += fault_ns;
     cat.compute -= fault_ns;
@@ -180,6 +183,96 @@ pub(super) fn category_at(segments: &[(u64, u64, Cat)], ts: u64) -> Option<Cat> 
         .get(i)
         .filter(|(s, _, _)| *s <= ts)
         .map(|(_, _, c)| *c)
+}
+
+/// How far `[a, b)`'s `page_fault` may be off where faults are not timed: measured
+/// between back-to-back faults, the error of the mean its other faults are charged
+/// ([`fault_estimate`]); from its own samples, two standard errors of their count plus
+/// one period (a step with no sample may hold up to about a period of faults). None
+/// where faults are timed or sampling is off.
+pub(super) fn fault_error(log: &ThreadLog, a: u64, b: u64, period: u64) -> Option<u64> {
+    if period == 0 || !log.faults_untimed {
+        return None;
+    }
+    let from_samples = || {
+        let n = sampled_fault_ns(log, a, b).1 as f64;
+        ((2.0 * n.sqrt() + 1.0) * period as f64).round() as u64
+    };
+    Some(fault_estimate(log, a, b).map_or_else(from_samples, |(_, error)| error))
+}
+
+/// The gaps between the thread's consecutive faults at neighbouring instructions that
+/// began in `[a, b)` with the thread on the CPU throughout (no switch between them): each
+/// under [`super::BACK_TO_BACK_NS`] the first fault's cost, with whatever short else ran
+/// in it (an interrupt) as the thread's own clock counts it.
+pub(super) fn back_to_back(log: &ThreadLog, a: u64, b: u64) -> impl Iterator<Item = u64> + '_ {
+    let lo = log.fault_pairs.partition_point(|p| p.0 < a);
+    let switched = |from: u64, to: u64| {
+        let i = log.changes.partition_point(|c| c.0 <= from);
+        log.changes[i..]
+            .iter()
+            .take_while(|c| c.0 < to)
+            .any(|c| matches!(c.1, Change::SwitchOut { .. }))
+    };
+    log.fault_pairs[lo..]
+        .iter()
+        .take_while(move |p| p.0 < b)
+        .filter(move |p| !switched(p.0, p.1))
+        .map(|p| p.1 - p.0)
+}
+
+/// `[a, b)`'s page-fault time where faults are not timed, and how far it may be off: the
+/// gaps of its faults back to back (measured), and its other faults at their mean, with
+/// two standard errors of that mean. None where faults are timed, sampling is off, or the
+/// stretch has fewer than [`super::MIN_PAIRS`] such gaps. Only the stretch's own records
+/// count: attributed in epochs or at once, a step reads the same.
+pub(super) fn fault_estimate(log: &ThreadLog, a: u64, b: u64) -> Option<(u64, u64)> {
+    if !log.faults_untimed {
+        return None;
+    }
+    // Short gaps (count, sum, sum of squares), and the long ones (count, sum).
+    let (mut n, mut sum, mut sq, mut over, mut over_ns) = (0u64, 0u64, 0f64, 0u64, 0u64);
+    for gap in back_to_back(log, a, b) {
+        if gap < super::BACK_TO_BACK_NS {
+            (n, sum, sq) = (n + 1, sum + gap, sq + (gap as f64) * (gap as f64));
+        } else {
+            (over, over_ns) = (over + 1, over_ns + gap);
+        }
+    }
+    if n < super::MIN_PAIRS {
+        return None;
+    }
+    let rest = faults_in(log, a, b).saturating_sub(n) as f64;
+    let mean = sum as f64 / n as f64;
+    let var = (sq / n as f64 - mean * mean).max(0.0);
+    let ns = sum as f64 + rest * mean;
+    // The mean's error over the faults charged it, and what the long gaps held beyond a
+    // fault's mean: their fault may have cost any of it.
+    let error = rest * 2.0 * (var / n as f64).sqrt() + (over_ns as f64 - over as f64 * mean);
+    Some((ns.round() as u64, error.round() as u64))
+}
+
+/// The thread's faults counted by the kernel in `[a, b)`.
+pub(super) fn faults_in(log: &ThreadLog, a: u64, b: u64) -> u64 {
+    (log.faults.partition_point(|t| *t < b) - log.faults.partition_point(|t| *t < a)) as u64
+}
+
+/// The on-CPU time of the thread's samples in page faults in `[a, b)`, and their count.
+/// Not while spinning for NCCL or the GPU, nor inside a fault timed by fentry/fexit (its
+/// piece is page_fault already): a sample after the handler's return, on the faulting
+/// instruction, stands for the untraced return and retried access.
+pub(super) fn sampled_fault_ns(log: &ThreadLog, a: u64, b: u64) -> (u64, u64) {
+    let lo = log.fault_time.partition_point(|(ts, _)| *ts < a);
+    log.fault_time[lo..]
+        .iter()
+        .take_while(|(ts, _)| *ts < b)
+        .filter(|(ts, _)| {
+            !matches!(
+                category_at(&log.segments, *ts),
+                Some(Cat::NcclWait | Cat::GpuWait | Cat::PageFault)
+            )
+        })
+        .fold((0, 0), |(ns, n), (_, weight)| (ns + weight, n + 1))
 }
 
 /// The on-CPU time each fault sample stands for: the thread's on-CPU time since its

@@ -164,6 +164,7 @@ impl Timeline {
             } => {
                 let log = self.log(task.tid, task.tgid);
                 log.faults.push(*ts_ns);
+                log.fault_ips.push((*ts_ns, *ip));
                 log.last_fault = Some((*ts_ns, *ip));
             }
             Event::PyStack {

@@ -239,10 +239,27 @@ impl Timeline {
              /proc/kallsyms (unreadable, or kernel.kptr_restrict hides them), so samples in \
              it cannot be told; fault time stays in compute"
                 .into()
+        } else if self.sample_period_ns > 0 && self.fault_pairs_seen {
+            format!(
+                "in steps with {} or more faults back to back (consecutive faults of a thread \
+                 at instructions at most {} bytes apart, under {} µs apart, with no switch \
+                 between: a loop over fresh pages; the kernel's page_fault_user tracepoint \
+                 counts them), measured between their entries, each gap the first fault's \
+                 cost, and the step's other faults at the mean of its gaps; \
+                 page_fault_error_ns is two standard errors of that mean times those faults. \
+                 Elsewhere on-CPU samples every {} µs whose kernel stack is in the page-fault \
+                 handler, times the period, page_fault_error_ns two standard errors of their \
+                 count plus a period ({why_not})",
+                super::MIN_PAIRS,
+                super::BACK_TO_BACK_BYTES,
+                super::BACK_TO_BACK_NS / 1000,
+                self.sample_period_ns / 1000
+            )
         } else if self.sample_period_ns > 0 {
             format!(
                 "on-CPU samples every {} µs whose kernel stack is in the page-fault handler, \
-                 times the period ({why_not})",
+                 times the period; page_fault_error_ns two standard errors of their count \
+                 plus a period ({why_not})",
                 self.sample_period_ns / 1000
             )
         } else {

@@ -84,6 +84,7 @@ fn write_step(out: &mut impl Write, s: &Step) -> io::Result<()> {
     o.u64(key!("end_ns"), s.end_ns)?;
     o.u64(key!("wall_ns"), s.wall_ns)?;
     categories(o.key(key!("categories_ns"))?, &s.categories)?;
+    o.opt_u64(key!("page_fault_error_ns"), s.page_fault_error_ns)?;
     let n = o.key(key!("nccl"))?;
     let mut nccl = Obj::new(n)?;
     nccl.u64(key!("collectives"), s.nccl.collectives)?;

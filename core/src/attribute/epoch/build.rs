@@ -5,7 +5,7 @@
 use super::{
     BTreeMap, Categories, Change, Collective, Detail, Epoch, NcclCount, OffCpu, OpenOff, Step,
     StepRank, ThreadDetail, ThreadLog, ThreadReport, Timeline, Unmeasured, WorkerReport,
-    categories, ranks, role,
+    categories, ranks, role, step_categories,
 };
 
 impl Timeline {
@@ -102,7 +102,7 @@ impl Timeline {
                             pid: *p,
                             categories: Categories {
                                 unmeasured,
-                                ..categories(&self.threads[t], a, b)
+                                ..step_categories(&self.threads[t], a, b)
                             },
                         })
                         .collect();
@@ -526,7 +526,13 @@ impl Timeline {
             start_ns: a,
             end_ns: b,
             wall_ns: b - a,
-            categories: categories(log, a, b),
+            categories: step_categories(log, a, b),
+            page_fault_error_ns: crate::attribute::cut::fault_error(
+                log,
+                a,
+                b,
+                self.sample_period_ns,
+            ),
             nccl,
             faults,
             migrations: migrations.len() as u64,

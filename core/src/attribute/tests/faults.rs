@@ -178,3 +178,76 @@ fn a_preempted_fault_does_not_join_the_compute_after_it() {
     let faults = 200_000 + 5_000_000 + 200_000 + 200_000;
     assert_eq!(c.compute, 10_000_000 - faults - 2 * 50_000, "{c:?}");
 }
+
+/// Issue 52: faults not timed (no fentry, every GPU machine here) read per step as one
+/// sample's period or none — 0 or 10 ms a step at 99 Hz — though the mean was right.
+/// 40 steps of 10 ms (an all-reduce, then a sync 6–9 ms in), each 200 faults of 20 µs
+/// (its first 4 ms), sampled every 10.3 ms. Faults back to back at one instruction (a
+/// loop over fresh pages) are measured between their entries: every step exact. Scattered
+/// ones are still the step's samples, each step's figure within its stated error.
+#[test]
+fn untimed_faults_measured_back_to_back() {
+    let ms = 1_000_000;
+    let run = |scattered: bool| {
+        let mut h = header();
+        h.sample_period_ns = 10 * ms;
+        let mut tl = Timeline::new(&Setup::from(&h));
+        let mut events = vec![switch(0, false, 0)];
+        events.extend(training(0, 400 * ms));
+        for step in 0..40u64 {
+            for k in 0..200u64 {
+                events.push(Event::Fault {
+                    ts_ns: step * 10 * ms + k * 20_000,
+                    task: task(10),
+                    address: 0x1000 + k * 4096,
+                    ip: if scattered { 0x4000 + k * 256 } else { 0x4000 },
+                    error_code: 6,
+                });
+            }
+        }
+        for i in 1..39u64 {
+            let ts = i * 10_300_000;
+            // In the handler where the step's first 4 ms fault, else in user code.
+            let faulting = ts % (10 * ms) < 4 * ms;
+            events.push(Event::Sample {
+                ts_ns: ts,
+                task: task(10),
+                kstack: if faulting { vec![0xffff_0010] } else { vec![] },
+                ustack: vec![0x9000],
+            });
+        }
+        events.sort_by_key(Event::ts_ns);
+        for e in &events {
+            tl.push(e);
+        }
+        tl.finish(400 * ms, StepRule::Auto).0
+    };
+    for scattered in [false, true] {
+        let report = run(scattered);
+        let per_step: Vec<(u64, u64)> = report
+            .steps
+            .iter()
+            .map(|s| (s.categories.page_fault, s.page_fault_error_ns.unwrap()))
+            .collect();
+        assert!(per_step.len() >= 38, "{per_step:?}");
+        // Every step within its stated error of the truth (4 ms).
+        for &(ns, error) in &per_step {
+            assert!(ns.abs_diff(4 * ms) <= error, "{per_step:?}");
+        }
+        let method = &report.methods.page_fault;
+        if scattered {
+            // No faults back to back: the steps' samples, 0 or a period each.
+            assert!(method.starts_with("on-CPU samples"), "{method}");
+            assert!(
+                per_step.iter().all(|p| p.0 == 0 || p.0 >= 7 * ms),
+                "{per_step:?}"
+            );
+        } else {
+            assert!(
+                method.contains("measured between their entries"),
+                "{method}"
+            );
+            assert!(per_step.iter().all(|p| *p == (4 * ms, 0)), "{per_step:?}");
+        }
+    }
+}

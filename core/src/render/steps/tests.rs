@@ -34,6 +34,7 @@ fn step_rows_as_serde_writes_them() {
     full.categories.unmeasured.page_fault = true;
     full.categories.unmeasured.nccl_wait = true;
     full.categories.remote_memory = Some(99);
+    full.page_fault_error_ns = Some(1_234);
     full.nccl = crate::attribute::NcclCount {
         collectives: 3,
         bytes: 1 << 40,
