@@ -149,6 +149,33 @@ fn follow_attaches_to_later_processes() {
     no_programs_left();
 }
 
+/// Two jobs of three ranks each side by side ([`straggler_job_named`], 20 steps, rank 1
+/// of each late), each with its own `env`, all six traced by one agent (`minimal`
+/// profile) until it exits: their pids (job a's three, then b's), the output folder and
+/// what it printed.
+fn two_jobs_traced(
+    dir: &Path,
+    extra: &[&str],
+    env: [&[(&str, &str)]; 2],
+) -> (Vec<u32>, PathBuf, String) {
+    let (mut trainers, shm_a) = straggler_job_named(dir, "20", extra, "a", env[0]);
+    let (job_b, shm_b) = straggler_job_named(dir, "20", extra, "b", env[1]);
+    trainers.extend(job_b);
+    let pids: Vec<u32> = trainers.iter().map(|t| t.child.id()).collect();
+    let out = dir.join("out");
+    let agent = Agent::attach_many(&pids, &out, &["--profile", "minimal"]);
+    std::fs::write(dir.join("go"), b"").unwrap();
+    for t in trainers {
+        t.finish();
+    }
+    let (code, stdout, stderr) = agent.wait_for_exit(Duration::from_secs(60));
+    for shm in [shm_a, shm_b] {
+        let _ = std::fs::remove_file(format!("/dev/shm{shm}"));
+    }
+    assert_eq!(code, 0, "{stderr}");
+    (pids, out, stdout)
+}
+
 /// Two jobs of three ranks each, started side by side on one host (their launchers' rendezvous
 /// differ: `MASTER_PORT` 29500 and 29501), rank 1 of each slowed by 3 ms a step, all six
 /// traced by one agent: each job's ranks are matched among themselves only, so each job
@@ -160,24 +187,13 @@ fn ranks_of_two_jobs_are_matched_apart() {
     let _serial = privileged();
     let dir = tempfile::tempdir().unwrap();
     let rendezvous = |port| [("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", port)];
-    let (mut trainers, shm_a) =
-        straggler_job_named(dir.path(), "20", &[], "a", &rendezvous("29500"));
-    let (job_b, shm_b) = straggler_job_named(dir.path(), "20", &[], "b", &rendezvous("29501"));
-    trainers.extend(job_b);
-    let pids: Vec<u32> = trainers.iter().map(|t| t.child.id()).collect();
-    let out = dir.path().join("out");
-    let agent = Agent::attach_many(&pids, &out, &["--profile", "minimal"]);
-    std::fs::write(dir.path().join("go"), b"").unwrap();
-    for t in trainers {
-        t.finish();
-    }
-    let (code, stdout, stderr) = agent.wait_for_exit(Duration::from_secs(60));
+    let (pids, out, stdout) = two_jobs_traced(
+        dir.path(),
+        &[],
+        [&rendezvous("29500"), &rendezvous("29501")],
+    );
     let summary: Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
-    for shm in [shm_a, shm_b] {
-        let _ = std::fs::remove_file(format!("/dev/shm{shm}"));
-    }
-    assert_eq!(code, 0, "{stderr}");
     assert!(summary["straggler"].is_null(), "{:#}", summary["straggler"]);
     let by_job = summary["stragglers_by_job"]
         .as_array()
@@ -220,24 +236,11 @@ fn ranks_of_two_jobs_are_matched_apart() {
 fn jobs_told_apart_by_their_unique_ids() {
     let _serial = privileged();
     let dir = tempfile::tempdir().unwrap();
-    let late = ["--init-after-go"];
-    let (mut trainers, shm_a) =
-        straggler_job_named(dir.path(), "20", &late, "a", &[("FAKE_NCCL_UID", "job a")]);
-    let (job_b, shm_b) =
-        straggler_job_named(dir.path(), "20", &late, "b", &[("FAKE_NCCL_UID", "job b")]);
-    trainers.extend(job_b);
-    let pids: Vec<u32> = trainers.iter().map(|t| t.child.id()).collect();
-    let out = dir.path().join("out");
-    let agent = Agent::attach_many(&pids, &out, &["--profile", "minimal"]);
-    std::fs::write(dir.path().join("go"), b"").unwrap();
-    for t in trainers {
-        t.finish();
-    }
-    let (code, stdout, stderr) = agent.wait_for_exit(Duration::from_secs(60));
-    for shm in [shm_a, shm_b] {
-        let _ = std::fs::remove_file(format!("/dev/shm{shm}"));
-    }
-    assert_eq!(code, 0, "{stderr}");
+    let (pids, out, stdout) = two_jobs_traced(
+        dir.path(),
+        &["--init-after-go"],
+        [&[("FAKE_NCCL_UID", "job a")], &[("FAKE_NCCL_UID", "job b")]],
+    );
     let summary: Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
     assert!(summary["straggler"].is_null(), "{:#}", summary["straggler"]);
