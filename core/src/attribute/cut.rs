@@ -254,7 +254,7 @@ pub(super) fn fault_estimate(log: &ThreadLog, a: u64, b: u64) -> Option<(u64, u6
 
 /// The thread's faults counted by the kernel in `[a, b)`.
 pub(super) fn faults_in(log: &ThreadLog, a: u64, b: u64) -> u64 {
-    (log.faults.partition_point(|t| *t < b) - log.faults.partition_point(|t| *t < a)) as u64
+    (log.faults.partition_point(|f| f.0 < b) - log.faults.partition_point(|f| f.0 < a)) as u64
 }
 
 /// The on-CPU time of the thread's samples in page faults in `[a, b)`, and their count.

@@ -418,14 +418,6 @@ impl Timeline {
             log.syncs.sort_unstable();
             log.collectives.sort_by_key(|c| c.start_ns);
             log.faults.sort_unstable();
-            log.fault_ips.sort_unstable();
-            log.fault_pairs = log
-                .fault_ips
-                .windows(2)
-                .filter(|w| w[0].1.abs_diff(w[1].1) <= super::BACK_TO_BACK_BYTES)
-                .filter(|w| w[1].0 - w[0].0 < super::LONG_GAP_NS)
-                .map(|w| (w[0].0, w[1].0))
-                .collect();
             log.wakeups.sort_unstable();
             log.call_stacks.sort_unstable();
             log.offcpu_stacks.sort_unstable();
@@ -476,10 +468,20 @@ impl Timeline {
             let state = split(log, ends, a, until, &mut segments);
             log.segments = segments;
             log.carry = Some(state);
-            // Untimed faults are measured between those back to back.
+            // Untimed faults are measured between those back to back: paired once sorted
+            // (records come per CPU, not in time order).
             log.faults_untimed =
                 !self.faults_timed && self.sample_period_ns > 0 && !self.fault_ranges.is_empty();
-            self.fault_pairs_seen |= log.faults_untimed && !log.fault_pairs.is_empty();
+            if log.faults_untimed {
+                log.fault_pairs = log
+                    .faults
+                    .windows(2)
+                    .filter(|w| w[0].1.abs_diff(w[1].1) <= super::BACK_TO_BACK_BYTES)
+                    .filter(|w| w[1].0 - w[0].0 < super::LONG_GAP_NS)
+                    .map(|w| (w[0].0, w[1].0))
+                    .collect();
+                self.fault_pairs_seen |= !log.fault_pairs.is_empty();
+            }
             from.insert(*tid, a);
         }
         self.match_ranks(until);
@@ -535,8 +537,7 @@ impl Timeline {
             log.fed = log.fed.saturating_sub(moved);
             log.fault_samples.retain(|s| keep(s.0));
             log.fault_time.clear();
-            log.faults.retain(|t| keep(*t));
-            log.fault_ips.retain(|f| keep(f.0));
+            log.faults.retain(|f| keep(f.0));
             log.fault_pairs.clear();
             log.migrations.retain(|m| keep(m.0));
             log.migration_cpus.retain(|m| keep(m.0));

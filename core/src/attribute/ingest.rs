@@ -163,8 +163,7 @@ impl Timeline {
                 ts_ns, task, ip, ..
             } => {
                 let log = self.log(task.tid, task.tgid);
-                log.faults.push(*ts_ns);
-                log.fault_ips.push((*ts_ns, *ip));
+                log.faults.push((*ts_ns, *ip));
                 log.last_fault = Some((*ts_ns, *ip));
             }
             Event::PyStack {

@@ -106,12 +106,11 @@ struct ThreadLog {
     fault_time: Vec<(u64, u64)>,
     /// The previous sample's time.
     last_sample: Option<u64>,
-    faults: Vec<u64>,
-    /// Faults: (entry, faulting instruction), in arrival order until sorted.
-    fault_ips: Vec<(u64, u64)>,
+    /// Faults: (entry, faulting instruction).
+    faults: Vec<(u64, u64)>,
     /// Consecutive faults at neighbouring instructions, under [`LONG_GAP_NS`] apart
-    /// (back to back where under [`BACK_TO_BACK_NS`]): (first's entry, next's). Paired
-    /// once sorted: records come per CPU, not in time order.
+    /// (back to back where under [`BACK_TO_BACK_NS`]): (first's entry, next's), paired
+    /// at attribution where faults are not timed.
     fault_pairs: Vec<(u64, u64)>,
     /// Faults are not timed but counted, and sampled: a step's `page_fault` is measured
     /// between its faults back to back (issue 52).

@@ -162,7 +162,7 @@ impl Timeline {
                 .iter()
                 .filter(|(ts, c)| *ts < until && *c == Change::NcclStart)
                 .count() as u64;
-            t.faults += log.faults.partition_point(|ts| *ts < until) as u64;
+            t.faults += log.faults.partition_point(|f| f.0 < until) as u64;
             let migrations = &log.migrations[..log.migrations.partition_point(|m| m.0 < until)];
             t.migrations += migrations.len() as u64;
             t.cross_node_migrations += migrations.iter().filter(|(_, x)| *x).count() as u64;
@@ -267,7 +267,7 @@ impl Timeline {
                 .extend(log.migration_cpus.iter().filter(|m| before(&m.0)).copied());
             thread
                 .faults
-                .extend(log.faults.iter().filter(|t| before(t)).copied());
+                .extend(log.faults.iter().map(|f| f.0).filter(before));
             thread
                 .call_stacks
                 .extend(log.call_stacks.iter().filter(|c| before(&c.0)).copied());
@@ -481,8 +481,7 @@ impl Timeline {
         a: u64,
         b: u64,
     ) -> (u64, u64) {
-        let faults =
-            log.faults.partition_point(|t| *t < b) - log.faults.partition_point(|t| *t < a);
+        let faults = crate::attribute::cut::faults_in(log, a, b);
         let lo = self.page_migrations.partition_point(|m| m.1 < a);
         let hi = self.page_migrations.partition_point(|m| m.1 < b).max(lo);
         let pages = self.page_migrations[lo..hi]
@@ -490,7 +489,7 @@ impl Timeline {
             .filter(|(t, _, _)| *t == tid)
             .map(|(_, _, n)| n)
             .sum();
-        (faults as u64, pages)
+        (faults, pages)
     }
 
     /// One step of the rank thread.
