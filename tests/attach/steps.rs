@@ -458,6 +458,20 @@ fn breakdown_collectives_from_another_thread() {
     breakdown_matches_truth(&[("FAKE_NCCL_US", "300")], &["--comm-thread"]);
 }
 
+/// Issue 51: host-blocking collectives from another thread while the main thread waits
+/// for it. The main thread's wait is what the other thread did: inside NCCL for most of
+/// it (`nccl_wait`, as the trainer's clock counts its calls), not `compute`.
+#[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
+fn breakdown_blocking_collectives_from_another_thread() {
+    let _serial = privileged();
+    breakdown_within(
+        &[("FAKE_NCCL_BLOCKING", "1"), ("FAKE_NCCL_US", "300")],
+        &["--comm-thread"],
+        &checks::BLOCKING,
+    );
+}
+
 /// `--max-attributed-events`: when the run ends, only the last N events are attributed
 /// (bounded memory); the totals still count every call, the summary and steps.json say
 /// what was covered, and `report` on the recording attributes the whole run.

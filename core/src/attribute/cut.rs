@@ -83,13 +83,16 @@ fn categories_with(log: &ThreadLog, a: u64, b: u64, step: bool) -> Categories {
 /// Cuts `[a, b)` of one thread into (start, end, category) pieces, adjacent pieces of
 /// one category merged (page faults are not carved out here: they come from samples).
 /// Starts from the state the previous epoch left (or, in the first, the one the thread's
-/// first switch implies); returns the state at `b`, for the next.
+/// first switch implies); returns the state at `b`, for the next. `handed` gets the
+/// stretches it was blocked until another thread of its process woke it (`compute` in
+/// `segments` until [`hand_over`] gives them that thread's categories).
 pub(super) fn split(
     log: &ThreadLog,
     collective_ends: &[u64],
     a: u64,
     b: u64,
     segments: &mut Vec<(u64, u64, Cat)>,
+    handed: &mut Vec<(u64, u64)>,
 ) -> State {
     // Before its first switch-in a thread was off-CPU: blocked, unless a wakeup says
     // otherwise.
@@ -126,6 +129,12 @@ pub(super) fn split(
         let (from, to) = (from.max(a), to.min(b));
         if to > from {
             let which = state.category();
+            if which == Cat::Compute && !state.on_cpu {
+                match handed.last_mut() {
+                    Some(last) if last.1 == from => last.1 = to,
+                    _ => handed.push((from, to)),
+                }
+            }
             match segments.last_mut() {
                 Some(last) if last.1 == from && last.2 == which => last.1 = to,
                 _ => segments.push((from, to, which)),
@@ -174,6 +183,90 @@ pub(super) fn split(
     }
     charge(t, b, state);
     state
+}
+
+/// A step's work handed to another thread: each thread's stretches blocked until another
+/// thread of its process woke it (`handed`, by tid, from [`split`]) take the categories
+/// that thread's pieces had over them (PyTorch's main thread during `backward()` waits
+/// for the autograd thread: the step then spent that time as the autograd thread did, in
+/// a sync for the GPU, a blocking collective or a run queue, not in compute). One level:
+/// a waker's own hand-offs stay `compute`; where the waker is not traced, so do they.
+pub(super) fn hand_over(
+    threads: &mut std::collections::BTreeMap<u32, ThreadLog>,
+    handed: &std::collections::BTreeMap<u32, Vec<(u64, u64)>>,
+) {
+    // By tid, the other threads' pieces to lay over its own.
+    let mut given = std::collections::BTreeMap::new();
+    for (tid, stretches) in handed {
+        let Some(log) = threads.get(tid) else {
+            continue;
+        };
+        let mut pieces = Vec::new();
+        for &(s, e) in stretches {
+            // The wakeup that ended the block: at the stretch's end, or after it where the
+            // epoch cut the block.
+            let i = log.wakeups.partition_point(|w| w.0 < e);
+            let Some(&(_, waker, waker_pid)) = log.wakeups.get(i) else {
+                continue;
+            };
+            if waker == *tid || waker_pid != log.pid {
+                continue;
+            }
+            let Some(theirs) = threads.get(&waker) else {
+                continue;
+            };
+            let segs = &theirs.segments;
+            let first = segs.partition_point(|p| p.1 <= s);
+            pieces.extend(
+                segs[first..]
+                    .iter()
+                    .take_while(|p| p.0 < e)
+                    .map(|p| (p.0.max(s), p.1.min(e), p.2))
+                    .filter(|p| p.2 != Cat::Compute),
+            );
+        }
+        if !pieces.is_empty() {
+            given.insert(*tid, pieces);
+        }
+    }
+    for (tid, pieces) in given {
+        if let Some(log) = threads.get_mut(&tid) {
+            log.segments = overlay(&log.segments, &pieces);
+        }
+    }
+}
+
+/// `segments` with `pieces` (in order, apart) laid over them,
+/// adjacent pieces of one category merged.
+fn overlay(segments: &[(u64, u64, Cat)], pieces: &[(u64, u64, Cat)]) -> Vec<(u64, u64, Cat)> {
+    let mut out: Vec<(u64, u64, Cat)> = Vec::with_capacity(segments.len() + 2 * pieces.len());
+    let mut push = |p: (u64, u64, Cat)| {
+        if p.1 <= p.0 {
+            return;
+        }
+        match out.last_mut() {
+            Some(last) if last.1 == p.0 && last.2 == p.2 => last.1 = p.1,
+            _ => out.push(p),
+        }
+    };
+    let mut next = pieces.iter().peekable();
+    for &(s, e, c) in segments {
+        let mut t = s;
+        while let Some(&&p) = next.peek() {
+            if p.0 >= e {
+                break;
+            }
+            push((t, p.0.max(t), c));
+            push((p.0.max(t), p.1.min(e), p.2));
+            t = t.max(p.1.min(e));
+            if p.1 > e {
+                break;
+            }
+            next.next();
+        }
+        push((t, e, c));
+    }
+    out
 }
 
 /// The category of the piece holding `ts`.

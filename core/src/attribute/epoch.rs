@@ -13,7 +13,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
-use super::cut::{categories, split, step_categories, weigh_samples};
+use super::cut::{categories, hand_over, split, step_categories, weigh_samples};
 use super::steps::{Collective, Method};
 use super::{
     Categories, Change, Detail, NcclCount, OffCpu, OpenOff, Step, StepRank, StepRule, StepsReport,
@@ -457,6 +457,7 @@ impl Timeline {
         // A thread first seen in this epoch is attributed from the run's start, as if the
         // run were one epoch (its state before then follows from its first switch).
         let mut from = BTreeMap::new();
+        let mut handed = BTreeMap::new();
         for (tid, log) in &mut self.threads {
             let ends = collective_ends.get(&log.pid).map_or(&[][..], Vec::as_slice);
             let a = if log.carry.is_some() {
@@ -465,8 +466,12 @@ impl Timeline {
                 self.first_ns
             };
             let mut segments = Vec::new();
-            let state = split(log, ends, a, until, &mut segments);
+            let mut hands = Vec::new();
+            let state = split(log, ends, a, until, &mut segments, &mut hands);
             log.segments = segments;
+            if !hands.is_empty() {
+                handed.insert(*tid, hands);
+            }
             log.carry = Some(state);
             // Untimed faults are measured between those back to back: paired once sorted
             // (records come per CPU, not in time order).
@@ -491,6 +496,12 @@ impl Timeline {
             .iter()
             .filter_map(|id| self.loop_thread(id.pid).map(|tid| (id.pid, tid)))
             .collect();
+        // The training loops' waits for their own process's threads (not a helper's
+        // sleep that another thread ends: a heartbeat's).
+        handed.retain(|tid, _| {
+            loop_threads.values().any(|t| t == tid) || self.done.rank.is_some_and(|r| r.0 == *tid)
+        });
+        hand_over(&mut self.threads, &handed);
         // Each process's collectives of the epoch, gathered once for the steps and totals.
         let pids = identities
             .iter()

@@ -15,7 +15,8 @@
 //!   the thread was migrated since it left the CPU, else `runqueue`;
 //! - off-CPU and blocked: `other_offcpu`, except until another thread of the same process
 //!   wakes it (the step's work runs there: PyTorch's autograd thread during
-//!   `backward()`): `compute`;
+//!   `backward()`): what that thread's time was meanwhile (`compute` where it ran, its
+//!   syncs' `gpu_wait`, its blocking collectives' `nccl_wait`, its run-queue waits);
 //! - on-CPU: `compute`, of which on-CPU samples whose kernel stack is in the page-fault
 //!   handler (or that sit on the instruction that just faulted, being retried), times
 //!   the on-CPU time since the previous sample, are `page_fault`.

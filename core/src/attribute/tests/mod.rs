@@ -241,17 +241,7 @@ fn call(func: Func, start: u64, end: u64) -> Event {
 }
 
 fn switch(ts: u64, out: bool, state: i64) -> Event {
-    Event::Switch {
-        ts_ns: ts,
-        task: task(10),
-        prev_tid: if out { 10 } else { 99 },
-        next_tid: if out { 99 } else { 10 },
-        next_tgid: if out { 0 } else { 10 },
-        prev_state: state,
-        prev_is_target: out,
-        next_is_target: !out,
-        offcpu_same: None,
-    }
+    switch_of(10, ts, out, state)
 }
 
 /// A `StackSame` record of thread `tid`: its stack of kind `of` is the previous one's.
@@ -954,4 +944,69 @@ fn collectives_that_do_not_repeat_are_not_lost() {
             assert!(with >= 200, "{:?}", r.idle);
         }
     }
+}
+
+/// A switch of thread `tid` of process 10 (out: blocked when `state` is 1).
+fn switch_of(tid: u32, ts: u64, out: bool, state: i64) -> Event {
+    Event::Switch {
+        ts_ns: ts,
+        task: task(tid),
+        prev_tid: if out { tid } else { 99 },
+        next_tid: if out { 99 } else { tid },
+        next_tgid: if out { 0 } else { 10 },
+        prev_state: state,
+        prev_is_target: out,
+        next_is_target: !out,
+        offcpu_same: None,
+    }
+}
+
+/// Issue 51: a thread blocked until another thread of its process wakes it spent that
+/// time as the other did (PyTorch's main thread in `backward()` waits for the autograd
+/// thread, which on the H100 GPT-2 job spent it launching kernels and in syncs): here
+/// 3 ms of the helper's 3.99-ms hand-off are its sync for the GPU, and are the main
+/// thread's `gpu_wait` too; a wake from another process is still `other_offcpu`. Only the
+/// training loop's thread takes its waker's time: the helper's own waits stay its own.
+#[test]
+fn a_wait_for_another_thread_is_what_that_thread_did() {
+    let run = |waker_tgid: u32| {
+        let mut tl = Timeline::new(&Setup::from(&header()));
+        let sync = |tid: u32, start: u64, end: u64| {
+            Event::Call(Call::new(task(tid), Func::CuStreamSynchronize, start, end))
+        };
+        let events = [
+            switch_of(11, 500_000, false, 0),
+            switch_of(10, 1_000_000, true, 1),
+            sync(11, 1_500_000, 4_500_000),
+            Event::Wakeup {
+                ts_ns: 4_990_000,
+                task: task(10),
+                waker_tid: 11,
+                waker_tgid,
+            },
+            switch_of(11, 5_000_000, true, 1),
+            switch_of(10, 5_000_000, false, 0),
+            sync(10, 8_000_000, 9_000_000),
+            // Makes process 10 a rank, and thread 10 its loop's thread.
+            call(Func::AllReduce, 9_500_000, 9_600_000),
+        ];
+        for e in &events {
+            tl.push(e);
+        }
+        let (report, _) = tl.finish(10_000_000, StepRule::Window(10_000_000));
+        let of = |tid: u32| {
+            let t = report.threads.iter().find(|t| t.tid == tid).unwrap();
+            t.categories
+        };
+        (of(10), of(11))
+    };
+    let (main, helper) = run(10);
+    assert_eq!(helper.gpu_wait, 3_000_000, "{helper:?}");
+    assert_eq!(main.gpu_wait, 4_000_000, "{main:?}");
+    assert_eq!(main.runqueue, 10_000, "{main:?}");
+    assert_eq!(main.compute, 5_990_000, "{main:?}");
+    assert_eq!(main.total(), 10_000_000);
+    let (main, _) = run(20);
+    assert_eq!(main.gpu_wait, 1_000_000, "{main:?}");
+    assert_eq!(main.other_offcpu, 3_990_000, "{main:?}");
 }
