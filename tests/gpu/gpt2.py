@@ -93,6 +93,10 @@ def main():
     )
     batches = iter(loader)
 
+    # The job's own clock around the main thread's hand-off to the autograd thread and
+    # around `.item()`'s sync, per step (ms medians in the JSON).
+    clocks = {"backward": [], "item": []}
+
     def step():
         b = next(batches).to(dev, non_blocking=True)
         x, y = b[:, :-1], b[:, 1:]
@@ -100,17 +104,25 @@ def main():
         with torch.autocast("cuda", dtype=torch.bfloat16):
             logits = model(x)
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+        t = time.monotonic_ns()
         loss.backward()
+        clocks["backward"].append(time.monotonic_ns() - t)
         opt.step()
-        return loss.item()
+        t = time.monotonic_ns()
+        v = loss.item()
+        clocks["item"].append(time.monotonic_ns() - t)
+        return v
 
     pause_start = warm_then_wait(step, a.warmup, a.go_file, a.pause_ms)
     counted["allreduce"] = 0
     times = []
+    for c in clocks.values():
+        c.clear()
     for _ in range(a.steps):
         t0 = time.monotonic_ns()
         step()
         times.append(time.monotonic_ns() - t0)
+    own = {f"{k}_ms_median": statistics.median(v) / 1e6 for k, v in clocks.items()}
     cupti = profiled(step, a.cupti) if a.cupti else None
     workers = sorted(
         int(f.split("-")[1]) for f in os.listdir(a.pid_dir) if f.startswith("worker-")
@@ -121,6 +133,7 @@ def main():
         "allreduce_calls": counted["allreduce"],
         "step_ms_median": statistics.median(times) / 1e6,
         "step_ms_mean": statistics.mean(times) / 1e6,
+        **own,
         "pause": {"start_ns": pause_start, "ms": a.pause_ms},
         "workers": workers,
         "torch": torch.__version__,

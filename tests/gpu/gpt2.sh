@@ -44,9 +44,27 @@ job = json.loads(open(f"{out}/traced.json").read().splitlines()[-1])
 truth = json.loads(open(f"{out}/cupti.json").read().splitlines()[-1])["cupti"]
 steps = st["steps"]
 med = lambda k: round(statistics.median(x["categories_ns"][k] or 0 for x in steps) / 1e6, 3)
+
+
+def launch_ms(out, n):
+    """On-CPU time per step in kernel launches (a cu*Launch* frame on the stack), by the
+    rank's threads, from the agent's samples (weights in µs)."""
+    per = {}
+    for line in open(f"{out}/agent/flamegraph-oncpu.folded"):
+        stack, w = line.rsplit(" ", 1)
+        thread = stack.split(";", 1)[0]
+        if "(main (rank))" in thread or "(autograd)" in thread:
+            key = thread.split(" (")[0]
+            tot, launch = per.get(key, (0, 0))
+            per[key] = (tot + int(w), launch + int(w) * ("LaunchKernel" in stack))
+    return {k: {"on_cpu_ms": round(t / 1e3 / n, 2), "launch_ms": round(l / 1e3 / n, 2)}
+            for k, (t, l) in per.items()}
+
 p0 = job["pause"]["start_ns"]; p1 = p0 + job["pause"]["ms"] * 1e6
 print(json.dumps({
-  "job": {k: job[k] for k in ["steps", "allreduce_calls", "step_ms_median", "workers", "pause"]},
+  "job": {k: job[k] for k in ["steps", "allreduce_calls", "step_ms_median", "backward_ms_median",
+                                "item_ms_median", "workers", "pause"]},
+  "launch_in_samples_ms_per_step": launch_ms(out, job["steps"]),
   "cupti": truth,
   "ranks": [{k: r[k] for k in ["pid", "rank", "rank_source"]} | {"collectives": r["nccl"]["collectives"]} for r in s["ranks"]],
   "workers": [{k: w[k] for k in ["pid", "rank_pid", "parent_pid", "threads", "faults"]}

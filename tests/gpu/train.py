@@ -138,22 +138,38 @@ def profiled(step, n):
             step()
         torch.cuda.synchronize()
         wall = time.monotonic_ns() - t0
-    nccl = kernels = sync = 0.0
+    nccl = kernels = sync = launch = 0.0
+    launches, longest, busy = 0, 0.0, []
     for e in prof.events():
         dev = str(getattr(e, "device_type", "")).endswith("CUDA")
         if dev and "nccl" in e.name.lower():
             nccl += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
         if dev:
             kernels += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+            busy.append((e.time_range.start, e.time_range.end))
         elif "Synchronize" in e.name and e.name.startswith("cuda"):
             sync += e.cpu_time_total
+        elif e.name.startswith(("cudaLaunchKernel", "cuLaunchKernel")):
+            launch += e.cpu_time_total
+            launches += 1
+            longest = max(longest, e.cpu_time_total)
+    # The GPU's busy time: the union of its kernels' and copies' intervals.
+    busy_us, end = 0.0, float("-inf")
+    for s, t in sorted(busy):
+        if t > end:
+            busy_us += t - max(s, end)
+            end = t
     # Event times are µs.
     return {
         "steps": n,
         "wall_ms_per_step": wall / 1e6 / n,
         "nccl_kernel_ms_per_step": nccl / 1e3 / n,
         "kernel_ms_per_step": kernels / 1e3 / n,
+        "gpu_busy_ms_per_step": busy_us / 1e3 / n,
         "sync_ms_per_step": sync / 1e3 / n,
+        "launch_ms_per_step": launch / 1e3 / n,
+        "launches_per_step": launches / n,
+        "longest_launch_ms": longest / 1e3,
     }
 
 
