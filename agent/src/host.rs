@@ -3,7 +3,7 @@
 
 pub use nccltrace_core::procfs::{
     FunctionRanges, NUMA_MAPS_EVERY, each_kallsyms_line, kallsyms_ranges, missing_capabilities,
-    numa_maps_fields, parse_cpu_list, parse_numastat,
+    numa_maps_fields, numa_maps_unscanned, parse_cpu_list, parse_numastat,
 };
 use std::path::{Path, PathBuf};
 
@@ -316,6 +316,13 @@ impl Host {
             );
         }
         rows
+    }
+
+    /// The policy NUMA balancing does not scan that holds most of `pid`'s resident memory,
+    /// with its KiB ([`numa_maps_unscanned`]).
+    #[must_use]
+    pub fn numa_maps_unscanned(&self, pid: u32) -> Option<(String, u64)> {
+        numa_maps_unscanned(&self.read(&format!("proc/{pid}/numa_maps"))?)
     }
 
     /// The resident KiB of process `pid` on each NUMA node, from its numa_maps; `None`

@@ -110,6 +110,35 @@ pub fn parse_cpu_list(text: &str) -> Vec<u32> {
 /// hundreds of GiB).
 pub const NUMA_MAPS_EVERY: std::time::Duration = std::time::Duration::from_secs(2);
 
+/// The memory policy, other than the default, that NUMA balancing does not scan under and
+/// that holds the most resident KiB of a numa_maps text, with those KiB: a policy set with
+/// `mbind`/`set_mempolicy` (`numactl --membind`, `--interleave`, `--preferred`) lacks the
+/// migrate-on-fault flag unless made with `MPOL_F_NUMA_BALANCING` (shown `=balancing`),
+/// so the kernel makes no hinting fault in it. `None` where every resident page is under
+/// the default policy or one balancing scans.
+#[must_use]
+pub fn numa_maps_unscanned(text: &str) -> Option<(String, u64)> {
+    let mut by_policy: std::collections::BTreeMap<&str, u64> = std::collections::BTreeMap::new();
+    for line in text.lines() {
+        let Some(policy) = line.split_whitespace().nth(1) else {
+            continue;
+        };
+        if policy == "default" || policy.contains("balancing") {
+            continue;
+        }
+        let kib = numa_maps_fields(line).fold(0u64, |sum, (_, pages, page_kib)| {
+            sum.saturating_add(pages.saturating_mul(page_kib))
+        });
+        let entry = by_policy.entry(policy).or_default();
+        *entry = entry.saturating_add(kib);
+    }
+    by_policy
+        .into_iter()
+        .filter(|(_, kib)| *kib > 0)
+        .max_by_key(|(_, kib)| *kib)
+        .map(|(policy, kib)| (policy.to_owned(), kib))
+}
+
 /// The `N<node>=<pages>` fields of a numa_maps text, each with its mapping's page size
 /// in KiB (`kernelpagesize_kB`, 4 unless it says otherwise: huge pages).
 pub fn numa_maps_fields(text: &str) -> impl Iterator<Item = (usize, u64, u64)> + '_ {
@@ -305,6 +334,30 @@ pub fn log_thread_cpu() {
 
 #[cfg(test)]
 mod tests {
+    use super::numa_maps_unscanned;
+
+    /// `numactl --membind=1` binds every mapping (the task's policy shows on each); a
+    /// policy made with `MPOL_F_NUMA_BALANCING` and the default are scanned.
+    #[test]
+    fn memory_balancing_does_not_scan() {
+        let bound = "7f0000000000 bind:1 anon=512 dirty=512 N1=512 kernelpagesize_kB=4\n\
+                     7f0000200000 bind:1 file=/usr/lib/libc.so.6 mapped=100 N1=100 kernelpagesize_kB=4\n\
+                     7f0000400000 default anon=4 dirty=4 N0=4 kernelpagesize_kB=4\n";
+        assert_eq!(
+            numa_maps_unscanned(bound),
+            Some(("bind:1".to_owned(), 612 * 4))
+        );
+        let huge = "7f0000000000 interleave:0-1 anon=2 N0=1 N1=1 kernelpagesize_kB=2048\n";
+        assert_eq!(
+            numa_maps_unscanned(huge),
+            Some(("interleave:0-1".to_owned(), 4096))
+        );
+        let scanned = "7f0000000000 bind=balancing:1 anon=512 N1=512 kernelpagesize_kB=4\n\
+                       7f0000400000 default anon=4 N0=4 kernelpagesize_kB=4\n\
+                       7f0000800000 bind:1 anon=0\n";
+        assert_eq!(numa_maps_unscanned(scanned), None);
+        assert_eq!(numa_maps_unscanned(""), None);
+    }
     use super::*;
 
     /// A function ends at the next function's address, even where another name shares

@@ -395,9 +395,26 @@ fn attach_all(prepared: Prepared, targets: &[Target]) -> Result<Attached, Source
     let numa_balancing: Option<u32> = host
         .read("proc/sys/kernel/numa_balancing")
         .and_then(|v| v.trim().parse().ok());
-    let resident = profile.probes.numa
-        && node_distances.len() > 1
-        && (numa_balancing == Some(0) || numa_hints_refused.is_some());
+    // Or where a target's memory is under a policy balancing does not scan (issue 52: a
+    // rank started under `numactl --membind` read `remote_memory` null every step).
+    let numa_maps_why = if !profile.probes.numa || node_distances.len() <= 1 {
+        None
+    } else if numa_balancing == Some(0) {
+        Some("NUMA balancing is off (kernel.numa_balancing = 0)".to_owned())
+    } else if let Some(why) = &numa_hints_refused {
+        Some(format!("NUMA hinting faults are not traced ({why})"))
+    } else {
+        targets.iter().find_map(|t| {
+            let (policy, kib) = host.numa_maps_unscanned(t.pid)?;
+            Some(format!(
+                "pid {}'s memory is under the policy {policy} ({} MiB resident), which NUMA \
+                 balancing does not scan",
+                t.pid,
+                kib / 1024
+            ))
+        })
+    };
+    let resident = numa_maps_why.is_some();
     let (kernel_release, hostname) = host::uname();
     let mut header = Header {
         format_version: FORMAT_VERSION,
@@ -425,6 +442,7 @@ fn attach_all(prepared: Prepared, targets: &[Target]) -> Result<Attached, Source
         node_distances,
         numa_balancing,
         numa_maps_every_s: resident.then_some(host::NUMA_MAPS_EVERY.as_secs()),
+        numa_maps_why,
         numa_hints_refused,
         mem_sampler: mem.as_ref().map(|m| m.sampler.describe()),
         mem_sampling_refused,

@@ -164,9 +164,13 @@ impl Timeline {
             );
         }
         if self.numa_hints_seen == 0 && self.resident_seen > 0 {
+            let why = self
+                .numa_maps_why
+                .as_deref()
+                .unwrap_or("NUMA balancing is off");
             return format!(
                 "estimated from the target's resident pages per node (/proc/PID/numa_maps, \
-                 read every {} s while NUMA balancing is off, so no access is sampled): the \
+                 read every {} s because {why}, so no access is sampled): the \
                  step's on-CPU compute × the share of those pages on other nodes than the \
                  rank thread's, each weighted by 1 − local/remote SLIT distance, from the \
                  latest reading before the step's end. A weaker proxy than hinting faults: \

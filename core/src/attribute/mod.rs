@@ -267,6 +267,7 @@ pub struct Timeline {
     numa_balancing: Option<u32>,
     /// Why hinting faults were not traced.
     numa_hints_refused: Option<String>,
+    numa_maps_why: Option<String>,
     /// Hinting faults of target threads seen.
     numa_hints_seen: u64,
     /// Readings of the targets' resident pages per node seen.
@@ -366,6 +367,8 @@ pub struct Setup {
     pub numa_balancing: Option<u32>,
     /// Why NUMA hinting faults were not traced (`None`: they were).
     pub numa_hints_refused: Option<String>,
+    /// Why the targets' numa_maps were read (`None`: not read, or not said).
+    pub numa_maps_why: Option<String>,
     /// The PMU memory sampler opened on the targets' threads, described.
     pub mem_sampler: Option<String>,
     /// Why no memory sampler was opened (`None`: one was).
@@ -414,6 +417,7 @@ impl Timeline {
             node_distances: setup.node_distances.clone(),
             numa_balancing: setup.numa_balancing,
             numa_hints_refused: setup.numa_hints_refused.clone(),
+            numa_maps_why: setup.numa_maps_why.clone(),
             numa_hints_seen: 0,
             resident_seen: 0,
             mem_sampler: setup.mem_sampler.clone(),

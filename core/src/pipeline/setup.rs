@@ -40,6 +40,7 @@ impl From<&Header> for Setup {
             fault_timing_refused: h.fault_timing_refused.clone(),
             numa_balancing: h.numa_balancing,
             numa_hints_refused: h.numa_hints_refused.clone(),
+            numa_maps_why: h.numa_maps_why.clone(),
             mem_sampler: h.mem_sampler.clone(),
             mem_sampling_refused: h.mem_sampling_refused.clone(),
             cpu_khz: h.cpu_khz,

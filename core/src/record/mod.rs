@@ -233,6 +233,10 @@ pub struct Header {
     /// untraced on a host of several nodes); `None`: they were not.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub numa_maps_every_s: Option<u64>,
+    /// Why they were read (balancing off, hints untraced, or a target's memory under a
+    /// policy balancing does not scan); `None` where not read or in older recordings.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub numa_maps_why: Option<String>,
     /// The CPU's base frequency in kHz, which turns sampled latencies into time.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpu_khz: Option<u64>,
