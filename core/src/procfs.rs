@@ -110,6 +110,25 @@ pub fn parse_cpu_list(text: &str) -> Vec<u32> {
 /// hundreds of GiB).
 pub const NUMA_MAPS_EVERY: std::time::Duration = std::time::Duration::from_secs(2);
 
+/// The address ranges `path` is mapped executable at in a `/proc/PID/maps` text.
+#[must_use]
+pub fn executable_ranges(maps: &str, path: &str) -> Vec<(u64, u64)> {
+    maps.lines()
+        .filter_map(|line| {
+            let mut f = line.split_whitespace();
+            let (range, perms) = (f.next()?, f.next()?);
+            if !perms.contains('x') || f.nth(3)? != path {
+                return None;
+            }
+            let (a, b) = range.split_once('-')?;
+            Some((
+                u64::from_str_radix(a, 16).ok()?,
+                u64::from_str_radix(b, 16).ok()?,
+            ))
+        })
+        .collect()
+}
+
 /// The memory policy, other than the default, that NUMA balancing does not scan under and
 /// that holds the most resident KiB of a numa_maps text, with those KiB: a policy set with
 /// `mbind`/`set_mempolicy` (`numactl --membind`, `--interleave`, `--preferred`) lacks the

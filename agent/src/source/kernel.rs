@@ -97,21 +97,37 @@ pub(super) fn is_switch_in(name: &str) -> bool {
         .is_some_and(|rest| rest.is_empty() || rest.starts_with('.'))
 }
 
-/// From /proc/kallsyms, read a line at a time: the fault handlers' address ranges and the
-/// name it gives [`SWITCH_IN_FUNCTION`], if any.
-pub(super) fn kernel_symbols() -> (Vec<(u64, u64)>, Option<String>) {
+/// What the agent reads of /proc/kallsyms.
+#[derive(Default)]
+pub(super) struct KernelSymbols {
+    /// The fault handlers' address ranges.
+    pub(super) fault_handlers: Vec<(u64, u64)>,
+    /// The `sched_yield` system call's ([`YIELD_FUNCTIONS`]).
+    pub(super) sched_yield: Vec<(u64, u64)>,
+    /// The name it gives [`SWITCH_IN_FUNCTION`], if any.
+    pub(super) switch_in: Option<String>,
+}
+
+/// From /proc/kallsyms, read a line at a time: [`KernelSymbols`].
+pub(super) fn kernel_symbols() -> KernelSymbols {
     let Ok(file) = std::fs::File::open("/proc/kallsyms") else {
-        return (Vec::new(), None);
+        return KernelSymbols::default();
     };
-    let mut ranges = crate::host::FunctionRanges::new(&FAULT_HANDLERS);
+    let mut faults = crate::host::FunctionRanges::new(&FAULT_HANDLERS);
+    let mut yields = crate::host::FunctionRanges::new(&YIELD_FUNCTIONS);
     let mut switch_in = None;
     crate::host::each_kallsyms_line(std::io::BufReader::new(file), |addr, kind, name| {
-        ranges.line(addr, kind, name);
+        faults.line(addr, kind, name);
+        yields.line(addr, kind, name);
         if switch_in.is_none() && is_switch_in(name) {
             switch_in = Some(name.to_owned());
         }
     });
-    (ranges.finish(), switch_in)
+    KernelSymbols {
+        fault_handlers: faults.finish(),
+        sched_yield: yields.finish(),
+        switch_in,
+    }
 }
 
 /// Takes off-CPU stacks only for stretches of at least `min_ns`, as threads come back to
@@ -157,6 +173,14 @@ pub const FAULT_HANDLERS: [&str; 5] = [
     "do_user_addr_fault",
     "handle_mm_fault",
     "__handle_mm_fault",
+];
+
+/// The `sched_yield` system call: the CUDA driver yields the CPU in it while it waits for
+/// the GPU outside a sync (room in a full launch queue).
+pub const YIELD_FUNCTIONS: [&str; 3] = [
+    "do_sched_yield",
+    "__x64_sys_sched_yield",
+    "__ia32_sys_sched_yield",
 ];
 
 #[cfg(test)]

@@ -28,9 +28,6 @@ impl Prepared {
     }
 }
 
-/// The fault handlers' address ranges and the switch-in kprobe's symbol, from kallsyms.
-type KernelSymbols = (Vec<(u64, u64)>, Option<String>);
-
 /// What [`Prepared`] made.
 struct Ready {
     tracefs_root: std::path::PathBuf,
@@ -295,7 +292,11 @@ fn attach_all(prepared: Prepared, targets: &[Target]) -> Result<Attached, Source
     };
 
     phases.mark("fault timing");
-    let (fault_handler_ranges, switch_in) = kallsyms.join().unwrap_or_default();
+    let kernel::KernelSymbols {
+        fault_handlers: fault_handler_ranges,
+        sched_yield: sched_yield_ranges,
+        switch_in,
+    } = kallsyms.join().unwrap_or_default();
     phases.mark("kallsyms (the rest of its reading)");
     // Off-CPU stacks: which frames, and when they are taken.
     let min_ns = profile.probes.offcpu_min_us.saturating_mul(1000);
@@ -436,6 +437,7 @@ fn attach_all(prepared: Prepared, targets: &[Target]) -> Result<Attached, Source
             .collect(),
         sample_period_ns,
         fault_handler_ranges,
+        sched_yield_ranges,
         step_nvtx: None,
         fault_timing,
         fault_timing_refused,

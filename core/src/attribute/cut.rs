@@ -40,6 +40,11 @@ fn categories_with(log: &ThreadLog, a: u64, b: u64, step: bool) -> Categories {
     let fault_ns = fault_ns.min(cat.compute);
     cat.page_fault += fault_ns;
     cat.compute -= fault_ns;
+    // The CUDA driver yielding the CPU outside a sync waits for the GPU (room in a full
+    // launch queue): each such sample of compute time, a period of it.
+    let yields = driver_yield_ns(log, a, b).min(cat.compute);
+    cat.gpu_wait += yields;
+    cat.compute -= yields;
     // Remote-memory stalls, measured from PMU load samples or estimated from hinting
     // faults, are carved out of what is left of compute (never added on top: the
     // categories keep summing to wall time). Measured loads the thread stalled on while
@@ -343,6 +348,25 @@ pub(super) fn fault_estimate(log: &ThreadLog, a: u64, b: u64) -> Option<(u64, u6
     // fault's mean: their fault may have cost any of it.
     let error = rest * 2.0 * (var / n as f64).sqrt() + (over_ns as f64 - over as f64 * mean);
     Some((ns.round() as u64, error.round() as u64))
+}
+
+/// The on-CPU time of the thread's samples of the CUDA driver yielding the CPU in
+/// `[a, b)` outside syncs and faults (in `compute` pieces), a sampling period each.
+pub(super) fn driver_yield_ns(log: &ThreadLog, a: u64, b: u64) -> u64 {
+    driver_yields(log, a, b).map(|t| t.1).sum()
+}
+
+/// How many of those samples `[a, b)` holds.
+pub(super) fn driver_yields_in(log: &ThreadLog, a: u64, b: u64) -> usize {
+    driver_yields(log, a, b).count()
+}
+
+fn driver_yields(log: &ThreadLog, a: u64, b: u64) -> impl Iterator<Item = &(u64, u64)> {
+    let lo = log.driver_yields.partition_point(|t| t.0 < a);
+    log.driver_yields[lo..]
+        .iter()
+        .take_while(move |t| t.0 < b)
+        .filter(|t| category_at(&log.segments, t.0) == Some(Cat::Compute))
 }
 
 /// The thread's faults counted by the kernel in `[a, b)`.

@@ -418,6 +418,7 @@ impl Timeline {
             log.syncs.sort_unstable();
             log.collectives.sort_by_key(|c| c.start_ns);
             log.faults.sort_unstable();
+            log.driver_yields.sort_unstable();
             log.wakeups.sort_unstable();
             log.call_stacks.sort_unstable();
             log.offcpu_stacks.sort_unstable();
@@ -547,6 +548,7 @@ impl Timeline {
             log.collectives.drain(..moved);
             log.fed = log.fed.saturating_sub(moved);
             log.fault_samples.retain(|s| keep(s.0));
+            log.driver_yields.retain(|t| keep(t.0));
             log.fault_time.clear();
             log.faults.retain(|f| keep(f.0));
             log.fault_pairs.clear();

@@ -240,8 +240,28 @@ impl Timeline {
                 let in_handler = kstack
                     .iter()
                     .any(|ip| self.fault_ranges.iter().any(|(a, b)| (*a..*b).contains(ip)));
+                // The CUDA driver yielding the CPU: `sched_yield` called from libcuda.
+                let in_yield = kstack
+                    .iter()
+                    .any(|ip| self.yield_ranges.iter().any(|(a, b)| (*a..*b).contains(ip)));
+                if in_yield && let Some(&ip) = ustack.first() {
+                    self.yield_ips.insert((task.tgid, ip));
+                }
+                let in_yield = in_yield
+                    || (!kstack.is_empty()
+                        && ustack
+                            .first()
+                            .is_some_and(|ip| self.yield_ips.contains(&(task.tgid, *ip))));
+                let driver_yield = !in_handler
+                    && in_yield
+                    && self.cuda_text.get(&task.tgid).is_some_and(|text| {
+                        ustack
+                            .iter()
+                            .any(|ip| text.iter().any(|(a, b)| (*a..*b).contains(ip)))
+                    });
                 let period = self.sample_period_ns;
                 let window = 2 * period.max(1);
+                self.driver_yields_seen += u64::from(driver_yield);
                 let stack = self.intern(*task, *ts_ns, kstack, ustack);
                 let log = self.log(task.tid, task.tgid);
                 // In user mode on the instruction that just faulted, or right after it:
@@ -258,6 +278,9 @@ impl Timeline {
                 let in_fault = in_handler || retrying;
                 if in_fault {
                     log.fault_samples.push((*ts_ns, log.last_sample));
+                }
+                if driver_yield {
+                    log.driver_yields.push((*ts_ns, period));
                 }
                 log.stack_samples.push((*ts_ns, stack, in_fault));
                 log.last_sample = Some(*ts_ns);

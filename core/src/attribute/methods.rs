@@ -41,10 +41,26 @@ impl Timeline {
             );
         }
         let gpu_wait = if self.sync_probed {
-            "time inside CUDA sync calls with no collective of a multi-rank communicator \
-             outstanding, spinning or blocked: the host waits for the GPU's own work (kernels, \
-             copies, collectives of one-rank communicators)"
-                .into()
+            let driver = if self.yield_ranges.is_empty() || self.sample_period_ns == 0 {
+                "the driver's waits outside syncs (for room in a full launch queue) are not \
+                 seen: no sched_yield in /proc/kallsyms, or sampling is off"
+                    .to_owned()
+            } else {
+                format!(
+                    "and, from on-CPU samples, time the CUDA driver spent yielding the CPU \
+                     (in sched_yield called from libcuda) outside syncs: waiting for the GPU, \
+                     for room in a full launch queue or in a synchronous copy ({} samples \
+                     over the run), a sampling period each. A lower bound: the driver's \
+                     polling between its yields stays compute; per step, gpu_wait_error_ns \
+                     is two standard errors of the step's count plus one period",
+                    self.driver_yields_seen
+                )
+            };
+            format!(
+                "time inside CUDA sync calls with no collective of a multi-rank communicator \
+                 outstanding, spinning or blocked: the host waits for the GPU's own work \
+                 (kernels, copies, collectives of one-rank communicators); {driver}"
+            )
         } else {
             "not measured: no CUDA sync function was probed (the profile has cuda_sync off, or \
              no libcuda was mapped): a host spinning for the GPU counts as compute, one asleep \

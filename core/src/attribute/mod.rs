@@ -103,6 +103,9 @@ struct ThreadLog {
     collectives: Vec<Collective>,
     /// Samples in a page fault: (time, the previous sample's time).
     fault_samples: Vec<(u64, Option<u64>)>,
+    /// Samples of the CUDA driver yielding the CPU while it waits for the GPU (in
+    /// `sched_yield` called from libcuda): (time, the sampling period it stands for).
+    driver_yields: Vec<(u64, u64)>,
     /// The same, with the on-CPU time each stands for (computed at `finish`).
     fault_time: Vec<(u64, u64)>,
     /// The previous sample's time.
@@ -236,6 +239,17 @@ pub struct Timeline {
     exited: Vec<(u64, u32)>,
     cpu_nodes: Vec<i32>,
     fault_ranges: Vec<(u64, u64)>,
+    /// The `sched_yield` system call's kernel ranges, and each target's CUDA driver's
+    /// mappings by pid: a sample in the one called from the other is the driver waiting
+    /// for the GPU.
+    yield_ranges: Vec<(u64, u64)>,
+    cuda_text: BTreeMap<u32, Vec<(u64, u64)>>,
+    /// (pid, user address) where threads entered `sched_yield`: the instruction after the
+    /// `syscall` in libc's wrapper, learnt from samples inside the call. A sample in the
+    /// kernel's system-call entry or exit with that user address is in the same call.
+    yield_ips: std::collections::BTreeSet<(u32, u64)>,
+    /// Samples of the CUDA driver yielding, over the run.
+    driver_yields_seen: u64,
     sample_period_ns: u64,
     offcpu_min_ns: u64,
     thread_names: BTreeMap<u32, String>,
@@ -337,6 +351,8 @@ pub struct Target {
     /// The job its launcher started it in, as its environment names it (job id,
     /// rendezvous): only ranks of one job are matched for the straggler.
     pub job: Option<String>,
+    /// The address ranges of its CUDA driver's (libcuda's) executable mappings.
+    pub cuda_text: Vec<(u64, u64)>,
 }
 
 /// What the attribution is told of the run before its first event: when tracing began,
@@ -354,6 +370,8 @@ pub struct Setup {
     /// Kernel address ranges of the page-fault handler, to tell samples taken while
     /// handling a fault.
     pub fault_handler_ranges: Vec<(u64, u64)>,
+    /// Kernel address ranges of the `sched_yield` system call.
+    pub sched_yield_ranges: Vec<(u64, u64)>,
     /// On-CPU sampling period (0: no sampling).
     pub sample_period_ns: u64,
     /// Off-CPU stretches shorter than this have no stack by design.
@@ -398,6 +416,10 @@ impl Timeline {
             exited: Vec::new(),
             cpu_nodes: setup.cpu_nodes.clone(),
             fault_ranges: setup.fault_handler_ranges.clone(),
+            yield_ranges: setup.sched_yield_ranges.clone(),
+            cuda_text: BTreeMap::new(),
+            yield_ips: std::collections::BTreeSet::new(),
+            driver_yields_seen: 0,
             sample_period_ns: setup.sample_period_ns,
             offcpu_min_ns: setup.offcpu_min_ns,
             thread_names: BTreeMap::new(),
@@ -486,6 +508,9 @@ impl Timeline {
         }
         self.thread_names.extend(t.threads.iter().cloned());
         self.target_pids.push(t.pid);
+        if !t.cuda_text.is_empty() {
+            self.cuda_text.insert(t.pid, t.cuda_text.clone());
+        }
         if let Some(parent) = t.parent_pid {
             self.parents.insert(t.pid, parent);
         }

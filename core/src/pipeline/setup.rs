@@ -22,6 +22,11 @@ impl From<&TargetInfo> for Target {
                 .iter()
                 .any(|p| Func::from_name(&p.func).is_some_and(|f| f.library() == Library::Cuda)),
             job: t.job_key(),
+            cuda_text: t
+                .cuda_library
+                .as_deref()
+                .map(|lib| crate::procfs::executable_ranges(&t.maps_text, lib))
+                .unwrap_or_default(),
         }
     }
 }
@@ -33,6 +38,7 @@ impl From<&Header> for Setup {
             cpu_nodes: h.cpu_nodes.clone(),
             node_distances: h.node_distances.clone(),
             fault_handler_ranges: h.fault_handler_ranges.clone(),
+            sched_yield_ranges: h.sched_yield_ranges.clone(),
             sample_period_ns: h.sample_period_ns,
             offcpu_min_ns: h.offcpu_min_ns,
             targets: h.targets.iter().map(Target::from).collect(),

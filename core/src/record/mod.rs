@@ -195,6 +195,10 @@ pub struct Header {
     /// samples taken while handling a fault.
     #[serde(default)]
     pub fault_handler_ranges: Vec<(u64, u64)>,
+    /// Kernel address ranges of the `sched_yield` system call (from /proc/kallsyms), to
+    /// tell samples of the CUDA driver yielding while it waits for the GPU.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sched_yield_ranges: Vec<(u64, u64)>,
     /// `--step-nvtx` of the run: `report` cuts steps the same way unless told otherwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub step_nvtx: Option<String>,

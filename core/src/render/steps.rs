@@ -85,6 +85,10 @@ fn write_step(out: &mut impl Write, s: &Step) -> io::Result<()> {
     o.u64(key!("wall_ns"), s.wall_ns)?;
     categories(o.key(key!("categories_ns"))?, &s.categories)?;
     o.opt_u64(key!("page_fault_error_ns"), s.page_fault_error_ns)?;
+    o.opt_u64(
+        key!("gpu_wait_error_ns"),
+        s.gpu_wait_error_ns.as_deref().copied(),
+    )?;
     let n = o.key(key!("nccl"))?;
     let mut nccl = Obj::new(n)?;
     nccl.u64(key!("collectives"), s.nccl.collectives)?;

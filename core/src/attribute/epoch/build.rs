@@ -278,6 +278,11 @@ impl Timeline {
                     Some(w) if in_fault && at == crate::attribute::Cat::Compute => {
                         (crate::attribute::Cat::PageFault, *w)
                     }
+                    _ if at == crate::attribute::Cat::Compute
+                        && log.driver_yields.binary_search_by_key(&ts, |y| y.0).is_ok() =>
+                    {
+                        (crate::attribute::Cat::GpuWait, self.sample_period_ns)
+                    }
                     _ => (at, self.sample_period_ns),
                 };
                 thread.samples.push((ts, stack, cat, weight));
@@ -532,6 +537,10 @@ impl Timeline {
                 b,
                 self.sample_period_ns,
             ),
+            gpu_wait_error_ns: (self.driver_yields_seen > 0).then(|| {
+                let n = crate::attribute::cut::driver_yields_in(log, a, b) as f64;
+                Box::new(((2.0 * n.sqrt() + 1.0) * self.sample_period_ns as f64).round() as u64)
+            }),
             nccl,
             faults,
             migrations: migrations.len() as u64,
