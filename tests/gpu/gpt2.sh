@@ -6,6 +6,8 @@
 # host's time in CUDA syncs, per step). Checks what the agent says against the script's own
 # figures: one rank, its workers by pid, the pause as idle, no steps over 1 s, the
 # collectives counted. Every output under $OUT (default ./gpu-out).
+# BATCH (default 16) sets the batch: 64 makes the GPU's work per step four times longer for
+# the same launches (a GPU-bound step, its launch queue full).
 # usage: tests/gpu/gpt2.sh NCCLTRACE_BINARY
 set -uo pipefail
 BIN=${1:?usage: gpt2.sh NCCLTRACE_BINARY}
@@ -16,7 +18,8 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 rm -rf "$OUT"; mkdir -p "$OUT/pids"
 go="$OUT/go"
 echo "== traced: attach --all"
-"$PY" "$HERE/gpt2.py" --steps 200 --pause-ms 1500 --go-file "$go" --pid-dir "$OUT/pids" \
+BATCH=${BATCH:-16}
+"$PY" "$HERE/gpt2.py" --batch "$BATCH" --steps 200 --pause-ms 1500 --go-file "$go" --pid-dir "$OUT/pids" \
   > "$OUT/traced.json" 2> "$OUT/traced.err" &
 job=$!
 for _ in $(seq 1200); do grep -q ready "$OUT/traced.json" 2>/dev/null && break; sleep 0.1; done
@@ -32,7 +35,7 @@ wait "$job"; echo "job exit $?"
 wait "$agent"; echo "agent exit $?"
 head -3 "$OUT/stderr.txt"; tail -2 "$OUT/stderr.txt"
 echo "== under torch.profiler, not traced"
-"$PY" "$HERE/gpt2.py" --steps 20 --cupti 50 > "$OUT/cupti.json" 2> "$OUT/cupti.err"
+"$PY" "$HERE/gpt2.py" --batch "$BATCH" --steps 20 --cupti 50 > "$OUT/cupti.json" 2> "$OUT/cupti.err"
 echo "exit $?"
 sed -n '/^Steps:/,$p' "$OUT/stdout.txt"
 "$PY" - "$OUT" <<'PY'
@@ -74,6 +77,8 @@ print(json.dumps({
   "steps": len(steps), "steps_over_1s": sum(1 for x in steps if x["wall_ns"] > 1e9),
   "agent_step_ms_median": round(statistics.median(x["wall_ns"] for x in steps) / 1e6, 3),
   "agent_ms_per_step_median": {k: med(k) for k in ["compute", "gpu_wait", "nccl_wait", "runqueue", "other_offcpu"]},
+  "gpu_wait_error_ms_median": round(statistics.median(x.get("gpu_wait_error_ns") or 0 for x in steps) / 1e6, 3),
+  "gpu_wait_method": st["methods"]["gpu_wait"][-420:],
   "idle": [{"when": i["when"], "ms": round(i["wall_ns"] / 1e6, 1),
             "from_pause_start_ms": round((i["start_ns"] - p0) / 1e6, 1),
             "to_pause_end_ms": round((i["end_ns"] - p1) / 1e6, 1)} for i in st["idle"]],
