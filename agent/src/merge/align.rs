@@ -12,9 +12,15 @@
 //!
 //! Which collective of one rank is which of the other is not known either: agents attach
 //! at different moments, so their first collectives differ. Candidates are the pairings
-//! that the wall clocks allow (within `max_error`), kept when every pair calls the same
-//! function with the same bytes and causality holds; a periodic job lines up as well one
-//! step later, and then only the wall clocks can choose.
+//! kept when every pair calls the same function with the same bytes and causality holds:
+//! between hosts every such pairing, whatever the wall clocks say (they may be off by more
+//! than assumed: no NTP, a drifting node); on one host those its clock allows. A periodic
+//! job lines up one step later too, but its steps' lengths jitter, and each rank sees
+//! the same jitter: only the true pairing puts every collective's completions at one
+//! offset, a pairing a step off spreads them by the jitter. The pairing whose differences
+//! spread least is taken where no other comes close ([`TIE`]); where several do (steps
+//! that repeat exactly), only the wall clocks can choose, within the assumed error, and
+//! where they cannot that is said, naming `--clock-error`, never guessed.
 
 /// One collective as one rank saw it, on its host's clock (ns): the same as on one host
 /// (where the ranks' collectives are lined up before they are matched).
@@ -107,8 +113,9 @@ pub enum AlignError {
     )]
     NoOverlap,
     #[error(
-        "no pairing of their collectives within the clock error puts the same calls with the \
-         same sizes side by side ({candidates} tried)"
+        "no pairing of their collectives (any, between hosts; within the clock error, on one \
+         host) puts the same calls with the same sizes side by side ({candidates} tried): \
+         not the same job, or a call lost on one side"
     )]
     NoMatch { candidates: usize },
     #[error(
@@ -120,7 +127,8 @@ pub enum AlignError {
     TooFew { matched: usize, needed: usize },
     #[error(
         "the collectives line up equally well at clock corrections of {} and {} (the steps \
-         repeat): the wall clocks cannot tell which",
+         repeat, their lengths alike): the wall clocks, within --clock-error, cannot tell \
+         which",
         ms(*chosen), ms(*other)
     )]
     Ambiguous { chosen: i64, other: i64 },
@@ -136,41 +144,68 @@ pub const MIN_MATCHED: usize = 20;
 const PAIR_SLACK_NS: u64 = 5_000_000;
 /// Pairs looked at when screening a candidate pairing.
 const SCREEN: usize = 256;
+/// A pairing comes as close as the best when the central 90% of its differences spreads
+/// less than twice the best's plus this (a few completions noticed late).
+const TIE: u64 = 20_000;
 
 /// Aligns `x` to `r`: `guess_ns` is what the wall clocks say to add to x's times; the
-/// true correction is assumed within `max_error_ns` of it.
+/// true correction is assumed within `max_error_ns` of it, unless `wide` (another host's
+/// clock): then any pairing whose differences spread clearly least is taken, wherever it
+/// puts the clock, and the assumed error only chooses among pairings alike.
 pub fn align(
     r: &Kept,
     x: &Kept,
     guess_ns: i64,
     max_error_ns: u64,
+    wide: bool,
 ) -> Result<Alignment, AlignError> {
-    let candidates = candidates(r, x, guess_ns, max_error_ns);
+    let window = if wide { u64::MAX / 4 } else { max_error_ns };
+    let candidates = candidates(r, x, guess_ns, window);
     if candidates.is_empty() {
         return Err(AlignError::NoOverlap);
     }
-    let mut fits: Vec<(i64, i64)> = candidates
+    // (shift, correction, spread) of each pairing that holds.
+    let enough = MIN_MATCHED.min(SCREEN).min(r.len()).min(x.len());
+    let mut fits: Vec<(i64, i64, u64)> = candidates
         .iter()
         .filter_map(|&shift| {
             let c = screen(r, x, shift, guess_ns);
-            log::debug!("pairing shifted by {shift}: correction {c:?}");
-            c.map(|c| (shift, c))
+            log::debug!("pairing shifted by {shift}: (correction, spread, pairs) {c:?}");
+            // Between hosts, a pairing that overlaps by a few collectives spreads little
+            // by chance: only those that share enough to be taken count.
+            c.filter(|c| !wide || c.2 >= enough)
+                .map(|(c, spread, _)| (shift, c, spread))
         })
-        .filter(|(_, c)| c.unsigned_abs() <= max_error_ns)
+        .filter(|(_, c, _)| c.unsigned_abs() <= window)
         .collect();
     if fits.is_empty() {
         return Err(AlignError::NoMatch {
             candidates: candidates.len(),
         });
     }
-    fits.sort_by_key(|(_, c)| c.unsigned_abs());
-    if let Some(&(_, other)) = fits.get(1) {
-        return Err(AlignError::Ambiguous {
-            chosen: fits[0].1,
-            other,
-        });
+    fits.sort_by_key(|f| f.2);
+    let best = fits[0].2;
+    let mut alike: Vec<(i64, i64, u64)> = fits
+        .iter()
+        .copied()
+        .filter(|f| f.2 <= 2 * best + TIE)
+        .collect();
+    if alike.len() > 1 {
+        // The steps repeat alike: the wall clocks choose, within the assumed error.
+        alike.sort_by_key(|f| f.1.unsigned_abs());
+        let within: Vec<&(i64, i64, u64)> = alike
+            .iter()
+            .filter(|f| f.1.unsigned_abs() <= max_error_ns)
+            .collect();
+        if within.len() != 1 {
+            return Err(AlignError::Ambiguous {
+                chosen: alike[0].1,
+                other: alike[1].1,
+            });
+        }
+        alike = vec![*within[0]];
     }
-    let shift = fits[0].0;
+    let shift = alike[0].0;
     let fit = estimate(r, x, shift, guess_ns);
     if fit.matched < MIN_MATCHED {
         return Err(AlignError::TooFew {
@@ -233,8 +268,9 @@ fn pairs<'a>(r: &'a Kept, x: &'a Kept, shift: i64) -> impl Iterator<Item = (&'a 
 }
 
 /// The correction a pairing gives when its first pairs call the same functions with the
-/// same sizes and causality holds among them; `None` otherwise.
-fn screen(refs: &Kept, other: &Kept, shift: i64, guess_ns: i64) -> Option<i64> {
+/// same sizes and causality holds among them, and how far the central 90% of their
+/// differences spreads, and how many pairs it looked at; `None` otherwise.
+fn screen(refs: &Kept, other: &Kept, shift: i64, guess_ns: i64) -> Option<(i64, u64, usize)> {
     let mut points = Vec::with_capacity(SCREEN);
     let (mut lo, mut hi) = (i64::MIN, i64::MAX);
     for (a, b) in pairs(refs, other, shift).take(SCREEN) {
@@ -251,7 +287,10 @@ fn screen(refs: &Kept, other: &Kept, shift: i64, guess_ns: i64) -> Option<i64> {
         log::trace!("shift {shift}: causality allows {lo}..{hi}");
         return None;
     }
-    Some(median(&mut points))
+    points.sort_unstable();
+    let at = |q: f64| points[((points.len() - 1) as f64 * q).round() as usize];
+    let spread = (at(0.95) - at(0.05)).unsigned_abs();
+    Some((median(&mut points), spread, points.len()))
 }
 
 /// For one matched pair: the hard interval of the correction and its point estimate.
@@ -354,6 +393,7 @@ mod tests {
             &Kept::whole(x.to_vec()),
             guess_ns,
             max_error_ns,
+            true,
         )
     }
 
@@ -385,9 +425,22 @@ mod tests {
     fn recovers_a_shifted_clock() {
         let r = job(200, 5_000_000, 0, 40_000, 0, 0);
         let x = job(200, 5_000_000, 30_000, 40_000, -7_300_000, 13);
-        // The wall clocks say 0 and claim to be right within 1 ms: no pairing fits.
+        // The wall clocks say 0 and claim to be right within 1 ms: the steps repeat exactly
+        // (no jitter in this job), every pairing a whole step off fits as well, and none
+        // is within the error: said so.
         assert!(matches!(
             fit(&r, &x, 0, 1_000_000),
+            Err(AlignError::Ambiguous { .. })
+        ));
+        // On one host (not wide), no pairing within 1 ms.
+        assert!(matches!(
+            align(
+                &Kept::whole(r.clone()),
+                &Kept::whole(x.clone()),
+                0,
+                1_000_000,
+                false
+            ),
             Err(AlignError::NoMatch { .. })
         ));
         let a = fit(&r, &x, -7_000_000, 2_000_000).unwrap();
@@ -402,12 +455,12 @@ mod tests {
         assert_eq!(a.matched, 787);
     }
 
-    /// Steps repeat every 5 ms: with a 10 ms clock error, pairings one step apart are as
-    /// good, and the wall clocks cannot choose: said, not guessed.
+    /// Steps repeat every 5 ms, exactly: with a 10 ms clock error, pairings one step apart
+    /// are as good, and the wall clocks cannot choose: said, not guessed.
     #[test]
     fn periodic_steps_are_ambiguous_beyond_half_a_period() {
         let r = job(100, 5_000_000, 0, 40_000, 0, 0);
-        let x = job(100, 5_000_000, 0, 40_000, 0, 4);
+        let x = job(100, 5_000_000, 30_000, 40_000, 0, 4);
         match fit(&r, &x, 0, 10_000_000) {
             Err(AlignError::Ambiguous { chosen, other }) => {
                 assert!(chosen.abs() < 50_000);
@@ -452,7 +505,7 @@ mod tests {
         };
         let r = windows(job(1000, 5_000_000, 0, 40_000, 0, 0));
         let x = windows(job(1000, 5_000_000, 30_000, 40_000, -7_300_000, 0));
-        let a = align(&r, &x, -7_000_000, 2_000_000).unwrap();
+        let a = align(&r, &x, -7_000_000, 2_000_000, true).unwrap();
         assert_eq!(a.shift, 0);
         assert!((a.correction_ns + 300_000).abs() < 10_000, "{a:?}");
         assert_eq!(a.matched, r.len());
@@ -480,5 +533,42 @@ mod tests {
             "{a:?}"
         );
         assert!(a.correction_at(1_000_000).abs() < 20_000, "{a:?}");
+    }
+
+    /// Issue 52: a host's wall clock 0.25 s or 3 s off, far beyond the assumed 10 ms, on a
+    /// job whose steps jitter (as real steps do, alike on every rank): the pairing a step
+    /// off spreads the differences by the jitter, the true one does not, and it is found
+    /// wherever the wall clocks put it, within 100 µs. With steps that repeat exactly
+    /// (`recovers_a_shifted_clock`) it cannot be, and is said so.
+    #[test]
+    fn finds_a_clock_far_beyond_the_assumed_error() {
+        // Step lengths of 5 ms ± up to 300 µs, one sequence for both ranks.
+        let jittered = |late: u64, clock: i64, skip: usize| -> Vec<Seen> {
+            let mut rng = 0x9e37_79b9_u64;
+            let mut step_start = 0u64;
+            let mut x = job(300, 5_000_000, late, 40_000, clock, 0);
+            for step in x.chunks_mut(4) {
+                rng = rng.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+                let shift = step_start;
+                for s in step.iter_mut() {
+                    s.arrival_ns += shift;
+                    s.done_ns += shift;
+                }
+                step_start += (rng >> 33) % 600_000;
+            }
+            x.split_off(skip)
+        };
+        let r = jittered(0, 0, 0);
+        for clock in [250_000_000i64, 3_000_000_000] {
+            let x = jittered(30_000, -clock, 9 * 4 + 1);
+            // Its agent attached 9 steps and one collective later; the wall clocks say 0.
+            let a = fit(&r, &x, 0, 10_000_000).unwrap();
+            assert_eq!(a.shift, -37, "{a:?}");
+            let truth = -clock + 30_000 / 2;
+            assert!(
+                (a.correction_ns - (-clock)).abs() < 100_000,
+                "{a:?} against {truth}"
+            );
+        }
     }
 }

@@ -91,7 +91,7 @@ pub fn align_hosts(
             let comm = counterpart(r, x);
             let fit = comm
                 .clone()
-                .and_then(|k| align::align(&r.kept, &x[k].kept, guess, error));
+                .and_then(|k| align::align(&r.kept, &x[k].kept, guess, error, n != ri));
             if let Err(source @ AlignError::Ambiguous { .. }) = &fit {
                 return Err(MergeError::Ambiguous {
                     host: input.label.clone(),
