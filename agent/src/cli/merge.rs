@@ -20,8 +20,9 @@ pub struct MergeArgs {
     /// Write into --out even if it exists.
     #[arg(long)]
     force: bool,
-    /// What the hosts' wall clocks may differ by (NTP on one network: a few ms). Steps
-    /// shorter than twice this repeat within it: say less if the clocks are better.
+    /// What the hosts' wall clocks may differ by (NTP on one network: a few ms). Collectives
+    /// are paired wherever the clocks put them; this only chooses among pairings that line
+    /// up alike (steps that repeat exactly): say less if the clocks are better.
     #[arg(long, default_value = "10ms")]
     clock_error: String,
     /// Cut each host's steps into fixed windows (100ms, 1s) instead of finding them.
