@@ -62,7 +62,50 @@ fn two_agents_merged_on_one_clock() {
     let _serial = privileged();
     let (dir, pids, a, b) = two_agents();
     let offset = moved_clock_recovered(dir.path(), &pids, &a, &b);
+    for (shift, args) in [
+        (250_000_000, &[][..]),
+        (250_000_000, &["--clock-error", "5ms"][..]),
+        (3_000_000_000, &[][..]),
+    ] {
+        far_clock_recovered(dir.path(), &a, &b, shift, args);
+    }
     others_refused_or_skipped(dir.path(), &a, &b, offset);
+}
+
+/// Issue 52: B's wall clock `shift_ns` ahead, far beyond the assumed error (its header's
+/// CLOCK_REALTIME moved, as libfaketime would move what the agent read at attach; its
+/// monotonic clock untouched). The steps repeat every few ms, so a pairing a step off
+/// lies within the error; the merge still finds the shift within 100 µs and names B's
+/// rank 1 the straggler.
+fn far_clock_recovered(dir: &Path, a: &Path, b: &Path, shift_ns: i64, args: &[&str]) {
+    let name = format!("b-{shift_ns}-{}", args.len());
+    let moved = dir.join(format!("{name}.nctr"));
+    rewritten(&b.join("recording.nctr"), &moved, |h| {
+        h.clock.realtime_ns = h.clock.realtime_ns.saturating_add_signed(shift_ns);
+    });
+    let out = dir.join(format!("merged-{name}"));
+    let (code, stdout, stderr) = merge(&[a, &moved], &out, args);
+    assert_eq!(code, 0, "{shift_ns} ns {args:?}: {stderr}");
+    let mm = &json(&out.join("summary.json"))["merge"];
+    let moved_host = mm["hosts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|h| h["host"] != mm["reference"])
+        .unwrap();
+    let offset = moved_host["offset_ns"].as_i64().unwrap();
+    // B's own clock differs from A's by what moved_clock_recovered found unmoved (< 100 µs).
+    assert!(
+        (offset + shift_ns).abs() < 100_000,
+        "offset {offset} ns for a {shift_ns} ns move {args:?}: {moved_host:#}"
+    );
+    let s = &mm["straggler"];
+    assert_eq!(
+        (s["host"].as_str(), s["rank"].as_i64()),
+        (moved_host["host"].as_str(), Some(1)),
+        "{shift_ns} ns {args:?}: {mm:#}"
+    );
+    assert!(stdout.contains("straggler across hosts:"), "{stdout}");
 }
 
 /// Three ranks of one job; agent A on ranks 0 and 2 from the start, agent B on rank 1
