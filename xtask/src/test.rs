@@ -6,12 +6,14 @@ use std::process::Command;
 use anyhow::bail;
 
 /// The guest tests of a full run, in one 6.12 guest with the debug agent: the remote-memory
-/// estimate (hinting faults, and counted loads), page migrations in their step, the
-/// doctor on a real two-node /sys, a live soft-RoCE port's counters per step, and issue
-/// 59's fault-heavy bound rank under the default profile (a kernel oops fails the guest).
-/// `cargo xtask vm-test` runs every guest test on 6.1 and 6.12 with the release agent.
-const GUEST_SMOKE: [&str; 6] = [
+/// estimate (hinting faults, counted loads, and memory bound where balancing cannot see
+/// it), page migrations in their step, the doctor on a real two-node /sys, a live
+/// soft-RoCE port's counters per step, and issue 59's fault-heavy bound rank under the
+/// default profile (a kernel oops fails the guest). `cargo xtask vm-test` runs every
+/// guest test on 6.1 and 6.12 with the release agent.
+const GUEST_SMOKE: [&str; 7] = [
     "guest::remote_memory_far_and_near",
+    "guest::remote_memory_of_memory_balancing_does_not_scan",
     "guest::remote_memory_from_counted_loads",
     "guest::migrate_pages_in_their_step",
     "guest::doctor_names_far_memory",
