@@ -134,6 +134,21 @@ fn quiet_since() -> u64 {
     moved
 }
 
+/// Where the steps end against the pings' last packet, and what was not a step: for a
+/// failure's message.
+fn tail_said(steps: &Value, pings_until: u64) -> String {
+    let last_end = steps["steps"]
+        .as_array()
+        .and_then(|s| s.last())
+        .and_then(|s| s["end_ns"].as_u64())
+        .unwrap_or(0);
+    format!(
+        "the last step ends {:.3} s after the pings' last packet; idle: {}",
+        (last_end as f64 - pings_until as f64) / 1e9,
+        steps["idle"]
+    )
+}
+
 /// A traced trainer while the port is quiet, busy, then quiet again: each step gets the
 /// packets sent in it, from the port's `hw_counters/` as the agent read them while
 /// tracing. The steps' packets add up to exactly what the port counted (the quiet ends
@@ -191,6 +206,7 @@ fn infiniband_counters_of_a_live_port() {
         method.starts_with("estimated") && method.contains(&port),
         "{method}"
     );
+    let tail = tail_said(&steps, pings_until);
     let steps = steps["steps"].as_array().unwrap();
     let of = |s: &Value, name: &str| s["infiniband"][&port][name].as_u64();
     // Quiet steps: 2 s from the pings' ends, as a reading interval is spread evenly over
@@ -249,7 +265,7 @@ fn infiniband_counters_of_a_live_port() {
     );
     assert!(
         before >= 3 && after >= 3 && during >= 3,
-        "{before} {after} {during}"
+        "{before} {after} {during}; {tail}"
     );
     assert!(errors_read >= 3, "{errors_read}");
     // The steps follow each other: their packets add up to the port's count from the
