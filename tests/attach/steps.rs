@@ -86,6 +86,10 @@ fn minimal_profile_says_what_it_cannot_measure() {
         let why = steps["methods"][method].as_str().unwrap();
         assert!(why.starts_with("not measured"), "{method}: {why}");
     }
+    // No fault was traced: their count is null, not 0.
+    let summary: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    assert!(summary["memory"]["page_faults"].is_null(), "{summary}");
     let again = dir.path().join("again");
     let text = agent()
         .arg("report")
@@ -105,6 +109,10 @@ fn minimal_profile_says_what_it_cannot_measure() {
     for name in ["nccl_wait", "page_fault"] {
         assert!(row(name).contains("not measured"), "{text}");
     }
+    assert!(
+        text.contains("Memory: page faults not traced (the profile has them off)"),
+        "{text}"
+    );
     let share = |line: &str| -> f64 {
         line.split_whitespace()
             .find_map(|w| w.strip_suffix('%').and_then(|v| v.parse().ok()))

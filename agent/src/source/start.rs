@@ -438,6 +438,7 @@ fn attach_all(prepared: Prepared, targets: &[Target]) -> Result<Attached, Source
         sample_period_ns,
         fault_handler_ranges,
         sched_yield_ranges,
+        page_faults_off: !profile.probes.page_faults,
         step_nvtx: None,
         fault_timing,
         fault_timing_refused,

@@ -89,6 +89,7 @@ impl Aggregator {
         let hints = header.numa_hints_refused.is_none().then_some(0);
         let pmu_samples = header.mem_sampler.as_ref().map(|_| 0);
         let readings = header.numa_maps_every_s.map(|_| 0);
+        let faults = (!header.page_faults_off).then_some(0);
         let infiniband = crate::attribute::IbReadings::new(header.infiniband_ports.clone());
         Aggregator {
             timeline: Timeline::new(&(&header).into()),
@@ -100,6 +101,7 @@ impl Aggregator {
             cuda: BTreeMap::new(),
             sched: SchedStats::default(),
             memory: MemoryStats {
+                page_faults: faults,
                 numa_hint_fault_pages: hints,
                 numa_hint_fault_pages_remote: hints,
                 pmu_load_samples: pmu_samples,

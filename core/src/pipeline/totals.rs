@@ -60,7 +60,7 @@ impl Aggregator {
             Event::Migrate { .. } => self.sched.migrations += 1,
             Event::Fork { .. } => self.sched.forks += 1,
             Event::Exit { .. } => self.sched.thread_exits += 1,
-            Event::Fault { .. } => self.memory.page_faults += 1,
+            Event::Fault { .. } => *self.memory.page_faults.get_or_insert(0) += 1,
             Event::FaultTime {
                 ts_ns, start_ns, ..
             } => {

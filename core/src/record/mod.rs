@@ -210,6 +210,9 @@ pub struct Header {
     /// has page faults off).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fault_timing_refused: Option<String>,
+    /// The profile had page faults off: none were traced (their count is null, not 0).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub page_faults_off: bool,
     /// SLIT distances between NUMA nodes (`[a][b]`, 10 = local); empty: unknown.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub node_distances: Vec<Vec<u32>>,

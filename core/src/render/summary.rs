@@ -97,10 +97,14 @@ pub fn write_text(s: &Summary, out: &mut impl Write) -> io::Result<()> {
         s.sched.wakeups,
         s.sched.migrations
     )?;
+    let faults = s.memory.page_faults.map_or_else(
+        || "page faults not traced (the profile has them off)".to_owned(),
+        |n| format!("{n} page faults"),
+    );
     writeln!(
         out,
-        "Memory: {} page faults, {} pages migrated",
-        s.memory.page_faults, s.memory.pages_migrated
+        "Memory: {faults}, {} pages migrated",
+        s.memory.pages_migrated
     )?;
     write_infiniband(s, out)?;
     writeln!(out, "Events: {} recorded, {} lost", s.events, s.lost_events)?;

@@ -75,7 +75,9 @@ pub struct SchedStats {
 /// Memory totals.
 #[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
 pub struct MemoryStats {
-    pub page_faults: u64,
+    /// User page faults of target threads; null where the profile had page faults off
+    /// (none were traced: not zero).
+    pub page_faults: Option<u64>,
     pub pages_migrated: u64,
     pub page_migrations_failed: u64,
     pub numa_task_events: u64,
