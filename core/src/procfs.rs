@@ -113,19 +113,10 @@ pub const NUMA_MAPS_EVERY: std::time::Duration = std::time::Duration::from_secs(
 /// The address ranges `path` is mapped executable at in a `/proc/PID/maps` text.
 #[must_use]
 pub fn executable_ranges(maps: &str, path: &str) -> Vec<(u64, u64)> {
-    maps.lines()
-        .filter_map(|line| {
-            let mut f = line.split_whitespace();
-            let (range, perms) = (f.next()?, f.next()?);
-            if !perms.contains('x') || f.nth(3)? != path {
-                return None;
-            }
-            let (a, b) = range.split_once('-')?;
-            Some((
-                u64::from_str_radix(a, 16).ok()?,
-                u64::from_str_radix(b, 16).ok()?,
-            ))
-        })
+    parse_maps(maps)
+        .into_iter()
+        .filter(|m| m.perms.contains('x') && m.path.as_deref() == Some(path))
+        .map(|m| (m.start, m.end))
         .collect()
 }
 

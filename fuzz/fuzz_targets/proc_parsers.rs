@@ -19,4 +19,6 @@ fuzz_target!(|data: &[u8]| {
     let _ = procfs::last_cpu(&text);
     let _ = procfs::pages_per_node(&text);
     let _ = procfs::numa_maps_fields(&text).count();
+    let _ = procfs::numa_maps_unscanned(&text);
+    let _ = procfs::executable_ranges(&text, "/usr/lib/libcuda.so.1");
 });
