@@ -13,10 +13,24 @@ impl Timeline {
     /// The rank thread runs the training loop: in the process that issued the most
     /// collectives, the thread that waits on the GPU most often (PyTorch's main thread:
     /// DDP issues its all-reduces from the autograd thread, but `.item()` syncs on the
-    /// main one), else the thread issuing the most collectives.
+    /// main one), else the thread issuing the most collectives. Where a process that
+    /// issued collectives exited, those issued before the first such exit are counted: the
+    /// first job is followed first, the next one after it.
     pub(super) fn choose_rank(&self) -> Option<(u32, u32)> {
-        let pid = self
-            .collectives_by_pid()
+        let mut by_pid = self.collectives_by_pid();
+        let first_exit = by_pid
+            .iter()
+            .filter(|(_, n)| **n > 0)
+            .filter_map(|(pid, _)| self.exit_of(*pid))
+            .min();
+        if let Some(e) = first_exit {
+            by_pid.clear();
+            for log in self.threads.values() {
+                let before = log.collectives.partition_point(|c| c.start_ns < e);
+                *by_pid.entry(log.pid).or_default() += before as u64;
+            }
+        }
+        let pid = by_pid
             .iter()
             .filter(|(_, n)| **n > 0)
             .max_by_key(|(pid, n)| (**n, std::cmp::Reverse(**pid)))

@@ -53,14 +53,16 @@ struct ThreadTotals {
 /// What the epochs so far attributed.
 #[derive(Default)]
 pub(super) struct Attributed {
-    /// (tid, pid) of the rank thread, fixed by the first epoch that saw collectives.
+    /// (tid, pid) of the rank thread, fixed by the first epoch that saw collectives, until
+    /// its process exits and another process's collectives follow (the next job).
     rank: Option<(u32, u32)>,
-    /// How the first epoch that found steps found them.
-    found: Option<(Method, String, Option<usize>)>,
-    /// How the last epoch looked for them, when none found any.
-    fallback: Option<(Method, String, Option<usize>)>,
+    /// The followed job, as far as it has gone.
+    job: JobState,
+    /// The jobs followed before it.
+    jobs: Vec<super::JobReport>,
+    /// Exits of traced processes attributed so far: pid → time.
+    exits: BTreeMap<u32, u64>,
     steps: Vec<Step>,
-    left_out: usize,
     threads: BTreeMap<u32, ThreadTotals>,
     rank_categories: BTreeMap<u32, Categories>,
     rank_nccl: BTreeMap<u32, ranks::RankNccl>,
@@ -82,6 +84,24 @@ pub(super) struct Attributed {
     idle: Vec<super::Idle>,
     /// The next step's index.
     next_index: usize,
+}
+
+/// How the steps of the followed job were found, and where its rank's time went.
+#[derive(Default)]
+struct JobState {
+    /// How the job's first epoch that found steps found them.
+    found: Option<(Method, String, Option<usize>)>,
+    /// How its last epoch looked for them, when none found any.
+    fallback: Option<(Method, String, Option<usize>)>,
+    /// Its steps that began before it was followed.
+    left_out: usize,
+    /// Its first step's index, and its epochs.
+    first_index: usize,
+    epochs: u64,
+    /// From when it was followed (0: the run's start).
+    from_ns: u64,
+    /// Its rank's process exited: its steps are over, the next job's rank may be followed.
+    over: bool,
 }
 
 /// One epoch's results: its steps, final, and its part of the timeline.
@@ -160,23 +180,122 @@ impl Timeline {
 
     /// Attributes the buffer up to the end of its last closed step (up to `end` when it
     /// is the run's end) and cuts it there. False when nothing could be attributed yet.
+    /// Where the followed rank's process exited, its job's last steps are attributed up to
+    /// the exit first, and the next job's rank is followed from there.
     pub(super) fn epoch(&mut self, end: Option<u64>, force: bool) -> bool {
-        let last = end.map_or(self.last_ns, |e| e.max(self.last_ns));
+        let cut = self.cut_ns.max(self.first_ns);
+        let rank = self.done.rank.or_else(|| self.choose_rank());
+        let exit = rank.and_then(|(_, pid)| Some((pid, self.exit_of(pid)?)));
+        if let Some((pid, x)) = exit.filter(|_| !self.done.job.over) {
+            if x <= cut {
+                // Passed with no other job's collectives after it then.
+                self.done.job.over = true;
+            } else if (end.is_some() || x.saturating_add(REORDER_NS) <= self.last_ns)
+                && self.successor(pid, x).is_some()
+            {
+                self.epoch_to(Some(x), true, true);
+                self.done.job.over = true;
+                if end.is_none() {
+                    return true;
+                }
+            }
+        }
+        self.epoch_to(end, force, false)
+    }
+
+    /// When `pid` exited, where its exit was seen.
+    pub(super) fn exit_of(&self, pid: u32) -> Option<u64> {
+        let pending = self.exited.iter().filter(|e| e.1 == pid).map(|e| e.0).min();
+        self.done.exits.get(&pid).copied().or(pending)
+    }
+
+    /// After the followed rank's process exited: the process with the most collectives
+    /// from `after` on, its exit not seen where one's is not (the next job), and its
+    /// training-loop thread.
+    fn successor(&self, old: u32, after: u64) -> Option<(u32, u32)> {
+        let mut per_pid: BTreeMap<u32, usize> = BTreeMap::new();
+        for log in self.threads.values().filter(|l| l.pid != old) {
+            let from = log.collectives.partition_point(|c| c.start_ns < after);
+            *per_pid.entry(log.pid).or_default() += log.collectives.len() - from;
+        }
+        let pid = per_pid
+            .into_iter()
+            .filter(|(_, n)| *n > 0)
+            .max_by_key(|(pid, n)| {
+                let running = self.exit_of(*pid).is_none();
+                (running, *n, std::cmp::Reverse(*pid))
+            })?
+            .0;
+        Some((self.loop_thread(pid)?, pid))
+    }
+
+    /// Follows `next`, the next job's rank: the job followed so far is done.
+    fn next_job(&mut self, next: (u32, u32), cut: u64) {
+        let job = std::mem::take(&mut self.done.job);
+        if let Some(rank) = self.done.rank {
+            let report = self.job_report(rank, job);
+            self.done.jobs.push(report);
+        }
+        self.done.rank = Some(next);
+        self.done.job = JobState {
+            first_index: self.done.next_index,
+            from_ns: cut,
+            ..JobState::default()
+        };
+    }
+
+    /// What `job`, of the rank `rank`, came to.
+    fn job_report(&self, rank: (u32, u32), job: JobState) -> super::JobReport {
+        let (method, mut reason, period) =
+            job.found
+                .or(job.fallback)
+                .unwrap_or((Method::Window, String::new(), None));
+        if job.epochs > 1 {
+            // The detection's counts are the job's first epoch's, not all of its.
+            reason = reason.replace(" occurrences)", " occurrences in the first epoch)");
+        }
+        let name = self.done.matcher.job_name(rank.1);
+        super::JobReport {
+            rank_pid: rank.1,
+            rank_tid: rank.0,
+            job: (!name.is_empty()).then(|| name.to_owned()),
+            method,
+            reason,
+            period,
+            first_step: job.first_index,
+            steps: self.done.next_index.saturating_sub(job.first_index),
+            followed_from_ns: job.from_ns.max(self.first_ns),
+            exited_ns: self.exit_of(rank.1),
+            steps_left_out: job.left_out,
+        }
+    }
+
+    /// [`Timeline::epoch`]'s work; `job_end`: `end` is the exit of the followed rank's
+    /// process, its steps end there and the records after it wait for the next epoch.
+    fn epoch_to(&mut self, end: Option<u64>, force: bool, job_end: bool) -> bool {
+        let last = match end {
+            Some(e) if job_end => e,
+            _ => end.map_or(self.last_ns, |e| e.max(self.last_ns)),
+        };
         self.sort_logs();
+        let cut = self.cut_ns.max(self.first_ns);
+        if self.done.job.over
+            && let Some((_, old)) = self.done.rank
+            && let Some(next) = self.successor(old, cut)
+        {
+            self.next_job(next, cut);
+        }
         // Fixed by the first epoch attributed, not by a try that found too few steps.
         let rank = self.done.rank.or_else(|| self.choose_rank());
-        let cut = self.cut_ns.max(self.first_ns);
         let (detected, found) = self.detect(rank, last);
-        let left_out = if self.done.epochs == 0 {
-            detected
-                .bounds
-                .iter()
-                .filter(|(a, _)| *a < self.first_ns)
-                .count()
+        // The job's first epoch: steps that began before it was followed (before tracing
+        // was armed, for the run's first) are not traced whole.
+        let left_out = if self.done.job.epochs == 0 {
+            detected.bounds.iter().filter(|(a, _)| *a < cut).count()
         } else {
             0
         };
-        let mut bounds: Vec<(u64, u64)> = if !found && self.done.found.is_some() {
+        let mut bounds: Vec<(u64, u64)> = if !found && self.done.job.found.is_some() {
             // Steps were found before but not in this stretch (the run's short tail):
             // no windows mixed in among them.
             Vec::new()
@@ -223,9 +342,9 @@ impl Timeline {
         self.done.rank = rank;
         self.join_at_cut(&mut bounds, cut);
         let idle = self.idle_in(rank, found, &mut bounds, cut, until, end.is_some());
+        let job = &mut self.done.job;
         if found {
-            self.done
-                .found
+            job.found
                 .get_or_insert((detected.method, detected.reason, detected.period));
         } else {
             let reason = if bounds.is_empty() {
@@ -236,9 +355,10 @@ impl Timeline {
             } else {
                 detected.reason
             };
-            self.done.fallback = Some((detected.method, reason, detected.period));
+            job.fallback = Some((detected.method, reason, detected.period));
         }
-        self.done.left_out += left_out;
+        job.left_out += left_out;
+        job.epochs += 1;
         self.attribute(cut, until, &bounds, idle);
         self.trim(until);
         self.cut_ns = until;
@@ -260,7 +380,7 @@ impl Timeline {
         until: u64,
         end: bool,
     ) -> Vec<(u64, u64, &'static str)> {
-        let first_step = self.done.next_index == 0;
+        let first_step = self.done.next_index == self.done.job.first_index;
         // Before the first event the probes were not armed yet: not seen idle.
         let cut = if first_step {
             self.first_event_ns.map_or(cut, |t| t.clamp(cut, until))
@@ -278,7 +398,10 @@ impl Timeline {
             }
             bounds.clear();
             let when = match (first_step, end) {
-                (true, true) if self.done.found.is_none() => "the whole run: no step",
+                (true, true) if self.done.job.found.is_none() && self.done.jobs.is_empty() => {
+                    "the whole run: no step"
+                }
+                (true, true) if self.done.job.found.is_none() => "the whole job: no step",
                 (true, _) => "before the first step",
                 (false, true) => "after the last step",
                 (false, false) => "between steps",
@@ -391,7 +514,7 @@ impl Timeline {
         let Some(&(first, _)) = bounds.first() else {
             return;
         };
-        if self.done.next_index == 0 || first <= cut {
+        if self.done.next_index == self.done.job.first_index || first <= cut {
             return;
         }
         let mut walls: Vec<u64> = bounds.iter().map(|(a, b)| b - a).collect();
@@ -635,21 +758,28 @@ impl Timeline {
         if stragglers_by_job.len() < 2 {
             stragglers_by_job.clear();
         }
-        let (method, mut reason, period) = self
-            .done
-            .found
-            .clone()
-            .or_else(|| self.done.fallback.clone())
-            .unwrap_or((Method::Window, String::new(), None));
-        if self.done.epochs > 1 {
-            // The detection's counts are the first epoch's, not the run's.
-            reason = reason.replace(" occurrences)", " occurrences in the first epoch)");
+        if let Some(rank) = rank {
+            let job = std::mem::take(&mut self.done.job);
+            let report = self.job_report(rank, job);
+            self.done.jobs.push(report);
         }
-        let left_out = if rank.is_some() {
-            self.done.left_out
-        } else {
-            0
-        };
+        let jobs = std::mem::take(&mut self.done.jobs);
+        // The run's method and rank are its first job's (the one job of most runs).
+        let first = jobs
+            .iter()
+            .find(|j| j.method != Method::Window || j.steps > 0)
+            .or(jobs.first());
+        let (method, mut reason, period) = first.map_or_else(
+            || {
+                let job = &self.done.job;
+                job.found
+                    .clone()
+                    .or_else(|| job.fallback.clone())
+                    .unwrap_or((Method::Window, String::new(), None))
+            },
+            |j| (j.method, j.reason.clone(), j.period),
+        );
+        let left_out = jobs.first().map_or(0, |j| j.steps_left_out);
         if left_out > 0 {
             let _ = write!(
                 reason,
@@ -657,6 +787,9 @@ impl Timeline {
                  traced whole)"
             );
         }
+        let rank = jobs
+            .first()
+            .map_or(rank, |j| Some((j.rank_tid, j.rank_pid)));
         let detail = Detail {
             first_ns: self.first_ns,
             end_ns,
@@ -682,6 +815,7 @@ impl Timeline {
             period,
             rank_pid: rank.map(|r| r.1),
             rank_tid: rank.map(|r| r.0),
+            jobs,
             epochs: self.done.epochs,
             late_events_left_out: self.late_events,
             methods: self.methods(unmeasured),

@@ -44,8 +44,8 @@ pub use epoch::Epoch;
 pub use infiniband::IbStep;
 pub(crate) use infiniband::Readings as IbReadings;
 pub use report::{
-    BlockingStack, Idle, Methods, NcclCount, NvtxPattern, Step, StepRank, StepRule, StepsReport,
-    ThreadReport, WorkerReport,
+    BlockingStack, Idle, JobReport, Methods, NcclCount, NvtxPattern, Step, StepRank, StepRule,
+    StepsReport, ThreadReport, WorkerReport,
 };
 
 pub use categories::{Cat, Categories, NAMES, Unmeasured};

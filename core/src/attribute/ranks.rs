@@ -212,6 +212,13 @@ impl Matcher {
         }
     }
 
+    /// The job `pid` was matched in, as [`Straggler::job`] names it ("" where nothing
+    /// named one).
+    #[must_use]
+    pub fn job_name(&self, pid: u32) -> &str {
+        self.job_of(pid)
+    }
+
     fn job_of(&self, pid: u32) -> &str {
         self.id_jobs
             .get(&pid)

@@ -173,6 +173,34 @@ pub struct Methods {
     pub infiniband: String,
 }
 
+/// A job whose rank the steps followed: a run under `--all --follow` sees job after job,
+/// and each job's steps are its own rank's, found afresh (their period, their method).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct JobReport {
+    /// The process and thread the job's steps are of.
+    pub rank_pid: u32,
+    pub rank_tid: u32,
+    /// The job as the ranks' matching names it (the least `ncclUniqueId` of the
+    /// communicators its ranks made together, the launcher's job id); absent where neither
+    /// was seen.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub job: Option<String>,
+    pub method: Method,
+    pub reason: String,
+    pub period: Option<usize>,
+    /// Its steps: `steps` from index `first_step` on, in order.
+    pub first_step: usize,
+    pub steps: usize,
+    /// From when its steps were looked for: the run's start, or the exit of the rank
+    /// followed before it.
+    pub followed_from_ns: u64,
+    /// When its rank's process exited; null while it ran to the run's end.
+    pub exited_ns: Option<u64>,
+    /// Its steps that began before `followed_from_ns` (before tracing was armed, or while
+    /// the job before it was followed): left out, not traced whole.
+    pub steps_left_out: usize,
+}
+
 /// `steps.json`.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct StepsReport {
@@ -192,6 +220,9 @@ pub struct StepsReport {
     pub period: Option<usize>,
     pub rank_pid: Option<u32>,
     pub rank_tid: Option<u32>,
+    /// The jobs the steps followed, in order (one where the run saw one job): a job's
+    /// rank exited and another job's rank issued collectives after it.
+    pub jobs: Vec<JobReport>,
     pub methods: Methods,
     pub steps: Vec<Step>,
     /// Stretches in which the rank issued no collectives, in order: not steps.

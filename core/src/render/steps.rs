@@ -140,6 +140,7 @@ pub fn without_steps(report: &StepsReport) -> StepsReport {
         straggler: report.straggler.clone(),
         stragglers_by_job: report.stragglers_by_job.clone(),
         reason: report.reason.clone(),
+        jobs: report.jobs.clone(),
         methods: report.methods.clone(),
         ..*report
     }

@@ -31,6 +31,11 @@ impl Timeline {
         }
         let (gone, later): (Vec<_>, Vec<_>) = self.exited.iter().partition(|e| e.0 < until);
         self.exited = later;
+        for &(ts, pid) in &gone {
+            // Its first: the main thread's exit, then the last thread's.
+            let at = self.done.exits.entry(pid).or_insert(ts);
+            *at = (*at).min(ts);
+        }
         feed.extend(gone.into_iter().map(|(ts, pid)| (ts, Feed::Exit(pid))));
         feed.sort_by_key(|f| f.0);
         let mut groups = Vec::new();
@@ -76,6 +81,14 @@ impl Timeline {
         };
         let colls = colls.get(&pid).map_or(&[][..], Vec::as_slice);
         let log = &self.threads[&tid];
+        // The ranks beside it: its job's (another job's steps are not these), while their
+        // process ran.
+        let job = self.done.matcher.job_name(pid);
+        let loop_threads: Vec<(u32, u32, Option<u64>)> = loop_threads
+            .iter()
+            .filter(|(p, _)| self.done.matcher.job_name(**p) == job)
+            .map(|(p, t)| (*p, *t, self.done.exits.get(p).copied()))
+            .collect();
         // Steps handed on now say what the run could not measure so far (kept ones are
         // marked at its end, when it is known).
         let unmeasured = if self.emit {
@@ -97,7 +110,8 @@ impl Timeline {
                     step.slowest_rank = ranks::slowest_in(&self.done.lateness, a, b).map(rank_of);
                     step.ranks = loop_threads
                         .iter()
-                        .map(|(p, t)| StepRank {
+                        .filter(|(_, _, exit)| exit.is_none_or(|x| x > a))
+                        .map(|(p, t, _)| StepRank {
                             rank: rank_of(*p),
                             pid: *p,
                             categories: Categories {

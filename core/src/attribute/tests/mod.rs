@@ -4,6 +4,7 @@ use super::steps::Method;
 use super::*;
 
 mod faults;
+mod jobs;
 mod remote;
 mod stacks;
 

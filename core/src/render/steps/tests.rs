@@ -173,6 +173,7 @@ fn report_of(steps: Vec<Step>) -> StepsReport {
         period: None,
         rank_pid: None,
         rank_tid: None,
+        jobs: Vec::new(),
         methods: crate::attribute::Methods {
             gpu_wait: String::new(),
             nccl_wait: String::new(),

@@ -92,6 +92,7 @@ fn trace_golden() {
         period: Some(1),
         rank_pid: Some(10),
         rank_tid: Some(10),
+        jobs: Vec::new(),
         methods: Methods {
             gpu_wait: String::new(),
             nccl_wait: String::new(),
