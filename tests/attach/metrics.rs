@@ -135,6 +135,28 @@ impl Prometheus {
     }
 }
 
+impl Prometheus {
+    /// An instant query's series: each one's `job_id` and value.
+    fn series(&self, query: &str) -> Vec<(String, f64)> {
+        let (status, body) = get(
+            &self.addr,
+            &format!("/api/v1/query?query={}", encode(query)),
+            "application/json",
+        );
+        assert_eq!(status, 200, "{query}: {body}");
+        let v: Value = serde_json::from_str(&body).unwrap();
+        v["data"]["result"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|r| {
+                let job = r["metric"]["job_id"].as_str().unwrap_or("").to_owned();
+                Some((job, r["value"][1].as_str()?.parse().ok()?))
+            })
+            .collect()
+    }
+}
+
 /// `promtool check metrics` (Prometheus's own parser and linter) finds nothing wrong.
 fn promtool_accepts(text: &str) {
     let mut promtool = Command::new("promtool")
@@ -460,4 +482,170 @@ fn series_of_a_gone_rank_are_removed_after_the_grace() {
     // SAFETY: a plain kill of our own child.
     unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
     assert!(child.wait().unwrap().success());
+}
+
+/// A trainer of its own job (`FAKE_NCCL_UID` `name`, no launcher variables), waiting for
+/// its go file in `dir/name` before it makes its communicator.
+fn job_of(dir: &std::path::Path, name: &str, steps: &str, extra: &[&str]) -> Target {
+    let sub = dir.join(name);
+    std::fs::create_dir(&sub).unwrap();
+    let go = sub.join("go");
+    // Its communicator made once released: the agent sees the init, and its unique id.
+    let mut args = vec![
+        "--steps",
+        steps,
+        "--go-file",
+        go.to_str().unwrap(),
+        "--init-after-go",
+    ];
+    args.extend_from_slice(extra);
+    Target::spawn(
+        &fixtures().join("trainer"),
+        &args,
+        &[("FAKE_NCCL_UID", name)],
+        &sub,
+    )
+}
+
+/// The trainer's step lines and its totals, once it exited.
+fn steps_and_totals(mut t: Target) -> (Vec<Value>, Value) {
+    let lines: Vec<Value> = t
+        .stdout
+        .by_ref()
+        .map_while(Result::ok)
+        .map(|l| serde_json::from_str(&l).unwrap())
+        .collect();
+    assert!(t.child.wait().unwrap().success());
+    let (totals, steps) = lines.split_last().unwrap();
+    (steps.to_vec(), totals["total"].clone())
+}
+
+/// The `job_id` whose AllReduce calls (`series[2]`) are the trainer's `totals`; its step
+/// count (`series[0]`) is the trainer's `steps` less at most three held back or cut at
+/// its exit, their mean (`series[1]` over the count) within 15% of the trainer's.
+fn job_in_metrics(
+    name: &str,
+    steps: &[Value],
+    totals: &Value,
+    series: &[Vec<(String, f64)>; 3],
+) -> String {
+    let [counts, sums, calls] = series;
+    let want = totals["calls"]["AllReduce"].as_f64().unwrap();
+    let (label, _) = calls
+        .iter()
+        .find(|(_, v)| (*v - want).abs() < 0.5)
+        .unwrap_or_else(|| panic!("{name}: no series of {want} AllReduce calls: {calls:?}"));
+    assert!(label.starts_with("nccl-"), "{name}: job_id {label}");
+    let of = |series: &[(String, f64)]| match series.iter().find(|(l, _)| l == label) {
+        Some(s) => s.1,
+        None => panic!("{name}: no step series of job_id {label}: {series:?}"),
+    };
+    let (count, sum) = (of(counts), of(sums));
+    let n = steps.len() as f64;
+    assert!(
+        count <= n + 1.0 && count >= n - 3.0,
+        "{name}: {count} steps in /metrics, its trainer's {n}"
+    );
+    let mean = steps
+        .iter()
+        .map(|s| s["wall_ns"].as_f64().unwrap())
+        .sum::<f64>()
+        / n
+        / 1e9;
+    assert!(
+        (sum / count - mean).abs() <= 0.15 * mean,
+        "{name}: mean step {} s, its trainer's {mean}",
+        sum / count
+    );
+    label.clone()
+}
+
+/// Regression (issue 52): a daemon (`--all --follow --metrics`) left on a node followed the
+/// first job's rank for the whole run: a second job's steps never reached /metrics or
+/// steps.json. Three stand-in jobs, none with a launcher's variables: A (1,500 steps); B,
+/// started while A runs and outlasting it; C, started after B exited. Prometheus,
+/// scraping every second, ends with a step histogram per job under a `job_id` of its own
+/// (its communicator's unique id): A's and C's counts are their trainers' steps (less at
+/// most three held back or cut at the exit), B's the steps its trainer began after A's
+/// process exited (steps.json `jobs`); each job's mean step within 15% of its trainer's
+/// own, its AllReduce calls exactly its trainer's.
+#[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
+fn a_daemon_follows_job_after_job() {
+    let _guard = privileged();
+    let dir = tempfile::tempdir().unwrap();
+    // A's 1,500 steps take at least 6 s (2 ms compute, 2 ms of stand-in GPU wait): B
+    // starts about 3.5 s into them, and its 3,000 steps of at least 3 ms outlast A. Each
+    // is released once the agent has found it (at attach; later, it looks every second).
+    let a = job_of(dir.path(), "job-a", "1500", &["--compute-us", "2000"]);
+    let out = dir.path().join("out");
+    let agent = Agent::attach_many(
+        &[],
+        &out,
+        &[
+            "--all",
+            "--follow",
+            "--duration",
+            "90s",
+            "--profile",
+            "minimal",
+            "--metrics",
+            "127.0.0.1:0",
+            "--metrics-grace",
+            "120s",
+        ],
+    );
+    let addr = agent
+        .before
+        .iter()
+        .find_map(|l| Some(l.split("http://").nth(1)?.split('/').next()?.to_owned()))
+        .unwrap_or_else(|| panic!("no metrics address said: {:?}", agent.before));
+    let prometheus = Prometheus::start(dir.path(), &addr);
+    a.release();
+    std::thread::sleep(Duration::from_millis(1000));
+    let b = job_of(dir.path(), "job-b", "3000", &["--compute-us", "1000"]);
+    std::thread::sleep(Duration::from_millis(2500));
+    b.release();
+    let a = steps_and_totals(a);
+    let b = steps_and_totals(b);
+    let c = job_of(dir.path(), "job-c", "300", &["--compute-us", "1000"]);
+    std::thread::sleep(Duration::from_millis(2500));
+    c.release();
+    let c = steps_and_totals(c);
+    // Three scrapes after C exited: its steps are final once its exit is read.
+    let before = prometheus.scrapes(0.0);
+    prometheus.scrapes(before + 3.0);
+    let counts = prometheus.series("nccltrace_step_seconds_count");
+    let sums = prometheus.series("nccltrace_step_seconds_sum");
+    let calls = prometheus.series(r#"nccltrace_nccl_calls_total{op="AllReduce"}"#);
+    let mut child = agent.child;
+    // SAFETY: a plain kill of our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    assert!(child.wait().unwrap().success());
+    let steps_json: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("steps.json")).unwrap()).unwrap();
+    let jobs = steps_json["jobs"].as_array().unwrap();
+    eprintln!("{jobs:#?}");
+    assert_eq!(jobs.len(), 3, "{jobs:#?}");
+    let a_exit = jobs[0]["exited_ns"].as_u64().unwrap();
+    // B's steps after A's exit: its steps that began then (by its own clock).
+    let b_after: Vec<Value> =
+        b.0.iter()
+            .filter(|s| s["start_ns"].as_u64().unwrap() >= a_exit)
+            .cloned()
+            .collect();
+    assert!(
+        b_after.len() + 100 < b.0.len(),
+        "B did not run beside A: {} of its {} steps after A's exit",
+        b_after.len(),
+        b.0.len()
+    );
+    let series = [counts, sums, calls];
+    let mut labels = vec![
+        job_in_metrics("A", &a.0, &a.1, &series),
+        job_in_metrics("B", &b_after, &b.1, &series),
+        job_in_metrics("C", &c.0, &c.1, &series),
+    ];
+    labels.dedup();
+    assert_eq!(labels.len(), 3, "{labels:?}");
 }

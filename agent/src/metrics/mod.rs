@@ -4,8 +4,10 @@
 //! bytes), `_total` on counters. Label sets are bounded: per rank (`host`, `job_id`,
 //! `rank`, `local_rank`), per category or NCCL operation, per NUMA node and InfiniBand
 //! port; never a pid or a step number. `job_id` (not `job`, which Prometheus gives the
-//! scrape job) comes from the rank's environment; a label the environment does not give is
-//! left empty, which Prometheus treats as absent.
+//! scrape job) comes from the rank's environment, else from the unique id of the first
+//! communicator its `ncclCommInitRank` was seen to make (`nccl-` and 16 hex digits: two jobs
+//! a daemon sees without a launcher's id stay apart); a label neither gives is left
+//! empty, which Prometheus treats as absent.
 //!
 //! Per-rank series are updated by the attribution as steps become final (so they lag the
 //! run by an epoch); node series (NUMA, InfiniBand) and the agent's own CPU and memory are
@@ -49,6 +51,13 @@ type Seconds = Counter<f64, AtomicU64>;
 /// Step-time histogram buckets: 0.5 ms to about 28 s, 1.5× apart.
 fn step_buckets() -> Histogram {
     Histogram::new(exponential_buckets(0.000_5, 1.5, 28))
+}
+
+/// The `job_id` of a rank whose environment names no job: its communicator's unique id
+/// (hashed to 64 bits as the recording keeps it), the same on every rank of the job.
+#[must_use]
+pub fn job_label(unique_id: u64) -> String {
+    format!("nccl-{unique_id:016x}")
 }
 
 /// What scrapes read besides the per-rank series, set by the agent as it runs.
@@ -332,6 +341,9 @@ pub struct Feed {
     labels: HashMap<u32, RankLabels>,
     /// Ranks given to ncclCommInitRank, by pid (preferred over the environment).
     init_ranks: BTreeMap<u32, i32>,
+    /// The unique id of each pid's first communicator made while traced: its `job_id`
+    /// where the environment names no job.
+    init_ids: BTreeMap<u32, u64>,
     /// The traced processes, and the rank their environment gave when they were attached
     /// (as the recording keeps it).
     pids: Vec<u32>,
@@ -360,6 +372,7 @@ impl Feed {
             hostname: header.hostname.clone(),
             labels: HashMap::new(),
             init_ranks: BTreeMap::new(),
+            init_ids: BTreeMap::new(),
             pids: Vec::new(),
             env_ranks: BTreeMap::new(),
             calls: HashMap::new(),
@@ -394,7 +407,12 @@ impl Feed {
             .unwrap_or_default();
         let labels = RankLabels {
             host: self.hostname.clone(),
-            job_id: self.host.env_job(pid).map(|(_, v)| v).unwrap_or_default(),
+            job_id: self
+                .host
+                .env_job(pid)
+                .map(|(_, v)| v)
+                .or_else(|| Some(job_label(*self.init_ids.get(&pid)?)))
+                .unwrap_or_default(),
             rank,
             local_rank: var(&[
                 "LOCAL_RANK",
@@ -430,6 +448,9 @@ impl Sink for Feed {
                     && matches!(c.func, Func::CommInitRank | Func::CommInitRankConfig)
                 {
                     self.init_ranks.entry(pid).or_insert(rank);
+                    if let Some(id) = c.comm_id() {
+                        self.init_ids.entry(pid).or_insert(id);
+                    }
                 }
                 let entry = self.calls.entry((pid, c.func)).or_default();
                 entry.0 += 1;

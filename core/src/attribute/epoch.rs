@@ -174,7 +174,9 @@ impl Timeline {
     pub fn try_epoch_now(&mut self) {
         if self.epoch_events > 0 && self.buffered > 0 && self.done.epochs > 0 {
             // No waiting for the buffer to span more: no more records may come.
+            self.caught_up = true;
             self.try_epoch_spanning(0);
+            self.caught_up = false;
         }
     }
 
@@ -190,9 +192,12 @@ impl Timeline {
             if x <= cut {
                 // Passed with no other job's collectives after it then.
                 self.done.job.over = true;
-            } else if (end.is_some() || x.saturating_add(REORDER_NS) <= self.last_ns)
-                && self.successor(pid, x).is_some()
-            {
+            } else if match end {
+                // Its steps are final at once (none can follow); at the run's end, the
+                // last epoch does that unless another job's steps come after.
+                None => self.caught_up || x.saturating_add(REORDER_NS) <= self.last_ns,
+                Some(_) => self.successor(pid, x).is_some(),
+            } {
                 self.epoch_to(Some(x), true, true);
                 self.done.job.over = true;
                 if end.is_none() {

@@ -255,6 +255,8 @@ pub struct Timeline {
     thread_names: BTreeMap<u32, String>,
     first_ns: u64,
     last_ns: u64,
+    /// An epoch is tried on a run that went quiet: every record written is in.
+    caught_up: bool,
     /// The first event's time: the probes were armed by then (the recording begins a
     /// little before).
     first_event_ns: Option<u64>,
@@ -425,6 +427,7 @@ impl Timeline {
             thread_names: BTreeMap::new(),
             first_ns: setup.start_ns,
             last_ns: setup.start_ns,
+            caught_up: false,
             first_event_ns: None,
             stacks: Vec::new(),
             stack_ids: StackIds::default(),
