@@ -438,3 +438,51 @@ fn own_accounting_agrees_with_the_kernels() {
     );
     programs_accounted(&summary);
 }
+
+/// Regression (issue 52): `agent cost` read 12% of step time on the H200 because the
+/// processes' start-up (CUDA's initialisation faults) was spread over the steps. The same
+/// 300 steps, with and without two seconds of start-up faulting before them: with it,
+/// the whole run's cost a step grows severalfold (the start-up's faults each ran the fault
+/// program), while the cost inside the steps stays within 2× of the plain run's, and the
+/// start-up's lies outside them.
+#[test]
+#[ignore = "needs root, loads eBPF programs: run `cargo xtask test`"]
+fn start_up_cost_is_not_the_steps() {
+    let _guard = privileged();
+    let run = |startup: &str| {
+        let args = ["--compute-us", "1000", "--startup-faults-ms", startup];
+        let (truth, summary, _out, _dir, _) = traced_trainer_with(300, &[], &args, &[]);
+        let bpf = summary["agent"]["bpf"].clone();
+        assert!(bpf.is_object(), "{}", summary["agent"]);
+        let field = |k: &str| {
+            bpf[k]
+                .as_f64()
+                .unwrap_or_else(|| panic!("{k} not a number: {bpf:#}"))
+        };
+        let (inside, outside) = (field("in_steps_ns"), field("outside_steps_ns"));
+        let whole = field("traced_total_per_step_ns");
+        eprintln!(
+            "start-up {startup} ms ({} faults): whole run {whole} ns a step, inside {} ns a \
+             step, {inside} ns in steps, {outside} ns outside",
+            truth["startup_faults"],
+            field("in_steps_per_step_ns")
+        );
+        (whole, field("in_steps_per_step_ns"), inside, outside)
+    };
+    let plain = run("0");
+    let started = run("2000");
+    assert!(
+        started.0 > 3.0 * plain.0,
+        "the start-up did not weigh on the whole run's cost: {started:?} vs {plain:?}"
+    );
+    assert!(
+        started.1 < 2.0 * plain.1 && started.1 > 0.5 * plain.1,
+        "cost inside the steps {} ns a step with the start-up, {} without",
+        started.1,
+        plain.1
+    );
+    assert!(
+        started.3 > 2.0 * started.2,
+        "the start-up's cost not outside the steps: {started:?}"
+    );
+}

@@ -77,6 +77,8 @@ pub struct Aggregator {
     /// The call records so far (with the lost ones added at the end): the call programs'
     /// runs.
     call_runs: crate::summary::CallRuns,
+    /// The agent's cost per reading interval, split between the steps and the rest.
+    cost_split: crate::summary::CostSplit,
     /// Who else follows the run as it is attributed (metrics, the status line).
     sinks: Vec<Box<dyn Sink>>,
     /// When the last epoch was tried because the reader caught up with the run.
@@ -127,6 +129,7 @@ impl Aggregator {
             streamer: None,
             program_stats: None,
             call_runs: crate::summary::CallRuns::default(),
+            cost_split: crate::summary::CostSplit::default(),
             sinks: Vec::new(),
             last_idle_epoch: None,
         }
@@ -192,6 +195,9 @@ impl Aggregator {
             for sink in &mut self.sinks {
                 sink.epoch(&e);
             }
+            self.cost_split
+                .steps(e.steps.iter().map(|s| (s.start_ns, s.end_ns)));
+            self.cost_split.settle(e.detail.end_ns);
             if let Some(streamer) = &mut self.streamer {
                 streamer.epoch(e);
             }
@@ -225,6 +231,7 @@ impl Aggregator {
         }
         self.timeline.push(event);
         self.count(event);
+        self.cost_split.record(event.ts_ns());
         self.drain_epochs();
     }
 
@@ -252,10 +259,13 @@ impl Aggregator {
                 Some((_, last)) => *last = Some(nodes),
                 None => self.numastat = Some((nodes, None)),
             },
-            Meta::ProgramStats(reading) => match &mut self.program_stats {
-                Some((_, last)) => *last = reading,
-                None => self.program_stats = Some((reading.clone(), reading)),
-            },
+            Meta::ProgramStats(reading) => {
+                self.cost_split.reading(&reading, self.call_runs);
+                match &mut self.program_stats {
+                    Some((_, last)) => *last = reading,
+                    None => self.program_stats = Some((reading.clone(), reading)),
+                }
+            }
             Meta::Maps { pid, added } => {
                 if let Some(t) = self.header.targets.iter_mut().find(|t| t.pid == pid) {
                     t.maps_text.push_str(&added);
@@ -357,6 +367,7 @@ impl Aggregator {
             })
         });
         let (mut steps, mut detail) = self.timeline.finish(end_ns, rule);
+        split_cost(&mut self.cost_split, &steps, agent.bpf.as_mut());
         let d = &mut detail;
         crate::python::name_call_sites(&mut d.calls, &d.threads, &d.stacks, &self.python_codes);
         let attributed = self.window.map(|(skipped, from)| {
@@ -422,6 +433,20 @@ impl Aggregator {
             header: self.header,
             streamer,
         }
+    }
+}
+
+/// Splits the agent's cost between the steps and the rest; the steps kept for the end (not
+/// handed on as they came) cover the cost's intervals now.
+fn split_cost(
+    split: &mut crate::summary::CostSplit,
+    steps: &StepsReport,
+    bpf: Option<&mut crate::summary::BpfCost>,
+) {
+    split.steps(steps.steps.iter().map(|s| (s.start_ns, s.end_ns)));
+    split.settle(u64::MAX);
+    if let Some(bpf) = bpf {
+        bpf.split(split);
     }
 }
 

@@ -214,9 +214,24 @@ pub fn write_cost(agent: &crate::summary::AgentStats, out: &mut impl Write) -> i
                 share * 100.0
             )
         });
+    // Inside the steps and outside them (start-up, idle): what tracing costs a step.
+    let inside = match (
+        bpf.in_steps_per_step_ns,
+        bpf.in_steps_step_share,
+        bpf.outside_steps_ns,
+    ) {
+        (Some(step), Some(share), Some(outside)) => format!(
+            "{:.1} µs a step inside the steps ({:.2}% of step time) and {:.2} ms outside \
+             them (start-up, idle; split by reading interval, estimated); over the whole run ",
+            us(step),
+            share * 100.0,
+            outside as f64 / 1e6
+        ),
+        _ => String::new(),
+    };
     writeln!(
         out,
-        "agent cost: {head} — programs in the traced threads: {}{not_counted}{windows}",
+        "agent cost: {inside}{head} — programs in the traced threads: {}{not_counted}{windows}",
         top.join(", ")
     )
 }

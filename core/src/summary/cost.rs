@@ -152,9 +152,19 @@ pub struct BpfCost {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sampling_unmeasured: Option<String>,
     /// Programs, traps and sampling interrupts in the traced threads, per step and over
-    /// the steps' wall time.
+    /// the steps' wall time: the run's whole cost, its start-up and idle stretches
+    /// included.
     pub traced_total_per_step_ns: Option<u64>,
     pub traced_total_step_share: Option<f64>,
+    /// The same cost split between the steps and the rest of the run (the processes'
+    /// start-up, idle stretches, the stretch between two jobs), an estimate: each reading
+    /// interval's cost (a second) spread evenly over it, the steps' part of it in them.
+    /// Null without two readings, steps or cost.
+    pub in_steps_ns: Option<u64>,
+    pub outside_steps_ns: Option<u64>,
+    /// `in_steps_ns` per step and over the steps' wall time: what tracing costs a step.
+    pub in_steps_per_step_ns: Option<u64>,
+    pub in_steps_step_share: Option<f64>,
     /// Heaviest first; programs that never ran are left out.
     pub programs: Vec<ProgramCost>,
 }
@@ -262,8 +272,31 @@ impl BpfCost {
             sampling_unmeasured,
             traced_total_per_step_ns: None,
             traced_total_step_share: None,
+            in_steps_ns: None,
+            outside_steps_ns: None,
+            in_steps_per_step_ns: None,
+            in_steps_step_share: None,
             programs,
         })
+    }
+
+    /// The traced total (programs, traps, sampling interrupts).
+    fn traced_total(&self) -> u64 {
+        self.traced_ns
+            .saturating_add(self.traps_ns.unwrap_or(0))
+            .saturating_add(self.sampling_ns.unwrap_or(0))
+    }
+
+    /// Splits the traced total between the steps and the rest as `split` found them.
+    pub fn split(&mut self, split: &CostSplit) {
+        let (inside, outside) = (split.inside, split.outside);
+        if inside + outside <= 0.0 {
+            return;
+        }
+        let total = self.traced_total();
+        let in_steps = (total as f64 * inside / (inside + outside)).round() as u64;
+        self.in_steps_ns = Some(in_steps);
+        self.outside_steps_ns = Some(total.saturating_sub(in_steps));
     }
 
     /// Sets the per-step figures from the steps found and their summed wall time.
@@ -278,15 +311,127 @@ impl BpfCost {
         self.traced_step_share = Some(self.traced_ns as f64 / wall_ns as f64);
         self.traps_per_step_ns = self.traps_ns.map(per);
         self.sampling_per_step_ns = self.sampling_ns.map(per);
-        let total = self
-            .traced_ns
-            .saturating_add(self.traps_ns.unwrap_or(0))
-            .saturating_add(self.sampling_ns.unwrap_or(0));
+        let total = self.traced_total();
         self.traced_total_per_step_ns = Some(per(total));
         self.traced_total_step_share = Some(total as f64 / wall_ns as f64);
+        self.in_steps_per_step_ns = self.in_steps_ns.map(per);
+        self.in_steps_step_share = self.in_steps_ns.map(|ns| ns as f64 / wall_ns as f64);
         for p in &mut self.programs {
             p.per_step_ns = Some(per(p.run_time_ns));
             p.traced_per_step_ns = Some(per(p.traced_ns));
+        }
+    }
+}
+
+/// Bins of the traced records' times, for [`CostSplit`].
+const BIN_NS: u64 = 10_000_000;
+
+/// The agent's cost between consecutive readings of the programs' run time (a second
+/// apart), spread over each interval by where the traced records fell in it (10-ms bins:
+/// each record is a run of a program for a traced thread), and the part of each bin the
+/// steps cover: what [`BpfCost::split`] divides the run's cost by. What no later step can
+/// reach is settled as epochs end, so memory stays bounded on a run of any length.
+#[derive(Debug, Default)]
+pub struct CostSplit {
+    /// The last reading, and the call records up to it.
+    last: Option<(Reading, CallRuns)>,
+    /// Intervals not settled: (start, end, cost in ns).
+    pending: std::collections::VecDeque<(u64, u64, u64)>,
+    /// Bins from `first_bin` (its index, time / [`BIN_NS`]) on: (records, ns covered by
+    /// steps).
+    bins: std::collections::VecDeque<(u32, u64)>,
+    first_bin: u64,
+    /// Settled cost inside steps and outside them, in ns.
+    inside: f64,
+    outside: f64,
+}
+
+impl CostSplit {
+    /// A reading of the programs' run time, `calls` the call records so far.
+    pub fn reading(&mut self, reading: &Reading, calls: CallRuns) {
+        if let Some((last, then)) = &self.last {
+            let between = CallRuns {
+                entries: calls.entries.saturating_sub(then.entries),
+                returns: calls.returns.saturating_sub(then.returns),
+            };
+            if let Some(cost) = BpfCost::between(last, reading, between) {
+                self.pending
+                    .push_back((last.at_ns, reading.at_ns, cost.traced_total()));
+            }
+        }
+        self.last = Some((reading.clone(), calls));
+    }
+
+    /// The bin of `ts`, made where it is not yet (None before the first kept one).
+    fn bin(&mut self, ts: u64) -> Option<&mut (u32, u64)> {
+        let index = ts / BIN_NS;
+        if self.bins.is_empty() {
+            self.first_bin = index;
+        }
+        let at = usize::try_from(index.checked_sub(self.first_bin)?).ok()?;
+        if at >= self.bins.len() {
+            self.bins.resize(at + 1, (0, 0));
+        }
+        self.bins.get_mut(at)
+    }
+
+    /// A traced record at `ts`.
+    pub fn record(&mut self, ts: u64) {
+        if let Some(bin) = self.bin(ts) {
+            bin.0 = bin.0.saturating_add(1);
+        }
+    }
+
+    /// Steps, in time order: each covers the part of the bins it overlaps.
+    pub fn steps(&mut self, steps: impl IntoIterator<Item = (u64, u64)>) {
+        for (a, b) in steps {
+            let mut t = a.max(self.first_bin * BIN_NS);
+            while t < b {
+                let end = (t / BIN_NS + 1) * BIN_NS;
+                let covered = b.min(end) - t;
+                let Some(bin) = self.bin(t) else { break };
+                bin.1 += covered;
+                t = end;
+            }
+        }
+    }
+
+    /// Settles the intervals that end by `until` (no step to come reaches them).
+    pub fn settle(&mut self, until: u64) {
+        while let Some(&(a, b, cost)) = self.pending.front() {
+            if b > until {
+                break;
+            }
+            self.pending.pop_front();
+            // The interval's bins, by their records (by time where it has none).
+            let (from, to) = (a / BIN_NS, b.div_ceil(BIN_NS));
+            let (mut records, mut weighed, mut covered) = (0.0, 0.0, 0.0);
+            for index in from.max(self.first_bin)..to {
+                let Some(&(n, ns)) = usize::try_from(index - self.first_bin)
+                    .ok()
+                    .and_then(|i| self.bins.get(i))
+                else {
+                    break;
+                };
+                let share = (ns as f64 / BIN_NS as f64).min(1.0);
+                records += f64::from(n);
+                weighed += f64::from(n) * share;
+                covered += share;
+            }
+            let span = (to - from).max(1) as f64;
+            let share = if records > 0.0 {
+                weighed / records
+            } else {
+                covered / span
+            };
+            self.inside += cost as f64 * share;
+            self.outside += cost as f64 * (1.0 - share);
+            // Bins wholly before the next interval are done with.
+            let next = self.pending.front().map_or(b, |p| p.0) / BIN_NS;
+            while self.first_bin < next && !self.bins.is_empty() {
+                self.bins.pop_front();
+                self.first_bin += 1;
+            }
         }
     }
 }
@@ -382,6 +527,47 @@ mod tests {
         assert_eq!(
             String::from_utf8(text).unwrap(),
             "agent cost: not measured (refused)\n"
+        );
+    }
+
+    /// A run's cost split by where its records fell (issue 52): a first second of start-up
+    /// (900 records, no step), then a second whose second half is steps (100 records in
+    /// each half): none of the first interval's cost and half of the second's are the
+    /// steps'.
+    #[test]
+    fn cost_split_by_records_in_steps() {
+        let calls = CallRuns::default();
+        let at = |s: u64, ns: u64| reading(s, &[("b", ns / 1_000, ns)], &[("b", ns / 1_000, ns)]);
+        let mut split = CostSplit::default();
+        split.reading(&at(0, 0), calls);
+        for i in 0..900 {
+            split.record(i * 1_000_000);
+        }
+        split.reading(&at(1_000_000_000, 9_000_000), calls);
+        for i in 0..200 {
+            split.record(1_000_000_000 + i * 5_000_000);
+        }
+        split.reading(&at(2_000_000_000, 11_000_000), calls);
+        // Steps over [1.5 s, 2 s), in two epochs; the first settles nothing past 1.6 s.
+        split.steps([(1_500_000_000, 1_600_000_000)]);
+        split.settle(1_600_000_000);
+        assert!(split.inside == 0.0 && (split.outside - 9_000_000.0).abs() < 1.0);
+        split.steps([(1_600_000_000, 2_000_000_000)]);
+        split.settle(u64::MAX);
+        // The second interval cost 2,000,000 ns, half of its records in the steps.
+        assert!((split.inside - 1_000_000.0).abs() < 1.0, "{split:?}");
+        assert!((split.outside - 10_000_000.0).abs() < 1.0, "{split:?}");
+        let mut cost = BpfCost::between(&at(0, 0), &at(2_000_000_000, 11_000_000), calls).unwrap();
+        cost.split(&split);
+        cost.per_step(50, 500_000_000);
+        assert_eq!(cost.in_steps_ns, Some(1_000_000));
+        assert_eq!(cost.outside_steps_ns, Some(10_000_000));
+        assert_eq!(cost.in_steps_per_step_ns, Some(20_000));
+        assert_eq!(cost.traced_total_per_step_ns, Some(220_000));
+        // Bins no interval is left to reach are dropped.
+        assert!(
+            split.bins.len() <= 1 && split.pending.is_empty(),
+            "{split:?}"
         );
     }
 

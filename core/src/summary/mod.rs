@@ -9,7 +9,7 @@ use serde::Serialize;
 use crate::event::Func;
 
 mod cost;
-pub use cost::{BPF_COST_METHOD, BpfCost, CallRuns, ProgramCost};
+pub use cost::{BPF_COST_METHOD, BpfCost, CallRuns, CostSplit, ProgramCost};
 
 /// Per-NCCL-function totals.
 #[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
