@@ -618,10 +618,11 @@ fn a_daemon_follows_job_after_job() {
     let counts = prometheus.series("nccltrace_step_seconds_count");
     let sums = prometheus.series("nccltrace_step_seconds_sum");
     let calls = prometheus.series(r#"nccltrace_nccl_calls_total{op="AllReduce"}"#);
-    let mut child = agent.child;
     // SAFETY: a plain kill of our own child.
-    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
-    assert!(child.wait().unwrap().success());
+    unsafe { libc::kill(agent.child.id() as i32, libc::SIGINT) };
+    let (code, stdout, stderr) = agent.wait_for_exit(Duration::from_secs(60));
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stdout.contains("3 jobs followed"), "{stdout}");
     let steps_json: Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("steps.json")).unwrap()).unwrap();
     let jobs = steps_json["jobs"].as_array().unwrap();
@@ -648,4 +649,8 @@ fn a_daemon_follows_job_after_job() {
     ];
     labels.dedup();
     assert_eq!(labels.len(), 3, "{labels:?}");
+    for (i, job) in jobs.iter().enumerate() {
+        let line = format!("job {}: pid {} ", i + 1, job["rank_pid"]);
+        assert!(stdout.contains(&line), "no {line:?} in {stdout}");
+    }
 }

@@ -424,6 +424,51 @@ fn write_idle(report: &StepsReport, out: &mut impl Write) -> io::Result<()> {
     Ok(())
 }
 
+/// Where the run followed several jobs (one after another): a line each, its steps and
+/// their median, its rank, how it ended. The table below is of every job's steps.
+fn write_jobs(report: &StepsReport, out: &mut impl Write) -> io::Result<()> {
+    if report.jobs.len() < 2 {
+        return Ok(());
+    }
+    writeln!(
+        out,
+        "  {} jobs followed, one after another (steps.json jobs); the table is of all their \
+         steps:",
+        report.jobs.len()
+    )?;
+    for (i, job) in report.jobs.iter().enumerate() {
+        let steps = report
+            .steps
+            .get(job.first_step..job.first_step + job.steps)
+            .unwrap_or(&[]);
+        let mut walls: Vec<u64> = steps.iter().map(|s| s.wall_ns).collect();
+        walls.sort_unstable();
+        let median = walls
+            .get(walls.len() / 2)
+            .map_or_else(String::new, |w| format!(", median {} ms", ms(*w)));
+        let left_out = match job.steps_left_out {
+            0 => String::new(),
+            n => format!(", {n} before it was followed left out"),
+        };
+        let ended = if job.exited_ns.is_some() {
+            "exited"
+        } else {
+            "ran to the end"
+        };
+        writeln!(
+            out,
+            "    job {}: pid {}{}: {} steps{median}{left_out}; {ended}",
+            i + 1,
+            job.rank_pid,
+            job.job
+                .as_ref()
+                .map_or_else(String::new, |j| format!(" ({j})")),
+            job.steps,
+        )?;
+    }
+    Ok(())
+}
+
 /// Writes the per-category quantiles, the slowest steps and the verdict.
 pub fn write_table(
     report: &StepsReport,
@@ -440,6 +485,7 @@ pub fn write_table(
             .unwrap_or_default(),
         report.reason
     )?;
+    write_jobs(report, out)?;
     write_idle(report, out)?;
     if table.is_empty() {
         return Ok(());
