@@ -325,6 +325,8 @@ impl BpfCost {
 
 /// Bins of the traced records' times, for [`CostSplit`].
 const BIN_NS: u64 = 10_000_000;
+/// Bins kept at most (an hour's): the intervals not yet settled span an epoch or two.
+const MAX_BINS: usize = 360_000;
 
 /// The agent's cost between consecutive readings of the programs' run time (a second
 /// apart), spread over each interval by where the traced records fell in it (10-ms bins:
@@ -362,13 +364,17 @@ impl CostSplit {
         self.last = Some((reading.clone(), calls));
     }
 
-    /// The bin of `ts`, made where it is not yet (None before the first kept one).
+    /// The bin of `ts`, made where it is not yet (None before the first kept one, or
+    /// beyond [`MAX_BINS`] after it: a damaged record's time).
     fn bin(&mut self, ts: u64) -> Option<&mut (u32, u64)> {
         let index = ts / BIN_NS;
         if self.bins.is_empty() {
             self.first_bin = index;
         }
         let at = usize::try_from(index.checked_sub(self.first_bin)?).ok()?;
+        if at >= MAX_BINS {
+            return None;
+        }
         if at >= self.bins.len() {
             self.bins.resize(at + 1, (0, 0));
         }
@@ -385,9 +391,13 @@ impl CostSplit {
     /// Steps, in time order: each covers the part of the bins it overlaps.
     pub fn steps(&mut self, steps: impl IntoIterator<Item = (u64, u64)>) {
         for (a, b) in steps {
-            let mut t = a.max(self.first_bin * BIN_NS);
+            // Within the bins kept.
+            let first = self.first_bin.saturating_mul(BIN_NS);
+            let last =
+                (self.first_bin.saturating_add(self.bins.len() as u64)).saturating_mul(BIN_NS);
+            let (mut t, b) = (a.max(first), b.min(last));
             while t < b {
-                let end = (t / BIN_NS + 1) * BIN_NS;
+                let end = (t / BIN_NS).saturating_add(1).saturating_mul(BIN_NS);
                 let covered = b.min(end) - t;
                 let Some(bin) = self.bin(t) else { break };
                 bin.1 += covered;
