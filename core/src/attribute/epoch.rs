@@ -36,6 +36,9 @@ const LOOKAHEAD: usize = 2;
 const MIN_STEPS: usize = 8;
 /// Past this many epochs' worth of events, an epoch is attributed with what was found.
 const FORCE_FACTOR: u64 = 16;
+/// Collectives a process issues after the followed rank's exit before its rank is
+/// followed as the next job's.
+const SUCCESSOR_COLLECTIVES: usize = 16;
 /// The tail of earlier epochs kept per thread as context.
 const HISTORY_COLLECTIVES: usize = 1024;
 const HISTORY_SYNCS: usize = 256;
@@ -61,7 +64,7 @@ pub(super) struct Attributed {
     /// The jobs followed before it.
     jobs: Vec<super::JobReport>,
     /// Exits of traced processes attributed so far: pid → time.
-    exits: BTreeMap<u32, u64>,
+    pub(super) exits: BTreeMap<u32, u64>,
     steps: Vec<Step>,
     threads: BTreeMap<u32, ThreadTotals>,
     rank_categories: BTreeMap<u32, Categories>,
@@ -218,14 +221,19 @@ impl Timeline {
     /// from `after` on, its exit not seen where one's is not (the next job), and its
     /// training-loop thread.
     fn successor(&self, old: u32, after: u64) -> Option<(u32, u32)> {
+        // Not another rank of its job (its last collectives, after the rank's exit).
+        let job = self.done.matcher.job_name(old);
+        let other =
+            |pid: u32| pid != old && (job.is_empty() || self.done.matcher.job_name(pid) != job);
         let mut per_pid: BTreeMap<u32, usize> = BTreeMap::new();
-        for log in self.threads.values().filter(|l| l.pid != old) {
+        for log in self.threads.values().filter(|l| other(l.pid)) {
             let from = log.collectives.partition_point(|c| c.start_ns < after);
             *per_pid.entry(log.pid).or_default() += log.collectives.len() - from;
         }
         let pid = per_pid
             .into_iter()
-            .filter(|(_, n)| *n > 0)
+            // A few trailing collectives are no job's steps yet.
+            .filter(|(_, n)| *n >= SUCCESSOR_COLLECTIVES)
             .max_by_key(|(pid, n)| {
                 let running = self.exit_of(*pid).is_none();
                 (running, *n, std::cmp::Reverse(*pid))

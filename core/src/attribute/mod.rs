@@ -511,6 +511,8 @@ impl Timeline {
         }
         self.thread_names.extend(t.threads.iter().cloned());
         self.target_pids.push(t.pid);
+        // A pid the kernel gave again after its process exited: a new process.
+        self.done.exits.remove(&t.pid);
         if !t.cuda_text.is_empty() {
             self.cuda_text.insert(t.pid, t.cuda_text.clone());
         }
