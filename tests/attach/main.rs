@@ -508,6 +508,18 @@ fn nccl_caller(lib: &Path, n: u64, dir: &Path) -> Target {
     )
 }
 
+/// Releases `trainer` and reads its line a step as it comes, on a thread (the count of
+/// lines when joined): with the pipe full (64 KiB, about 240 of its lines) it would block
+/// in write() while traced.
+fn released_and_drained(trainer: Target) -> (Child, std::thread::JoinHandle<usize>) {
+    trainer.release();
+    let Target { child, stdout, .. } = trainer;
+    (
+        child,
+        std::thread::spawn(move || stdout.map_while(Result::ok).count()),
+    )
+}
+
 /// The demo trainer for `steps` steps of `compute_us`, waiting for `dir/go` to start.
 fn waiting_trainer(dir: &Path, steps: u32, compute_us: u32) -> Target {
     let go = dir.join("go");

@@ -12,13 +12,7 @@ use super::*;
 fn steps_begun_before_attach_are_left_out() {
     let _serial = privileged();
     let dir = tempfile::tempdir().unwrap();
-    let trainer = waiting_trainer(dir.path(), 100_000, 1000);
-    trainer.release();
-    // Its line a step is read as it comes: a full pipe would stall it while traced.
-    let Target {
-        mut child, stdout, ..
-    } = trainer;
-    let drain = std::thread::spawn(move || stdout.map_while(Result::ok).count());
+    let (mut child, drain) = released_and_drained(waiting_trainer(dir.path(), 100_000, 1000));
     std::thread::sleep(Duration::from_millis(300));
     let out = dir.path().join("out");
     let agent = Agent::attach(child.id(), &out, &["--duration", "2s"]);

@@ -164,11 +164,12 @@ fn infiniband_counters_of_a_live_port() {
     );
     let _port = SoftRoce::up();
     let dir = tempfile::tempdir().unwrap();
-    let mut trainer = waiting_trainer(dir.path(), 1_000_000, 20_000);
+    let trainer = waiting_trainer(dir.path(), 1_000_000, 20_000);
     let out = dir.path().join("out");
     let sent_before = SoftRoce::counter("sent_pkts");
     let agent = Agent::attach(trainer.child.id(), &out, &[]);
-    trainer.release();
+    // Its output read as it comes (unread, it blocked in write(): no step after the pings).
+    let (mut child, _drain) = released_and_drained(trainer);
     // Quiet for 3.5 s, 200 round trips, the connection closed by the client, quiet again
     // for 3.5 s.
     std::thread::sleep(Duration::from_millis(3500));
@@ -191,13 +192,12 @@ fn infiniband_counters_of_a_live_port() {
     );
     std::thread::sleep(Duration::from_millis(3500));
     drop(pings);
-    let _ = trainer.child.kill();
-    let _ = trainer.child.wait();
+    let _ = child.kill();
+    let _ = child.wait();
     let (code, summary, stderr) = agent.wait(Duration::from_secs(120));
     assert_eq!(code, 0, "{stderr}");
     let sent = SoftRoce::counter("sent_pkts") - sent_before;
     assert!(sent > 0);
-
     let port = format!("{DEVICE}/1");
     let steps: Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("steps.json")).unwrap()).unwrap();
