@@ -154,3 +154,40 @@ fn a_job_started_during_another_is_followed_after_it() {
         assert!(report.steps.iter().all(|s| s.ranks.is_empty()));
     }
 }
+
+/// The followed rank exits before the other rank of its job, which issues its last few
+/// collectives after that exit: it is not the next job (no job of no steps).
+#[test]
+fn a_sibling_rank_finishing_is_not_the_next_job() {
+    // Ranks 0 and 1 of one job (one unique id, two ranks), rank 1 started 20 ms later
+    // (the busier rank until the first exit is followed: rank 0), its last five steps
+    // after rank 0's exit.
+    let mut first = job(10, 0xaaaa, 10_000_000, 0, 1_000_000_000);
+    let mut sibling = job(11, 0xaaaa, 10_000_000, 20_000_000, 1_050_000_000);
+    for (rank, events) in [(0, &mut first), (1, &mut sibling)] {
+        for e in events.iter_mut() {
+            if let Event::Call(c) = e
+                && c.func == Func::CommInitRank
+            {
+                c.extra_mut().nranks = Some(2);
+                c.extra_mut().rank = Some(rank);
+            }
+        }
+    }
+    let mut h = header();
+    let mut other = h.targets[0].clone();
+    other.pid = 11;
+    h.targets.push(other);
+    let mut events: Vec<Event> = first.into_iter().chain(sibling).collect();
+    events.sort_by_key(Event::ts_ns);
+    for epoch_events in [0, 50] {
+        let mut tl = Timeline::new(&Setup::from(&h));
+        tl.stream(StepRule::Auto, epoch_events);
+        for e in &events {
+            tl.push(e);
+        }
+        let report = tl.finish(1_500_000_000, StepRule::Auto).0;
+        assert_eq!(report.jobs.len(), 1, "{:#?}", report.jobs);
+        assert_eq!(report.jobs[0].rank_pid, 10, "epochs of {epoch_events}");
+    }
+}
