@@ -436,12 +436,20 @@ impl CostSplit {
             };
             self.inside += cost as f64 * share;
             self.outside += cost as f64 * (1.0 - share);
-            // Bins wholly before the next interval are done with.
-            let next = self.pending.front().map_or(b, |p| p.0) / BIN_NS;
-            while self.first_bin < next && !self.bins.is_empty() {
-                self.bins.pop_front();
-                self.first_bin += 1;
-            }
+        }
+        // Bins before any interval still to settle or to come (the next begins at the last
+        // reading; without readings, none) are done with.
+        let keep = self
+            .pending
+            .front()
+            .map(|p| p.0)
+            .or(self.last.as_ref().map(|l| l.0.at_ns))
+            .unwrap_or(until)
+            .min(until)
+            / BIN_NS;
+        while self.first_bin < keep && !self.bins.is_empty() {
+            self.bins.pop_front();
+            self.first_bin += 1;
         }
     }
 }
@@ -579,6 +587,13 @@ mod tests {
             split.bins.len() <= 1 && split.pending.is_empty(),
             "{split:?}"
         );
+        // Without readings (accounting off), records are kept no longer than an epoch.
+        let mut none = CostSplit::default();
+        for i in 0..1_000 {
+            none.record(i * 1_000_000);
+        }
+        none.settle(900_000_000);
+        assert_eq!(none.bins.len(), 10, "{none:?}");
     }
 
     /// The stdout line of `cost`.
