@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use super::{Agent, Target, fixtures, privileged};
+use super::{Agent, Target, fixtures, median, privileged};
 
 /// `GET path` on `addr` with the given Accept header; the status code and body.
 fn get(addr: &str, path: &str, accept: &str) -> (u32, String) {
@@ -649,8 +649,27 @@ fn a_daemon_follows_job_after_job() {
     ];
     labels.dedup();
     assert_eq!(labels.len(), 3, "{labels:?}");
-    for (i, job) in jobs.iter().enumerate() {
-        let line = format!("job {}: pid {} ", i + 1, job["rank_pid"]);
-        assert!(stdout.contains(&line), "no {line:?} in {stdout}");
+    // Stdout's line a job, its median step within 15% of its trainer's.
+    for (i, (job, steps)) in jobs.iter().zip([&a.0, &b_after, &c.0]).enumerate() {
+        let head = format!("job {}: pid {} ", i + 1, job["rank_pid"]);
+        let line = stdout
+            .lines()
+            .find(|l| l.trim_start().starts_with(&head))
+            .unwrap_or_else(|| panic!("no {head:?} in {stdout}"));
+        let said: f64 = line
+            .split("median ")
+            .nth(1)
+            .and_then(|m| m.split(' ').next()?.parse().ok())
+            .unwrap_or_else(|| panic!("no median in {line:?}"));
+        let theirs = median(
+            steps
+                .iter()
+                .map(|s| s["wall_ns"].as_f64().unwrap() / 1e6)
+                .collect(),
+        );
+        assert!(
+            (said - theirs).abs() <= 0.15 * theirs,
+            "{line}: the trainer's median {theirs} ms"
+        );
     }
 }

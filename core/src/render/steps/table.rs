@@ -425,8 +425,9 @@ fn write_idle(report: &StepsReport, out: &mut impl Write) -> io::Result<()> {
 }
 
 /// Where the run followed several jobs (one after another): a line each, its steps and
-/// their median, its rank, how it ended. The table below is of every job's steps.
-fn write_jobs(report: &StepsReport, out: &mut impl Write) -> io::Result<()> {
+/// their median (while the table keeps every step's wall time), its rank, how it ended.
+/// The table below is of every job's steps.
+fn write_jobs(report: &StepsReport, table: &StepTable, out: &mut impl Write) -> io::Result<()> {
     if report.jobs.len() < 2 {
         return Ok(());
     }
@@ -437,11 +438,12 @@ fn write_jobs(report: &StepsReport, out: &mut impl Write) -> io::Result<()> {
         report.jobs.len()
     )?;
     for (i, job) in report.jobs.iter().enumerate() {
-        let steps = report
-            .steps
-            .get(job.first_step..job.first_step + job.steps)
-            .unwrap_or(&[]);
-        let mut walls: Vec<u64> = steps.iter().map(|s| s.wall_ns).collect();
+        // The table's wall times are the steps' in order, up to EXACT_STEPS of them.
+        let range = job.first_step..job.first_step + job.steps;
+        let mut walls: Vec<u64> = match &table.columns[0] {
+            Column::Exact(walls) => walls.get(range).map(<[u64]>::to_vec).unwrap_or_default(),
+            Column::Histogram(_) => Vec::new(),
+        };
         walls.sort_unstable();
         let median = walls
             .get(walls.len() / 2)
@@ -485,7 +487,7 @@ pub fn write_table(
             .unwrap_or_default(),
         report.reason
     )?;
-    write_jobs(report, out)?;
+    write_jobs(report, table, out)?;
     write_idle(report, out)?;
     if table.is_empty() {
         return Ok(());
