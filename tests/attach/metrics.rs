@@ -157,6 +157,15 @@ impl Prometheus {
     }
 }
 
+/// The address the agent said it serves its metrics on.
+fn metrics_addr(agent: &Agent) -> String {
+    agent
+        .before
+        .iter()
+        .find_map(|l| Some(l.split("http://").nth(1)?.split('/').next()?.to_owned()))
+        .unwrap_or_else(|| panic!("no metrics address said: {:?}", agent.before))
+}
+
 /// `promtool check metrics` (Prometheus's own parser and linter) finds nothing wrong.
 fn promtool_accepts(text: &str) {
     let mut promtool = Command::new("promtool")
@@ -216,11 +225,7 @@ fn prometheus_scrapes_the_run() {
     );
     let out = dir.path().join("out");
     let agent = Agent::attach(trainer.child.id(), &out, &["--metrics", "127.0.0.1:0"]);
-    let addr = agent
-        .before
-        .iter()
-        .find_map(|l| Some(l.split("http://").nth(1)?.split('/').next()?.to_owned()))
-        .unwrap_or_else(|| panic!("no metrics address said: {:?}", agent.before));
+    let addr = metrics_addr(&agent);
     let prometheus = Prometheus::start(dir.path(), &addr);
     prometheus.scrapes(1.0);
     trainer.release();
@@ -441,11 +446,7 @@ fn series_of_a_gone_rank_are_removed_after_the_grace() {
             "8s",
         ],
     );
-    let addr = agent
-        .before
-        .iter()
-        .find_map(|l| Some(l.split("http://").nth(1)?.split('/').next()?.to_owned()))
-        .unwrap_or_else(|| panic!("no metrics address said: {:?}", agent.before));
+    let addr = metrics_addr(&agent);
     trainer.release();
     trainer.finish();
     let exited = Instant::now();
@@ -595,11 +596,7 @@ fn a_daemon_follows_job_after_job() {
             "120s",
         ],
     );
-    let addr = agent
-        .before
-        .iter()
-        .find_map(|l| Some(l.split("http://").nth(1)?.split('/').next()?.to_owned()))
-        .unwrap_or_else(|| panic!("no metrics address said: {:?}", agent.before));
+    let addr = metrics_addr(&agent);
     let prometheus = Prometheus::start(dir.path(), &addr);
     a.release();
     std::thread::sleep(Duration::from_millis(1000));
