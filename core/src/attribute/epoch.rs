@@ -189,7 +189,11 @@ impl Timeline {
     /// the exit first, and the next job's rank is followed from there.
     pub(super) fn epoch(&mut self, end: Option<u64>, force: bool) -> bool {
         let cut = self.cut_ns.max(self.first_ns);
-        let rank = self.done.rank.or_else(|| self.choose_rank());
+        let rank = self.done.rank.or_else(|| {
+            // Chosen by collectives counted in time order.
+            self.sort_logs();
+            self.choose_rank()
+        });
         let exit = rank.and_then(|(_, pid)| Some((pid, self.exit_of(pid)?)));
         if let Some((pid, x)) = exit.filter(|_| !self.done.job.over) {
             if x <= cut {
@@ -777,7 +781,8 @@ impl Timeline {
             self.done.jobs.push(report);
         }
         let jobs = std::mem::take(&mut self.done.jobs);
-        // The run's method and rank are its first job's (the one job of most runs).
+        // The run's method and rank are its first job's that found steps (the one job of
+        // most runs).
         let first = jobs
             .iter()
             .find(|j| j.method != Method::Window || j.steps > 0)
@@ -800,9 +805,7 @@ impl Timeline {
                  traced whole)"
             );
         }
-        let rank = jobs
-            .first()
-            .map_or(rank, |j| Some((j.rank_tid, j.rank_pid)));
+        let rank = first.map_or(rank, |j| Some((j.rank_tid, j.rank_pid)));
         let detail = Detail {
             first_ns: self.first_ns,
             end_ns,
