@@ -89,7 +89,7 @@ pub(super) struct Attributed {
     next_index: usize,
 }
 
-/// How the steps of the followed job were found, and where its rank's time went.
+/// How the steps of the followed job were found, and which of them are its.
 #[derive(Default)]
 struct JobState {
     /// How the job's first epoch that found steps found them.
@@ -248,17 +248,22 @@ impl Timeline {
 
     /// Follows `next`, the next job's rank: the job followed so far is done.
     fn next_job(&mut self, next: (u32, u32), cut: u64) {
-        let job = std::mem::take(&mut self.done.job);
-        if let Some(rank) = self.done.rank {
-            let report = self.job_report(rank, job);
-            self.done.jobs.push(report);
-        }
+        self.close_job();
         self.done.rank = Some(next);
         self.done.job = JobState {
             first_index: self.done.next_index,
             from_ns: cut,
             ..JobState::default()
         };
+    }
+
+    /// Adds the followed job, if a rank was followed, to the jobs done.
+    fn close_job(&mut self) {
+        if let Some(rank) = self.done.rank {
+            let job = std::mem::take(&mut self.done.job);
+            let report = self.job_report(rank, job);
+            self.done.jobs.push(report);
+        }
     }
 
     /// What `job`, of the rank `rank`, came to.
@@ -775,11 +780,7 @@ impl Timeline {
         if stragglers_by_job.len() < 2 {
             stragglers_by_job.clear();
         }
-        if let Some(rank) = rank {
-            let job = std::mem::take(&mut self.done.job);
-            let report = self.job_report(rank, job);
-            self.done.jobs.push(report);
-        }
+        self.close_job();
         let jobs = std::mem::take(&mut self.done.jobs);
         // The run's method and rank are its first job's that found steps (the one job of
         // most runs).
