@@ -441,21 +441,14 @@ fn traced_trainer_said(
     let steps_s = steps.to_string();
     let mut args = vec!["--steps", &steps_s, "--go-file", go.to_str().unwrap()];
     args.extend_from_slice(trainer_args);
-    let mut trainer = Target::spawn(&fixtures().join("trainer"), &args, env, dir.path());
+    let trainer = Target::spawn(&fixtures().join("trainer"), &args, env, dir.path());
     let out = dir.path().join("out");
     let agent = Agent::attach(trainer.child.id(), &out, agent_args);
     trainer.release();
-    let mut lines: Vec<Value> = trainer
-        .stdout
-        .by_ref()
-        .map_while(Result::ok)
-        .map(|l| serde_json::from_str(&l).unwrap())
-        .collect();
-    assert!(trainer.child.wait().unwrap().success());
-    let truth = lines.pop().expect("trainer totals");
+    let (lines, truth) = steps_and_totals(trainer);
     let (code, summary, stderr) = agent.wait(Duration::from_secs(60));
     assert_eq!(code, 0, "nccltrace failed: {stderr}");
-    (truth["total"].clone(), summary, out, dir, lines, stderr)
+    (truth, summary, out, dir, lines, stderr)
 }
 
 /// Attaches to a trainer that would run for a long time, lets `stop` end the agent's run
@@ -506,6 +499,19 @@ fn nccl_caller(lib: &Path, n: u64, dir: &Path) -> Target {
         &[],
         dir,
     )
+}
+
+/// The trainer's step lines and its totals, once it exited.
+fn steps_and_totals(mut t: Target) -> (Vec<Value>, Value) {
+    let lines: Vec<Value> = t
+        .stdout
+        .by_ref()
+        .map_while(Result::ok)
+        .map(|l| serde_json::from_str(&l).unwrap())
+        .collect();
+    assert!(t.child.wait().unwrap().success());
+    let (totals, steps) = lines.split_last().unwrap();
+    (steps.to_vec(), totals["total"].clone())
 }
 
 /// Releases `trainer` and reads its line a step as it comes, on a thread (the count of

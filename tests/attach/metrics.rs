@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use super::{Agent, Target, fixtures, median, privileged};
+use super::{Agent, Target, fixtures, median, privileged, steps_and_totals};
 
 /// `GET path` on `addr` with the given Accept header; the status code and body.
 fn get(addr: &str, path: &str, accept: &str) -> (u32, String) {
@@ -506,19 +506,6 @@ fn job_of(dir: &std::path::Path, name: &str, steps: &str, extra: &[&str]) -> Tar
         &[("FAKE_NCCL_UID", name)],
         &sub,
     )
-}
-
-/// The trainer's step lines and its totals, once it exited.
-fn steps_and_totals(mut t: Target) -> (Vec<Value>, Value) {
-    let lines: Vec<Value> = t
-        .stdout
-        .by_ref()
-        .map_while(Result::ok)
-        .map(|l| serde_json::from_str(&l).unwrap())
-        .collect();
-    assert!(t.child.wait().unwrap().success());
-    let (totals, steps) = lines.split_last().unwrap();
-    (steps.to_vec(), totals["total"].clone())
 }
 
 /// The `job_id` whose AllReduce calls (`series[2]`) are the trainer's `totals`; its step
