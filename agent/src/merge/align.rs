@@ -12,15 +12,18 @@
 //!
 //! Which collective of one rank is which of the other is not known either: agents attach
 //! at different moments, so their first collectives differ. Candidates are the pairings
-//! kept when every pair calls the same function with the same bytes and causality holds:
+//! kept when every pair calls the same function with the same bytes:
 //! between hosts every such pairing, whatever the wall clocks say (they may be off by more
 //! than assumed: no NTP, a drifting node); on one host those its clock allows. A periodic
 //! job lines up one step later too, but its steps' lengths jitter, and each rank sees
 //! the same jitter: only the true pairing puts every collective's completions at one
-//! offset, a pairing a step off spreads them by the jitter. The pairing whose differences
-//! spread least is taken where no other comes close ([`TIE`]); where several do (steps
-//! that repeat exactly), only the wall clocks can choose, within the assumed error, and
-//! where they cannot that is said, naming `--clock-error`, never guessed.
+//! offset, a pairing a step off spreads them by the jitter, and breaks causality wherever
+//! step lengths differ by more than a collective's wait. Pairings are screened on windows
+//! spread over the overlap and the nearest to the best weighed on every pair: the one that
+//! keeps causality and spreads least is taken where no other comes close ([`TIE`]); where
+//! several do (steps that repeat exactly), only the wall clocks can choose, within the
+//! assumed error, and where they cannot that is said, naming `--clock-error`, never
+//! guessed.
 
 /// One collective as one rank saw it, on its host's clock (ns): the same as on one host
 /// (where the ranks' collectives are lined up before they are matched).
@@ -93,6 +96,12 @@ pub struct Alignment {
     pub mismatched: usize,
     /// The interval causality alone allows.
     pub causal_ns: (i64, i64),
+    /// How far the central 90% of the per-collective differences spreads (drift taken
+    /// out).
+    pub spread_ns: u64,
+    /// By how much the pairs' causal intervals miss a common point (0: they share one, as
+    /// the true pairing's always do).
+    pub broken_ns: u64,
 }
 
 impl Alignment {
@@ -142,11 +151,15 @@ fn ms(ns: i64) -> String {
 pub const MIN_MATCHED: usize = 20;
 /// How late one rank may notice one collective's completion.
 const PAIR_SLACK_NS: u64 = 5_000_000;
-/// Pairs looked at when screening a candidate pairing.
+/// Pairs looked at when screening a candidate pairing, in this many windows.
 const SCREEN: usize = 256;
+const SCREEN_WINDOWS: usize = 8;
 /// A pairing comes as close as the best when the central 90% of its differences spreads
 /// less than twice the best's plus this (a few completions noticed late).
 const TIE: u64 = 20_000;
+/// Pairings weighed on every pair: the screen's nearest to the best, and as many again of
+/// those the wall clocks allow.
+const WEIGHED: usize = 16;
 
 /// Aligns `x` to `r`: `guess_ns` is what the wall clocks say to add to x's times; the
 /// true correction is assumed within `max_error_ns` of it, unless `wide` (another host's
@@ -164,56 +177,81 @@ pub fn align(
     if candidates.is_empty() {
         return Err(AlignError::NoOverlap);
     }
-    // (shift, correction, spread) of each pairing that holds.
+    let at: Vec<usize> = r.iter().map(|(j, _)| j).collect();
     let enough = MIN_MATCHED.min(SCREEN).min(r.len()).min(x.len());
-    let mut fits: Vec<(i64, i64, u64)> = candidates
+    let mut fits: Vec<Screened> = candidates
         .iter()
         .filter_map(|&shift| {
-            let c = screen(r, x, shift, guess_ns);
-            log::debug!("pairing shifted by {shift}: (correction, spread, pairs) {c:?}");
+            let c = screen(r, &at, x, shift, guess_ns);
+            log::debug!("pairing shifted by {shift}: {c:?}");
             // Between hosts, a pairing that overlaps by a few collectives spreads little
             // by chance: only those that share enough to be taken count.
-            c.filter(|c| !wide || c.2 >= enough)
-                .map(|(c, spread, _)| (shift, c, spread))
+            c.filter(|c| !wide || c.pairs >= enough)
         })
-        .filter(|(_, c, _)| c.unsigned_abs() <= window)
+        .filter(|c| c.correction.unsigned_abs() <= window)
         .collect();
     if fits.is_empty() {
         return Err(AlignError::NoMatch {
             candidates: candidates.len(),
         });
     }
-    fits.sort_by_key(|f| f.2);
-    let best = fits[0].2;
-    let mut alike: Vec<(i64, i64, u64)> = fits
+    // The screen sees windows of the overlap: the pairings that come near the best there,
+    // and those the wall clocks allow, are weighed on every pair they share.
+    fits.sort_by_key(|f| (f.broken, f.spread));
+    let (least_broken, best) = (fits[0].broken, fits[0].spread);
+    let mut weigh: Vec<i64> = fits
         .iter()
-        .copied()
-        .filter(|f| f.2 <= 2 * best + TIE)
+        .filter(|f| f.broken <= least_broken + TIE && f.spread <= 4 * best + 4 * TIE)
+        .take(WEIGHED)
+        .map(|f| f.shift)
         .collect();
-    if alike.len() > 1 {
-        // The steps repeat alike: the wall clocks choose, within the assumed error.
-        alike.sort_by_key(|f| f.1.unsigned_abs());
-        let within: Vec<&(i64, i64, u64)> = alike
-            .iter()
-            .filter(|f| f.1.unsigned_abs() <= max_error_ns)
-            .collect();
-        if within.len() != 1 {
-            return Err(AlignError::Ambiguous {
-                chosen: alike[0].1,
-                other: alike[1].1,
-            });
-        }
-        alike = vec![*within[0]];
-    }
-    let shift = alike[0].0;
-    let fit = estimate(r, x, shift, guess_ns);
-    if fit.matched < MIN_MATCHED {
+    let allowed: Vec<i64> = fits
+        .iter()
+        .filter(|f| f.correction.unsigned_abs() <= max_error_ns && !weigh.contains(&f.shift))
+        .take(WEIGHED)
+        .map(|f| f.shift)
+        .collect();
+    weigh.extend(allowed);
+    let mut weighed: Vec<Alignment> = weigh
+        .into_iter()
+        .map(|shift| estimate(r, x, shift, guess_ns))
+        .collect();
+    let most = weighed.iter().map(|a| a.matched).max().unwrap_or(0);
+    if most < MIN_MATCHED {
         return Err(AlignError::TooFew {
-            matched: fit.matched,
+            matched: most,
             needed: MIN_MATCHED,
         });
     }
-    Ok(fit)
+    weighed.retain(|a| a.matched >= MIN_MATCHED);
+    for a in &weighed {
+        log::debug!(
+            "pairing shifted by {}: correction {}, spread {} ns, causality broken by {} ns \
+             over {} pairs",
+            a.shift,
+            a.correction_ns,
+            a.spread_ns,
+            a.broken_ns,
+            a.matched
+        );
+    }
+    // The true pairing keeps causality on every pair (its clock offset lies in each
+    // pair's interval); one a step off breaks it wherever step lengths differ by more
+    // than a collective's wait. Then the least spread.
+    let least_broken = weighed.iter().map(|a| a.broken_ns).min().unwrap_or(0);
+    weighed.retain(|a| a.broken_ns <= least_broken + TIE);
+    let best = weighed.iter().map(|a| a.spread_ns).min().unwrap_or(0);
+    weighed.retain(|a| a.spread_ns <= 2 * best + TIE);
+    if weighed.len() > 1 {
+        // The steps repeat alike: the wall clocks choose, within the assumed error.
+        weighed.sort_by_key(|a| a.correction_ns.unsigned_abs());
+        let (chosen, other) = (weighed[0].correction_ns, weighed[1].correction_ns);
+        weighed.retain(|a| a.correction_ns.unsigned_abs() <= max_error_ns);
+        if weighed.len() != 1 {
+            return Err(AlignError::Ambiguous { chosen, other });
+        }
+    }
+    Ok(weighed.swap_remove(0))
 }
 
 /// Pairings whose first pair the wall clocks allow: the first collective of each of x's
@@ -267,30 +305,73 @@ fn pairs<'a>(r: &'a Kept, x: &'a Kept, shift: i64) -> impl Iterator<Item = (&'a 
     })
 }
 
-/// The correction a pairing gives when its first pairs call the same functions with the
-/// same sizes and causality holds among them, and how far the central 90% of their
-/// differences spreads, and how many pairs it looked at; `None` otherwise.
-fn screen(refs: &Kept, other: &Kept, shift: i64, guess_ns: i64) -> Option<(i64, u64, usize)> {
-    let mut points = Vec::with_capacity(SCREEN);
-    let (mut lo, mut hi) = (i64::MIN, i64::MAX);
-    for (a, b) in pairs(refs, other, shift).take(SCREEN) {
-        if a.func != b.func || a.bytes != b.bytes {
-            log::trace!("shift {shift}: {a:?} beside {b:?}");
-            return None;
+/// What a pairing's screen found.
+#[derive(Clone, Copy, Debug)]
+struct Screened {
+    shift: i64,
+    /// The median difference: the correction it gives.
+    correction: i64,
+    /// How far the pairs' causal intervals miss a common point, summed over the windows.
+    broken: u64,
+    /// The median over the windows of how far the central 90% of their differences
+    /// spreads.
+    spread: u64,
+    pairs: usize,
+}
+
+/// A pairing screened on [`SCREEN_WINDOWS`] windows of consecutive pairs spread evenly
+/// over the overlap (the first at its start): `None` when any pair there calls other
+/// functions or sizes. Each window is short enough for a drifting clock to stay put in
+/// it, and together they see whether step lengths jitter anywhere in the run.
+fn screen(refs: &Kept, at: &[usize], other: &Kept, shift: i64, guess_ns: i64) -> Option<Screened> {
+    let (first, last) = (other.runs.first()?.0 as i64, other.iter().last()?.0 as i64);
+    let from = at.partition_point(|&j| (j as i64) < first - shift);
+    let to = at.partition_point(|&j| (j as i64) <= last - shift);
+    let width = SCREEN / SCREEN_WINDOWS;
+    let room = to.saturating_sub(from).saturating_sub(width);
+    let (mut all, mut spreads, mut broken) = (Vec::with_capacity(SCREEN), Vec::new(), 0);
+    let mut next = from;
+    for w in 0..SCREEN_WINDOWS {
+        let start = (from + room * w / (SCREEN_WINDOWS - 1)).max(next);
+        next = (start + width).min(to);
+        let (mut lo, mut hi, mut points) = (i64::MIN, i64::MAX, Vec::with_capacity(width));
+        for &j in &at[start..next] {
+            let (Some(a), Some(b)) = (refs.get(j), other.get((j as i64 + shift) as usize)) else {
+                continue;
+            };
+            if a.func != b.func || a.bytes != b.bytes {
+                log::trace!("shift {shift}: {a:?} beside {b:?}");
+                return None;
+            }
+            let (low, high, p) = bounds(a, b, guess_ns);
+            lo = lo.max(low);
+            hi = hi.min(high);
+            points.push(p);
         }
-        let (low, high, p) = bounds(a, b, guess_ns);
-        lo = lo.max(low);
-        hi = hi.min(high);
-        points.push(p);
+        if points.is_empty() {
+            continue;
+        }
+        broken += lo.saturating_sub(hi).max(0).unsigned_abs();
+        points.sort_unstable();
+        let q = |q: f64| points[((points.len() - 1) as f64 * q).round() as usize];
+        spreads.push((q(0.95) - q(0.05)).unsigned_abs());
+        all.extend(points);
     }
-    if points.is_empty() || lo > hi {
-        log::trace!("shift {shift}: causality allows {lo}..{hi}");
+    if all.is_empty() {
         return None;
     }
-    points.sort_unstable();
-    let at = |q: f64| points[((points.len() - 1) as f64 * q).round() as usize];
-    let spread = (at(0.95) - at(0.05)).unsigned_abs();
-    Some((median(&mut points), spread, points.len()))
+    Some(Screened {
+        shift,
+        correction: median(&mut all),
+        broken,
+        spread: median_u(&mut spreads),
+        pairs: all.len(),
+    })
+}
+
+fn median_u(v: &mut [u64]) -> u64 {
+    let mid = v.len() / 2;
+    *v.select_nth_unstable(mid).1
 }
 
 /// For one matched pair: the hard interval of the correction and its point estimate.
@@ -373,6 +454,8 @@ fn estimate(refs: &Kept, other: &Kept, shift: i64, guess_ns: i64) -> Alignment {
         matched: pts.len(),
         mismatched,
         causal_ns: (lo.round() as i64, hi.round() as i64),
+        spread_ns: (q95 - q05).max(0.0).round() as u64,
+        broken_ns: (lo - hi).max(0.0).round() as u64,
     }
 }
 
@@ -542,25 +625,9 @@ mod tests {
     /// (`recovers_a_shifted_clock`) it cannot be, and is said so.
     #[test]
     fn finds_a_clock_far_beyond_the_assumed_error() {
-        // Step lengths of 5 ms ± up to 300 µs, one sequence for both ranks.
-        let jittered = |late: u64, clock: i64, skip: usize| -> Vec<Seen> {
-            let mut rng = 0x9e37_79b9_u64;
-            let mut step_start = 0u64;
-            let mut x = job(300, 5_000_000, late, 40_000, clock, 0);
-            for step in x.chunks_mut(4) {
-                rng = rng.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
-                let shift = step_start;
-                for s in step.iter_mut() {
-                    s.arrival_ns += shift;
-                    s.done_ns += shift;
-                }
-                step_start += (rng >> 33) % 600_000;
-            }
-            x.split_off(skip)
-        };
-        let r = jittered(0, 0, 0);
+        let r = jittered(0, 0, 0, 0);
         for clock in [250_000_000i64, 3_000_000_000] {
-            let x = jittered(30_000, -clock, 9 * 4 + 1);
+            let x = jittered(30_000, -clock, 9 * 4 + 1, 0);
             // Its agent attached 9 steps and one collective later; the wall clocks say 0.
             let a = fit(&r, &x, 0, 10_000_000).unwrap();
             assert_eq!(a.shift, -37, "{a:?}");
@@ -570,5 +637,39 @@ mod tests {
                 "{a:?} against {truth}"
             );
         }
+    }
+
+    /// Steps that repeat exactly over the first 100 (past the screen's 256 pairs), and
+    /// jitter after: pairings a step off look as good as the true one at first and break
+    /// causality later; weighed on every pair, the true one is found, the clock 0.25 s off
+    /// and the wall clocks no help.
+    #[test]
+    fn steps_alike_at_first_are_told_apart_later() {
+        let r = jittered(0, 0, 0, 100);
+        let x = jittered(30_000, -250_000_000, 9 * 4 + 1, 100);
+        let a = fit(&r, &x, 0, 10_000_000).unwrap();
+        assert_eq!(a.shift, -37, "{a:?}");
+        assert!((a.correction_ns + 250_000_000).abs() < 100_000, "{a:?}");
+        assert_eq!(a.broken_ns, 0, "{a:?}");
+    }
+
+    /// [`job`] of 300 steps whose lengths are 5 ms + up to 600 µs from step `from` on (one
+    /// sequence, alike on every rank), exactly 5 ms before.
+    fn jittered(late: u64, clock: i64, skip: usize, from: usize) -> Vec<Seen> {
+        let mut rng = 0x9e37_79b9_u64;
+        let mut step_start = 0u64;
+        let mut x = job(300, 5_000_000, late, 40_000, clock, 0);
+        for (n, step) in x.chunks_mut(4).enumerate() {
+            rng = rng.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+            let shift = step_start;
+            for s in step.iter_mut() {
+                s.arrival_ns += shift;
+                s.done_ns += shift;
+            }
+            if n >= from {
+                step_start += (rng >> 33) % 600_000;
+            }
+        }
+        x.split_off(skip)
     }
 }
