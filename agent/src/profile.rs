@@ -90,6 +90,11 @@ pub struct Probes {
     /// them every second. The agent's work, not the target's. On when not given.
     #[serde(default = "yes")]
     pub infiniband: bool,
+    /// Read the GPUs the targets use through NVML while tracing (utilization samples every
+    /// 100 ms; clocks, power, temperature, memory and clock-event reasons every second),
+    /// on a thread of the agent's own. On when not given.
+    #[serde(default = "yes")]
+    pub gpu: bool,
 }
 
 /// Which traced calls get a return probe.

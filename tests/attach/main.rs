@@ -13,6 +13,7 @@ mod cost;
 mod counts;
 mod deploy;
 mod environment;
+mod gpu;
 mod guest;
 mod lifecycle;
 mod merge;

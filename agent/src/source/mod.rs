@@ -14,6 +14,7 @@ pub mod tracefs;
 mod traps;
 
 mod error;
+mod gpu;
 mod kernel;
 mod load;
 mod multi;
@@ -302,6 +303,8 @@ pub struct Attached {
     ib_written: readings::IbWritten,
     /// The ports read while tracing (started by the first drain).
     ib_reader: Option<readings::IbReader>,
+    /// The GPUs read while tracing (started before the probes were attached).
+    gpu_reader: Option<gpu::GpuReader>,
 }
 
 /// Each program's runs and run time (ns) as the kernel counts them, by name.

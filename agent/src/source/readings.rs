@@ -74,6 +74,16 @@ impl Attached {
         Ok(())
     }
 
+    /// Hands on the GPU readings taken since the last call.
+    pub(super) fn pull_gpu(&mut self, sink: &mut impl Sink) -> Result<(), crate::Error> {
+        if let Some(reader) = &self.gpu_reader {
+            for record in reader.records.try_iter() {
+                sink.record(&record)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Hands on the loads the PMU sampled since the last call, as `MEM_SAMPLE` records.
     pub(super) fn drain_mem(&mut self, sink: &mut impl Sink) -> Result<(), crate::Error> {
         let Some(mem) = self.mem.as_mut() else {

@@ -196,6 +196,7 @@ impl Attached {
         let reason = loop {
             // The ports' readings first: they date from before the records drained next.
             self.pull_infiniband(sink)?;
+            self.pull_gpu(sink)?;
             if more {
                 more = self.drain_rings(sink, BUDGET)?;
             }
@@ -261,10 +262,12 @@ impl Attached {
             }
         };
         self.pull_infiniband(sink)?;
+        self.pull_gpu(sink)?;
         if !matches!(reason, StopReason::Rotate) {
             self.disarm();
             // Its last readings are in; the last of all is taken below.
             self.ib_reader = None;
+            self.gpu_reader = None;
         }
         // Everything drained so far goes to this sink (a window's last records included).
         self.drain_rings(sink, usize::MAX)?;

@@ -188,6 +188,11 @@ fn attach_all(prepared: Prepared, targets: &[Target]) -> Result<Attached, Source
     .map_err(map_error(names::ARMED))?;
     armed.set(0, 1, 0).map_err(map_error(names::ARMED))?;
     phases.mark("targets and threads");
+    // NVML answers while the probes attach.
+    let mut gpu_reader = profile
+        .probes
+        .gpu
+        .then(|| super::gpu::GpuReader::start(targets.iter().map(|t| t.pid).collect()));
     let mut py_targets = python::PyTargets::new();
     let mut py_infos = BTreeMap::new();
     if profile.probes.python_frames {
@@ -469,7 +474,28 @@ fn attach_all(prepared: Prepared, targets: &[Target]) -> Result<Attached, Source
             .then(|| u64::try_from(IB_FAST_EVERY.as_millis()).unwrap_or(u64::MAX)),
         infiniband_ports,
         infiniband_refused,
+        gpus: Vec::new(),
+        gpu_every_ms: None,
+        gpus_chosen: None,
+        gpu_refused: None,
     };
+    let found = gpu_reader.as_mut().map_or_else(
+        || Err("the profile has gpu off".to_owned()),
+        super::gpu::GpuReader::found,
+    );
+    match found {
+        Ok((gpus, how)) => {
+            header.gpus = gpus;
+            header.gpus_chosen = Some(how);
+            header.gpu_every_ms =
+                Some(u64::try_from(super::gpu::GPU_EVERY.as_millis()).unwrap_or(0));
+            header.gpu_refused = None;
+        }
+        Err(why) => {
+            header.gpu_refused = Some(why);
+            gpu_reader = None;
+        }
+    }
     phases.mark("maps and header");
     header.attach_phases_us = phases.done;
     Ok(Attached {
@@ -490,6 +516,7 @@ fn attach_all(prepared: Prepared, targets: &[Target]) -> Result<Attached, Source
         ib_files,
         ib_early,
         ib_reader: None,
+        gpu_reader,
         ib_written: super::readings::IbWritten::default(),
         ebpf: Some(ebpf),
         uprobes,

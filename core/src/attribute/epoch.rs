@@ -677,6 +677,7 @@ impl Timeline {
         self.page_migrations.retain(|m| keep(m.1));
         self.numa_moves.retain(|m| keep(m.1));
         self.infiniband.trim(until);
+        self.gpu.trim(until);
         for log in self.threads.values_mut() {
             let block = log
                 .pending_block

@@ -375,6 +375,7 @@ impl Timeline {
                 counters,
                 ..
             } => self.infiniband.add(*ts_ns, *port, counters),
+            Event::Gpu { ts_ns, reading, .. } => self.gpu.add(*ts_ns, reading),
             // The process ended: its last thread, or its main thread where the kernel's
             // tracepoint has no `group_dead` field (older kernels: it reads false).
             Event::Exit {

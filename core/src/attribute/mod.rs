@@ -29,6 +29,7 @@ mod cut;
 mod detail;
 mod detect;
 mod epoch;
+mod gpu;
 mod infiniband;
 mod ingest;
 mod methods;
@@ -41,6 +42,8 @@ pub use calls::Calls;
 pub use comms::CommReport;
 pub use detail::{Detail, OffCpu, StackKey, ThreadDetail};
 pub use epoch::Epoch;
+pub(crate) use gpu::Totals as GpuTotals;
+pub use gpu::{CLOCK_EVENT_REASONS, GpuStep, GpuTotal};
 pub use infiniband::IbStep;
 pub(crate) use infiniband::Readings as IbReadings;
 pub use report::{
@@ -307,6 +310,7 @@ pub struct Timeline {
     /// The InfiniBand ports' counter readings, every how many ms they were taken, or why
     /// there were none.
     infiniband: infiniband::Readings,
+    gpu: gpu::Readings,
     infiniband_every_ms: Option<u64>,
     infiniband_refused: Option<String>,
     /// An NCCL call was traced at entry only (`call_returns = "needed"`): blocking inside
@@ -455,6 +459,7 @@ impl Timeline {
             node_loads_multiplexed: 0,
             sync_probed: false,
             infiniband: infiniband::Readings::new(setup.infiniband_ports.clone()),
+            gpu: gpu::Readings::default(),
             infiniband_every_ms: setup.infiniband_every_ms,
             infiniband_refused: setup.infiniband_refused.clone(),
             entry_only_seen: false,

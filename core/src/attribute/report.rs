@@ -52,6 +52,8 @@ pub struct Step {
     /// estimate, `methods.infiniband` says how).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub infiniband: Option<super::IbStep>,
+    /// Each GPU NVML sampled over the step ([`super::gpu`]); empty where none was read.
+    pub gpu: Vec<super::GpuStep>,
     /// With several ranks: the rank whose late arrivals made the others wait most in this
     /// step.
     pub slowest_rank: Option<i32>,
@@ -80,6 +82,7 @@ impl Step {
             remote_access: None,
             remote_loads: None,
             infiniband: None,
+            gpu: Vec::new(),
             slowest_rank: None,
             ranks: Vec::new(),
         }

@@ -376,6 +376,14 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
                     .collect(),
             }
         }
+        kind::GPU_READING => Event::Gpu {
+            ts_ns: h.ts_ns,
+            task: t,
+            reading: crate::event::GpuReading::of(&read::<nccltrace_common::GpuReadingEvent>(
+                bytes,
+                "GPU reading",
+            )?),
+        },
         kind::STACK_SAME => {
             let e = read::<StackSameEvent>(bytes, "stack-same record")?;
             let of = u16::try_from(e.of)

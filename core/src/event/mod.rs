@@ -6,6 +6,43 @@ use serde::Serialize;
 mod func;
 pub use func::{Func, Library, datatype_name, datatype_size, redop_name};
 
+/// One reading of a GPU through NVML: each figure `None` where it was not read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize)]
+pub struct GpuReading {
+    /// Index in the recording header's `gpus`.
+    pub gpu: u32,
+    /// NVML's utilization sample: (since when, CLOCK_MONOTONIC ns; the share in percent
+    /// of the time from then to the reading in which a kernel ran).
+    pub busy: Option<(u64, u32)>,
+    pub sm_clock_mhz: Option<u32>,
+    pub mem_clock_mhz: Option<u32>,
+    pub temperature_c: Option<u32>,
+    pub power_mw: Option<u32>,
+    /// NVML's clock-event (throttle) reason bits.
+    pub throttle: Option<u64>,
+    pub memory_used: Option<u64>,
+}
+
+impl GpuReading {
+    /// As a GPU_READING record has it.
+    #[must_use]
+    pub fn of(e: &nccltrace_common::GpuReadingEvent) -> GpuReading {
+        use nccltrace_common::gpu as bit;
+        let has = |b: u32| e.present & b != 0;
+        let get = |b: u32, v: u32| has(b).then_some(v);
+        GpuReading {
+            gpu: e.gpu,
+            busy: has(bit::BUSY).then_some((e.busy_from_ns, e.busy_pct)),
+            sm_clock_mhz: get(bit::SM_CLOCK, e.sm_clock_mhz),
+            mem_clock_mhz: get(bit::MEM_CLOCK, e.mem_clock_mhz),
+            temperature_c: get(bit::TEMPERATURE, e.temperature_c),
+            power_mw: get(bit::POWER, e.power_mw),
+            throttle: has(bit::THROTTLE).then_some(e.throttle),
+            memory_used: has(bit::MEMORY_USED).then_some(e.memory_used),
+        }
+    }
+}
+
 /// Who an event is about.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize)]
 pub struct Task {
@@ -268,6 +305,12 @@ pub enum Event {
         port: u32,
         counters: Vec<(u8, u64)>,
     },
+    /// A reading of a GPU through NVML (`nccltrace_common::GpuReadingEvent`, as read).
+    Gpu {
+        ts_ns: u64,
+        task: Task,
+        reading: GpuReading,
+    },
     /// A communicator of the target, as read from its memory: its size and the target's
     /// rank in it (`None`: not read).
     CommSize {
@@ -356,6 +399,7 @@ impl Event {
             | Event::NumaPages { task, .. }
             | Event::CommSize { task, .. }
             | Event::IbCounters { task, .. }
+            | Event::Gpu { task, .. }
             | Event::Sample { task, .. }
             | Event::OffCpu { task, .. }
             | Event::CallStack { task, .. }
@@ -384,6 +428,7 @@ impl Event {
             | Event::NumaPages { ts_ns, .. }
             | Event::CommSize { ts_ns, .. }
             | Event::IbCounters { ts_ns, .. }
+            | Event::Gpu { ts_ns, .. }
             | Event::Sample { ts_ns, .. }
             | Event::OffCpu { ts_ns, .. }
             | Event::CallStack { ts_ns, .. }
@@ -418,6 +463,7 @@ impl Event {
             k::IB_COUNTERS | k::IB_READING => "infiniband_counters",
             k::STACK_SAME => "stack_same",
             k::NODE_LOADS => "node_loads",
+            k::GPU_READING => "gpu_reading",
             _ => "unknown",
         }
     }

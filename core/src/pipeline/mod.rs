@@ -57,6 +57,8 @@ pub struct Aggregator {
     numastat: Option<(NodeCounters, Option<NodeCounters>)>,
     /// Each InfiniBand port's first and last readings: the run's totals.
     infiniband: crate::attribute::IbReadings,
+    /// The GPUs' readings, summed.
+    gpu: crate::attribute::GpuTotals,
     timeline: Timeline,
     kernel_symbols: BTreeMap<u64, String>,
     jit_symbols: BTreeMap<u32, Vec<(u64, u64, String)>>,
@@ -115,6 +117,7 @@ impl Aggregator {
             stacks: StackCounts::default(),
             python_stacks_by_pid: BTreeMap::new(),
             infiniband,
+            gpu: crate::attribute::GpuTotals::default(),
             numastat: None,
             kernel_symbols: BTreeMap::new(),
             jit_symbols: BTreeMap::new(),
@@ -277,13 +280,20 @@ impl Aggregator {
         }
     }
 
-    /// The node's counters over the run: numastat per node, InfiniBand per port.
-    fn node_totals(&self) -> (Option<NodeDeltas>, Option<crate::attribute::IbStep>) {
+    /// The node's counters over the run: numastat per node, InfiniBand per port, the
+    /// GPUs.
+    fn node_totals(
+        &self,
+    ) -> (
+        Option<NodeDeltas>,
+        Option<crate::attribute::IbStep>,
+        crate::summary::GpuSummary,
+    ) {
         let numastat = self
             .numastat
             .as_ref()
             .and_then(|(first, last)| numastat_delta(first, last.as_ref()?));
-        (numastat, self.infiniband.totals())
+        (numastat, self.infiniband.totals(), self.gpu_summary())
     }
 
     /// Marks the input as cut short (a damaged recording), with the reason.
@@ -330,10 +340,20 @@ impl Aggregator {
         (bpf, unmeasured)
     }
 
+    /// The GPUs read over the run, or why none was.
+    fn gpu_summary(&self) -> crate::summary::GpuSummary {
+        crate::summary::GpuSummary {
+            read: self.gpu.report(&self.header.gpus),
+            every_ms: self.header.gpu_every_ms,
+            chosen: self.header.gpus_chosen.clone(),
+            refused: self.header.gpu_refused.clone(),
+        }
+    }
+
     /// The summary and the per-step report of everything pushed.
     #[must_use]
     pub fn finish(mut self, rule: StepRule) -> Outputs {
-        let (numastat_pages, infiniband) = self.node_totals();
+        let (numastat_pages, infiniband, gpus) = self.node_totals();
         let start = self.header.clock.monotonic_ns;
         let streamer = self.end_epochs(&rule);
         let (bpf, bpf_unmeasured) = self.bpf_cost();
@@ -401,6 +421,7 @@ impl Aggregator {
                 ..self.memory
             },
             infiniband,
+            gpus,
             events: self.events,
             cpu_samples: self.samples,
             offcpu_stacks: self.stacks.offcpu,

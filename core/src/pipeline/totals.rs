@@ -112,6 +112,7 @@ impl Aggregator {
                 self.infiniband.add(*ts_ns, *port, counters);
                 self.infiniband.keep_ends();
             }
+            Event::Gpu { ts_ns, reading, .. } => self.gpu.add(*ts_ns, reading),
         }
     }
 

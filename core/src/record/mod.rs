@@ -284,6 +284,37 @@ pub struct Header {
     /// Why no InfiniBand counters were read (`None`, written as null: they were).
     #[serde(default = "ib_not_recorded")]
     pub infiniband_refused: Option<String>,
+    /// The GPUs read through NVML while tracing, in the order the `gpu_reading` records
+    /// index them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gpus: Vec<GpuInfo>,
+    /// Every how many milliseconds they were read (`None`: they were not).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_every_ms: Option<u64>,
+    /// Which GPUs were chosen and how (the targets' open `/dev/nvidiaN`, or every GPU).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpus_chosen: Option<String>,
+    /// Why no GPU was read (`None`, written as null: they were).
+    #[serde(default = "gpu_not_recorded")]
+    pub gpu_refused: Option<String>,
+}
+
+/// A GPU read through NVML.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct GpuInfo {
+    pub name: String,
+    pub uuid: String,
+    /// Its `/dev/nvidiaN`'s N.
+    pub minor: Option<u32>,
+}
+
+/// A recording without the field was made before nccltrace read GPUs.
+#[expect(
+    clippy::unnecessary_wraps,
+    reason = "serde's default takes the field's type"
+)]
+fn gpu_not_recorded() -> Option<String> {
+    Some("the recording was made by an nccltrace that did not read GPUs".to_owned())
 }
 
 #[expect(

@@ -103,6 +103,9 @@ fn write_step(out: &mut impl Write, s: &Step) -> io::Result<()> {
     if let Some(loads) = &s.remote_loads {
         o.value(key!("remote_loads"), loads)?;
     }
+    if !s.gpu.is_empty() {
+        o.value(key!("gpu"), &s.gpu)?;
+    }
     if let Some(ib) = &s.infiniband {
         o.value(key!("infiniband"), ib)?;
     }

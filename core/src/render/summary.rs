@@ -107,6 +107,7 @@ pub fn write_text(s: &Summary, out: &mut impl Write) -> io::Result<()> {
         s.memory.pages_migrated
     )?;
     write_infiniband(s, out)?;
+    write_gpus(s, out)?;
     writeln!(out, "Events: {} recorded, {} lost", s.events, s.lost_events)?;
     for (kind, n) in s.lost_by_kind.iter().filter(|(_, n)| **n > 0) {
         writeln!(out, "  lost {kind}: {n}")?;
@@ -147,6 +148,43 @@ fn write_infiniband(s: &Summary, out: &mut impl Write) -> io::Result<()> {
             } else {
                 errors.join(", ")
             }
+        )?;
+    }
+    Ok(())
+}
+
+/// Each GPU read over the run, a line each, or why none was.
+fn write_gpus(s: &Summary, out: &mut impl Write) -> io::Result<()> {
+    let g = &s.gpus;
+    if let Some(why) = &g.refused {
+        return writeln!(out, "GPUs: not read ({why})");
+    }
+    for gpu in &g.read {
+        let busy = gpu.busy.map_or_else(
+            || "busy not sampled".to_owned(),
+            |b| {
+                format!(
+                    "busy {:.0}% of {:.1} s sampled ({} NVML samples)",
+                    b * 100.0,
+                    gpu.sampled_ns as f64 / 1e9,
+                    gpu.busy_samples
+                )
+            },
+        );
+        let clocks = match (gpu.sm_clock_mhz_min, gpu.sm_clock_mhz_max) {
+            (Some(lo), Some(hi)) => format!(", SM clock {lo}–{hi} MHz"),
+            _ => String::new(),
+        };
+        let reasons = gpu
+            .clock_event_reasons
+            .as_ref()
+            .filter(|r| r.iter().any(|n| *n != "gpu_idle"))
+            .map(|r| format!(", clocks held down: {}", r.join(", ")))
+            .unwrap_or_default();
+        writeln!(
+            out,
+            "GPU {} {}: {busy}{clocks}{reasons}",
+            gpu.index, gpu.name
         )?;
     }
     Ok(())

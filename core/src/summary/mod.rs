@@ -185,6 +185,18 @@ impl AttachPhase {
     }
 }
 
+/// The GPUs read through NVML: each with its figures over the run, or why none was.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct GpuSummary {
+    pub read: Vec<crate::attribute::GpuTotal>,
+    /// Every how many milliseconds they were read.
+    pub every_ms: Option<u64>,
+    /// Which GPUs were chosen and how.
+    pub chosen: Option<String>,
+    /// Why none was read (null: they were).
+    pub refused: Option<String>,
+}
+
 /// `summary.json`.
 #[derive(Clone, Debug, Serialize, PartialEq)]
 pub struct Summary {
@@ -200,6 +212,8 @@ pub struct Summary {
     /// (absent where none was read; steps.json's `methods.infiniband` says why).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub infiniband: Option<crate::attribute::IbStep>,
+    /// The GPUs the targets use, as NVML read them over the run.
+    pub gpus: GpuSummary,
     pub events: u64,
     /// On-CPU samples of target threads.
     pub cpu_samples: u64,

@@ -83,6 +83,9 @@ pub mod kind {
     /// `ncclCommCount` and `ncclCommUserRank` load them from were found, beyond [`COUNT`]
     /// too.
     pub const COMM_SIZE: u16 = 23;
+    /// A reading of a GPU the targets use (`GpuReadingEvent`), through NVML, made by the
+    /// agent while tracing, beyond [`COUNT`] too.
+    pub const GPU_READING: u16 = 24;
     /// One past the largest kind: the size of per-kind tables.
     pub const COUNT: usize = 16;
 }
@@ -297,6 +300,7 @@ unsafe impl Record for NumaPagesEvent {}
 unsafe impl Record for CommSizeEvent {}
 unsafe impl Record for IbCountersEvent {}
 unsafe impl Record for IbReadingEvent {}
+unsafe impl Record for GpuReadingEvent {}
 unsafe impl Record for NodeLoadsEvent {}
 unsafe impl Record for StackSameEvent {}
 unsafe impl Record for SampleEvent {}

@@ -240,3 +240,38 @@ pub mod numa_hint {
     /// Migrating it failed.
     pub const MIGRATE_FAIL: i32 = 0x10;
 }
+
+/// Bits of [`GpuReadingEvent::present`]: which of its fields were read.
+pub mod gpu {
+    /// `busy_pct` over `[busy_from_ns, hdr.ts_ns)`.
+    pub const BUSY: u32 = 1;
+    pub const SM_CLOCK: u32 = 1 << 1;
+    pub const MEM_CLOCK: u32 = 1 << 2;
+    pub const TEMPERATURE: u32 = 1 << 3;
+    pub const POWER: u32 = 1 << 4;
+    pub const THROTTLE: u32 = 1 << 5;
+    pub const MEMORY_USED: u32 = 1 << 6;
+}
+
+/// One reading of a GPU through NVML (the header's tgid and tid 0, its CPU `u16::MAX`):
+/// `gpu` indexes the recording header's GPU list, `present` ([`gpu`]) says which fields
+/// hold a value. `busy_pct` is NVML's GPU utilization sample: the share of
+/// `[busy_from_ns, hdr.ts_ns)` (CLOCK_MONOTONIC) in which a kernel ran.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GpuReadingEvent {
+    pub hdr: Header,
+    pub gpu: u32,
+    pub present: u32,
+    pub busy_from_ns: u64,
+    pub busy_pct: u32,
+    pub sm_clock_mhz: u32,
+    pub mem_clock_mhz: u32,
+    pub temperature_c: u32,
+    pub power_mw: u32,
+    pub _pad: u32,
+    /// NVML's clock-event (throttle) reason bits.
+    pub throttle: u64,
+    pub memory_used: u64,
+}
+const _: () = assert!(core::mem::size_of::<GpuReadingEvent>() == 80);
