@@ -52,8 +52,9 @@ pub struct Step {
     /// estimate, `methods.infiniband` says how).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub infiniband: Option<super::IbStep>,
-    /// Each GPU NVML sampled over the step ([`super::gpu`]); empty where none was read.
-    pub gpu: Vec<super::GpuStep>,
+    /// Each GPU NVML sampled over the step ([`super::gpu`]); `None` where none was read.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gpu: Option<Box<Vec<super::GpuStep>>>,
     /// With several ranks: the rank whose late arrivals made the others wait most in this
     /// step.
     pub slowest_rank: Option<i32>,
@@ -82,7 +83,7 @@ impl Step {
             remote_access: None,
             remote_loads: None,
             infiniband: None,
-            gpu: Vec::new(),
+            gpu: None,
             slowest_rank: None,
             ranks: Vec::new(),
         }
@@ -302,11 +303,12 @@ impl NvtxPattern {
 mod tests {
     /// Every step is copied into its epoch's vector (on a run of one-call steps, a tenth
     /// of the attribution's time): the remote-memory figures few steps have are boxed, as
-    /// is `gpu_wait_error_ns` (264 bytes with `gpu_wait` and the two error bounds).
+    /// are `gpu_wait_error_ns` and the GPUs' shares (272 bytes with `gpu_wait`, the two
+    /// error bounds and the GPUs).
     #[test]
     fn a_step_keeps_its_remote_memory_out_of_line() {
         let size = size_of::<super::Step>();
-        assert!(size <= 264, "Step is {size} bytes");
+        assert!(size <= 272, "Step is {size} bytes");
         let step = super::Step::new(0, 1, 2, super::Categories::default());
         let json = serde_json::to_value(&step).unwrap();
         assert_eq!(json["remote_access"], serde_json::Value::Null);

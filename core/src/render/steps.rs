@@ -103,11 +103,11 @@ fn write_step(out: &mut impl Write, s: &Step) -> io::Result<()> {
     if let Some(loads) = &s.remote_loads {
         o.value(key!("remote_loads"), loads)?;
     }
-    if !s.gpu.is_empty() {
-        o.value(key!("gpu"), &s.gpu)?;
-    }
     if let Some(ib) = &s.infiniband {
         o.value(key!("infiniband"), ib)?;
+    }
+    if let Some(gpu) = &s.gpu {
+        o.value(key!("gpu"), gpu)?;
     }
     o.opt_i64(key!("slowest_rank"), s.slowest_rank.map(i64::from))?;
     let out = o.key(key!("ranks"))?;

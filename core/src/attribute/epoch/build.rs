@@ -565,7 +565,9 @@ impl Timeline {
             numa_task_moves: numa_moves.iter().filter(|(t, _)| *t == tid).count() as u64,
             remote_access: log.remote_access(a, b).map(Box::new),
             infiniband: self.infiniband.step(a, b),
-            gpu: self.gpu.step(a, b),
+            gpu: Some(self.gpu.step(a, b))
+                .filter(|g| !g.is_empty())
+                .map(Box::new),
             remote_loads: log.mem_khz.map(|_| {
                 Box::new(crate::pmu::measure(
                     &log.mem_samples,
