@@ -98,6 +98,30 @@ impl Readings {
     }
 }
 
+/// `samples` with each GPU's neighbours joined two by two (their shares weighed by their
+/// lengths).
+fn coarser(mut samples: Vec<GpuSample>) -> Vec<GpuSample> {
+    samples.sort_unstable();
+    let mut out: Vec<GpuSample> = Vec::with_capacity(samples.len() / 2 + 1);
+    let mut pending: Option<GpuSample> = None;
+    for s in samples {
+        match pending.take() {
+            Some(p) if p.0 == s.0 => {
+                let (lp, ls) = (p.2.saturating_sub(p.1), s.2.saturating_sub(s.1));
+                let pct = (u64::from(p.3) * lp + u64::from(s.3) * ls) / (lp + ls).max(1);
+                out.push((p.0, p.1, s.2, u32::try_from(pct).unwrap_or(100)));
+            }
+            Some(p) => {
+                out.push(p);
+                pending = Some(s);
+            }
+            None => pending = Some(s),
+        }
+    }
+    out.extend(pending);
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -127,6 +151,32 @@ mod tests {
         assert!(r.step(300, 400).is_empty());
         r.trim(200);
         assert_eq!(r.step(0, 400)[0].samples, 1);
+    }
+
+    /// Past the samples kept, neighbours join two by two, their shares weighed.
+    #[test]
+    fn samples_kept_for_the_trace_stay_bounded() {
+        assert_eq!(
+            coarser(vec![
+                (0, 0, 10, 100),
+                (1, 0, 10, 50),
+                (0, 10, 40, 0),
+                (0, 40, 50, 80)
+            ]),
+            vec![(0, 0, 40, 25), (0, 40, 50, 80), (1, 0, 10, 50)]
+        );
+        let mut t = Totals::default();
+        let busy = |from: u64| GpuReading {
+            busy: Some((from, 50)),
+            ..GpuReading::default()
+        };
+        for i in 0..(MAX_SAMPLES as u64 + 10) {
+            t.add(i * 10 + 10, &busy(i * 10));
+        }
+        let kept = t.take_samples();
+        assert!(kept.len() <= MAX_SAMPLES / 2 + 11, "{}", kept.len());
+        assert_eq!(kept.first().map(|s| s.1), Some(0));
+        assert!(kept.iter().all(|s| s.3 == 50));
     }
 }
 
@@ -164,11 +214,20 @@ pub struct GpuTotal {
     pub clock_event_reasons: Option<Vec<&'static str>>,
 }
 
-/// The run's GPU readings, summed as they arrive.
+/// The run's GPU readings, summed as they arrive, and the utilization samples for
+/// trace.json's counter tracks.
 #[derive(Debug, Default)]
 pub(crate) struct Totals {
     gpus: Vec<Acc>,
+    samples: Vec<GpuSample>,
 }
+
+/// One utilization sample: (GPU, from, to, percent busy), CLOCK_MONOTONIC ns.
+pub type GpuSample = (u32, u64, u64, u32);
+
+/// Samples kept for the trace; past this, neighbours of a GPU are joined two by two
+/// (a run of hours keeps its shape at half the resolution, and so on).
+const MAX_SAMPLES: usize = 200_000;
 
 #[derive(Clone, Debug, Default)]
 struct Acc {
@@ -197,6 +256,10 @@ impl Totals {
             a.busy_ns += (to - from) as f64 * f64::from(pct.min(100)) / 100.0;
             a.sampled_ns += to - from;
             a.samples += 1;
+            if self.samples.len() >= MAX_SAMPLES {
+                self.samples = coarser(std::mem::take(&mut self.samples));
+            }
+            self.samples.push((r.gpu, from, to, pct.min(100)));
         }
         if let Some(mhz) = r.sm_clock_mhz {
             let (lo, hi) = a.sm.unwrap_or((mhz, mhz));
@@ -210,6 +273,13 @@ impl Totals {
         if let Some(t) = r.throttle {
             a.throttle = Some(a.throttle.unwrap_or(0) | t);
         }
+    }
+
+    /// The utilization samples kept, by GPU and time.
+    pub fn take_samples(&mut self) -> Vec<GpuSample> {
+        let mut v = std::mem::take(&mut self.samples);
+        v.sort_unstable();
+        v
     }
 
     /// Each GPU of `gpus` (the recording header's) with its figures.

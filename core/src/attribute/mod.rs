@@ -43,7 +43,7 @@ pub use comms::CommReport;
 pub use detail::{Detail, OffCpu, StackKey, ThreadDetail};
 pub use epoch::Epoch;
 pub(crate) use gpu::Totals as GpuTotals;
-pub use gpu::{CLOCK_EVENT_REASONS, GpuStep, GpuTotal};
+pub use gpu::{CLOCK_EVENT_REASONS, GpuSample, GpuStep, GpuTotal};
 pub use infiniband::IbStep;
 pub(crate) use infiniband::Readings as IbReadings;
 pub use report::{

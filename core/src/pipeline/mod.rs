@@ -379,13 +379,7 @@ impl Aggregator {
             // Only the closing record is kept in `end`.
             _ => (self.last_ts, None, BTreeMap::new(), BTreeMap::new()),
         };
-        let incomplete = self.incomplete.or_else(|| {
-            stop_reason.is_none().then(|| {
-                "the recording has no closing record (the agent did not finish writing it): \
-                 lost-event counts are unknown"
-                    .to_owned()
-            })
-        });
+        let incomplete = self.incomplete.or_else(|| unclosed(stop_reason.is_none()));
         let (mut steps, mut detail) = self.timeline.finish(end_ns, rule);
         split_cost(&mut self.cost_split, &steps, agent.bpf.as_mut());
         let d = &mut detail;
@@ -451,6 +445,7 @@ impl Aggregator {
             python_codes: self.python_codes,
             doctor: self.doctor,
             build_ids: self.build_ids,
+            gpu_samples: self.gpu.take_samples(),
             header: self.header,
             streamer,
         }
@@ -488,10 +483,21 @@ pub struct Outputs {
     pub doctor: Option<serde_json::Value>,
     /// Build ids of the files user frames lie in, as the live run read them.
     pub build_ids: crate::symbolize::BuildIds,
+    /// The GPUs' utilization samples, by GPU and time (trace.json's counter tracks).
+    pub gpu_samples: Vec<crate::attribute::GpuSample>,
     pub header: Header,
     /// What was written as the run was attributed; `steps.steps` and `detail` are then
     /// empty.
     pub streamer: Option<Streamer>,
+}
+
+/// Why the summary is incomplete where the recording has no closing record.
+fn unclosed(no_end: bool) -> Option<String> {
+    no_end.then(|| {
+        "the recording has no closing record (the agent did not finish writing it): \
+         lost-event counts are unknown"
+            .to_owned()
+    })
 }
 
 /// What the header says of the attach: its phases, how the uprobes were attached, how the

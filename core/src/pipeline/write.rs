@@ -227,6 +227,22 @@ struct TraceEnd {
     /// What each process is ([`crate::render::trace::roles`]).
     roles: Vec<(u32, String)>,
     end_ns: u64,
+    /// The GPUs' names and utilization samples.
+    gpus: Vec<String>,
+    gpu_samples: Vec<crate::attribute::GpuSample>,
+}
+
+impl TraceEnd {
+    fn of(outputs: &Outputs) -> TraceEnd {
+        TraceEnd {
+            run: Box::new((&outputs.header).into()),
+            start_ns: outputs.header.clock.monotonic_ns,
+            roles: crate::render::trace::roles(&outputs.steps.ranks, &outputs.steps.workers),
+            end_ns: outputs.detail.end_ns,
+            gpus: outputs.header.gpus.iter().map(|g| g.name.clone()).collect(),
+            gpu_samples: outputs.gpu_samples.clone(),
+        }
+    }
 }
 
 impl Output for TraceFile {
@@ -251,7 +267,7 @@ impl Output for TraceFile {
 
     fn end(mut self, end: TraceEnd) -> Result<(), Failure> {
         let written = (|| {
-            let t = match self.trace.take() {
+            let mut t = match self.trace.take() {
                 Some(t) => t,
                 None => crate::render::trace::TraceStream::new(
                     self.out
@@ -260,6 +276,7 @@ impl Output for TraceFile {
                     end.start_ns,
                 )?,
             };
+            t.gpus(&end.gpus, &end.gpu_samples)?;
             t.finish(&end.run, &end.roles, end.end_ns)
         })();
         written.map_err(|err| (self.path, err))
@@ -470,12 +487,7 @@ impl Streamer {
     pub fn finish(mut self, outputs: &Outputs, text: &mut impl io::Write) -> Result<(), Failure> {
         use crate::render;
         if let Some(trace) = &self.trace {
-            trace.end(TraceEnd {
-                run: Box::new((&outputs.header).into()),
-                start_ns: outputs.header.clock.monotonic_ns,
-                roles: render::trace::roles(&outputs.steps.ranks, &outputs.steps.workers),
-                end_ns: outputs.detail.end_ns,
-            });
+            trace.end(TraceEnd::of(outputs));
         }
         // The weights come back once their thread has weighed every epoch (symbolizing
         // meanwhile); a thread that stopped has nothing to give, and says why below.

@@ -18,6 +18,8 @@ mod slices;
 use event::{Args, Burst, Count, Ev, Moved, Runnable, Woken};
 use slices::{write_calls, write_steps};
 
+/// The first GPU's process id in the trace (no real process has it).
+const GPU_PID: u32 = 0x7fff_ff00;
 /// The steps track's thread id (no real thread has it).
 const STEPS_TID: u64 = 0x7fff_fff0;
 /// An epoch's calls are formatted on a thread of their own from this many on, and the
@@ -416,6 +418,40 @@ impl<W: Write> TraceStream<W> {
         serde_json::to_writer(&mut self.w.out, &other)?;
         writeln!(self.w.out, "}}")?;
         self.w.out.flush()
+    }
+
+    /// Each GPU's utilization as a counter track of a process of its own ("GPU 0: its
+    /// name"): the busy percent of each NVML sample from the sample's start, 0 after the
+    /// last one.
+    pub fn gpus(
+        &mut self,
+        names: &[String],
+        samples: &[crate::attribute::GpuSample],
+    ) -> io::Result<()> {
+        for (i, name) in names.iter().enumerate() {
+            let gpu = u32::try_from(i).unwrap_or(u32::MAX);
+            let pid = GPU_PID.saturating_add(gpu);
+            let w = &mut self.w;
+            w.raw(&json!({"ph": "M", "name": "process_name", "pid": pid,
+                "args": {"name": format!("GPU {i}: {name} (NVML)")}}))?;
+            w.raw(&json!({"ph": "M", "name": "process_sort_index", "pid": pid,
+                "args": {"sort_index": -1}}))?;
+            let mine = samples.iter().filter(|s| s.0 == gpu);
+            let mut last = None;
+            for &(_, from, to, pct) in mine {
+                if !w.traced(from) {
+                    continue;
+                }
+                let ev = Ev::counter("GPU busy %", pid, w.ts(from), Count("busy", f64::from(pct)));
+                w.event(&ev)?;
+                last = Some(to);
+            }
+            if let Some(to) = last {
+                let ev = Ev::counter("GPU busy %", pid, w.ts(to), Count("busy", 0.0));
+                w.event(&ev)?;
+            }
+        }
+        Ok(())
     }
 
     fn names(&mut self, run: &RunInfo, roles: &[(u32, String)]) -> io::Result<()> {
