@@ -73,6 +73,10 @@ pub struct StepTable {
     wall_ns: u64,
     migrations: u64,
     cross_node_migrations: u64,
+    /// Steps with one GPU read over them: (Σ busy share × wall, Σ wall), and whether any
+    /// step had several (then no verdict names the rank's GPU).
+    gpu: (f64, u64),
+    several_gpus: bool,
 }
 
 /// Steps whose values are kept exactly; past them, histograms.
@@ -235,6 +239,26 @@ impl StepTable {
         self.sum.add(&s.categories);
         self.migrations += s.migrations;
         self.cross_node_migrations += s.cross_node_migrations;
+        match s.gpu.as_deref().map_or(&[][..], Vec::as_slice) {
+            [one] => {
+                self.gpu.0 += f64::from(one.busy) / 1000.0 * s.wall_ns as f64;
+                self.gpu.1 += s.wall_ns;
+            }
+            [] => {}
+            _ => self.several_gpus = true,
+        }
+    }
+
+    /// The GPU's busy share of the steps' time (0 to 1) where one GPU was read over them,
+    /// and the share of step time those steps make.
+    #[must_use]
+    pub fn gpu_busy(&self) -> Option<(f64, f64)> {
+        (!self.several_gpus && self.gpu.1 > 0).then(|| {
+            (
+                self.gpu.0 / self.gpu.1 as f64,
+                self.gpu.1 as f64 / self.wall_ns.max(1) as f64,
+            )
+        })
     }
 
     /// Steps in the table.
@@ -355,6 +379,9 @@ pub fn verdict(report: &StepsReport, table: &StepTable) -> String {
             pct(sum.compute, wall)
         );
     }
+    if let Some(bound) = gpu_bound(table) {
+        let _ = write!(line, "; {bound}");
+    }
     if let Some(tid) = report.rank_tid {
         let (migrations, cross) = (table.migrations, table.cross_node_migrations);
         let _ = write!(
@@ -364,6 +391,49 @@ pub fn verdict(report: &StepsReport, table: &StepTable) -> String {
         );
     }
     line
+}
+
+/// Busy this share of the steps' time or more, the GPU bounds the step.
+const GPU_BOUND: f64 = 0.85;
+/// Busy this share or less, the host does.
+const HOST_BOUND: f64 = 0.5;
+
+/// Whether the GPU or the host bounds the steps, from the GPU's busy share (NVML) where one
+/// GPU was read over them; `None` where none or several were.
+fn gpu_bound(table: &StepTable) -> Option<String> {
+    let (busy, covered) = table.gpu_busy()?;
+    let sum = &table.sum;
+    let wall = table.wall_ns;
+    let of = if covered < 0.99 {
+        format!(
+            " of the {:.0}% of step time it was sampled over",
+            covered * 100.0
+        )
+    } else {
+        String::new()
+    };
+    Some(if busy >= GPU_BOUND {
+        format!(
+            "GPU-bound: the GPU was busy {:.0}% of the steps' time{of} (NVML); the host waited \
+             for it {:.0}% (gpu_wait) and for NCCL {:.0}%",
+            busy * 100.0,
+            pct(sum.gpu_wait, wall),
+            pct(sum.nccl_wait, wall)
+        )
+    } else if busy <= HOST_BOUND {
+        format!(
+            "host-bound: the GPU idled {:.0}% of the steps' time{of} (NVML) while the rank's \
+             threads computed {:.0}% of it",
+            (1.0 - busy) * 100.0,
+            pct(sum.compute, wall)
+        )
+    } else {
+        format!(
+            "the GPU was busy {:.0}% of the steps' time{of} (NVML): neither the GPU nor the \
+             host alone bounds the steps",
+            busy * 100.0
+        )
+    })
 }
 
 /// The idle stretches, a line each, with what the rank thread mostly did in them (a sleep,
