@@ -202,6 +202,7 @@ fn prometheus_scrapes_the_run() {
     let _guard = privileged();
     let dir = tempfile::tempdir().unwrap();
     let go = dir.path().join("go");
+    let busy = dir.path().join("busy.log");
     let steps = 600;
     let trainer = Target::spawn(
         &fixtures().join("trainer"),
@@ -220,11 +221,13 @@ fn prometheus_scrapes_the_run() {
             ("RANK", "5"),
             ("LOCAL_RANK", "1"),
             ("SLURM_JOB_ID", "4242"),
+            ("FAKE_CUDA_BUSY", busy.to_str().unwrap()),
         ],
         dir.path(),
     );
     let out = dir.path().join("out");
-    let agent = Agent::attach(trainer.child.id(), &out, &["--metrics", "127.0.0.1:0"]);
+    let metrics = ["--metrics", "127.0.0.1:0"];
+    let agent = super::gpu::attach_with_nvml(trainer.child.id(), &out, &metrics, &busy, &[]);
     let addr = metrics_addr(&agent);
     let prometheus = Prometheus::start(dir.path(), &addr);
     prometheus.scrapes(1.0);
@@ -291,12 +294,40 @@ fn prometheus_scrapes_the_run() {
         value(&format!("nccltrace_nccl_calls_total{selector}")),
         totals["calls"]["AllReduce"].as_f64().unwrap(),
     );
+    gpu_series_scraped(&prometheus, &busy);
     let code = agent.wait(Duration::from_secs(60)).0;
     assert_eq!(code, 0);
     // The agent is gone: a scrape is refused at once, never left waiting.
     let started = Instant::now();
     assert_eq!(get(&addr, "/metrics", "*/*").0, 0);
     assert!(started.elapsed() < Duration::from_secs(2));
+}
+
+/// Issue 53: the GPU's series, scraped by Prometheus: its busy time as the stand-in
+/// libcuda's log of its GPU work has it (every step's work sampled by the stand-in NVML,
+/// within 15%), power and the clock-event reasons as NVML said.
+fn gpu_series_scraped(prometheus: &Prometheus, busy: &std::path::Path) {
+    let value = |q: &str| {
+        prometheus
+            .value(q)
+            .unwrap_or_else(|| panic!("no result for {q}"))
+    };
+    let gpu = r#"{job="nccltrace",gpu="0"}"#;
+    let logged = super::gpu::busy_log(busy)
+        .iter()
+        .map(|(s, e)| (e - s) as f64 / 1e9)
+        .sum::<f64>();
+    let ours = value(&format!("nccltrace_gpu_busy_seconds_total{gpu}"));
+    assert!(
+        (ours - logged).abs() <= 0.15 * logged,
+        "GPU busy {ours} s against {logged} s in the log"
+    );
+    assert!(value(&format!("nccltrace_gpu_sampled_seconds_total{gpu}")) > ours);
+    let power = value(&format!("nccltrace_gpu_power_watts{gpu}"));
+    assert!((power - 312.0).abs() < 1e-9, "{power} W");
+    let reason = gpu.replace('}', ",reason=\"sw_power_cap\"}");
+    let capped = value(&format!("nccltrace_gpu_clock_event_reason{reason}"));
+    assert!(capped.abs() < 1e-9, "{capped}");
 }
 
 /// On a terminal, the status line says the steps attributed so far, the last one's time

@@ -69,6 +69,8 @@ pub(crate) struct State {
     pub findings: Vec<(String, String)>,
     /// Processes traced now.
     pub targets: usize,
+    /// The GPUs read through NVML, in the recording header's order.
+    pub gpus: Vec<node::GpuSeries>,
 }
 
 /// The registry a scrape encodes, and the series the attribution updates.
@@ -382,6 +384,13 @@ impl Feed {
         for t in &header.targets {
             feed.target(t);
         }
+        let gpus = header
+            .gpus
+            .iter()
+            .enumerate()
+            .map(|(i, g)| node::GpuSeries::new(i, g))
+            .collect();
+        feed.metrics.with_state(|s| s.gpus = gpus);
         feed
     }
 
@@ -440,6 +449,14 @@ impl Sink for Feed {
 
     /// Counts a call.
     fn event(&mut self, event: &Event) {
+        if let Event::Gpu { ts_ns, reading, .. } = event {
+            self.metrics.with_state(|s| {
+                if let Some(g) = s.gpus.get_mut(reading.gpu as usize) {
+                    g.read(*ts_ns, reading);
+                }
+            });
+            return;
+        }
         let Event::Call(c) = event else { return };
         let pid = c.task.tgid;
         match c.func.library() {

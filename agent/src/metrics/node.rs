@@ -146,8 +146,163 @@ fn agent_self(host: &Host) -> Option<(f64, f64, f64)> {
 impl prometheus_client::collector::Collector for Collector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         self.agent(&mut encoder)?;
+        let gpus = self
+            .state
+            .lock()
+            .map(|s| s.gpus.clone())
+            .unwrap_or_default();
+        gpu_series(&gpus, &mut encoder)?;
         node(&self.host, &mut encoder)
     }
+}
+
+/// One GPU's series as last read through NVML (DCGM's figures, in Prometheus units).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct GpuSeries {
+    labels: Labels,
+    /// NVML's last utilization sample, 0 to 1.
+    utilization: Option<f64>,
+    /// Σ busy share × sample interval, and Σ interval, seconds.
+    busy_s: f64,
+    sampled_s: f64,
+    sm_clock_hz: Option<f64>,
+    power_w: Option<f64>,
+    temperature_c: Option<f64>,
+    memory_used: Option<f64>,
+    /// Clock-event (throttle) reason bits of the last reading.
+    reasons: Option<u64>,
+}
+
+impl GpuSeries {
+    pub fn new(index: usize, g: &crate::record::GpuInfo) -> GpuSeries {
+        GpuSeries {
+            labels: vec![
+                ("gpu", index.to_string()),
+                ("uuid", g.uuid.clone()),
+                ("name", g.name.clone()),
+            ],
+            ..GpuSeries::default()
+        }
+    }
+
+    /// A reading made at `at` (CLOCK_MONOTONIC ns).
+    pub fn read(&mut self, at: u64, r: &crate::event::GpuReading) {
+        if let Some((from, pct)) = r.busy.filter(|(from, _)| *from < at) {
+            let share = f64::from(pct.min(100)) / 100.0;
+            let s = (at - from) as f64 / 1e9;
+            self.utilization = Some(share);
+            self.busy_s += share * s;
+            self.sampled_s += s;
+        }
+        let set = |v: &mut Option<f64>, x: Option<f64>| {
+            if x.is_some() {
+                *v = x;
+            }
+        };
+        set(
+            &mut self.sm_clock_hz,
+            r.sm_clock_mhz.map(|m| f64::from(m) * 1e6),
+        );
+        set(&mut self.power_w, r.power_mw.map(|m| f64::from(m) / 1e3));
+        set(&mut self.temperature_c, r.temperature_c.map(f64::from));
+        set(&mut self.memory_used, r.memory_used.map(|b| b as f64));
+        if r.throttle.is_some() {
+            self.reasons = r.throttle;
+        }
+    }
+}
+
+/// A GPU family: name, help, unit and its value of a GPU.
+type GpuFamily<'a> = (
+    &'a str,
+    &'a str,
+    Option<Unit>,
+    &'a dyn Fn(&GpuSeries) -> Option<f64>,
+);
+
+/// The GPUs' series: utilization, busy time, clocks, power, temperature, memory and
+/// clock-event reasons, per GPU.
+fn gpu_series(gpus: &[GpuSeries], e: &mut DescriptorEncoder) -> Result<(), std::fmt::Error> {
+    let each = |f: &dyn Fn(&GpuSeries) -> Option<f64>| -> Vec<(Labels, f64)> {
+        gpus.iter()
+            .filter_map(|g| Some((g.labels.clone(), f(g)?)))
+            .collect()
+    };
+    let gauges: [GpuFamily; 6] = [
+        (
+            "gpu_utilization_ratio",
+            "Share of NVML's last sampling period in which a kernel ran (DCGM_FI_DEV_GPU_UTIL / 100)",
+            None,
+            &|g| g.utilization,
+        ),
+        (
+            "gpu_sm_clock",
+            "SM clock (DCGM_FI_DEV_SM_CLOCK)",
+            Some(Unit::Other("hertz".into())),
+            &|g| g.sm_clock_hz,
+        ),
+        (
+            "gpu_power",
+            "Power drawn (DCGM_FI_DEV_POWER_USAGE)",
+            Some(Unit::Other("watts".into())),
+            &|g| g.power_w,
+        ),
+        (
+            "gpu_temperature",
+            "GPU temperature (DCGM_FI_DEV_GPU_TEMP)",
+            Some(Unit::Celsius),
+            &|g| g.temperature_c,
+        ),
+        (
+            "gpu_memory_used",
+            "Frame-buffer memory used (DCGM_FI_DEV_FB_USED)",
+            Some(Unit::Bytes),
+            &|g| g.memory_used,
+        ),
+        (
+            "gpu_sampled",
+            "Time NVML's utilization samples covered since the agent started reading",
+            Some(Unit::Seconds),
+            &|g| (g.sampled_s > 0.0).then_some(g.sampled_s),
+        ),
+    ];
+    for (name, help, unit, f) in gauges {
+        let kind = if name == "gpu_sampled" {
+            MetricType::Counter
+        } else {
+            MetricType::Gauge
+        };
+        family(e, kind, name, help, unit.as_ref(), &each(f))?;
+    }
+    family(
+        e,
+        MetricType::Counter,
+        "gpu_busy",
+        "Time a kernel ran by NVML's utilization samples (busy share × interval)",
+        Some(&Unit::Seconds),
+        &each(&|g| (g.sampled_s > 0.0).then_some(g.busy_s)),
+    )?;
+    let reasons: Vec<(Labels, f64)> = gpus
+        .iter()
+        .filter_map(|g| Some((g, g.reasons?)))
+        .flat_map(|(g, bits)| {
+            crate::attribute::CLOCK_EVENT_REASONS
+                .iter()
+                .map(move |(bit, name)| {
+                    let mut l = g.labels.clone();
+                    l.push(("reason", (*name).to_owned()));
+                    (l, if bits & bit != 0 { 1.0 } else { 0.0 })
+                })
+        })
+        .collect();
+    family(
+        e,
+        MetricType::Gauge,
+        "gpu_clock_event_reason",
+        "1 while NVML reports this clock-event (throttle) reason (DCGM_FI_DEV_CLOCK_THROTTLE_REASONS)",
+        None,
+        &reasons,
+    )
 }
 
 impl Collector {
