@@ -158,9 +158,31 @@ fn one_step_of_every_kind(
     metrics: &std::sync::Arc<nccltrace::metrics::Metrics>,
     host: nccltrace::host::Host,
 ) {
-    use nccltrace::event::{Call, Event, Func, Task};
-    let header = nccltrace::record::Header::default();
+    use nccltrace::event::{Call, Event, Func, GpuReading, Task};
+    let header = nccltrace::record::Header {
+        gpus: vec![nccltrace::record::GpuInfo {
+            name: "NVIDIA H100 80GB HBM3".to_owned(),
+            uuid: "GPU-0".to_owned(),
+            minor: Some(0),
+        }],
+        ..Default::default()
+    };
     let mut feed = nccltrace::metrics::Feed::new(metrics.clone(), host, &header);
+    // A GPU read through NVML: every figure.
+    feed.event(&Event::Gpu {
+        ts_ns: 2_000,
+        task: Task::default(),
+        reading: GpuReading {
+            gpu: 0,
+            busy: Some((1_000, 90)),
+            sm_clock_mhz: Some(1980),
+            mem_clock_mhz: Some(2619),
+            temperature_c: Some(40),
+            power_mw: Some(300_000),
+            throttle: Some(4),
+            memory_used: Some(1 << 30),
+        },
+    });
     let call = |func: Func| {
         Event::Call(Call {
             count: Some(4),

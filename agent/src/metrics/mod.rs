@@ -388,7 +388,7 @@ impl Feed {
             .gpus
             .iter()
             .enumerate()
-            .map(|(i, g)| node::GpuSeries::new(i, g))
+            .map(|(i, g)| node::GpuSeries::new(&header.hostname, i, g))
             .collect();
         feed.metrics.with_state(|s| s.gpus = gpus);
         feed

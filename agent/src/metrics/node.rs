@@ -174,9 +174,10 @@ pub(crate) struct GpuSeries {
 }
 
 impl GpuSeries {
-    pub fn new(index: usize, g: &crate::record::GpuInfo) -> GpuSeries {
+    pub fn new(host: &str, index: usize, g: &crate::record::GpuInfo) -> GpuSeries {
         GpuSeries {
             labels: vec![
+                ("host", host.to_owned()),
                 ("gpu", index.to_string()),
                 ("uuid", g.uuid.clone()),
                 ("name", g.name.clone()),
