@@ -181,6 +181,7 @@ fn one_step_of_every_kind(
             power_mw: Some(300_000),
             throttle: Some(4),
             memory_used: Some(1 << 30),
+            processes: Some(2),
         },
     });
     let call = |func: Func| {

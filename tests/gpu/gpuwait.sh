@@ -53,6 +53,9 @@ print(json.dumps({
   "cupti": truth,
   "verdict": verdict,
   "waits_on_nccl_said": "waits on NCCL" in stdout,
+  "gpu_line": [l for l in stdout.splitlines() if l.startswith("GPU ")],
+  "gpu_busy_step_median": statistics.median(s["gpu"][0]["busy"] for s in steps if s.get("gpu")) if any(s.get("gpu") for s in steps) else None,
+  "cupti_busy_share": round(truth["gpu_busy_ms_per_step"] / truth["wall_ms_per_step"], 3) if truth and truth.get("wall_ms_per_step") else None,
 }, indent=1))
 PY
 done

@@ -169,6 +169,7 @@ pub(crate) struct GpuSeries {
     power_w: Option<f64>,
     temperature_c: Option<f64>,
     memory_used: Option<f64>,
+    processes: Option<f64>,
     /// Clock-event (throttle) reason bits of the last reading.
     reasons: Option<u64>,
 }
@@ -207,6 +208,7 @@ impl GpuSeries {
         set(&mut self.power_w, r.power_mw.map(|m| f64::from(m) / 1e3));
         set(&mut self.temperature_c, r.temperature_c.map(f64::from));
         set(&mut self.memory_used, r.memory_used.map(|b| b as f64));
+        set(&mut self.processes, r.processes.map(f64::from));
         if r.throttle.is_some() {
             self.reasons = r.throttle;
         }
@@ -229,7 +231,7 @@ fn gpu_series(gpus: &[GpuSeries], e: &mut DescriptorEncoder) -> Result<(), std::
             .filter_map(|g| Some((g.labels.clone(), f(g)?)))
             .collect()
     };
-    let gauges: [GpuFamily; 6] = [
+    let gauges: [GpuFamily; 7] = [
         (
             "gpu_utilization_ratio",
             "Share of NVML's last sampling period in which a kernel ran (DCGM_FI_DEV_GPU_UTIL / 100)",
@@ -259,6 +261,12 @@ fn gpu_series(gpus: &[GpuSeries], e: &mut DescriptorEncoder) -> Result<(), std::
             "Frame-buffer memory used (DCGM_FI_DEV_FB_USED)",
             Some(Unit::Bytes),
             &|g| g.memory_used,
+        ),
+        (
+            "gpu_processes",
+            "Processes with a compute context on the GPU, of any job (NVML)",
+            None,
+            &|g| g.processes,
         ),
         (
             "gpu_sampled",

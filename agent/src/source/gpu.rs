@@ -23,6 +23,8 @@ use super::{agent_record, host};
 pub const GPU_EVERY: Duration = Duration::from_millis(100);
 /// How often the clocks, power, temperature, memory and clock-event reasons are read.
 const GPU_STATE_EVERY: Duration = Duration::from_secs(1);
+/// How long stopping waits for the reader's last read.
+const FINISH_WAIT: Duration = Duration::from_millis(500);
 /// How long attaching waits for NVML to answer which GPUs there are.
 const OPEN_WAIT: Duration = Duration::from_secs(3);
 
@@ -33,7 +35,7 @@ pub type Found = Result<(Vec<GpuInfo>, String), String>;
 pub(super) struct GpuReader {
     found: Option<Receiver<Found>>,
     pub records: Receiver<Vec<u8>>,
-    _stop: Sender<()>,
+    stop: Sender<()>,
 }
 
 impl GpuReader {
@@ -64,8 +66,24 @@ impl GpuReader {
         GpuReader {
             found: Some(found),
             records,
-            _stop: stop,
+            stop,
         }
+    }
+
+    /// Stops the reader: its last read (the samples since the one before) is handed on
+    /// within [`FINISH_WAIT`], or left out.
+    pub fn finish(self) -> Vec<Vec<u8>> {
+        let GpuReader { records, stop, .. } = self;
+        drop(stop);
+        let until = Instant::now() + FINISH_WAIT;
+        let mut out = Vec::new();
+        while let Some(left) = until.checked_duration_since(Instant::now()) {
+            match records.recv_timeout(left) {
+                Ok(r) => out.push(r),
+                Err(_) => break,
+            }
+        }
+        out
     }
 
     /// The GPUs read and how they were chosen, or why none is: waits for NVML's answer
@@ -164,6 +182,7 @@ fn read(nvml: &Nvml, chosen: &[u32], tx: &Sender<Vec<u8>>, stopped: &Receiver<()
     let mut polled: Vec<Option<u64>> = vec![None; chosen.len()];
     let mut state_at = Instant::now();
     let mut first = true;
+    let mut last = false;
     loop {
         let state = first || state_at.elapsed() >= GPU_STATE_EVERY;
         if state {
@@ -220,33 +239,7 @@ fn read(nvml: &Nvml, chosen: &[u32], tx: &Sender<Vec<u8>>, stopped: &Receiver<()
                 }
             }
             if state {
-                let mut r = reading(host::clock_ns(libc::CLOCK_MONOTONIC), gpu);
-                let mut set = |b: u32, field: &mut u32, v: Option<u32>| {
-                    if let Some(v) = v {
-                        r.present |= b;
-                        *field = v;
-                    }
-                };
-                let mut sm = 0;
-                set(bit::SM_CLOCK, &mut sm, d.clock_info(Clock::SM).ok());
-                let mut mem = 0;
-                set(bit::MEM_CLOCK, &mut mem, d.clock_info(Clock::Memory).ok());
-                let mut temp = 0;
-                let t = d.temperature(TemperatureSensor::Gpu).ok();
-                set(bit::TEMPERATURE, &mut temp, t);
-                let mut power = 0;
-                set(bit::POWER, &mut power, d.power_usage().ok());
-                (r.sm_clock_mhz, r.mem_clock_mhz, r.temperature_c, r.power_mw) =
-                    (sm, mem, temp, power);
-                if let Ok(t) = d.current_throttle_reasons() {
-                    r.present |= bit::THROTTLE;
-                    r.throttle = t.bits();
-                }
-                if let Ok(m) = d.memory_info() {
-                    r.present |= bit::MEMORY_USED;
-                    r.memory_used = m.used;
-                }
-                out.push(r);
+                out.push(state_reading(&d, gpu));
             }
             for r in out {
                 if tx.send(crate::decode::as_bytes(&r)).is_err() {
@@ -254,13 +247,41 @@ fn read(nvml: &Nvml, chosen: &[u32], tx: &Sender<Vec<u8>>, stopped: &Receiver<()
                 }
             }
         }
-        if !matches!(
-            stopped.recv_timeout(GPU_EVERY),
-            Err(RecvTimeoutError::Timeout)
-        ) {
+        if last {
             return;
         }
+        // Told to stop (or the agent gone): one more read, of the samples since.
+        last = !matches!(
+            stopped.recv_timeout(GPU_EVERY),
+            Err(RecvTimeoutError::Timeout)
+        );
     }
+}
+
+/// The GPU's clocks, temperature, power, clock-event reasons, memory used and compute
+/// processes, as read now: those NVML answered.
+fn state_reading(d: &nvml_wrapper::Device<'_>, gpu: u32) -> GpuReadingEvent {
+    let mut r = reading(host::clock_ns(libc::CLOCK_MONOTONIC), gpu);
+    let mut present = 0;
+    let mut set = |b: u32, v: Option<u32>| {
+        present |= if v.is_some() { b } else { 0 };
+        v.unwrap_or(0)
+    };
+    r.sm_clock_mhz = set(bit::SM_CLOCK, d.clock_info(Clock::SM).ok());
+    r.mem_clock_mhz = set(bit::MEM_CLOCK, d.clock_info(Clock::Memory).ok());
+    r.temperature_c = set(bit::TEMPERATURE, d.temperature(TemperatureSensor::Gpu).ok());
+    r.power_mw = set(bit::POWER, d.power_usage().ok());
+    r.processes = set(bit::PROCESSES, d.running_compute_processes_count().ok());
+    r.present |= present;
+    if let Ok(t) = d.current_throttle_reasons() {
+        r.present |= bit::THROTTLE;
+        r.throttle = t.bits();
+    }
+    if let Ok(m) = d.memory_info() {
+        r.present |= bit::MEMORY_USED;
+        r.memory_used = m.used;
+    }
+    r
 }
 
 fn reading(ts_ns: u64, gpu: u32) -> GpuReadingEvent {

@@ -267,7 +267,11 @@ impl Attached {
             self.disarm();
             // Its last readings are in; the last of all is taken below.
             self.ib_reader = None;
-            self.gpu_reader = None;
+            if let Some(reader) = self.gpu_reader.take() {
+                for record in reader.finish() {
+                    sink.record(&record)?;
+                }
+            }
         }
         // Everything drained so far goes to this sink (a window's last records included).
         self.drain_rings(sink, usize::MAX)?;

@@ -209,6 +209,9 @@ pub struct GpuTotal {
     pub power_w_mean: Option<f64>,
     pub temperature_c_max: Option<u32>,
     pub memory_used_bytes_max: Option<u64>,
+    /// The most processes NVML listed on the GPU at once (every job's, not only the
+    /// targets').
+    pub processes_max: Option<u32>,
     /// Every clock-event (throttle) reason any reading had, by NVML's names (`None`: not
     /// read).
     pub clock_event_reasons: Option<Vec<&'static str>>,
@@ -238,6 +241,7 @@ struct Acc {
     power: (u64, u64),
     temperature: Option<u32>,
     memory: Option<u64>,
+    processes: Option<u32>,
     throttle: Option<u64>,
 }
 
@@ -270,6 +274,7 @@ impl Totals {
         }
         a.temperature = a.temperature.max(r.temperature_c);
         a.memory = a.memory.max(r.memory_used);
+        a.processes = a.processes.max(r.processes);
         if let Some(t) = r.throttle {
             a.throttle = Some(a.throttle.unwrap_or(0) | t);
         }
@@ -302,6 +307,7 @@ impl Totals {
                         .then(|| (a.power.0 as f64 / a.power.1 as f64).round() / 1000.0),
                     temperature_c_max: a.temperature,
                     memory_used_bytes_max: a.memory,
+                    processes_max: a.processes,
                     clock_event_reasons: a.throttle.map(|t| {
                         CLOCK_EVENT_REASONS
                             .iter()

@@ -21,6 +21,8 @@ pub struct GpuReading {
     /// NVML's clock-event (throttle) reason bits.
     pub throttle: Option<u64>,
     pub memory_used: Option<u64>,
+    /// Processes with a compute context on the GPU.
+    pub processes: Option<u32>,
 }
 
 impl GpuReading {
@@ -39,6 +41,7 @@ impl GpuReading {
             power_mw: get(bit::POWER, e.power_mw),
             throttle: has(bit::THROTTLE).then_some(e.throttle),
             memory_used: has(bit::MEMORY_USED).then_some(e.memory_used),
+            processes: get(bit::PROCESSES, e.processes),
         }
     }
 }

@@ -181,9 +181,14 @@ fn write_gpus(s: &Summary, out: &mut impl Write) -> io::Result<()> {
             .filter(|r| r.iter().any(|n| *n != "gpu_idle"))
             .map(|r| format!(", clocks held down: {}", r.join(", ")))
             .unwrap_or_default();
+        let shared = gpu
+            .processes_max
+            .filter(|n| *n > 1)
+            .map(|n| format!(", shared by up to {n} processes (NVML's compute processes)"))
+            .unwrap_or_default();
         writeln!(
             out,
-            "GPU {} {}: {busy}{clocks}{reasons}",
+            "GPU {} {}: {busy}{clocks}{reasons}{shared}",
             gpu.index, gpu.name
         )?;
     }

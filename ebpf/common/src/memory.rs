@@ -251,6 +251,7 @@ pub mod gpu {
     pub const POWER: u32 = 1 << 4;
     pub const THROTTLE: u32 = 1 << 5;
     pub const MEMORY_USED: u32 = 1 << 6;
+    pub const PROCESSES: u32 = 1 << 7;
 }
 
 /// One reading of a GPU through NVML (the header's tgid and tid 0, its CPU `u16::MAX`):
@@ -269,7 +270,9 @@ pub struct GpuReadingEvent {
     pub mem_clock_mhz: u32,
     pub temperature_c: u32,
     pub power_mw: u32,
-    pub _pad: u32,
+    /// Processes with a compute context on the GPU (NVML's list: every process of the
+    /// host, of any job).
+    pub processes: u32,
     /// NVML's clock-event (throttle) reason bits.
     pub throttle: u64,
     pub memory_used: u64,
