@@ -100,10 +100,14 @@ fn traced(compute_us: &str, launches: &str, throttle: &str, procs: &str) -> Trac
     assert_eq!(code, 0, "{stderr}");
     let truth = busy_log(&log);
     assert!(!truth.is_empty());
-    let steps = json(&out.join("steps.json"))["steps"]
-        .as_array()
-        .unwrap()
-        .clone();
+    let report = json(&out.join("steps.json"));
+    let method = report["methods"]["gpu"].as_str().unwrap();
+    assert!(
+        method.starts_with("NVML's GPU utilization samples of 1 GPU (every GPU: no target had")
+            && method.contains("read every 100 ms"),
+        "{method}"
+    );
+    let steps = report["steps"].as_array().unwrap().clone();
     assert!(steps.len() >= 20, "{} steps", steps.len());
     for (i, s) in steps.iter().enumerate() {
         let (a, b) = (

@@ -76,7 +76,30 @@ impl Timeline {
                 && nodes.len() > 1
                 && self.numa_hints_seen + self.resident_seen + self.node_loads_seen > 0,
             infiniband: self.infiniband_method(),
+            gpu: self.gpu_method(),
         }
+    }
+
+    /// How the steps' GPU shares were obtained, or why there are none.
+    fn gpu_method(&self) -> String {
+        let r = &self.gpu_read;
+        if let Some(why) = &r.refused {
+            return format!("not read: {why}");
+        }
+        let every = r
+            .every_ms
+            .map_or_else(|| "periodically".to_owned(), |ms| format!("every {ms} ms"));
+        format!(
+            "NVML's GPU utilization samples of {} GPU{} ({}), read {every}: each sample is the \
+             share of the interval since the one before in which a kernel ran (not how many \
+             SMs it used); a step's busy weighs the samples by how much of each lies inside \
+             it, and from_ns..to_ns is the span they cover: wider than the step where NVML \
+             samples less often than the steps come (every 200 ms on an H100), the share of \
+             that window then, not of the step alone",
+            r.gpus,
+            if r.gpus == 1 { "" } else { "s" },
+            r.chosen.as_deref().unwrap_or("as chosen at attach")
+        )
     }
 
     /// How the steps' InfiniBand deltas were obtained, or why there are none.

@@ -311,6 +311,8 @@ pub struct Timeline {
     /// there were none.
     infiniband: infiniband::Readings,
     gpu: gpu::Readings,
+    /// How the GPUs were read, or why they were not: `methods.gpu`.
+    gpu_read: GpuRead,
     infiniband_every_ms: Option<u64>,
     infiniband_refused: Option<String>,
     /// An NCCL call was traced at entry only (`call_returns = "needed"`): blocking inside
@@ -410,6 +412,17 @@ pub struct Setup {
     pub infiniband_every_ms: Option<u64>,
     /// Why they were not read.
     pub infiniband_refused: Option<String>,
+    /// How the GPUs were read through NVML, or why not.
+    pub gpu_read: GpuRead,
+}
+
+/// How the GPUs were read through NVML (the recording header's), or why not.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GpuRead {
+    pub gpus: usize,
+    pub every_ms: Option<u64>,
+    pub chosen: Option<String>,
+    pub refused: Option<String>,
 }
 
 impl Timeline {
@@ -460,6 +473,7 @@ impl Timeline {
             sync_probed: false,
             infiniband: infiniband::Readings::new(setup.infiniband_ports.clone()),
             gpu: gpu::Readings::default(),
+            gpu_read: setup.gpu_read.clone(),
             infiniband_every_ms: setup.infiniband_every_ms,
             infiniband_refused: setup.infiniband_refused.clone(),
             entry_only_seen: false,

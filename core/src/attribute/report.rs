@@ -175,6 +175,8 @@ pub struct Methods {
     pub remote_memory_estimated: bool,
     /// How the steps' `infiniband` were obtained, or why there are none.
     pub infiniband: String,
+    /// How the steps' `gpu` were obtained, or why there are none.
+    pub gpu: String,
 }
 
 /// A job whose rank the steps followed: a run under `--all --follow` sees job after job,

@@ -55,6 +55,12 @@ impl From<&Header> for Setup {
             infiniband_ports: h.infiniband_ports.clone(),
             infiniband_every_ms: h.infiniband_every_ms,
             infiniband_refused: h.infiniband_refused.clone(),
+            gpu_read: crate::attribute::GpuRead {
+                gpus: h.gpus.len(),
+                every_ms: h.gpu_every_ms,
+                chosen: h.gpus_chosen.clone(),
+                refused: h.gpu_refused.clone(),
+            },
         }
     }
 }

@@ -181,6 +181,7 @@ fn report_of(steps: Vec<Step>) -> StepsReport {
             remote_memory: String::new(),
             remote_memory_estimated: false,
             infiniband: String::new(),
+            gpu: String::new(),
         },
         steps,
         threads: vec![],

@@ -100,6 +100,7 @@ fn trace_golden() {
             remote_memory: String::new(),
             remote_memory_estimated: false,
             infiniband: String::new(),
+            gpu: String::new(),
         },
         steps: vec![step],
         threads: vec![],
