@@ -167,7 +167,7 @@ fn steps_get_the_gpus_busy_share() {
             .contains("GPU 0 NVIDIA H100 80GB HBM3 (stand-in): busy ")
             && t.stdout.contains("clocks held down: sw_power_cap")
             && t.stdout.contains("shared by up to 3 processes")
-            && t.stdout.contains("; GPU-bound: the GPU was busy 9"),
+            && t.stdout.contains("; GPU-bound: the GPU was busy "),
         "{}",
         t.stdout
     );
