@@ -429,9 +429,11 @@ fn gpu_bound(table: &StepTable) -> Option<String> {
         )
     } else {
         format!(
-            "the GPU was busy {:.0}% of the steps' time{of} (NVML): neither the GPU nor the \
-             host alone bounds the steps",
-            busy * 100.0
+            "the GPU was busy {:.0}% of the steps' time{of} (NVML): between what this verdict \
+             calls host-bound ({:.0}% or less) and GPU-bound ({:.0}% or more)",
+            busy * 100.0,
+            HOST_BOUND * 100.0,
+            GPU_BOUND * 100.0
         )
     })
 }
