@@ -3,7 +3,7 @@
 //! "GPU work" it ran (`FAKE_CUDA_BUSY`), as the driver answers from the GPU's: the log is
 //! the truth each step's busy share is held to.
 
-use super::{Agent, Target, fixtures, privileged, steps_and_totals};
+use super::{Agent, Target, fixtures, json, privileged, steps_and_totals};
 use serde_json::Value;
 use std::path::Path;
 use std::time::Duration;
@@ -36,10 +36,6 @@ pub(super) fn busy_log(path: &Path) -> Vec<(u64, u64)> {
     (0..word(0) as usize)
         .map(|i| (word(1 + 2 * i), word(2 + 2 * i)))
         .collect()
-}
-
-fn json(path: &Path) -> Value {
-    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
 
 /// The share of `[a, b)` the log has work in.

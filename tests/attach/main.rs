@@ -45,6 +45,12 @@ fn workspace() -> PathBuf {
         .to_path_buf()
 }
 
+/// A JSON file the agent wrote.
+fn json(path: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap())
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
 fn fixtures() -> PathBuf {
     if let Some(dir) = std::env::var_os("NCCLTRACE_FIXTURES") {
         return PathBuf::from(dir);

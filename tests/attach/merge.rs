@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-use super::{Agent, agent, privileged};
+use super::{Agent, agent, json, privileged};
 
 /// Copies a recording with its header changed by `edit` (a host whose wall clock is off,
 /// a target of another job), record for record.
@@ -41,11 +41,6 @@ fn merge(inputs: &[&Path], out: &Path, extra: &[&str]) -> (i32, String, String) 
         String::from_utf8_lossy(&o.stdout).into_owned(),
         String::from_utf8_lossy(&o.stderr).into_owned(),
     )
-}
-
-fn json(path: &Path) -> Value {
-    serde_json::from_str(&std::fs::read_to_string(path).unwrap())
-        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
 /// Three ranks of one job (the stand-in's collectives complete only when all three
